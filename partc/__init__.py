@@ -1,0 +1,23 @@
+"""partc: an ahead-of-time partition compiler for training PyTorch models across devices.
+
+The compiler is a pipeline of passes over typed data (see DESIGN.md):
+
+    load_model_file -> capture -> export_onnx -> build_opgraph -> ...
+
+`capture_graph` runs the front half in one call.
+"""
+from partc.capture import Capture, capture
+from partc.errors import CaptureError, GraphFileError, ModelFileError, PartcError
+from partc.graph_builder import build_opgraph
+from partc.model_file import ModelFile, load_model_file
+from partc.onnx_export import OnnxExport, export_onnx
+from partc.opgraph import Edge, GraphOutput, OpGraph, OpNode, Param, TensorSpec
+from partc.pipeline import CaptureResult, capture_graph
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Capture", "CaptureError", "CaptureResult", "Edge", "GraphFileError", "GraphOutput",
+    "ModelFile", "ModelFileError", "OnnxExport", "OpGraph", "OpNode", "Param", "PartcError",
+    "TensorSpec", "build_opgraph", "capture", "capture_graph", "export_onnx", "load_model_file",
+]

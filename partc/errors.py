@@ -1,0 +1,57 @@
+"""Errors a user can cause. The CLI prints them as one line with a hint and exits non-zero."""
+from __future__ import annotations
+
+import re
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+class PartcError(Exception):
+    """Base of every error caused by user input (files, flags, models), never by a partc bug."""
+
+    exit_code = 2
+
+    def __init__(self, message: str, hint: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def one_line(self) -> str:
+        text = " ".join(self.message.split())
+        return f"{text} (hint: {self.hint})" if self.hint else text
+
+
+class ModelFileError(PartcError):
+    """The model file is missing, does not import, or breaks the model-file contract."""
+
+
+class CaptureError(PartcError):
+    """torch.export could not capture the model, or it produced something partc cannot use."""
+
+
+class GraphFileError(PartcError):
+    """An OpGraph file is missing, malformed, or from another format version."""
+
+
+def summarize_exception(exc: BaseException, limit: int = 300) -> str:
+    """The most useful single line of an exception: the innermost cause's first non-empty line.
+
+    torch.export wraps the real reason in several layers of multi-line messages; users want the
+    reason, e.g. "Found <class 'DynamicCache'> in output, which is not a known type".
+    """
+    inner = exc
+    seen = {id(inner)}
+    while inner.__cause__ is not None and id(inner.__cause__) not in seen:
+        inner = inner.__cause__
+        seen.add(id(inner))
+    text = ""
+    for candidate in (inner, exc):
+        for line in _ANSI.sub("", str(candidate)).splitlines():
+            line = line.strip()
+            if line:
+                text = line
+                break
+        if text:
+            break
+    text = f"{type(inner).__name__}: {text}" if text else type(inner).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."

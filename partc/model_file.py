@@ -1,0 +1,259 @@
+"""Loading a user's model file and checking it against the contract in docs/model-files.md.
+
+A model file is a plain Python file that defines
+
+    build_model() -> torch.nn.Module                      (required)
+    example_inputs(batch_size: int) -> inputs             (required)
+    loss_fn(output, target) -> Tensor                      (optional)
+    batches(batch_size: int) -> iterable of (inputs, target)  (optional)
+
+where `inputs` is a tuple of positional arguments, a dict of keyword arguments, a `(tuple, dict)`
+pair, or a single tensor (shorthand for a 1-tuple).
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+
+from partc.errors import ModelFileError, summarize_exception
+
+Inputs = tuple[tuple[Any, ...], dict[str, Any]]
+
+_CONTRACT_HINT = ("a model file defines build_model() -> nn.Module and example_inputs(batch_size); "
+                  "see docs/model-files.md")
+
+
+@dataclass
+class ModelFile:
+    """A loaded model file: its path, the imported module, and the contract functions."""
+
+    path: Path
+    module: ModuleType
+    module_name: str
+    build_model: Callable[[], torch.nn.Module]
+    example_inputs: Callable[[int], Any]
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None
+    batches: Callable[[int], Iterable[Any]] | None
+
+    @property
+    def name(self) -> str:
+        return self.path.stem
+
+    def build(self) -> torch.nn.Module:
+        """Call build_model() and check it returned an nn.Module."""
+        try:
+            model = self.build_model()
+        except Exception as exc:
+            raise ModelFileError(
+                f"build_model() in {self.path} raised {summarize_exception(exc)}",
+                hint="run the model file's build_model() in Python to see the full traceback, "
+                     "or pass --debug") from exc
+        if not isinstance(model, torch.nn.Module):
+            raise ModelFileError(
+                f"build_model() in {self.path} returned {type(model).__name__}, not a torch.nn.Module",
+                hint=_CONTRACT_HINT)
+        return model
+
+    def inputs(self, batch_size: int) -> Inputs:
+        """Call example_inputs(batch_size) and normalise the result to (args, kwargs)."""
+        try:
+            raw = self.example_inputs(batch_size)
+        except Exception as exc:
+            raise ModelFileError(
+                f"example_inputs({batch_size}) in {self.path} raised {summarize_exception(exc)}",
+                hint="pass --debug for the traceback") from exc
+        return normalize_inputs(raw, where=f"example_inputs({batch_size}) in {self.path}")
+
+    def loss(self) -> Callable[[Any, Any], torch.Tensor]:
+        """The model file's loss_fn, or `default_loss_fn` when it defines none."""
+        return self.loss_fn if self.loss_fn is not None else default_loss_fn
+
+    def data(self, batch_size: int) -> Iterator[tuple[Inputs, Any]]:
+        """(inputs, target) pairs from the model file's batches(), normalised; or, when it defines
+        none, synthetic batches (see `synthetic_batches`)."""
+        if self.batches is None:
+            yield from synthetic_batches(self, batch_size)
+            return
+        for i, item in enumerate(self.batches(batch_size)):
+            if not (isinstance(item, (tuple, list)) and len(item) == 2):
+                raise ModelFileError(
+                    f"batches({batch_size}) in {self.path} yielded {type(item).__name__} at item {i}, "
+                    "expected an (inputs, target) pair", hint=_CONTRACT_HINT)
+            inputs, target = item
+            yield normalize_inputs(inputs, where=f"batches({batch_size}) item {i}"), target
+
+
+def normalize_inputs(raw: Any, where: str = "example_inputs") -> Inputs:
+    """(args, kwargs) from the accepted forms: tensor, tuple/list, dict, or (tuple, dict) pair."""
+    if isinstance(raw, torch.Tensor):
+        return (raw,), {}
+    if isinstance(raw, dict):
+        _check_keys(raw, where)
+        return (), dict(raw)
+    if isinstance(raw, (tuple, list)):
+        if (len(raw) == 2 and isinstance(raw[0], (tuple, list)) and isinstance(raw[1], dict)):
+            _check_keys(raw[1], where)
+            return tuple(raw[0]), dict(raw[1])
+        return tuple(raw), {}
+    raise ModelFileError(
+        f"{where} returned {type(raw).__name__}; expected a tuple of positional inputs, a dict of "
+        "keyword inputs, or a (tuple, dict) pair", hint=_CONTRACT_HINT)
+
+
+def _check_keys(kwargs: dict[Any, Any], where: str) -> None:
+    bad = [k for k in kwargs if not isinstance(k, str)]
+    if bad:
+        raise ModelFileError(f"{where} returned a dict with non-string keys {bad[:3]!r}",
+                             hint="keyword inputs are keyed by the forward() argument names")
+
+
+def _first_tensor(value: Any) -> torch.Tensor:
+    leaves, _ = torch.utils._pytree.tree_flatten(value)
+    # HF ModelOutput and similar dataclasses flatten through their registered pytree nodes.
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            return leaf
+    raise ModelFileError("the model output contains no tensor", hint="define loss_fn(output, target)")
+
+
+def default_loss_fn(output: Any, target: torch.Tensor) -> torch.Tensor:
+    """The loss used when the model file defines no loss_fn.
+
+    Takes the first tensor of the output (its first field for tuples, dicts and HF ModelOutputs).
+    Integer targets mean classification: cross-entropy over the last output dimension, with output
+    and target flattened to [N, C] and [N] (so language models' [B, S, V] logits work). Floating
+    targets mean regression: mean squared error.
+    """
+    out = _first_tensor(output)
+    if not target.is_floating_point():
+        return torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]).float(),
+                                                 target.reshape(-1))
+    return torch.nn.functional.mse_loss(out.float(), target.float())
+
+
+def synthetic_batches(model_file: ModelFile, batch_size: int,
+                      seed: int = 0) -> Iterator[tuple[Inputs, torch.Tensor]]:
+    """Batches for a model file without batches(): its example_inputs plus synthetic targets.
+
+    Every step re-draws floating-point inputs (standard normal) and integer inputs (uniform in
+    [0, max+1) of the example's values) with a seeded generator, keeping the example's shapes,
+    dtypes and any all-equal tensors (masks); the target is random class indices in
+    [0, C) shaped like the first output without its last dimension, C being that dimension, which
+    matches `default_loss_fn`. Deterministic for a given seed.
+    """
+    args, kwargs = model_file.inputs(batch_size)
+    model = model_file.build()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        probe = model(*args, **kwargs) if not _on_meta(model) else None
+    if probe is None:
+        raise ModelFileError(
+            f"{model_file.path} has no batches() and its model is on the meta device, so partc "
+            "cannot derive synthetic targets", hint="define batches(batch_size) in the model file")
+    out = _first_tensor(probe)
+    classes = out.shape[-1]
+    target_shape = out.shape[:-1]
+
+    def redraw(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor) or t.numel() == 0:
+            return t
+        if t.is_floating_point():
+            return torch.randn(t.shape, generator=gen, dtype=t.dtype)
+        lo, hi = int(t.min()), int(t.max())
+        if lo == hi:
+            return t.clone()
+        return torch.randint(0, hi + 1, t.shape, generator=gen, dtype=t.dtype)
+
+    while True:
+        new_args = tuple(redraw(a) for a in args)
+        new_kwargs = {k: redraw(v) for k, v in kwargs.items()}
+        target = torch.randint(0, classes, tuple(target_shape), generator=gen)
+        yield (new_args, new_kwargs), target
+
+
+def _on_meta(model: torch.nn.Module) -> bool:
+    return any(t.is_meta for t in model.parameters()) or any(t.is_meta for t in model.buffers())
+
+
+def load_model_file(path: str | Path) -> ModelFile:
+    """Import a model file and check that it defines the contract's functions.
+
+    The file's directory is put on sys.path while it imports, so it can import its neighbours.
+    Raises ModelFileError (one clear line) for a missing file, an import failure or a missing
+    function.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise ModelFileError(f"model file not found: {path}",
+                             hint="pass the path of a .py file that defines build_model() and "
+                                  "example_inputs(batch_size)")
+    if path.is_dir():
+        raise ModelFileError(f"model file {path} is a directory",
+                             hint="pass the path of a .py file")
+    try:
+        path.read_bytes()
+    except OSError as exc:
+        raise ModelFileError(f"cannot read model file {path}: {exc.strerror}",
+                             hint="check the file's permissions") from exc
+    resolved = path.resolve()
+    # A stable module name; a digest of the path only when another file already took the name.
+    module_name = f"partc_model_{_identifier(path.stem)}"
+    previous = sys.modules.get(module_name)
+    if previous is not None and getattr(previous, "__file__", None) != str(resolved):
+        module_name += "_" + hashlib.sha1(str(resolved).encode()).hexdigest()[:8]
+    spec = importlib.util.spec_from_file_location(module_name, resolved)
+    if spec is None or spec.loader is None:
+        raise ModelFileError(f"cannot import {path} as Python", hint="pass a .py file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    sys.path.insert(0, str(resolved.parent))
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as exc:
+        del sys.modules[module_name]
+        raise ModelFileError(f"model file {path} has a syntax error at line {exc.lineno}: {exc.msg}",
+                             hint="fix the file; `python -m py_compile FILE` shows the same") from exc
+    except BaseException as exc:
+        del sys.modules[module_name]
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        raise ModelFileError(
+            f"model file {path} raised {summarize_exception(exc)} while importing",
+            hint=f"run `python {path}` to see the full traceback, or pass --debug") from exc
+    finally:
+        try:
+            sys.path.remove(str(resolved.parent))
+        except ValueError:
+            pass
+
+    def function(name: str, required: bool) -> Callable[..., Any] | None:
+        fn = getattr(module, name, None)
+        if fn is None:
+            if required:
+                raise ModelFileError(f"model file {path} does not define {name}()", hint=_CONTRACT_HINT)
+            return None
+        if not callable(fn):
+            raise ModelFileError(f"{name} in {path} is a {type(fn).__name__}, not a function",
+                                 hint=_CONTRACT_HINT)
+        return fn
+
+    return ModelFile(
+        path=path,
+        module=module,
+        module_name=module_name,
+        build_model=function("build_model", True),  # type: ignore[arg-type]
+        example_inputs=function("example_inputs", True),  # type: ignore[arg-type]
+        loss_fn=function("loss_fn", False),
+        batches=function("batches", False),
+    )
+
+
+def _identifier(text: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in text) or "model"
