@@ -16,7 +16,7 @@ import io
 import logging
 import warnings
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
 import torch.utils._pytree as pytree
@@ -71,21 +71,17 @@ def _tied_groups(model: torch.nn.Module) -> dict[str, tuple[str, ...]]:
 
 @contextlib.contextmanager
 def quiet_torch() -> Iterator[None]:
-    """Silence export/ONNX chatter (progress prints, torchvision and deprecation notices) that
-    would otherwise bury partc's own output; real errors still raise."""
-    loggers = [logging.getLogger(n) for n in ("torch.onnx", "torch.export", "torch._export",
-                                              "torch._dynamo", "onnxscript", "torch.fx")]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
+    """Silence export/ONNX chatter (progress prints, graph dumps logged on failure, torchvision and
+    deprecation notices) that would bury partc's own one-line output; real errors still raise."""
+    previous = logging.root.manager.disable
+    logging.disable(logging.CRITICAL)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            with contextlib.redirect_stdout(io.StringIO()):
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
                 yield
     finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
+        logging.disable(previous)
 
 
 _EXPORT_HINTS: tuple[tuple[str, str], ...] = (
@@ -178,10 +174,3 @@ def capture(model_file: ModelFile, batch_size: int, progress: Progress | None = 
     return Capture(model_file=model_file, model=model, batch_size=batch_size, on_meta=on_meta,
                    inputs=inputs, exported=exported, scaled=scaled, scaled_batch_size=scaled_batch,
                    tied=tied, trainable=trainable)
-
-
-def describe_value(value: Any) -> str:
-    """Short text for a meta value (for error messages)."""
-    if isinstance(value, torch.Tensor):
-        return f"{str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
-    return type(value).__name__

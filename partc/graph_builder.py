@@ -3,7 +3,7 @@
 The FX graph of the captured ExportedProgram is the source of truth:
 - shapes and dtypes come from each node's `meta['val']` (fake tensors, so meta models work);
 - FLOPs come from torch.utils.flop_counter: each node's operator is re-run on its fake inputs under
-  FlopCounterMode, so composite ops (linear, scaled_dot_product_attention, conv2d) are counted by
+  FlopCounterMode (plus the formulas in partc.flop_count), so composite ops (linear, scaled_dot_product_attention, conv2d) are counted by
   torch's own formulas for the kernels they dispatch to, not by hand-written ones;
 - batch dimensions and FLOPs-per-sample come from comparing with the capture at twice the batch;
 - parameters keep their original FQNs, tied ones merged into one Param with aliases;
@@ -20,9 +20,9 @@ import torch.fx
 from torch._guards import detect_fake_mode
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
-from torch.utils.flop_counter import FlopCounterMode
 
 from partc.capture import Capture, output_paths, quiet_torch
+from partc.flop_count import flop_counter_mode
 from partc.onnx_export import OnnxExport
 from partc.opgraph import GraphOutput, OnnxInfo, OpGraph, OpNode, Param, TensorSpec
 from partc.progress import Progress
@@ -96,7 +96,7 @@ def count_flops(exported: ExportedProgram) -> tuple[dict[str, int], list[str]]:
                     # In-place ops would write into the graph's own meta values.
                     args, kwargs = torch.utils._pytree.tree_map_only(
                         torch.Tensor, lambda t: t.clone(), (args, kwargs))
-                with FlopCounterMode(display=False) as counter:
+                with flop_counter_mode() as counter:
                     node.target(*args, **kwargs)
             flops[node.name] = int(counter.get_total_flops())
         except Exception:  # an op that cannot re-run on fake inputs: priced by time alone later

@@ -1,0 +1,36 @@
+"""Shared fixtures: each example is captured once per test session (real torch.export + ONNX)."""
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+warnings.filterwarnings("ignore", category=FutureWarning)
+warnings.filterwarnings("ignore", category=DeprecationWarning)
+
+from partc.pipeline import CaptureResult, capture_graph  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+TEST_MODELS = Path(__file__).resolve().parent / "models"
+
+_cache: dict[tuple[str, int], CaptureResult] = {}
+
+
+def captured(path: Path, batch_size: int = 2) -> CaptureResult:
+    key = (str(path), batch_size)
+    if key not in _cache:
+        _cache[key] = capture_graph(path, batch_size)
+    return _cache[key]
+
+
+@pytest.fixture(scope="session")
+def capture_example() -> Callable[..., CaptureResult]:
+    """capture_example('bert', batch_size=2) -> CaptureResult (cached per session)."""
+    def get(name: str, batch_size: int = 2) -> CaptureResult:
+        return captured(EXAMPLES / f"{name}.py", batch_size)
+    return get

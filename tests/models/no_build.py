@@ -1,0 +1,5 @@
+import torch
+
+
+def example_inputs(batch_size: int):
+    return (torch.randn(batch_size, 4),)

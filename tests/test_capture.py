@@ -1,0 +1,53 @@
+"""Capture edge cases: meta-device models, export failures, ONNX failure fallback."""
+from __future__ import annotations
+
+import pytest
+
+from partc.capture import capture
+from partc.errors import CaptureError
+from partc.model_file import load_model_file
+from partc.pipeline import capture_graph
+
+from conftest import TEST_MODELS
+
+
+def test_partly_meta_model_is_captured_on_meta_without_materialising() -> None:
+    result = capture_graph(TEST_MODELS / "partly_meta.py", 2)
+    assert result.capture.on_meta and result.graph.on_meta
+    assert all(p.is_meta for p in result.capture.model.parameters())
+    big = result.graph.node("linear_1")
+    assert big.outputs[0].shape == (2, 4096) and big.flops == 2 * 2 * 8 * 4096
+    assert result.graph.onnx.status == "ok"
+
+
+def test_onnx_failure_is_a_warning_and_the_graph_still_builds() -> None:
+    result = capture_graph(TEST_MODELS / "qr_layer.py", 2)
+    graph = result.graph
+    assert graph.onnx.status == "failed"
+    assert graph.onnx.error and "\x1b[" not in graph.onnx.error
+    assert result.onnx is not None and result.onnx.model is None
+    kinds = [n.kind for n in graph.nodes]
+    assert "linalg_qr" in kinds and kinds.count("linear") == 2
+    assert graph.node("linear").flops == 2 * 2 * 16 * 16
+    assert all(not n.onnx_nodes for n in graph.nodes)
+
+
+@pytest.mark.parametrize("model, fragment, hint", [
+    ("gpt2_with_cache.py", "DynamicCache", "use_cache=False"),
+    ("data_dependent.py", "torch.export failed", "branches on tensor values"),
+    ("int_output.py", "non-tensor output at [1]: int 3", "return only tensors"),
+    ("string_output.py", "non-tensor output at [1]: str 'done'", "return only tensors"),
+])
+def test_export_failures_are_one_line_user_errors(model: str, fragment: str, hint: str) -> None:
+    mf = load_model_file(TEST_MODELS / model)
+    with pytest.raises(CaptureError) as info:
+        capture(mf, 2)
+    assert fragment in info.value.message
+    assert hint in info.value.hint
+    assert "\n" not in info.value.one_line()
+
+
+def test_batch_size_must_be_positive() -> None:
+    mf = load_model_file(TEST_MODELS / "int_output.py")
+    with pytest.raises(CaptureError, match="batch size must be >= 1"):
+        capture(mf, 0)

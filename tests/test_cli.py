@@ -1,0 +1,91 @@
+"""`partc` as users run it: a real subprocess per invocation, checking output and exit codes."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from partc.opgraph import OpGraph
+
+from conftest import EXAMPLES, ROOT, TEST_MODELS
+
+PARTC = str(Path(sys.executable).parent / "partc")
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([PARTC, *args], capture_output=True, text=True, cwd=ROOT, timeout=300)
+
+
+def test_inspect_prints_the_table_and_writes_json_and_graph(tmp_path: Path) -> None:
+    out = tmp_path / "summary.json"
+    proc = run("inspect", str(EXAMPLES / "resnet.py"), "--batch-size", "2", "--depth", "1",
+               "--json", str(out), "--save", str(tmp_path / "g"))
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "resnet: batch size 2, module depth 1"
+    assert any(line.startswith("layers ") and "Sequential" in line for line in lines)
+    assert any(line.startswith("total ") for line in lines)
+    assert "capturing with torch.export" in proc.stderr  # progress went to stderr
+    summary = json.loads(out.read_text())
+    # pooling and flatten are called by ResNet.forward itself: the root row ("")
+    assert [r["path"] for r in summary["rows"]] == ["stem", "layers", "", "fc"]
+    assert sum(r["parameters"] for r in summary["rows"]) == summary["total_parameters"] == 175258
+    assert sum(r["flops"] for r in summary["rows"]) == summary["total_flops"]
+    graph = OpGraph.load(tmp_path / "g" / "graph.json")
+    assert summary["graph_hash"] == graph.content_hash()
+    assert f"graph hash: {graph.content_hash()}" in proc.stdout
+    assert (tmp_path / "g" / "model.onnx").stat().st_size > 0
+
+
+def test_inspect_depth_zero_is_one_row() -> None:
+    proc = run("inspect", str(EXAMPLES / "mlp.py"), "--depth", "0", "--no-onnx")
+    assert proc.returncode == 0, proc.stderr
+    table = proc.stdout.split("\n\n")[1].splitlines()
+    assert table[2].startswith("(root)") and "MLP" in table[2] and table[3].startswith("---")
+
+
+def test_onnx_failure_warns_and_succeeds() -> None:
+    proc = run("inspect", str(TEST_MODELS / "qr_layer.py"))
+    assert proc.returncode == 0, proc.stderr
+    assert "warning: ONNX export failed" in proc.stderr
+    assert "onnx: export failed" in proc.stdout
+
+
+@pytest.mark.parametrize("model, fragment", [
+    ("missing.py", "model file not found"),
+    ("no_build.py", "does not define build_model()"),
+    ("raises_on_import.py", "raised RuntimeError: cannot reach the dataset server"),
+    ("syntax_error.py", "has a syntax error at line 1"),
+    ("not_a_module.py", "not a torch.nn.Module"),
+    ("bad_inputs.py", "example_inputs(1)"),
+    ("gpt2_with_cache.py", "DynamicCache"),
+    ("int_output.py", "non-tensor output"),
+    ("data_dependent.py", "data-dependent"),
+])
+def test_user_errors_are_one_line_without_traceback(model: str, fragment: str) -> None:
+    proc = run("inspect", str(TEST_MODELS / model))
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("partc: error:")]
+    assert len(errors) == 1 and fragment in errors[0] and "(hint: " in errors[0]
+    assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
+    assert proc.stdout == ""
+
+
+def test_debug_shows_the_traceback() -> None:
+    proc = run("--debug", "inspect", str(TEST_MODELS / "raises_on_import.py"))
+    assert proc.returncode == 2
+    assert "Traceback" in proc.stderr and "partc: error:" in proc.stderr
+
+
+def test_bad_flags_are_usage_errors() -> None:
+    proc = run("inspect", str(EXAMPLES / "mlp.py"), "--batch-size", "0")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "--batch-size" in proc.stderr
+
+
+def test_version() -> None:
+    proc = run("--version")
+    assert proc.returncode == 0 and proc.stdout.startswith("partc, version ")

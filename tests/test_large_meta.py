@@ -1,0 +1,44 @@
+"""A 1.3B-parameter GPT-2 on the meta device captures without being materialised (slow)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import EXAMPLES
+
+SCRIPT = """
+import json, resource, sys
+from partc.pipeline import capture_graph
+r = capture_graph(sys.argv[1], 1)
+g = r.graph
+print(json.dumps({
+    "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    "params": g.num_parameters, "on_meta": g.on_meta, "onnx": g.onnx.status,
+    "mapped": g.onnx.mapped_nodes, "onnx_nodes": g.onnx.num_nodes, "hash": g.content_hash(),
+    "all_meta": all(p.is_meta for p in r.capture.model.parameters()),
+    "tied": [list((p.name,) + p.aliases) for p in g.tied_parameters],
+    "flops": g.total_flops,
+}))
+"""
+
+
+@pytest.mark.slow
+def test_gpt2_1p3b_meta_captures_in_under_1gb() -> None:
+    runs = []
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, "-c", SCRIPT, str(EXAMPLES / "gpt2_1p3b_meta.py")],
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    first = runs[0]
+    assert first["on_meta"] and first["all_meta"]
+    assert first["params"] == 1_313_626_112
+    assert first["rss_mib"] < 1024, first["rss_mib"]
+    assert first["onnx"] == "ok" and first["mapped"] == first["onnx_nodes"]
+    assert first["tied"] == [["transformer.wte.weight", "lm_head.weight"]]
+    # forward FLOPs at batch 1, sequence 1024: at least 2 x params x tokens (plus attention)
+    assert first["flops"] >= 2 * first["params"] * 1024 * 0.95
+    assert runs[1]["hash"] == first["hash"]

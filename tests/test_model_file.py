@@ -1,0 +1,101 @@
+"""The model-file contract: loading, input forms, defaults for loss and data."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from partc.errors import ModelFileError
+from partc.model_file import default_loss_fn, load_model_file, normalize_inputs
+
+from conftest import EXAMPLES, TEST_MODELS
+
+
+def test_input_forms_normalise_to_args_kwargs() -> None:
+    t = torch.zeros(2, 3)
+    assert normalize_inputs(t) == ((t,), {})
+    assert normalize_inputs((t, t)) == ((t, t), {})
+    assert normalize_inputs([t]) == ((t,), {})
+    assert normalize_inputs({"x": t}) == ((), {"x": t})
+    args, kwargs = normalize_inputs(((t,), {"mask": t}))
+    assert args == (t,) and kwargs == {"mask": t}
+
+
+@pytest.mark.parametrize("raw", [42, "x", None, {1: torch.zeros(1)}])
+def test_bad_input_forms_are_user_errors(raw: object) -> None:
+    with pytest.raises(ModelFileError):
+        normalize_inputs(raw)
+
+
+@pytest.mark.parametrize("name, fragment", [
+    ("does_not_exist.py", "model file not found"),
+    ("no_build.py", "does not define build_model()"),
+    ("raises_on_import.py", "RuntimeError: cannot reach the dataset server"),
+    ("syntax_error.py", "syntax error at line 1"),
+])
+def test_load_errors_name_the_cause(name: str, fragment: str) -> None:
+    with pytest.raises(ModelFileError) as info:
+        load_model_file(TEST_MODELS / name)
+    assert fragment in info.value.message
+    assert info.value.hint
+
+
+def test_directory_is_not_a_model_file() -> None:
+    with pytest.raises(ModelFileError, match="is a directory"):
+        load_model_file(TEST_MODELS)
+
+
+def test_build_must_return_a_module() -> None:
+    mf = load_model_file(TEST_MODELS / "not_a_module.py")
+    with pytest.raises(ModelFileError, match="not a torch.nn.Module"):
+        mf.build()
+
+
+def test_example_inputs_must_have_an_accepted_form() -> None:
+    mf = load_model_file(TEST_MODELS / "bad_inputs.py")
+    with pytest.raises(ModelFileError, match="returned int"):
+        mf.inputs(2)
+
+
+def test_optional_functions_are_found_or_absent() -> None:
+    mlp = load_model_file(EXAMPLES / "mlp.py")
+    assert mlp.loss_fn is not None and mlp.batches is not None
+    big = load_model_file(EXAMPLES / "gpt2_1p3b_meta.py")
+    assert big.loss_fn is None and big.batches is None
+    assert big.loss() is default_loss_fn
+
+
+def test_loading_twice_gives_the_same_module_name() -> None:
+    a = load_model_file(EXAMPLES / "mlp.py")
+    b = load_model_file(EXAMPLES / "mlp.py")
+    assert a.module_name == b.module_name == "partc_model_mlp"
+
+
+def test_default_loss_classification_and_regression() -> None:
+    logits = torch.randn(2, 5, 7)
+    target = torch.randint(0, 7, (2, 5))
+    expected = torch.nn.functional.cross_entropy(logits.reshape(-1, 7), target.reshape(-1))
+    assert torch.allclose(default_loss_fn(logits, target), expected)
+    # first tensor of a structured output
+    assert torch.allclose(default_loss_fn({"logits": logits, "aux": torch.ones(1)}, target), expected)
+    out, tgt = torch.randn(3, 2), torch.randn(3, 2)
+    assert torch.allclose(default_loss_fn(out, tgt), torch.nn.functional.mse_loss(out, tgt))
+
+
+def test_synthetic_batches_match_example_shapes_and_are_deterministic() -> None:
+    mf = load_model_file(TEST_MODELS / "string_output.py")
+    mf.batches = None  # use the synthetic data source
+    mf.build_model = lambda: torch.nn.Linear(4, 6)
+    first = [b for _, b in zip(range(3), mf.data(5))]
+    again = [b for _, b in zip(range(3), mf.data(5))]
+    for ((args, kwargs), target), ((args2, _), target2) in zip(first, again):
+        assert args[0].shape == (5, 4) and not kwargs
+        assert target.shape == (5,) and int(target.max()) < 6
+        assert torch.equal(args[0], args2[0]) and torch.equal(target, target2)
+    assert not torch.equal(first[0][0][0][0], first[1][0][0][0])  # fresh data every step
+
+
+def test_model_file_batches_are_normalised() -> None:
+    mf = load_model_file(EXAMPLES / "bert.py")
+    (args, kwargs), (mlm, nsp) = next(iter(mf.data(3)))
+    assert args == () and set(kwargs) == {"input_ids", "attention_mask", "token_type_ids"}
+    assert mlm.shape == (3, 32) and nsp.shape == (3,)
