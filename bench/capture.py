@@ -59,13 +59,14 @@ def main() -> None:
     models = [Path(m) for m in args.models] or [ROOT / "examples" / f"{m}.py" for m in DEFAULT_MODELS]
     print(f"machine: {platform.machine()}, {platform.python_implementation()} {platform.python_version()}, "
           f"batch size {args.batch_size}, median of {args.repeat} fresh processes\n")
-    print("| model | params | ops | ONNX nodes | export (2 captures) s | ONNX s | OpGraph s | total s | peak RSS MiB |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| model | params | ops | ONNX nodes | load + build s | torch.export (B and 2B) s | ONNX s | OpGraph s | total s | peak RSS MiB |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for model in models:
         runs = [measure(model, args.batch_size) for _ in range(args.repeat)]
         med = lambda f: statistics.median(f(r) for r in runs)  # noqa: E731
         r0 = runs[0]
         print(f"| {model.stem} | {r0['params'] / 1e6:.1f}M | {r0['ops']} | {r0['onnx_nodes']} | "
+              f"{med(lambda r: step_time(r, 'loading') + step_time(r, 'building the model')):.1f} | "
               f"{med(lambda r: step_time(r, 'capturing')):.1f} | "
               f"{med(lambda r: step_time(r, 'exporting to ONNX') + step_time(r, 'ONNX shape')):.1f} | "
               f"{med(lambda r: step_time(r, 'building the OpGraph')):.1f} | "

@@ -52,14 +52,33 @@ class PartcGroup(click.Group):
 
 
 def _debug(ctx: click.Context) -> bool:
-    root = ctx.find_root()
-    return bool(root.params.get("debug")) or os.environ.get("PARTC_DEBUG") == "1"
+    return bool(ctx.find_root().meta.get("partc.debug")) or os.environ.get("PARTC_DEBUG") == "1"
+
+
+def _set_debug(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    if value:
+        ctx.find_root().meta["partc.debug"] = True
+
+
+def debug_option(f: Any) -> Any:
+    """--debug, accepted before or after the command name."""
+    return click.option("--debug", is_flag=True, expose_value=False, is_eager=True,
+                        callback=_set_debug, help="Show full tracebacks on errors.")(f)
+
+
+def _write_text(path: Path, text: str) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    except OSError as exc:
+        raise PartcError(f"cannot write {path}: {exc.strerror}",
+                         hint="choose a writable output path") from exc
 
 
 @click.group(cls=PartcGroup, context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--debug", is_flag=True, help="Show full tracebacks on errors.")
+@debug_option
 @click.version_option(_version(), prog_name="partc")
-def cli(debug: bool) -> None:
+def cli() -> None:
     """partc: ahead-of-time partition compiler for training PyTorch models across devices."""
 
 
@@ -74,6 +93,7 @@ def cli(debug: bool) -> None:
 @click.option("--save", "save_dir", type=click.Path(file_okay=False, path_type=Path),
               help="Write the OpGraph (graph.json) and the weightless ONNX model (model.onnx) here.")
 @click.option("--no-onnx", is_flag=True, help="Skip the ONNX export (FX-only OpGraph).")
+@debug_option
 def inspect(model: Path, batch_size: int, depth: int, json_out: Path | None,
             save_dir: Path | None, no_onnx: bool) -> None:
     """Capture MODEL (a model file) and print parameters, FLOPs and activations per module."""
@@ -84,13 +104,17 @@ def inspect(model: Path, batch_size: int, depth: int, json_out: Path | None,
     progress = TerminalProgress()
     result = capture_graph(model, batch_size, onnx=not no_onnx, progress=progress)
     if save_dir is not None:
-        written = result.save(save_dir)
+        try:
+            written = result.save(save_dir)
+        except OSError as exc:
+            raise PartcError(f"cannot write to {save_dir}: {exc.strerror}",
+                             hint="choose a writable directory") from exc
         for kind, path in written.items():
             click.echo(f"wrote {kind}: {path}", err=True)
     summary = summarize_modules(result.graph, depth)
     click.echo(format_table(summary))
     if json_out is not None:
-        json_out.write_text(json.dumps(summary.to_dict(), indent=2, sort_keys=True) + "\n")
+        _write_text(json_out, json.dumps(summary.to_dict(), indent=2, sort_keys=True) + "\n")
         click.echo(f"wrote {json_out}", err=True)
 
 

@@ -23,7 +23,7 @@ import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
 
 from partc.errors import CaptureError, summarize_exception
-from partc.model_file import Inputs, ModelFile
+from partc.model_file import Inputs, ModelFile, is_on_meta
 from partc.progress import Progress
 
 
@@ -41,11 +41,6 @@ class Capture:
     scaled_batch_size: int
     tied: dict[str, tuple[str, ...]]  # every FQN of a tied tensor -> all FQNs of that tensor
     trainable: dict[str, bool]  # parameter FQN -> requires_grad
-
-
-def is_on_meta(model: torch.nn.Module) -> bool:
-    """True when any parameter or buffer lives on the meta device."""
-    return any(t.is_meta for t in model.parameters()) or any(t.is_meta for t in model.buffers())
 
 
 def _to_meta(inputs: Inputs) -> Inputs:
@@ -113,7 +108,8 @@ def export_program(model: torch.nn.Module, inputs: Inputs, where: str) -> Export
 
 
 def output_paths(exported: ExportedProgram) -> list[str]:
-    """Where each flat output sits in the model's output structure, e.g. '.logits' or '[0]'."""
+    """Where each flat output sits in the model's output structure, as pytree key strings:
+    "['logits']" for dicts and HF ModelOutputs, '[0]' for tuples, '<output>' for a lone tensor."""
     out_spec = exported.call_spec.out_spec
     if out_spec is None:
         return [f"[{i}]" for i in range(len(exported.graph_signature.user_outputs))]

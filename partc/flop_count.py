@@ -1,8 +1,9 @@
 """FLOP counting with torch.utils.flop_counter, completed for ops its registry misses.
 
 torch 2.13's registry prices the CUDA attention kernels but not the CPU flash-attention kernel
-(`_scaled_dot_product_flash_attention_for_cpu`, which causal and unmasked sdpa dispatch to on CPU,
-fake and meta tensors included), so attention would count 0 FLOPs there. partc maps those ops to
+(`_scaled_dot_product_flash_attention_for_cpu`, which sdpa without an explicit mask dispatches to
+for CPU tensors, real or fake), so attention would count 0 FLOPs there. (On meta tensors sdpa takes
+the math path, two bmm's, which torch counts the same way.) partc maps those ops to
 torch's own sdpa formulas (`sdpa_flop_count`, `sdpa_backward_flop_count`): same convention as on
 CUDA (full S x S, causal masking not discounted).
 """

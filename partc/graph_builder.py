@@ -335,6 +335,10 @@ def _build(capture: Capture, onnx_export: OnnxExport | None) -> OpGraph:
         for t in outputs_of.get(spec.arg.name, ()) or ((spec.arg.name,) if spec.arg.name in specs else ()):
             outputs.append(GraphOutput(tensor=t, path=path))
 
+    if capture.scaled is not None and not any(
+            t.batch_dim is not None for t in (*inputs, *(o for n in nodes for o in n.outputs))):
+        notes.append("no tensor changes size with the batch: does example_inputs(batch_size) "
+                     "use its batch_size argument?")
     if failed:
         notes.append(f"FLOPs not counted for {len(failed)} node(s) that cannot re-run on fake "
                      f"tensors: {', '.join(failed[:5])}")

@@ -134,7 +134,7 @@ def default_loss_fn(output: Any, target: torch.Tensor) -> torch.Tensor:
     out = _first_tensor(output)
     if not target.is_floating_point():
         return torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]).float(),
-                                                 target.reshape(-1))
+                                                 target.reshape(-1).long())
     return torch.nn.functional.mse_loss(out.float(), target.float())
 
 
@@ -143,42 +143,46 @@ def synthetic_batches(model_file: ModelFile, batch_size: int,
     """Batches for a model file without batches(): its example_inputs plus synthetic targets.
 
     Every step re-draws floating-point inputs (standard normal) and integer inputs (uniform in
-    [0, max+1) of the example's values) with a seeded generator, keeping the example's shapes,
-    dtypes and any all-equal tensors (masks); the target is random class indices in
-    [0, C) shaped like the first output without its last dimension, C being that dimension, which
-    matches `default_loss_fn`. Deterministic for a given seed.
+    [0, max+1) of the example's values) with a seeded CPU generator, keeping the example's shapes,
+    dtypes, devices and any all-equal tensors (masks), at any nesting depth; the target is random
+    int64 class indices in [0, C) shaped like the first output without its last dimension, C being
+    that dimension, which matches `default_loss_fn`'s classification branch (synthetic data is
+    always classification-shaped: define batches() for regression). The output shape comes from
+    one forward pass without gradients, in the model's training mode; a meta-device model runs
+    that pass on meta inputs, so nothing is materialised. Deterministic for a given seed.
     """
     args, kwargs = model_file.inputs(batch_size)
-    model = model_file.build()
+    model = model_file.build().train()
     gen = torch.Generator().manual_seed(seed)
+    probe_args, probe_kwargs = args, kwargs
+    if is_on_meta(model):
+        to_meta = lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t  # noqa: E731
+        model = model.to("meta")
+        probe_args, probe_kwargs = torch.utils._pytree.tree_map(to_meta, (args, kwargs))
     with torch.no_grad():
-        probe = model(*args, **kwargs) if not _on_meta(model) else None
-    if probe is None:
-        raise ModelFileError(
-            f"{model_file.path} has no batches() and its model is on the meta device, so partc "
-            "cannot derive synthetic targets", hint="define batches(batch_size) in the model file")
-    out = _first_tensor(probe)
+        out = _first_tensor(model(*probe_args, **probe_kwargs))
     classes = out.shape[-1]
-    target_shape = out.shape[:-1]
+    target_shape = tuple(out.shape[:-1])
+    del model, out
 
     def redraw(t: Any) -> Any:
         if not isinstance(t, torch.Tensor) or t.numel() == 0:
             return t
         if t.is_floating_point():
-            return torch.randn(t.shape, generator=gen, dtype=t.dtype)
+            return torch.randn(t.shape, generator=gen, dtype=t.dtype).to(t.device)
         lo, hi = int(t.min()), int(t.max())
         if lo == hi:
             return t.clone()
-        return torch.randint(0, hi + 1, t.shape, generator=gen, dtype=t.dtype)
+        return torch.randint(0, hi + 1, t.shape, generator=gen, dtype=t.dtype).to(t.device)
 
     while True:
-        new_args = tuple(redraw(a) for a in args)
-        new_kwargs = {k: redraw(v) for k, v in kwargs.items()}
-        target = torch.randint(0, classes, tuple(target_shape), generator=gen)
-        yield (new_args, new_kwargs), target
+        new_args, new_kwargs = torch.utils._pytree.tree_map(redraw, (args, kwargs))
+        target = torch.randint(0, classes, target_shape, generator=gen)
+        yield (tuple(new_args), dict(new_kwargs)), target
 
 
-def _on_meta(model: torch.nn.Module) -> bool:
+def is_on_meta(model: torch.nn.Module) -> bool:
+    """True when any parameter or buffer lives on the meta device."""
     return any(t.is_meta for t in model.parameters()) or any(t.is_meta for t in model.buffers())
 
 
@@ -228,10 +232,12 @@ def load_model_file(path: str | Path) -> ModelFile:
             f"model file {path} raised {summarize_exception(exc)} while importing",
             hint=f"run `python {path}` to see the full traceback, or pass --debug") from exc
     finally:
-        try:
-            sys.path.remove(str(resolved.parent))
-        except ValueError:
-            pass
+        # First on the path while the file imports (as `python model.py` would have it); then
+        # moved to the end, so imports deferred into build_model() still find the neighbours
+        # without the file's directory shadowing installed packages for the rest of the process.
+        sys.path.remove(str(resolved.parent))
+        if str(resolved.parent) not in sys.path:
+            sys.path.append(str(resolved.parent))
 
     def function(name: str, required: bool) -> Callable[..., Any] | None:
         fn = getattr(module, name, None)

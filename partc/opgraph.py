@@ -138,7 +138,7 @@ class Edge:
 
 @dataclass(frozen=True)
 class GraphOutput:
-    """A user-visible output: the tensor and its path in the model's output (e.g. '.logits')."""
+    """A user-visible output: the tensor and its path in the model's output (e.g. "['logits']")."""
 
     tensor: str
     path: str
@@ -158,7 +158,7 @@ class OnnxInfo:
     file: str = ""  # file name (relative to the OpGraph file's directory) when saved
 
 
-@dataclass
+@dataclass(frozen=True)
 class OpGraph:
     """The whole operator graph of a model at one batch size. Nodes are in topological order."""
 
@@ -330,9 +330,10 @@ class OpGraph:
     def content_hash(self) -> str:
         """sha256 of the model's structure: what changes when the model (or batch size) changes.
 
-        Covers nodes, tensors, params, inputs and outputs; leaves out the ONNX mapping (it depends
-        on exporter versions, not on the model), build notes, module class names (which depend on
-        the name the model file was imported under) and the model name.
+        Covers the batch size, nodes, tensors, params, inputs and outputs; leaves out the ONNX
+        mapping (it depends on exporter versions, not on the model), build notes, module class
+        names (which depend on the name the model file was imported under), the model name and
+        `on_meta` (the same model built on meta or on cpu has the same structure).
         """
         cached = self.__dict__.get("_hash")
         if cached is not None:

@@ -1,4 +1,4 @@
-"""The front half of `partc compile` as one call: model file -> capture -> ONNX -> OpGraph."""
+"""The capture passes as one call: model file -> capture -> ONNX -> OpGraph."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -74,10 +74,24 @@ def test_user_errors_are_one_line_without_traceback(model: str, fragment: str) -
     assert proc.stdout == ""
 
 
-def test_debug_shows_the_traceback() -> None:
-    proc = run("--debug", "inspect", str(TEST_MODELS / "raises_on_import.py"))
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_debug_shows_the_traceback(where: str) -> None:
+    model = str(TEST_MODELS / "raises_on_import.py")
+    args = ("--debug", "inspect", model) if where == "before" else ("inspect", model, "--debug")
+    proc = run(*args)
     assert proc.returncode == 2
     assert "Traceback" in proc.stderr and "partc: error:" in proc.stderr
+
+
+def test_unwritable_output_is_a_user_error(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    proc = run("inspect", str(EXAMPLES / "mlp.py"), "--no-onnx", "--json", str(blocker / "s.json"))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "partc: error: cannot write" in proc.stderr
+    nested = tmp_path / "new" / "dir" / "s.json"  # missing parents are created
+    assert run("inspect", str(EXAMPLES / "mlp.py"), "--no-onnx", "--json", str(nested)).returncode == 0
+    assert nested.exists()
 
 
 def test_bad_flags_are_usage_errors() -> None:

@@ -94,6 +94,28 @@ def test_synthetic_batches_match_example_shapes_and_are_deterministic() -> None:
     assert not torch.equal(first[0][0][0][0], first[1][0][0][0])  # fresh data every step
 
 
+def test_synthetic_batches_for_a_meta_model_do_not_materialise(tmp_path) -> None:
+    src = tmp_path / "meta_lm.py"
+    src.write_text(
+        "import torch, torch.nn as nn\n"
+        "def build_model():\n"
+        "    with torch.device('meta'):\n"
+        "        return nn.Sequential(nn.Embedding(50, 8), nn.Linear(8, 50))\n"
+        "def example_inputs(batch_size):\n"
+        "    return (torch.randint(0, 50, (batch_size, 6)), )\n")
+    mf = load_model_file(src)
+    (args, _), target = next(iter(mf.data(3)))
+    assert args[0].shape == (3, 6) and not args[0].is_meta
+    assert target.shape == (3, 6) and target.dtype == torch.int64 and int(target.max()) < 50
+
+
+def test_default_loss_accepts_int32_targets() -> None:
+    logits = torch.randn(4, 3)
+    target = torch.tensor([0, 1, 2, 1], dtype=torch.int32)
+    assert torch.allclose(default_loss_fn(logits, target),
+                          torch.nn.functional.cross_entropy(logits, target.long()))
+
+
 def test_model_file_batches_are_normalised() -> None:
     mf = load_model_file(EXAMPLES / "bert.py")
     (args, kwargs), (mlm, nsp) = next(iter(mf.data(3)))
