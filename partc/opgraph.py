@@ -16,6 +16,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -41,25 +42,29 @@ def dtype_bytes(dtype: str) -> int:
         raise ValueError(f"unknown dtype {dtype!r}") from None
 
 
+class _Sized:
+    """numel/nbytes of anything with a `shape` and a `dtype` name."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * dtype_bytes(self.dtype)
+
+
 @dataclass(frozen=True)
-class TensorSpec:
+class TensorSpec(_Sized):
     """A tensor value: shape and dtype at the captured batch size, and which dim is the batch."""
 
     name: str
     shape: tuple[int, ...]
     dtype: str
     batch_dim: int | None = None
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * dtype_bytes(self.dtype)
 
     def nbytes_at(self, batch: int, captured_batch: int) -> int:
         """Size in bytes when the model runs at `batch` instead of the captured batch size."""
@@ -69,7 +74,7 @@ class TensorSpec:
 
 
 @dataclass(frozen=True)
-class Param:
+class Param(_Sized):
     """A parameter, buffer or lifted constant, under its original FQN.
 
     `aliases` lists the other FQNs of the same tensor (tied weights such as a language model's
@@ -82,17 +87,6 @@ class Param:
     kind: str  # "parameter" | "buffer" | "constant"
     trainable: bool
     aliases: tuple[str, ...] = ()
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * dtype_bytes(self.dtype)
 
 
 @dataclass(frozen=True)
