@@ -11,6 +11,7 @@ The FX graph of the captured ExportedProgram is the source of truth:
 """
 from __future__ import annotations
 
+import contextlib
 import operator
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -91,7 +92,7 @@ def count_flops(exported: ExportedProgram) -> tuple[dict[str, int], list[str]]:
         args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), value)
         mutable = isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable
         try:
-            with quiet_torch(), (fake_mode if fake_mode is not None else _null()):
+            with quiet_torch(), (fake_mode if fake_mode is not None else contextlib.nullcontext()):
                 if mutable:
                     # In-place ops would write into the graph's own meta values.
                     args, kwargs = torch.utils._pytree.tree_map_only(
@@ -103,14 +104,6 @@ def count_flops(exported: ExportedProgram) -> tuple[dict[str, int], list[str]]:
             flops[node.name] = 0
             failed.append(node.name)
     return flops, failed
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def _shapes(exported: ExportedProgram) -> dict[str, tuple[str, list[tuple[int, ...] | None]]]:

@@ -1,7 +1,7 @@
 """The capture passes as one call: model file -> capture -> ONNX -> OpGraph."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from partc.capture import Capture, capture
@@ -30,8 +30,6 @@ class CaptureResult:
         written: dict[str, Path] = {}
         if self.onnx is not None and self.onnx.model is not None:
             written["onnx"] = self.onnx.save(directory / ONNX_FILE)
-            from dataclasses import replace
-
             self.graph = replace(self.graph, onnx=replace(self.graph.onnx, file=ONNX_FILE))
         written["graph"] = self.graph.save(directory / GRAPH_FILE)
         return written
