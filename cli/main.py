@@ -5,13 +5,14 @@ one line and exits 3. `partc --debug ...` (or PARTC_DEBUG=1) shows the traceback
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 import traceback
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import click
 
@@ -66,10 +67,11 @@ def debug_option(f: Any) -> Any:
                         callback=_set_debug, help="Show full tracebacks on errors.")(f)
 
 
-def _write_text(path: Path, text: str) -> None:
+@contextlib.contextmanager
+def writing_to(path: Path) -> Iterator[None]:
+    """Turn an OSError while writing `path` into a one-line user error."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
+        yield
     except OSError as exc:
         raise PartcError(f"cannot write {path}: {exc.strerror}",
                          hint="choose a writable output path") from exc
@@ -104,17 +106,16 @@ def inspect(model: Path, batch_size: int, depth: int, json_out: Path | None,
     progress = TerminalProgress()
     result = capture_graph(model, batch_size, onnx=not no_onnx, progress=progress)
     if save_dir is not None:
-        try:
+        with writing_to(save_dir):
             written = result.save(save_dir)
-        except OSError as exc:
-            raise PartcError(f"cannot write to {save_dir}: {exc.strerror}",
-                             hint="choose a writable directory") from exc
         for kind, path in written.items():
             click.echo(f"wrote {kind}: {path}", err=True)
     summary = summarize_modules(result.graph, depth)
     click.echo(format_table(summary))
     if json_out is not None:
-        _write_text(json_out, json.dumps(summary.to_dict(), indent=2, sort_keys=True) + "\n")
+        with writing_to(json_out):
+            json_out.parent.mkdir(parents=True, exist_ok=True)
+            json_out.write_text(json.dumps(summary.to_dict(), indent=2, sort_keys=True) + "\n")
         click.echo(f"wrote {json_out}", err=True)
 
 

@@ -23,7 +23,7 @@ import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
 
 from partc.errors import CaptureError, summarize_exception
-from partc.model_file import Inputs, ModelFile, is_on_meta
+from partc.model_file import Inputs, ModelFile, inputs_to_meta, is_on_meta
 from partc.progress import Progress
 
 
@@ -41,12 +41,6 @@ class Capture:
     scaled_batch_size: int
     tied: dict[str, tuple[str, ...]]  # every FQN of a tied tensor -> all FQNs of that tensor
     trainable: dict[str, bool]  # parameter FQN -> requires_grad
-
-
-def _to_meta(inputs: Inputs) -> Inputs:
-    args, kwargs = inputs
-    move = lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t  # noqa: E731
-    return tuple(pytree.tree_map(move, list(args))), pytree.tree_map(move, kwargs)
 
 
 def _tied_groups(model: torch.nn.Module) -> dict[str, tuple[str, ...]]:
@@ -149,7 +143,7 @@ def capture(model_file: ModelFile, batch_size: int, progress: Progress | None = 
         model.train()
         inputs = model_file.inputs(batch_size)
         if on_meta:
-            inputs = _to_meta(inputs)
+            inputs = inputs_to_meta(inputs)
         tied = _tied_groups(model)
         trainable = {n: p.requires_grad for n, p in model.named_parameters(remove_duplicate=False)}
     where = f"{model_file.name} (batch size {batch_size})"
@@ -161,7 +155,7 @@ def capture(model_file: ModelFile, batch_size: int, progress: Progress | None = 
     with progress.step(f"capturing at batch size {scaled_batch} to find batch dimensions"):
         scaled_inputs = model_file.inputs(scaled_batch)
         if on_meta:
-            scaled_inputs = _to_meta(scaled_inputs)
+            scaled_inputs = inputs_to_meta(scaled_inputs)
         try:
             scaled = export_program(model, scaled_inputs, f"{model_file.name} (batch size {scaled_batch})")
         except CaptureError as exc:

@@ -3,8 +3,9 @@
 The FX graph of the captured ExportedProgram is the source of truth:
 - shapes and dtypes come from each node's `meta['val']` (fake tensors, so meta models work);
 - FLOPs come from torch.utils.flop_counter: each node's operator is re-run on its fake inputs under
-  FlopCounterMode (plus the formulas in partc.flop_count), so composite ops (linear, scaled_dot_product_attention, conv2d) are counted by
-  torch's own formulas for the kernels they dispatch to, not by hand-written ones;
+  FlopCounterMode (plus the formulas in partc.flop_count), so composite ops (linear,
+  scaled_dot_product_attention, conv2d) are counted by torch's own formulas for the kernels they
+  dispatch to, not by hand-written ones;
 - batch dimensions and FLOPs-per-sample come from comparing with the capture at twice the batch;
 - parameters keep their original FQNs, tied ones merged into one Param with aliases;
 - module paths come from `nn_module_stack`.
@@ -24,6 +25,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 from partc.capture import Capture, output_paths, quiet_torch
 from partc.flop_count import flop_counter_mode
+from partc.model_file import ModelFile
 from partc.onnx_export import OnnxExport
 from partc.opgraph import GraphOutput, OnnxInfo, OpGraph, OpNode, Param, TensorSpec
 from partc.progress import Progress
@@ -86,23 +88,24 @@ def count_flops(exported: ExportedProgram) -> tuple[dict[str, int], list[str]]:
             return getattr(graph_module, str(n.target))
         return n.meta.get("val")
 
-    for node in exported.graph.nodes:
-        if node.op != "call_function" or node.target is operator.getitem:
-            continue
-        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), value)
-        mutable = isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable
-        try:
-            with quiet_torch(), (fake_mode if fake_mode is not None else contextlib.nullcontext()):
-                if mutable:
-                    # In-place ops would write into the graph's own meta values.
-                    args, kwargs = torch.utils._pytree.tree_map_only(
-                        torch.Tensor, lambda t: t.clone(), (args, kwargs))
-                with flop_counter_mode() as counter:
-                    node.target(*args, **kwargs)
-            flops[node.name] = int(counter.get_total_flops())
-        except Exception:  # an op that cannot re-run on fake inputs: priced by time alone later
-            flops[node.name] = 0
-            failed.append(node.name)
+    with quiet_torch():
+        for node in exported.graph.nodes:
+            if node.op != "call_function" or node.target is operator.getitem:
+                continue
+            args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), value)
+            mutable = isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable
+            try:
+                with fake_mode if fake_mode is not None else contextlib.nullcontext():
+                    if mutable:
+                        # In-place ops would write into the graph's own meta values.
+                        args, kwargs = torch.utils._pytree.tree_map_only(
+                            torch.Tensor, lambda t: t.clone(), (args, kwargs))
+                    with flop_counter_mode() as counter:
+                        node.target(*args, **kwargs)
+                flops[node.name] = int(counter.get_total_flops())
+            except Exception:  # an op that cannot re-run on fake inputs: priced by time alone later
+                flops[node.name] = 0
+                failed.append(node.name)
     return flops, failed
 
 
@@ -145,19 +148,14 @@ class _BatchDims:
         return 0 if shape and shape[0] == self.batch else None
 
 
-def _module_stack(node: torch.fx.Node, module_name: str, display_name: str) -> list[tuple[str, str]]:
-    """(module path, class name) from the root module down to the innermost one calling `node`.
-    Classes defined in the model file are shown under the file's name, not partc's import name."""
-    stack = node.meta.get("nn_module_stack")
-    if not stack:
-        return []
-    out = []
-    for path, cls in stack.values():
-        cls = cls if isinstance(cls, str) else f"{cls.__module__}.{cls.__qualname__}"
-        if cls.startswith(module_name + "."):
-            cls = display_name + cls[len(module_name):]
-        out.append((str(path), cls))
-    return out
+def _qualified(cls: Any) -> str:
+    return cls if isinstance(cls, str) else f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _module_stack(node: torch.fx.Node, model_file: ModelFile) -> list[tuple[str, str]]:
+    """(module path, class name) from the root module down to the innermost one calling `node`."""
+    stack = node.meta.get("nn_module_stack") or {}
+    return [(str(path), model_file.display_class(_qualified(cls))) for path, cls in stack.values()]
 
 
 def build_opgraph(capture: Capture, onnx_export: OnnxExport | None = None,
@@ -223,10 +221,8 @@ def _build(capture: Capture, onnx_export: OnnxExport | None) -> OpGraph:
     owner: dict[str, str] = {}  # FX node name (incl. folded getitems) -> OpGraph node name
     specs: dict[str, TensorSpec] = {t.name: t for t in inputs}
     nodes: list[OpNode] = []
-    modules: dict[str, str] = {"": type(capture.model).__module__ + "." + type(capture.model).__qualname__}
+    modules: dict[str, str] = {}  # path -> class, in order of first use
     model_file = capture.model_file
-    if modules[""].startswith(model_file.module_name + "."):
-        modules[""] = model_file.name + modules[""][len(model_file.module_name):]
     for node in ep.graph.nodes:
         if node.op != "call_function":
             continue
@@ -283,7 +279,7 @@ def _build(capture: Capture, onnx_export: OnnxExport | None) -> OpGraph:
             per_sample = max(0, round((f2 - f1) / (capture.scaled_batch_size - batch)))
         else:
             per_sample = f1 // batch if any(t.batch_dim is not None for t in outs) else 0
-        stack = _module_stack(node, model_file.module_name, model_file.name)
+        stack = _module_stack(node, model_file)
         for path, cls in stack:
             modules.setdefault(path, cls)
         module, module_type = stack[-1] if stack else ("", "")
@@ -315,11 +311,7 @@ def _build(capture: Capture, onnx_export: OnnxExport | None) -> OpGraph:
 
     # Containers never called themselves (ModuleList, ModuleDict) are not on any module stack.
     for path, mod in capture.model.named_modules():
-        if path not in modules:
-            cls = f"{type(mod).__module__}.{type(mod).__qualname__}"
-            if cls.startswith(model_file.module_name + "."):
-                cls = model_file.name + cls[len(model_file.module_name):]
-            modules[path] = cls
+        modules.setdefault(path, model_file.display_class(_qualified(type(mod))))
 
     # ---- outputs -------------------------------------------------------------------------------
     outputs: list[GraphOutput] = []

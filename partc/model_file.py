@@ -46,6 +46,12 @@ class ModelFile:
     def name(self) -> str:
         return self.path.stem
 
+    def display_class(self, qualified: str) -> str:
+        """A class's qualified name with partc's import name of the file shown as the file's stem
+        ('partc_model_mlp.MLP' -> 'mlp.MLP'); other classes unchanged."""
+        prefix = self.module_name + "."
+        return self.name + "." + qualified[len(prefix):] if qualified.startswith(prefix) else qualified
+
     def build(self) -> torch.nn.Module:
         """Call build_model() and check it returned an nn.Module."""
         try:
@@ -156,9 +162,8 @@ def synthetic_batches(model_file: ModelFile, batch_size: int,
     gen = torch.Generator().manual_seed(seed)
     probe_args, probe_kwargs = args, kwargs
     if is_on_meta(model):
-        to_meta = lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t  # noqa: E731
         model = model.to("meta")
-        probe_args, probe_kwargs = torch.utils._pytree.tree_map(to_meta, (args, kwargs))
+        probe_args, probe_kwargs = inputs_to_meta((args, kwargs))
     with torch.no_grad():
         out = _first_tensor(model(*probe_args, **probe_kwargs))
     classes = out.shape[-1]
@@ -184,6 +189,13 @@ def synthetic_batches(model_file: ModelFile, batch_size: int,
 def is_on_meta(model: torch.nn.Module) -> bool:
     """True when any parameter or buffer lives on the meta device."""
     return any(t.is_meta for t in model.parameters()) or any(t.is_meta for t in model.buffers())
+
+
+def inputs_to_meta(inputs: Inputs) -> Inputs:
+    """The same inputs with every tensor (at any nesting depth) moved to the meta device."""
+    args, kwargs = inputs
+    move = lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t  # noqa: E731
+    return tuple(torch.utils._pytree.tree_map(move, list(args))), torch.utils._pytree.tree_map(move, kwargs)
 
 
 def load_model_file(path: str | Path) -> ModelFile:
@@ -235,7 +247,8 @@ def load_model_file(path: str | Path) -> ModelFile:
         # First on the path while the file imports (as `python model.py` would have it); then
         # moved to the end, so imports deferred into build_model() still find the neighbours
         # without the file's directory shadowing installed packages for the rest of the process.
-        sys.path.remove(str(resolved.parent))
+        if str(resolved.parent) in sys.path:  # the file may have edited sys.path itself
+            sys.path.remove(str(resolved.parent))
         if str(resolved.parent) not in sys.path:
             sys.path.append(str(resolved.parent))
 
