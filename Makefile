@@ -33,6 +33,7 @@ test-all: install
 
 bench: install
 	$(PY) bench/capture.py
+	$(PY) bench/cost_model.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

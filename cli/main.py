@@ -119,6 +119,72 @@ def inspect(model: Path, batch_size: int, depth: int, json_out: Path | None,
         click.echo(f"wrote {json_out}", err=True)
 
 
+def _batch_sizes(_ctx: click.Context, _param: click.Parameter, value: str | None) -> tuple[int, ...]:
+    if not value:
+        return ()
+    try:
+        sizes = tuple(int(v) for v in value.split(","))
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a comma-separated list of integers") from None
+    if len(set(sizes)) < 2 or min(sizes) < 1:
+        raise click.BadParameter("give two or more distinct batch sizes >= 1, e.g. 2,4")
+    return sizes
+
+
+@cli.command()
+@click.argument("model", type=click.Path(path_type=Path))
+@click.option("--device", default="cpu", show_default=True,
+              help="Device to measure on: cpu, cuda or cuda:N.")
+@click.option("--batch-size", "-b", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Micro-batch size B to capture at; B and 2B are profiled.")
+@click.option("--batch-sizes", callback=_batch_sizes,
+              help="Profile these micro-batch sizes instead of B and 2B (comma-separated, >= 2).")
+@click.option("--method", type=click.Choice(["auto", "onnxruntime", "torch"]), default="auto",
+              show_default=True,
+              help="Forward times from onnxruntime (auto: when the ONNX export works) or torch.")
+@click.option("--analytic", "analytic_device", metavar="DEVICE",
+              help="Write the analytic (roofline) cost table for a device config instead of "
+                   "measuring (a name from configs/devices/ or a YAML path).")
+@click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Intra-op threads on CPU (partc runs one process per core).")
+@click.option("--runs", type=click.IntRange(min=1), default=10, show_default=True,
+              help="Timed runs per measurement (median).")
+@click.option("--warmup", type=click.IntRange(min=0), default=3, show_default=True,
+              help="Untimed warm-up runs before timing.")
+@click.option("--output", "-o", type=click.Path(dir_okay=False, path_type=Path),
+              default=Path("profile.yaml"), show_default=True, help="Profile file to write.")
+@debug_option
+def profile(model: Path, device: str, batch_size: int, batch_sizes: tuple[int, ...], method: str,
+            analytic_device: str | None, threads: int, runs: int, warmup: int, output: Path) -> None:
+    """Measure (or compute) the cost of every operator of MODEL: forward and backward time and
+    activation bytes per node, as a function of the micro-batch size."""
+    from partc.cost_model import format_cost_summary
+    from partc.progress import TerminalProgress
+
+    progress = TerminalProgress()
+    if analytic_device is not None:
+        from partc.cost_model import analytic_cost_table
+        from partc.hardware import load_device
+        from partc.measured_costs import saved_activations
+        from partc.pipeline import capture_graph
+
+        spec = load_device(analytic_device)
+        result = capture_graph(model, batch_size, onnx=False, progress=progress)
+        with progress.step("measuring saved activations (meta-safe) and pricing by roofline"):
+            table = analytic_cost_table(result.graph, spec, saved=saved_activations(result.capture))
+    else:
+        from partc.measured_costs import ProfileOptions, profile_model
+
+        options = ProfileOptions(device=device, batch_sizes=batch_sizes, method=method,
+                                 threads=threads, warmup=warmup, runs=runs)
+        table = profile_model(model, batch_size, options, progress)
+    with writing_to(output):
+        output.parent.mkdir(parents=True, exist_ok=True)
+        table.save(output)
+    click.echo(format_cost_summary(table))
+    click.echo(f"wrote {output}", err=True)
+
+
 def main() -> None:
     cli(prog_name="partc")
 

@@ -17,6 +17,7 @@ import gzip
 import hashlib
 import json
 import math
+from fractions import Fraction
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -322,25 +323,40 @@ class OpGraph:
 
     # ---- identity ----------------------------------------------------------------------------
     def content_hash(self) -> str:
-        """sha256 of the model's structure: what changes when the model (or batch size) changes.
+        """sha256 of the model's structure: what changes when the model changes.
 
-        Covers the batch size, nodes, tensors, params, inputs and outputs; leaves out the ONNX
-        mapping (it depends on exporter versions, not on the model), build notes, module class
+        It does not depend on the batch size the graph was captured at, so a profile or plan made
+        from one capture matches the same model captured at another batch size: batch dimensions
+        are written as multiples of the batch ("B*128"), FLOPs as their batch-independent part plus
+        per-sample FLOPs, and bytes moved (derived from shapes) are left out. It also leaves out the
+        ONNX mapping (it depends on exporter versions, not on the model), build notes, module class
         names (which depend on the name the model file was imported under), the model name and
         `on_meta` (the same model built on meta or on cpu has the same structure).
         """
         cached = self.__dict__.get("_hash")
         if cached is not None:
             return cached
+        batch = self.batch_size
+
+        def spec(t: TensorSpec) -> dict[str, Any]:
+            shape: list[Any] = list(t.shape)
+            if t.batch_dim is not None:
+                per = Fraction(t.shape[t.batch_dim], batch)
+                shape[t.batch_dim] = f"B*{per}"
+            return {"name": t.name, "shape": shape, "dtype": t.dtype, "batch_dim": t.batch_dim}
+
+        def node(n: OpNode) -> dict[str, Any]:
+            return {"name": n.name, "target": n.target, "kind": n.kind, "module": n.module,
+                    "inputs": list(n.inputs), "params": list(n.params),
+                    "outputs": [spec(t) for t in n.outputs], "is_view": n.is_view,
+                    "flops_fixed": n.flops - n.flops_per_sample * batch,
+                    "flops_per_sample": n.flops_per_sample}
+
         payload = {
-            "batch_size": self.batch_size,
-            "inputs": [asdict(t) for t in self.inputs],
+            "inputs": [spec(t) for t in self.inputs],
             "outputs": [asdict(o) for o in self.outputs],
             "params": [asdict(p) for p in self.params],
-            "nodes": [
-                {k: v for k, v in asdict(n).items() if k not in ("module_type", "onnx_nodes")}
-                for n in self.nodes
-            ],
+            "nodes": [node(n) for n in self.nodes],
         }
         blob = json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()
         digest = "sha256:" + hashlib.sha256(blob).hexdigest()

@@ -103,3 +103,38 @@ def test_bad_flags_are_usage_errors() -> None:
 def test_version() -> None:
     proc = run("--version")
     assert proc.returncode == 0 and proc.stdout.startswith("partc, version ")
+
+
+def test_profile_writes_a_profile_for_the_model(tmp_path: Path) -> None:
+    out = tmp_path / "profile.yaml"
+    proc = run("profile", str(EXAMPLES / "transformer.py"), "--batch-sizes", "2,3",
+               "--runs", "3", "--warmup", "1", "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "measured costs of transformer" in proc.stdout
+    assert "priced by: onnxruntime" in proc.stdout
+    from partc.cost_model import CostTable
+    from partc.pipeline import capture_graph
+
+    graph = capture_graph(EXAMPLES / "transformer.py", 4, onnx=False).graph
+    table = CostTable.load(out, graph)  # same model, another batch: accepted
+    assert table.source.batch_sizes == (2, 3)
+    assert table.total_forward_s(4) > table.total_forward_s(2) > 0
+
+
+def test_profile_analytic_and_its_errors(tmp_path: Path) -> None:
+    out = tmp_path / "a100.yaml"
+    proc = run("profile", str(EXAMPLES / "mlp.py"), "--analytic", "a100-80gb", "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "analytic costs of mlp on a100-80gb" in proc.stdout and out.exists()
+    for args, message in [
+        (["--device", "cuda:3"], "CUDA"),
+        (["--device", "tpu"], "unknown device 'tpu'"),
+        (["--analytic", "no-such-gpu"], "no-such-gpu"),
+    ]:
+        proc = run("profile", str(EXAMPLES / "mlp.py"), *args, "-o", str(tmp_path / "x.yaml"))
+        assert proc.returncode == 2, proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert lines[-1].startswith("partc: error: ") and message in lines[-1]
+        assert "(hint: " in lines[-1] and "Traceback" not in proc.stderr
+    proc = run("profile", str(EXAMPLES / "mlp.py"), "--batch-sizes", "4")
+    assert proc.returncode == 2 and "two or more distinct batch sizes" in proc.stderr

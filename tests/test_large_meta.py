@@ -42,3 +42,20 @@ def test_gpt2_1p3b_meta_captures_in_under_1gb() -> None:
     # forward FLOPs at batch 1, sequence 1024: at least 2 x params x tokens (plus attention)
     assert first["flops"] >= 2 * first["params"] * 1024 * 0.95
     assert runs[1]["hash"] == first["hash"]
+
+
+@pytest.mark.slow
+def test_gpt2_1p3b_meta_analytic_profile(tmp_path) -> None:
+    out = tmp_path / "h100.yaml"
+    partc = str(__import__("pathlib").Path(sys.executable).parent / "partc")
+    proc = subprocess.run([partc, "profile", str(EXAMPLES / "gpt2_1p3b_meta.py"), "-b", "1",
+                           "--analytic", "h100-80gb", "-o", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "analytic costs of gpt2_1p3b_meta on h100-80gb" in proc.stdout
+    import yaml
+    d = yaml.safe_load(out.read_text())
+    assert d["kind"] == "analytic" and d["batch_sizes"] == [1, 2]
+    # forward at batch 1 runs at most at the H100's dense fp32 peak (67 TFLOP/s): 2.7 TFLOP
+    assert d["totals_at_batch_sizes"]["1"]["forward_s"] > 2 * 1.3e9 * 1024 / 67e12
+    assert d["totals_at_batch_sizes"]["2"]["saved_bytes"] > d["totals_at_batch_sizes"]["1"]["saved_bytes"]

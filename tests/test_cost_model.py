@@ -1,0 +1,205 @@
+"""CostTable: measured (real onnxruntime + torch profiling on this CPU) and analytic costs."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+import yaml
+
+from partc.capture import export_program
+from partc.cost_model import (
+    CostTable, Linear, ProfileFileError, analytic_cost_table, needs_backward, op_class, roofline_s,
+)
+from partc.hardware import load_device
+from partc.model_file import inputs_to_meta
+from partc.measured_costs import ProfileOptions, profile_model, saved_activations
+from partc.pipeline import capture_graph
+from partc.torch_profiler import program_module, saved_activation_bytes
+
+from conftest import EXAMPLES, TEST_MODELS
+
+FAST = ProfileOptions(runs=3, warmup=1)
+
+
+def test_linear_fit() -> None:
+    assert Linear.fit([(2, 3.0), (4, 5.0)]) == Linear(1.0, 1.0)
+    exact = Linear.fit([(1, 2.0), (2, 4.0), (4, 8.0)])
+    assert exact.fixed == pytest.approx(0.0, abs=1e-12) and exact.per_sample == pytest.approx(2.0)
+    # noise that would make costs fall with the batch: constant instead
+    assert Linear.fit([(2, 5.0), (4, 4.0)]) == Linear(4.5, 0.0)
+    # negative intercept: a line through the origin, never a negative cost at small batches
+    through = Linear.fit([(2, 1.0), (4, 3.0)])
+    assert through.fixed == 0.0 and through.at(0) == 0.0 and through.per_sample > 0
+    assert Linear(1.0, 2.0).at(3) == 7.0 and Linear(-5.0, 1.0).at(1) == 0.0
+
+
+def test_op_classes() -> None:
+    assert op_class("linear") == "matmul"
+    assert op_class("conv2d") == "conv"
+    assert op_class("scaled_dot_product_attention") == "attention"
+    assert op_class("layer_norm") == "norm"
+    assert op_class("gelu") == "elementwise"
+    assert op_class("embedding") == "gather"
+
+
+class _TwoLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.fc(x)) * 2.0
+
+
+def test_saved_bytes_are_exactly_what_autograd_keeps() -> None:
+    model = _TwoLayer()
+    x = torch.randn(5, 4)
+    program = torch.export.export(model, (x,))
+    saved = saved_activation_bytes(program_module(program), ((x,), {}))
+    # linear saves its input x (weights are parameters, not activations); relu saves its output;
+    # the multiplication by a constant saves nothing.
+    assert saved == {"linear": 5 * 4 * 4, "relu": 5 * 8 * 4}
+
+
+def test_saved_bytes_on_meta_match_cpu_for_a_plain_model() -> None:
+    result = capture_graph(EXAMPLES / "mlp.py", 2, onnx=False)
+    on_cpu = saved_activations(result.capture)
+    # the same model built on meta: only shapes, the same bytes
+    model_file = result.capture.model_file
+    meta_inputs = inputs_to_meta(model_file.inputs(2))
+    program = export_program(model_file.build().to("meta"), meta_inputs, "mlp on meta")
+    on_meta = saved_activation_bytes(program_module(program), meta_inputs)
+    assert on_meta and {n: int(c.at(2)) for n, c in on_cpu.items()} == on_meta
+
+
+@pytest.fixture(scope="module")
+def mlp_profile() -> CostTable:
+    return profile_model(EXAMPLES / "mlp.py", 2, FAST)
+
+
+def test_profile_prices_every_node_and_round_trips(mlp_profile: CostTable, tmp_path: Path) -> None:
+    table = mlp_profile
+    src = table.source
+    assert src.kind == "measured" and src.provider == "CPUExecutionProvider"
+    assert src.batch_sizes == (2, 4) and src.threads == 1
+    assert src.versions["torch"].startswith("2.13") and "onnxruntime" in src.versions
+    assert src.graph_hash == table.graph.content_hash()
+    linears = [n.name for n in table.graph.nodes if n.kind == "linear"]
+    assert len(linears) == 6
+    for name in linears:
+        cost = table.cost(name)
+        assert cost.method == "onnxruntime"
+        assert cost.forward.at(4) > 0 and cost.backward.at(4) > 0
+    # the first linear saves the input; later ones' inputs are the ReLU outputs, which the ReLU
+    # saved first (each storage counts once, on its first saver)
+    assert table.saved_bytes(linears[0], 4) == 4 * 64 * 4
+    assert table.total_saved_bytes(4) == pytest.approx(2 * table.total_saved_bytes(2))
+    # Totals reproduce torch's whole-model measurements over the profiled sizes: a least-squares
+    # line keeps the sum of its points (exactly, unless clamped through the origin).
+    measured = table.source.calibration["measured"]
+    for key, total in (("torch_forward_s", table.total_forward_s),
+                       ("torch_backward_s", table.total_backward_s)):
+        assert sum(total(int(b)) for b in measured) == pytest.approx(
+            sum(m[key] for m in measured.values()), rel=0.15)
+    path = table.save(tmp_path / "profile.yaml")
+    text = path.read_text()
+    assert yaml.safe_load(text)["format"] == "partc-profile"
+    loaded = CostTable.load(path, table.graph)
+    assert loaded.source == table.source
+    assert loaded.nodes.keys() == table.nodes.keys()
+    for name, cost in table.nodes.items():
+        assert loaded.nodes[name].forward.at(3) == pytest.approx(cost.forward.at(3), rel=1e-9)
+        assert loaded.nodes[name].saved.at(3) == pytest.approx(cost.saved.at(3), rel=1e-9)
+    assert loaded.save(tmp_path / "again.yaml").read_text() == text
+
+
+def test_profile_applies_to_the_same_model_at_another_batch(mlp_profile: CostTable, tmp_path: Path) -> None:
+    path = mlp_profile.save(tmp_path / "profile.yaml")
+    other_batch = capture_graph(EXAMPLES / "mlp.py", 8, onnx=False).graph
+    assert CostTable.load(path, other_batch).total_forward_s(8) > 0
+
+
+def test_profile_of_another_model_is_refused(mlp_profile: CostTable, tmp_path: Path) -> None:
+    path = mlp_profile.save(tmp_path / "profile.yaml")
+    other = capture_graph(EXAMPLES / "transformer.py", 2, onnx=False).graph
+    with pytest.raises(ProfileFileError, match="different model"):
+        CostTable.load(path, other)
+    with pytest.raises(ProfileFileError, match="not found"):
+        CostTable.load(tmp_path / "missing.yaml", other)
+    (tmp_path / "bad.yaml").write_text("format: something-else\n")
+    with pytest.raises(ProfileFileError, match="not a partc profile"):
+        CostTable.load(tmp_path / "bad.yaml", other)
+    (tmp_path / "broken.yaml").write_text(path.read_text()[:200] + "\n  : [\n")
+    with pytest.raises(ProfileFileError):
+        CostTable.load(tmp_path / "broken.yaml", mlp_profile.graph)
+
+
+def test_model_without_onnx_is_priced_in_torch() -> None:
+    table = profile_model(TEST_MODELS / "qr_layer.py", 2, FAST)
+    assert table.graph.onnx.status == "failed"
+    assert set(table.methods()) <= {"torch", "none"} and table.methods()["torch"] >= 3
+    qr = next(n for n in table.graph.nodes if n.kind == "linalg_qr")
+    assert table.forward_s(qr.name, 4) > 0 and table.backward_s(qr.name, 4) > 0
+    assert table.source.provider == ""
+
+
+def test_meta_model_is_materialised_for_profiling() -> None:
+    table = profile_model(TEST_MODELS / "tiny_gpt2_meta.py", 2, FAST)
+    assert table.graph.on_meta
+    assert table.methods().get("onnxruntime", 0) > 20
+    assert table.total_backward_s(4) > 0 and table.total_saved_bytes(4) > table.total_saved_bytes(2)
+
+
+def test_nodes_without_gradient_have_no_backward(capture_example) -> None:
+    graph = capture_example("gpt2").graph
+    table = analytic_cost_table(graph, load_device("a100-80gb"))
+    grad = needs_backward(graph)
+    # position ids / causal mask arithmetic depends on no parameter
+    no_grad = [n for n in graph.nodes if n.name not in grad and not n.is_view]
+    assert no_grad and all(table.backward_s(n.name, 8) == 0.0 for n in no_grad)
+    assert all(table.backward_s(n.name, 8) > 0 for n in graph.nodes if n.kind == "linear")
+
+
+def test_roofline_is_compute_or_memory_bound() -> None:
+    device = load_device("a100-80gb")
+    graph = capture_graph(EXAMPLES / "mlp.py", 256, onnx=False).graph
+    linear = next(n for n in graph.nodes if n.kind == "linear")
+    relu = next(n for n in graph.nodes if n.kind == "relu")
+    t_linear = roofline_s(linear, graph, device, 256)
+    compute = linear.flops / device.flops_per_s("float32", "matmul")
+    memory = (linear.bytes_read + linear.bytes_written) / device.bytes_per_s()
+    assert t_linear == pytest.approx(max(compute, memory) + device.op_overhead_s)
+    t_relu = roofline_s(relu, graph, device, 256)
+    assert t_relu == pytest.approx((relu.bytes_read + relu.bytes_written) / device.bytes_per_s()
+                                   + device.op_overhead_s)
+    views = [n for n in graph.nodes if n.is_view]
+    assert all(roofline_s(n, graph, device, 256) == 0.0 for n in views)
+
+
+@pytest.mark.parametrize("name", ["mlp", "transformer", "bert", "gpt2", "resnet"])
+def test_analytic_table_for_every_example(capture_example, name: str) -> None:
+    result = capture_example(name)
+    slow, fast = load_device("v100-32gb"), load_device("h100-80gb")
+    saved = saved_activations(result.capture)
+    a = analytic_cost_table(result.graph, slow, saved=saved)
+    b = analytic_cost_table(result.graph, fast, saved=saved)
+    assert a.source.kind == "analytic" and a.methods()["analytic"] > 0
+    assert 0 < b.total_forward_s(8) < a.total_forward_s(8)
+    assert a.total_forward_s(16) > a.total_forward_s(2)
+    assert a.total_saved_bytes(4) == pytest.approx(2 * a.total_saved_bytes(2), rel=0.2)
+
+
+@pytest.mark.parametrize("name", ["transformer", "bert", "gpt2", "resnet"])
+def test_profile_every_example_on_cpu(name: str, tmp_path: Path) -> None:
+    # (mlp is profiled by the fixture above; the 1.3B meta example is priced analytically in the
+    # slow tests: measuring it means materialising 1.3B parameters on this CPU.)
+    table = profile_model(EXAMPLES / f"{name}.py", 2, FAST)
+    methods = table.methods()
+    assert methods.get("onnxruntime", 0) > methods.get("torch", 0)
+    priced = [n for n in table.graph.nodes if table.cost(n.name).method != "none"]
+    assert all(table.forward_s(n.name, 4) >= 0 for n in priced)
+    assert table.total_backward_s(4) > 0 and table.total_saved_bytes(4) > 0
+    loaded = CostTable.load(table.save(tmp_path / "p.yaml"), table.graph)
+    assert loaded.total_forward_s(8) == pytest.approx(table.total_forward_s(8), rel=1e-9)
