@@ -325,3 +325,93 @@ def time_nodes(module: torch.fx.GraphModule, inputs: Inputs, batch_size: int,
                        node_backward_s={n: v for n, v in node_bwd.items() if v > 0},
                        unattributed_backward_s=median([u for _, _, u in per_run]),
                        differentiable=frozenset(differentiable), runs=runs)
+
+
+# ---- peak memory of a real training step (the memory model's ground truth) ---------------------
+def make_optimizer(name: str, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    # foreach=True: the implementation torch picks by default on CUDA, which the model prices.
+    if name == "adam":
+        return torch.optim.Adam(params, foreach=True)
+    if name == "adamw":
+        return torch.optim.AdamW(params, foreach=True)
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9 if name == "sgd-momentum" else 0.0,
+                           foreach=True)
+
+
+def storage_bytes(tensors: list[Any]) -> int:
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in tensors if isinstance(t, torch.Tensor)}
+    return sum(storages.values())
+
+
+def split_microbatches(value: Any, parts: int) -> list[Any]:
+    """`value`'s tensors cut into `parts` micro-batches along dim 0 (views, as the pipeline
+    schedules' default chunking does)."""
+    def piece(i: int) -> Callable[[Any], Any]:
+        return lambda t: t.tensor_split(parts)[i] if isinstance(t, torch.Tensor) and t.dim() else t
+    return [pytree.tree_map(piece(i), value) for i in range(parts)]
+
+
+def peak_above_start(prof: torch.profiler.profile) -> int:
+    """Highest running sum of the allocations and frees the profiler saw."""
+    from torch._C._profiler import _EventType
+
+    events: list[tuple[int, int]] = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        if node.tag == _EventType.Allocation:
+            events.append((node.start_time_ns, node.extra_fields.alloc_size))
+        stack.extend(node.children)
+    live = peak = 0
+    for _, size in sorted(events):
+        live += size
+        peak = max(peak, live)
+    return peak
+
+
+def measure_training_peak(capture: Any, microbatch_size: int, num_microbatches: int,
+                          optimizer: str, checkpointing: bool = False) -> int:
+    """Peak bytes of one GPipe-ordered training step of the captured program on CPU: all
+    micro-batches' forwards (and losses), then their backwards, then the optimizer step.
+
+    It is the second step (optimizer state and gradients exist, as in steady training; gradients
+    are zeroed in place, not freed: they stay resident as under DDP). Peak = bytes live before the
+    step (parameters, buffers, gradients, optimizer state, the batch) + the profiler's peak above
+    that.
+    """
+    model_file = capture.model_file
+    module = program_module(capture.exported)
+    params = [p for p in module.parameters() if p.requires_grad]
+    opt = make_optimizer(optimizer, params)
+    loss_fn = model_file.loss()
+    (args, kwargs), target = next(model_file.data(microbatch_size * num_microbatches))
+    microbatches = split_microbatches((args, kwargs, target), num_microbatches)
+
+    def forward(a: tuple[Any, ...], k: dict[str, Any]) -> Any:
+        if checkpointing:
+            return torch.utils.checkpoint.checkpoint(module, *a, use_reentrant=False, **k)
+        return module(*a, **k)
+
+    def step() -> None:
+        outputs: list[Any] = []
+        losses: list[Any] = []
+        for a, k, t in microbatches:
+            outputs.append(forward(a, k))
+            losses.append(loss_fn(outputs[-1], t))
+        for i in range(num_microbatches):
+            losses[i].backward()
+            # The pipeline drops a micro-batch's outputs once its backward ran.
+            losses[i] = outputs[i] = None
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+
+    step()
+    live = storage_bytes([*module.parameters(), *module.buffers(),
+                           *(p.grad for p in params),
+                           *(v for state in opt.state.values() for v in state.values()),
+                           *pytree.tree_leaves((args, kwargs, target))])
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                profile_memory=True) as prof:
+        step()
+    return live + peak_above_start(prof)
