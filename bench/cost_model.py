@@ -6,7 +6,7 @@ computed from configs/devices/cpu.yaml. Both are then checked against the *eager
 forward+backward wall time of the captured program (what partc's stages run; median of runs, 1
 thread) at held-out batch sizes: 3 (between the
 profiled sizes) and 8 (beyond them), and the predicted peak memory of a training step against the
-measured one (partc.memory).
+measured one (partc.memory vs torch.profiler's allocation trace of a real AdamW step).
 
     .venv/bin/python bench/cost_model.py [--examples mlp,bert] [--json out.json]
 """
@@ -25,13 +25,14 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from partc.capture import export_program, quiet_torch  # noqa: E402
+from partc.capture import quiet_torch  # noqa: E402
 from partc.cost_model import CostTable, analytic_cost_table  # noqa: E402
 from partc.hardware import load_device  # noqa: E402
 from partc.measured_costs import ProfileOptions, measure_costs, saved_activations  # noqa: E402
 from partc.pipeline import capture_graph  # noqa: E402
 from partc.progress import Progress  # noqa: E402
-from partc.torch_profiler import program_module, time_model  # noqa: E402
+from partc.memory import TrainingConfig, stage_memory  # noqa: E402
+from partc.torch_profiler import measure_training_peak, program_module, time_model  # noqa: E402
 
 EXAMPLES = ("mlp", "transformer", "bert", "gpt2", "resnet")
 HELD_OUT = (3, 8)
@@ -43,21 +44,13 @@ def fwd_bwd(module: torch.nn.Module, inputs: Any, runs: int = 10) -> float:
     return fwd + bwd
 
 
-def peak_memory(result: Any, table: CostTable, b: int) -> tuple[float, float] | None:
-    """(predicted, measured) peak bytes of one training step, whole model as one stage."""
-    try:
-        from partc import memory
-    except ImportError:
-        return None
-    config = memory.TrainingConfig(optimizer="adamw", precision="fp32", schedule="1f1b",
-                                   memory_margin=0.0)
+def peak_memory(capture: Any, table: CostTable, b: int) -> tuple[float, float]:
+    """(predicted, measured) peak bytes of one AdamW training step, whole model as one stage."""
+    config = TrainingConfig(optimizer="adamw", precision="fp32", schedule="1f1b", memory_margin=0.0)
     nodes = [n.name for n in table.graph.nodes]
-    predicted = memory.stage_memory(table, nodes, microbatch_size=b, num_microbatches=1,
-                                    stage_index=0, num_stages=1, config=config).total
-    measure = getattr(memory, "measure_training_peak", None)
-    if measure is None:
-        return None
-    measured = measure(result.capture.model, result.capture.model_file, b, optimizer="adamw")
+    predicted = stage_memory(table, nodes, microbatch_size=b, num_microbatches=1, stage_index=0,
+                             num_stages=1, config=config).total
+    measured = measure_training_peak(capture, b, 1, "adamw")
     return float(predicted), float(measured)
 
 
@@ -74,12 +67,13 @@ def run_example(name: str) -> dict[str, Any]:
     model = result.capture.model.train()
     row: dict[str, Any] = {"example": name, "profile_s": round(profile_s, 1),
                            "methods": measured.methods(), "held_out": {}}
-    model_file = result.capture.model_file
+    row["memory"] = {}
     for b in HELD_OUT:
-        inputs = model_file.inputs(b)
         # What partc runs is the captured program (its stages are traced from it): that is the
         # ground truth; the user's eager module is shown beside it.
-        program = program_module(export_program(model, inputs, f"{name} at batch {b}"))
+        held_out = capture_graph(path, b, onnx=False).capture
+        inputs = held_out.inputs
+        program = program_module(held_out.exported)
         with quiet_torch():
             truth = fwd_bwd(program, inputs)
             eager = fwd_bwd(model, inputs)
@@ -88,10 +82,10 @@ def run_example(name: str) -> dict[str, Any]:
         row["held_out"][b] = {"program_s": truth, "eager_s": eager, "measured_model_s": m,
                               "analytic_model_s": a, "measured_err": (m - truth) / truth,
                               "analytic_err": (a - truth) / truth}
-    mem = peak_memory(result, measured, 4)
-    if mem is not None:
-        row["memory"] = {"batch": 4, "predicted_bytes": mem[0], "measured_bytes": mem[1],
-                         "err": (mem[0] - mem[1]) / mem[1]}
+        predicted, measured_peak = peak_memory(held_out, measured, b)
+        row["memory"][b] = {"predicted_bytes": predicted, "measured_bytes": measured_peak,
+                            "err": (predicted - measured_peak) / measured_peak}
+
     return row
 
 
@@ -104,16 +98,16 @@ def markdown(rows: list[dict[str, Any]]) -> str:
                        f"{h['measured_model_s'] * 1e3:.2f} | {100 * h['measured_err']:+.1f}% | "
                        f"{h['analytic_model_s'] * 1e3:.2f} | {100 * h['analytic_err']:+.1f}% | "
                        f"{h['eager_s'] * 1e3:.2f} |")
-    if any("memory" in r for r in rows):
-        out += ["", "| example | batch | predicted peak (MiB) | measured peak (MiB) | err |",
-                "|---|---|---|---|---|"]
-        for r in rows:
-            if "memory" in r:
-                m = r["memory"]
-                out.append(f"| {r['example']} | {m['batch']} | {m['predicted_bytes'] / 2**20:.1f} | "
-                           f"{m['measured_bytes'] / 2**20:.1f} | {100 * m['err']:+.1f}% |")
+    out += ["", "| example | batch | predicted peak (MiB) | measured peak (MiB) | err |",
+            "|---|---|---|---|---|"]
+    for r in rows:
+        for b, m in r["memory"].items():
+            out.append(f"| {r['example']} | {b} | {m['predicted_bytes'] / 2**20:.2f} | "
+                       f"{m['measured_bytes'] / 2**20:.2f} | {100 * m['err']:+.1f}% |")
     errs = [abs(h["measured_err"]) for r in rows for h in r["held_out"].values()]
     aerrs = [abs(h["analytic_err"]) for r in rows for h in r["held_out"].values()]
+    merrs = [abs(m["err"]) for r in rows for m in r["memory"].values()]
+    out += ["", f"peak memory: max |error| {100 * max(merrs):.1f}%"]
     out += ["", f"median |error|: measured {100 * statistics.median(errs):.1f}%, "
                 f"analytic {100 * statistics.median(aerrs):.1f}%; max |error|: measured "
                 f"{100 * max(errs):.1f}%, analytic {100 * max(aerrs):.1f}%"]
