@@ -272,8 +272,9 @@ def test_unreadable_files(tmp_path: Path, text: str, expected: str) -> None:
     assert str(path) in err.message and expected in err.message
 
 
-def _device_with(**changes: Any) -> dict[str, Any]:
-    data = copy.deepcopy(DEVICE)
+def _with(base: dict[str, Any], **changes: Any) -> dict[str, Any]:
+    """A deep copy of `base` with `a__b=value` setting data['a']['b'] (DELETE removes it)."""
+    data = copy.deepcopy(base)
     for dotted, value in changes.items():
         *parents, last = dotted.split("__")
         target = data
@@ -328,18 +329,12 @@ def test_typo_hints(tmp_path: Path) -> None:
     assert "did you mean 'memory_bandwidth'" in err.hint
 
 
+def _device_with(**changes: Any) -> dict[str, Any]:
+    return _with(DEVICE, **changes)
+
+
 def _cluster_with(**changes: Any) -> dict[str, Any]:
-    data = copy.deepcopy(CLUSTER)
-    for dotted, value in changes.items():
-        *parents, last = dotted.split("__")
-        target = data
-        for p in parents:
-            target = target[p]
-        if value is DELETE:
-            del target[last]
-        else:
-            target[last] = value
-    return data
+    return _with(CLUSTER, **changes)
 
 
 @pytest.mark.parametrize("changes, key, expected", [
