@@ -42,7 +42,7 @@ from partc.ort_profiler import OrtTiming, ProfileError, onnx_feeds, time_onnx
 from partc.pipeline import CaptureResult, capture_graph
 from partc.progress import Progress
 from partc.torch_profiler import (
-    TorchTiming, inputs_on, node_owner, program_module, saved_activation_bytes,
+    TorchTiming, flat_inputs, inputs_on, node_owner, program_module, saved_activation_bytes,
     time_nodes, to_device,
 )
 
@@ -181,7 +181,7 @@ def _measure(result: CaptureResult, b: int, device: torch.device, use_ort: bool,
                         named.setdefault(alias, named[fqn])
             for placeholder, value in zip(
                     program.graph_signature.user_inputs,
-                    _flat_user_inputs(module, inputs)):
+                    flat_inputs(module, inputs)):
                 named[placeholder] = value
             with progress.step(f"onnxruntime ({device.type}): forward per node at batch {b}"):
                 feeds = onnx_feeds(export.model, {k: v for k, v in named.items()
@@ -194,12 +194,6 @@ def _measure(result: CaptureResult, b: int, device: torch.device, use_ort: bool,
     del module, inputs
     gc.collect()
     return _Measurement(batch_size=b, torch=timing, ort=ort_timing, saved=saved)
-
-
-def _flat_user_inputs(module: torch.fx.GraphModule, inputs: Any) -> list[Any]:
-    from partc.torch_profiler import flat_inputs
-
-    return flat_inputs(module, inputs)
 
 
 def profile_model(model_path: str | Path, batch_size: int, options: ProfileOptions | None = None,
