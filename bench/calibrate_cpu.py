@@ -3,7 +3,9 @@
 Writes configs/devices/cpu.yaml (partc.hardware.measure_cpu: matmul/conv/attention FLOP/s, memory
 bandwidth, per-operator overhead, memory per device) and configs/clusters/cpu.yaml (one node of
 `cores / threads` such devices; the intra-node link is measured here: gloo send/recv between two
-local processes, 1 B ping-pong for latency and 64 MiB for bandwidth). Takes about 30 s.
+local processes, 1 B ping-pong for latency and 64 MiB for bandwidth). Takes about 30 s. Other
+processes lower every number (cores and memory bandwidth are shared): the script reports how
+much CPU they used meanwhile and warns above 10% of a core; rerun on an idle machine then.
 
 Usage: python bench/calibrate_cpu.py [--threads 1] [--seconds 20] [--out configs] [--no-gloo]
 """
@@ -176,10 +178,6 @@ def main(argv: list[str] | None = None) -> int:
                         help="skip the gloo measurement (the link is then a placeholder)")
     args = parser.parse_args(argv)
 
-    load = os.getloadavg()[0]
-    if load > 0.5:
-        # Other processes share the cores and the memory bus: every number would come out low.
-        print(f"warning: load average {load:.2f}: calibrate on an idle machine", file=sys.stderr)
     busy0, own0 = _busy_cpu_s(), _own_cpu_s()
     t0 = time.perf_counter()
     cal = measure_cpu(args.threads, args.seconds)
