@@ -16,6 +16,7 @@ loading it against a different graph is refused.
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -251,8 +252,8 @@ class CostTable:
         body = yaml.safe_dump(d, sort_keys=True, default_flow_style=False, width=100)
         lines = [header, body, "nodes:\n"]
         for name, row in nodes.items():
-            lines.append(f"  {yaml.safe_dump(name, default_flow_style=True).strip().removesuffix('...').strip()}: "
-                         f"{yaml.safe_dump(row, default_flow_style=True, width=10**6).strip()}\n")
+            # JSON is YAML's flow syntax: one quoted name and one list per line.
+            lines.append(f"  {json.dumps(name)}: {json.dumps(row)}\n")
         if not nodes:
             lines[-1] = "nodes: {}\n"
         path.write_text("".join(lines))
