@@ -23,7 +23,7 @@ from typing import Collection
 
 from partc.cost_model import FREE_KINDS, CostTable, needs_backward
 from partc.errors import PartcError
-from partc.opgraph import OpGraph, OpNode, dtype_bytes
+from partc.opgraph import OpGraph, OpNode, Param, dtype_bytes
 
 OPTIMIZERS = ("sgd", "sgd-momentum", "adam", "adamw")
 # bf16-mixed: bf16 params, activations and boundary tensors for compute, fp32 master weights,
@@ -247,6 +247,12 @@ def _graph_cache(graph: OpGraph) -> dict[str, object]:
     return cache
 
 
+def differentiable_tensors(graph: OpGraph) -> frozenset[str]:
+    """Names of the floating tensors autograd tracks (outputs of nodes that have a backward): the
+    ones whose gradient crosses a stage boundary backwards."""
+    return _requires_grad(graph)
+
+
 def _requires_grad(graph: OpGraph) -> frozenset[str]:
     """Floating tensors autograd tracks: outputs of nodes that have a backward."""
     cache = _graph_cache(graph)
@@ -338,26 +344,31 @@ def _static_bytes(table: CostTable, nodes: Collection[str],
         for name in graph.node(n).params:
             p = graph.param(name)
             params[p.name] = p
+    weights = grads = state = temps = 0
+    for p in params.values():
+        w, g, s, t = param_memory(p, config)
+        weights, grads, state, temps = weights + w, grads + g, state + s, temps + t
+    return weights, grads, state, temps
+
+
+def param_memory(p: Param, config: TrainingConfig) -> tuple[int, int, int, int]:
+    """(weights, gradients, optimizer state, optimizer-step temporaries) bytes of one parameter,
+    buffer or constant under `config`."""
     bf16 = config.precision == "bf16-mixed"
     opt = config.optimizer
     states = {"sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2}[opt]
-    weights = grads = state = temps = 0
-    for p in params.values():
-        if p.kind != "parameter":
-            weights += p.nbytes  # buffers and constants: static, no gradient
-            continue
-        if not p.trainable:
-            weights += p.numel * _BF16 if bf16 else p.nbytes
-            continue
-        # fp32: everything in the parameter's own dtype. bf16-mixed: a bf16 copy for compute, the
-        # fp32 master weights (counted as optimizer state, as ZeRO does), fp32 gradients.
-        elem = _FP32 if bf16 else dtype_bytes(p.dtype)
-        weights += p.numel * (_BF16 if bf16 else elem)
-        grads += p.numel * elem
-        state += p.numel * elem * (states + (1 if bf16 else 0))
-        # torch's foreach Adam allocates sqrt(exp_avg_sq) for every parameter at once.
-        if opt in ("adam", "adamw"):
-            temps += p.numel * elem
+    if p.kind != "parameter":
+        return p.nbytes, 0, 0, 0  # buffers and constants: static, no gradient
+    if not p.trainable:
+        return (p.numel * _BF16 if bf16 else p.nbytes), 0, 0, 0
+    # fp32: everything in the parameter's own dtype. bf16-mixed: a bf16 copy for compute, the
+    # fp32 master weights (counted as optimizer state, as ZeRO does), fp32 gradients.
+    elem = _FP32 if bf16 else dtype_bytes(p.dtype)
+    weights = p.numel * (_BF16 if bf16 else elem)
+    grads = p.numel * elem
+    state = p.numel * elem * (states + (1 if bf16 else 0))
+    # torch's foreach Adam allocates sqrt(exp_avg_sq) for every parameter at once.
+    temps = p.numel * elem if opt in ("adam", "adamw") else 0
     return weights, grads, state, temps
 
 
