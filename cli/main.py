@@ -16,6 +16,7 @@ from typing import Any, Iterator
 
 import click
 
+from partc.coarsen import DEFAULT_MAX_BLOCKS
 from partc.errors import PartcError
 
 INTERNAL_ERROR_EXIT = 3
@@ -183,6 +184,95 @@ def profile(model: Path, device: str, batch_size: int, batch_sizes: tuple[int, .
         table.save(output)
     click.echo(format_cost_summary(table))
     click.echo(f"wrote {output}", err=True)
+
+
+@cli.command()
+@click.argument("model", type=click.Path(path_type=Path))
+@click.option("--cluster", "-c", "cluster_name", default="cpu", show_default=True,
+              help="Cluster config: a name from configs/clusters/ or a YAML path.")
+@click.option("--batch-size", "-b", type=click.IntRange(min=1), required=True,
+              help="Global batch size (samples per training iteration over all replicas).")
+@click.option("--profile", "profile_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="Measured costs from `partc profile` (default: analytic, from the cluster's "
+                   "device config).")
+@click.option("--strategy", type=click.Choice(["cpsat", "chain-dp", "uniform", "params", "all"]),
+              default="cpsat", show_default=True,
+              help="How stages are cut; 'all' compares every strategy on the same search.")
+@click.option("--stages", type=click.IntRange(min=1), help="Pin the pipeline stages.")
+@click.option("--replicas", type=click.IntRange(min=1), help="Pin the data-parallel replicas.")
+@click.option("--microbatches", type=click.IntRange(min=1), help="Pin the micro-batch count.")
+@click.option("--schedule", type=click.Choice(["gpipe", "1f1b", "interleaved-1f1b"]),
+              help="Pin the pipeline schedule.")
+@click.option("--checkpointing/--no-checkpointing", default=None,
+              help="Pin activation checkpointing on or off (default: searched).")
+@click.option("--optimizer", type=click.Choice(["sgd", "sgd-momentum", "adam", "adamw"]),
+              default="adamw", show_default=True)
+@click.option("--precision", type=click.Choice(["fp32", "bf16-mixed"]), default="fp32",
+              show_default=True)
+@click.option("--memory-margin", type=click.FloatRange(min=0, max=1, max_open=True), default=0.1,
+              show_default=True, help="Fraction of device memory kept free.")
+@click.option("--max-blocks", type=click.IntRange(min=1), default=DEFAULT_MAX_BLOCKS,
+              show_default=True, help="Blocks the graph is coarsened to before solving.")
+@click.option("--time-limit", type=click.FloatRange(min=0, min_open=True), default=10.0,
+              show_default=True, help="CP-SAT deterministic seconds per refined shape.")
+@click.option("--refine", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Best shapes CP-SAT optimises after the DP screen.")
+@click.option("--capture-batch", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Batch size the model is captured at (costs scale to any micro-batch).")
+@click.option("--output", "-o", type=click.Path(dir_okay=False, path_type=Path),
+              help="Write the partition (YAML) here.")
+@click.option("--timeline", type=click.Path(dir_okay=False, path_type=Path),
+              help="Write the simulated schedule (events, memory over time) as JSON here.")
+@debug_option
+def solve(model: Path, cluster_name: str, batch_size: int, profile_path: Path | None,
+          strategy: str, stages: int | None, replicas: int | None, microbatches: int | None,
+          schedule: str | None, checkpointing: bool | None, optimizer: str, precision: str,
+          memory_margin: float, max_blocks: int, time_limit: float, refine: int,
+          capture_batch: int, output: Path | None, timeline: Path | None) -> None:
+    """Find the best pipeline x data-parallel partition of MODEL for a cluster and global batch:
+    coarsen, search shapes, cut stages (CP-SAT by default), simulate; print the plan."""
+    from partc.coarsen import coarsen
+    from partc.hardware import load_cluster
+    from partc.memory import TrainingConfig
+    from partc.partition import format_partition, format_comparison
+    from partc.pipeline import capture_graph, plan_costs
+    from partc.progress import TerminalProgress
+    from partc.search import SearchOptions, compare_strategies, search
+
+    progress = TerminalProgress()
+    cluster = load_cluster(cluster_name)
+    training = TrainingConfig(optimizer=optimizer, precision=precision,
+                              memory_margin=memory_margin)
+    options = SearchOptions(strategy="cpsat" if strategy == "all" else strategy, stages=stages,
+                            replicas=replicas, num_microbatches=microbatches, schedule=schedule,
+                            activation_checkpointing=checkpointing, max_blocks=max_blocks,
+                            time_limit_s=time_limit, refine=refine)
+    result = capture_graph(model, capture_batch, onnx=False, progress=progress)
+    table = plan_costs(result, cluster.device, profile_path, progress)
+    with progress.step(f"coarsen to at most {max_blocks} blocks"):
+        blocks = coarsen(table, max_blocks)
+    if strategy == "all":
+        results = compare_strategies(table, cluster, batch_size, training, options,
+                                     blocks=blocks, progress=progress)
+        click.echo(format_comparison(results))
+        chosen = results["cpsat"]
+        if not hasattr(chosen, "shape"):
+            raise chosen  # type: ignore[misc]
+        partition = chosen  # type: ignore[assignment]
+    else:
+        partition = search(table, cluster, batch_size, training, options, blocks=blocks,
+                           progress=progress)
+    click.echo(format_partition(partition))
+    if output is not None:
+        with writing_to(output):
+            output.parent.mkdir(parents=True, exist_ok=True)
+            partition.save(output)
+        click.echo(f"wrote {output}", err=True)
+    if timeline is not None:
+        with writing_to(timeline):
+            timeline.parent.mkdir(parents=True, exist_ok=True)
+            timeline.write_text(json.dumps(partition.simulation.to_dict(), sort_keys=True) + "\n")
+        click.echo(f"wrote {timeline}", err=True)
 
 
 def main() -> None:

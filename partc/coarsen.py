@@ -31,7 +31,7 @@ from partc.cost_model import FREE_KINDS, CostTable, Linear
 from partc.errors import PartcError
 from partc.opgraph import OpGraph
 
-DEFAULT_MAX_BLOCKS = 256
+DEFAULT_MAX_BLOCKS = 128  # CP-SAT proves 8-stage cuts in seconds at 128; 256 took 10 s+ (docs/solver.md)
 
 
 class CoarsenError(PartcError):

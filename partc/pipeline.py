@@ -1,11 +1,14 @@
-"""The capture passes as one call: model file -> capture -> ONNX -> OpGraph."""
+"""The capture passes as one call (model file -> capture -> ONNX -> OpGraph), and the costs a
+plan is solved with."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from partc.capture import Capture, capture
+from partc.cost_model import CostTable, analytic_cost_table
 from partc.graph_builder import build_opgraph
+from partc.hardware import DeviceSpec
 from partc.model_file import load_model_file
 from partc.onnx_export import OnnxExport, export_onnx
 from partc.opgraph import OpGraph
@@ -46,3 +49,18 @@ def capture_graph(model_path: str | Path, batch_size: int, *, onnx: bool = True,
     onnx_export = export_onnx(cap, progress) if onnx else None
     graph = build_opgraph(cap, onnx_export, progress)
     return CaptureResult(graph=graph, capture=cap, onnx=onnx_export)
+
+
+def plan_costs(result: CaptureResult, device: DeviceSpec, profile: str | Path | None = None,
+               progress: Progress | None = None) -> CostTable:
+    """The CostTable a plan is solved with: a saved profile of this model (`partc profile`,
+    checked against the graph hash) or, without one, the analytic roofline on `device` with saved
+    activations measured on meta."""
+    progress = progress or Progress()
+    if profile is not None:
+        with progress.step(f"loading profile {profile}"):
+            return CostTable.load(profile, result.graph)
+    from partc.measured_costs import saved_activations
+
+    with progress.step(f"pricing {len(result.graph.nodes)} operators on {device.name} (roofline)"):
+        return analytic_cost_table(result.graph, device, saved=saved_activations(result.capture))
