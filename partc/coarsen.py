@@ -14,10 +14,12 @@ small enough to balance stages finely and few enough for CP-SAT to solve quickly
 2. Blocks: the atomic groups, in a topological order, are merged into contiguous runs. A contiguous
    run of a topological order is convex (a path that left it and came back would have to go
    backwards in the order), and the block graph is a DAG whose edges point forward in that order.
-   Runs are merged greedily, cheapest first, until at most `max_blocks` remain; the price of
-   removing the cut between two neighbours is their combined time halved for every module-path
-   level the two sides of the cut share. So cuts inside a module (between a Linear's pieces, inside
-   an attention) disappear first and cuts between top-level layers last, while time stays balanced.
+   Runs are merged greedily until at most `max_blocks` remain. First come merges whose result
+   stays within the average block time (total / max_blocks), the cut whose two sides share the
+   deepest module path first: cuts inside a module (between a Linear's pieces, inside an
+   attention) disappear before cuts between layers. Then, if still too many, the merge with the
+   smallest combined time halved per shared module level. Blocks end up about equal in time and
+   aligned with module boundaries.
 
 docs/solver.md describes the algorithm with an example.
 """
@@ -346,14 +348,20 @@ def _merge_runs(times: list[float], depth: list[int], max_blocks: int) -> list[t
     run_time = list(times)
     alive = [True] * n
     version = [0] * n
-    heap: list[tuple[float, int, int, int]] = []
+    heap: list[tuple[tuple[int, int, float], int, int, int]] = []
+
+    target = sum(times) / max_blocks  # the average block time at the requested count
 
     def push(head: int) -> None:
-        # The cut after run `head` (between it and the next run).
+        # The cut after run `head` (between it and the next run). Merges that keep the run
+        # within the average block time come first, deepest shared module first (then the
+        # smallest); the rest by time discounted by the shared depth.
         right = nxt[head]
         if right < 0:
             return
-        key = (run_time[head] + run_time[right]) / (2.0 ** depth[end[head] - 1])
+        combined = run_time[head] + run_time[right]
+        d = depth[end[head] - 1]
+        key = (0, -d, combined) if combined <= target else (1, 0, combined / (2.0 ** d))
         heapq.heappush(heap, (key, end[head] - 1, head, version[head]))
 
     for i in range(n):
