@@ -5,7 +5,8 @@ The compiler is a pipeline of passes over typed data (see DESIGN.md):
     load_model_file -> capture -> export_onnx -> build_opgraph -> cost (CostTable) -> ...
 
 `capture_graph` runs the front half in one call; `profile_model` measures a CostTable on a device
-and `analytic_cost_table` computes one from a device config.
+and `analytic_cost_table` computes one from a device config; `coarsen` and `search` turn a
+CostTable into a `Partition` for a cluster.
 """
 from partc.capture import Capture, capture
 from partc.cost_model import CostTable, Linear, NodeCost, analytic_cost_table
@@ -15,7 +16,10 @@ from partc.model_file import ModelFile, load_model_file
 from partc.onnx_export import OnnxExport, export_onnx
 from partc.opgraph import Edge, GraphOutput, OpGraph, OpNode, Param, TensorSpec
 from partc.measured_costs import ProfileOptions, profile_model
-from partc.pipeline import CaptureResult, capture_graph
+from partc.pipeline import CaptureResult, capture_graph, plan_costs
+from partc.coarsen import BlockGraph, coarsen
+from partc.partition import Partition
+from partc.search import InfeasibleMemoryError, SearchOptions, search
 
 __version__ = "0.1.0"
 
@@ -24,4 +28,6 @@ __all__ = [
     "ProfileOptions", "analytic_cost_table", "profile_model", "GraphFileError", "GraphOutput",
     "ModelFile", "ModelFileError", "OnnxExport", "OpGraph", "OpNode", "Param", "PartcError",
     "TensorSpec", "build_opgraph", "capture", "capture_graph", "export_onnx", "load_model_file",
+    "plan_costs", "BlockGraph", "coarsen", "Partition", "InfeasibleMemoryError", "SearchOptions",
+    "search",
 ]

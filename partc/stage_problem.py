@@ -190,7 +190,6 @@ class StageProblem:
         v = shape.chunks
         ckpt = shape.activation_checkpointing
         bf16 = training.precision == "bf16-mixed"
-        n = len(blocks.blocks)
 
         compute_s = [b.forward.at(m) * (2.0 if ckpt else 1.0) + b.backward.at(m)
                      for b in blocks.blocks]
