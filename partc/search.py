@@ -37,7 +37,7 @@ from partc.opgraph import dtype_bytes
 from partc.partition import Partition, SolverReport, StagePlan
 from partc.progress import Progress
 from partc.simulator import PipelineSpec, StageTiming, simulate
-from partc.stage_problem import PipelineShape, StageProblem, _STEP_ACCESSES
+from partc.stage_problem import PipelineShape, StageProblem, _STEP_ACCESSES, wire_bytes
 
 STRATEGIES = ("cpsat", "chain-dp", "uniform", "params")
 DEFAULT_TIME_LIMIT_S = 10.0
@@ -476,15 +476,13 @@ def build_partition(problem: StageProblem, assignment: Sequence[int], global_bat
     stages: list[StagePlan] = []
     timings: list[StageTiming] = []
     memory = problem.exact_memory(assignment)
-    links = [None] + [cluster.link(shape.device((k - 1) % S, 0), shape.device(k % S, 0))
-                      for k in range(1, V)]
+    links = shape.boundary_links(cluster)
     sends_fwd = [0.0] * (V + 1)
     sends_bwd = [0.0] * (V + 1)
     for t in blocks.tensors:
         lo = 0 if t.producer is None else assignment[t.producer]
         hi = V - 1 if t.is_output else max((assignment[c] for c in t.consumers), default=lo)
-        nbytes = t.nbytes.at(m) * (0.5 if bf16 and graph.producer(t.name) is not None
-                                   and graph.tensor(t.name).dtype == "float32" else 1.0)
+        nbytes = wire_bytes(graph, t.name, t.nbytes.at(m), bf16)
         for k in range(lo + 1, hi + 1):
             sends_fwd[k - 1] += links[k].transfer_s(int(nbytes))
             if t.requires_grad:

@@ -35,10 +35,10 @@ from typing import Sequence
 from partc.coarsen import BlockGraph
 from partc.cost_model import CostTable
 from partc.errors import PartcError
-from partc.hardware import ClusterSpec
+from partc.hardware import ClusterSpec, LinkSpec
 from partc.memory import (SCHEDULES, StageMemory, TrainingConfig, differentiable_tensors,
                           in_flight_microbatches, stage_memory, usable_memory)
-from partc.opgraph import dtype_bytes
+from partc.opgraph import OpGraph, dtype_bytes
 
 PLACEMENTS = ("stage-major", "pipeline-major")
 # Bytes the optimizer step reads and writes per parameter element, per optimizer, fp32 states:
@@ -104,6 +104,13 @@ class PipelineShape:
     def rank_devices(self, rank: int) -> tuple[int, ...]:
         """The devices running pipeline rank `rank`, one per replica."""
         return tuple(self.device(rank, r) for r in range(self.replicas))
+
+    def boundary_links(self, cluster: ClusterSpec) -> list[LinkSpec | None]:
+        """Per boundary k (1..V-1; index 0 is None): the link between the ranks of virtual
+        stages k-1 and k, in replica 0 (every replica has the same layout)."""
+        S = self.stages
+        return [None] + [cluster.link(self.device((k - 1) % S, 0), self.device(k % S, 0))
+                         for k in range(1, self.virtual_stages)]
 
     def label(self) -> str:
         parts = [f"S{self.stages}xR{self.replicas}", f"M{self.num_microbatches}",
@@ -263,14 +270,10 @@ class StageProblem:
             transient.append(m_units(_block_transient(table, b.nodes, m, requires, bf16)))
 
         # Crossing tensors: transfer time per boundary k on the link between ranks (k-1)%S, k%S.
-        links = [None] + [cluster.link(shape.device((k - 1) % S, 0), shape.device(k % S, 0))
-                          for k in range(1, V)]
+        links = shape.boundary_links(cluster)
         tensors: list[CrossingTensor] = []
         for t in blocks.tensors:
-            spec = graph.tensor(t.name)
-            nbytes = t.nbytes.at(m)
-            if bf16 and graph.producer(t.name) is not None and spec.dtype in _FLOATING:
-                nbytes = nbytes / dtype_bytes(spec.dtype) * 2
+            nbytes = wire_bytes(graph, t.name, t.nbytes.at(m), bf16)
             grad = nbytes if t.requires_grad else 0.0
             transfer = tuple([0] + [t_units(links[k].transfer_s(int(nbytes))
                                             + links[k].transfer_s(int(grad)))
@@ -422,6 +425,15 @@ class StageProblem:
 
 
 _FLOATING = frozenset({"float64", "float32", "float16", "bfloat16"})
+
+
+def wire_bytes(graph: OpGraph, tensor: str, nbytes: float, bf16: bool) -> float:
+    """Bytes a boundary tensor occupies when sent: floating activations travel in bf16 under
+    bf16-mixed; graph inputs (the data) keep their dtype."""
+    spec = graph.tensor(tensor)
+    if bf16 and graph.producer(tensor) is not None and spec.dtype in _FLOATING:
+        return nbytes / dtype_bytes(spec.dtype) * 2
+    return nbytes
 
 
 def _merge_parallel(tensors: list[CrossingTensor]) -> list[CrossingTensor]:

@@ -59,3 +59,34 @@ def test_gpt2_1p3b_meta_analytic_profile(tmp_path) -> None:
     # forward at batch 1 runs at most at the H100's dense fp32 peak (67 TFLOP/s): 2.7 TFLOP
     assert d["totals_at_batch_sizes"]["1"]["forward_s"] > 2 * 1.3e9 * 1024 / 67e12
     assert d["totals_at_batch_sizes"]["2"]["saved_bytes"] > d["totals_at_batch_sizes"]["1"]["saved_bytes"]
+
+
+SOLVE = """
+import json, resource, sys, time
+start = time.perf_counter()
+from partc.hardware import load_cluster
+from partc.pipeline import capture_graph, plan_costs
+from partc.search import SearchOptions, search
+cluster = load_cluster("8xa100-80gb")
+r = capture_graph(sys.argv[1], 1, onnx=False)
+table = plan_costs(r, cluster.device)
+p = search(table, cluster, 64, options=SearchOptions(stages=8, replicas=1, schedule="1f1b"))
+print(json.dumps({"wall_s": time.perf_counter() - start,
+                  "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  "stages": len(p.stages), "gap": p.solver.gap, "status": p.solver.status,
+                  "fits": all(m.total <= p.usable_memory_bytes for m in p.memory),
+                  "params": sum(s.parameter_count for s in p.stages)}))
+"""
+
+
+@pytest.mark.slow
+def test_gpt2_1p3b_meta_solves_for_8_a100_without_materialising() -> None:
+    proc = subprocess.run([sys.executable, "-c", SOLVE, str(EXAMPLES / "gpt2_1p3b_meta.py")],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["stages"] == 8 and out["fits"]
+    assert out["gap"] is not None and out["gap"] < 0.05
+    assert out["rss_mib"] < 2048, out["rss_mib"]
+    # the tied wte/lm_head weight counts in both the first and the last stage
+    assert out["params"] >= 1_313_626_112
