@@ -53,9 +53,10 @@ def solve_chain_dp(problem: StageProblem, upper_bound: int | None = None) -> DPR
     saved = prefix(problem.saved)
     trainable = prefix([1 if h else 0 for h in problem.has_trainable])
     sync = [prefix([problem.sync[b][d] for b in range(n)]) for d in range(S)]
-    # Per cut c (between blocks c-1 and c): transfer time at boundary k, receive memory, and the
-    # sender's memory per rank, summed over the tensors crossing it (difference arrays).
-    xfer = [[0] * V for _ in range(n + 1)]
+    # Per cut c (between blocks c-1 and c), summed over the tensors crossing it: activation and
+    # gradient transfer time at boundary k, receive memory, and the sender's memory per rank.
+    xfwd = [[0] * V for _ in range(n + 1)]
+    xbwd = [[0] * V for _ in range(n + 1)]
     recv = [0] * (n + 1)
     send = [[0] * S for _ in range(n + 1)]
     for t in problem.tensors:
@@ -63,9 +64,10 @@ def solve_chain_dp(problem: StageProblem, upper_bound: int | None = None) -> DPR
         lo, hi = max(t.producer + 1, 1), min(t.last_block(n), n - 1)
         sends = [problem.send_units(t, d) for d in range(S)]
         for c in range(lo, hi + 1):
-            row = xfer[c]
+            frow, brow = xfwd[c], xbwd[c]
             for k in range(1, V):
-                row[k] += t.transfer[k]
+                frow[k] += t.forward[k]
+                brow[k] += t.backward[k]
             recv[c] += M * t.size
             srow = send[c]
             for d in range(S):
@@ -116,8 +118,8 @@ def solve_chain_dp(problem: StageProblem, upper_bound: int | None = None) -> DPR
                         continue
                 elif st > capacity:
                     break
-                t = comp[j] - comp[i] + (xfer[i][k] if k > 0 else 0) \
-                    + (xfer[j][k + 1] if not last else 0)
+                t = comp[j] - comp[i] + (xfwd[i][k] if k > 0 else 0) \
+                    + (xbwd[j][k + 1] if not last else 0)
                 if exact:
                     has = trainable[j] - trainable[i] > 0
                     g = (M - 1) * t + sync[d][j] - sync[d][i] + sh_sync \

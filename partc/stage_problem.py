@@ -10,7 +10,8 @@ same objective over the same numbers and their optima can be compared exactly.
 Objective (docs/solver.md derives it), with V = S*v virtual stages, virtual stage k on rank k % S:
 
     t_k  = compute of its blocks (forward + backward [+ forward again under checkpointing])
-           + transfer time of every tensor crossing boundary k (received) and k+1 (sent)
+           + transfer time of what it receives: activations crossing boundary k (forward) and
+             gradients crossing boundary k+1 (backward)
     T_d  = sum of t_k over the virtual stages of rank d
     g_d  = (M - 1) * T_d + allreduce_d + optimizer_d
     J    = max_d g_d + (max_d T_d * (v - 1) + sum_k t_k) / v
@@ -131,7 +132,8 @@ class CrossingTensor:
     producer: int
     consumers: tuple[int, ...]
     is_output: bool
-    transfer: tuple[int, ...]  # per boundary k (index 0 unused): forward + backward transfer time
+    forward: tuple[int, ...]  # per boundary k (index 0 unused): activation transfer time
+    backward: tuple[int, ...]  # per boundary k (index 0 unused): gradient transfer time
     size: int  # memory units per micro-batch
     grad_size: int  # memory units of its gradient per micro-batch (0: no gradient)
 
@@ -275,12 +277,13 @@ class StageProblem:
         for t in blocks.tensors:
             nbytes = wire_bytes(graph, t.name, t.nbytes.at(m), bf16)
             grad = nbytes if t.requires_grad else 0.0
-            transfer = tuple([0] + [t_units(links[k].transfer_s(int(nbytes))
-                                            + links[k].transfer_s(int(grad)))
+            forward = tuple([0] + [t_units(links[k].transfer_s(int(nbytes)))
+                                   for k in range(1, V)])
+            backward = tuple([0] + [t_units(links[k].transfer_s(int(grad)))
                                     for k in range(1, V)])
             tensors.append(CrossingTensor(
                 name=t.name, producer=-1 if t.producer is None else t.producer,
-                consumers=t.consumers, is_output=t.is_output, transfer=transfer,
+                consumers=t.consumers, is_output=t.is_output, forward=forward, backward=backward,
                 size=m_units(nbytes), grad_size=m_units(grad)))
 
         tensors = _merge_parallel(tensors)
@@ -323,8 +326,10 @@ class StageProblem:
             t[k] += self.compute[b]
         for tensor in self.tensors:
             for k in self.crossings(assignment, tensor):
-                t[k] += tensor.transfer[k]
-                t[k - 1] += tensor.transfer[k]
+                # Counted once, on the receiver: torch's isend does not block the sender, the
+                # receiver waits for the data.
+                t[k] += tensor.forward[k]
+                t[k - 1] += tensor.backward[k]
         return t
 
     def rank_sync(self, assignment: Sequence[int]) -> list[int]:
@@ -449,7 +454,8 @@ def _merge_parallel(tensors: list[CrossingTensor]) -> list[CrossingTensor]:
             merged[key] = CrossingTensor(
                 name=other.name, producer=t.producer, consumers=t.consumers,
                 is_output=t.is_output,
-                transfer=tuple(a + b for a, b in zip(other.transfer, t.transfer)),
+                forward=tuple(a + b for a, b in zip(other.forward, t.forward)),
+                backward=tuple(a + b for a, b in zip(other.backward, t.backward)),
                 size=other.size + t.size, grad_size=other.grad_size + t.grad_size)
     return list(merged.values())
 
