@@ -157,7 +157,9 @@ def _schedules(S: int, M: int, num_blocks: int,
                pinned: str | None) -> list[tuple[str, int]]:
     """(schedule, virtual stages per rank) pairs torch can run for S ranks and M micro-batches.
     One rank: 1F1B only (GPipe holds every micro-batch for nothing). torch's Schedule1F1B needs
-    M >= S; interleaving pays only with several ranks and runs when M is a multiple of S."""
+    M >= S; interleaving runs when M is a multiple of S. Interleaved 1F1B is searched only when
+    pinned: the objective assumes balanced virtual stages, and CP-SAT exploits that with cuts the
+    simulator finds up to 28% slower (docs/solver.md, limits)."""
     options: list[tuple[str, int]] = []
     if S == 1:
         options = [("1f1b", 1)]
@@ -165,7 +167,7 @@ def _schedules(S: int, M: int, num_blocks: int,
         options.append(("gpipe", 1))
         if M >= S:
             options.append(("1f1b", 1))
-        if M % S == 0 and num_blocks >= 2 * S:
+        if pinned == "interleaved-1f1b" and M % S == 0 and num_blocks >= 2 * S:
             options.append(("interleaved-1f1b", 2))
     if pinned is not None:
         if pinned == "gpipe" and S == 1:
