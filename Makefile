@@ -34,6 +34,7 @@ test-all: install
 bench: install
 	$(PY) bench/capture.py
 	$(PY) bench/cost_model.py
+	$(PY) bench/solver.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
