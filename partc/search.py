@@ -32,7 +32,8 @@ from partc.cost_model import CostTable
 from partc.cpsat_stages import solve_cpsat
 from partc.errors import PartcError
 from partc.hardware import ClusterSpec
-from partc.memory import SCHEDULES, TrainingConfig, stage_boundary, usable_memory
+from partc.memory import (SCHEDULES, TrainingConfig, param_memory, stage_boundary,
+                          usable_memory)
 from partc.opgraph import dtype_bytes
 from partc.partition import Partition, SolverReport, StagePlan
 from partc.progress import Progress
@@ -208,8 +209,6 @@ def shape_lower_bound(blocks: BlockGraph, table: CostTable, cluster: ClusterSpec
     grad_bytes = 0
     elements = 0
     static = 0
-    from partc.memory import param_memory
-
     block_static = []
     for b in blocks.blocks:
         total = 0
@@ -288,8 +287,8 @@ def search(table: CostTable, cluster: ClusterSpec, global_batch: int,
     wall = time.perf_counter() - start
     report = SolverReport(
         strategy=strategy, status=best.status, objective_s=best.objective_s,
-        bound_s=best.bound_s if strategy in ("cpsat",) or blocks.is_chain and
-        strategy == "chain-dp" else None,
+        # chain-dp has a bound only where it is exact (a chain block graph, one stage per rank)
+        bound_s=best.bound_s if strategy in ("cpsat", "chain-dp") else None,
         gap=_gap(best.objective_s, best.bound_s) if best.bound_s is not None else None,
         search_bound_s=search_bound, search_gap=_gap(best.objective_s, search_bound) or 0.0,
         shapes_enumerated=len(shapes), shapes_evaluated=len(evaluated), shapes_pruned=pruned,
@@ -438,7 +437,6 @@ def _least_peak(problem: StageProblem) -> int:
     """Smallest possible largest rank memory (bytes) over contiguous cuts, exact model."""
     n = problem.num_blocks
     V = problem.shape.virtual_stages
-    best = math.inf
     # Balance the linear model with the DP on a memory-only objective: binary search the limit.
     lo, hi = 0, sum(problem.static) + sum(problem.saved) * problem.shape.num_microbatches \
         + sum(p.static for p in problem.shared) + problem.capacity * 4 + 1
@@ -455,8 +453,7 @@ def _least_peak(problem: StageProblem) -> int:
     problem.capacity = saved_cap
     if found is None:
         found = tuple(i * V // n for i in range(n))
-    best = max(m.total for m in problem.exact_memory(found))
-    return int(best)
+    return int(max(m.total for m in problem.exact_memory(found)))
 
 
 # ---- the result --------------------------------------------------------------------------------
