@@ -13,12 +13,7 @@ Both cut the blocks' topological order, so every edge points forward. The exact 
 """
 from __future__ import annotations
 
-import re
-
 from partc.coarsen import BlockGraph
-
-_NUMBERED = re.compile(r"^(.*?)\.?(\d+)(?:\.|$)")
-
 
 def layer_runs(blocks: BlockGraph) -> tuple[str, list[int]] | None:
     """The model's repeated layers: (container path, layer number of every block or -1).

@@ -31,7 +31,7 @@ OPTIMIZERS = ("sgd", "sgd-momentum", "adam", "adamw")
 PRECISIONS = ("fp32", "bf16-mixed")
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 
-_FLOATING = frozenset({"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",
+FLOATING_DTYPES = _FLOATING = frozenset({"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",
                        "float8_e4m3fnuz", "float8_e5m2fnuz"})
 _BF16 = 2
 _FP32 = 4

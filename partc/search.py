@@ -34,11 +34,10 @@ from partc.errors import PartcError
 from partc.hardware import ClusterSpec
 from partc.memory import (SCHEDULES, TrainingConfig, param_memory, stage_boundary,
                           usable_memory)
-from partc.opgraph import dtype_bytes
 from partc.partition import Partition, SolverReport, StagePlan
 from partc.progress import Progress
 from partc.simulator import PipelineSpec, StageTiming, simulate
-from partc.stage_problem import PipelineShape, StageProblem, _STEP_ACCESSES, wire_bytes
+from partc.stage_problem import PipelineShape, StageProblem, sync_bytes, wire_bytes
 
 STRATEGIES = ("cpsat", "chain-dp", "uniform", "params")
 DEFAULT_TIME_LIMIT_S = 10.0
@@ -205,9 +204,8 @@ def shape_lower_bound(blocks: BlockGraph, table: CostTable, cluster: ClusterSpec
     S, v, M = shape.stages, shape.chunks, shape.num_microbatches
     T = max(W / S, max(comp) if v == 1 or S == 1 else 0.0)
     graph = table.graph
-    bf16 = training.precision == "bf16-mixed"
     grad_bytes = 0
-    elements = 0
+    step_bytes = 0
     static = 0
     block_static = []
     for b in blocks.blocks:
@@ -219,14 +217,14 @@ def shape_lower_bound(blocks: BlockGraph, table: CostTable, cluster: ClusterSpec
     for p in graph.params:
         w, g, s, _ = param_memory(p, training)
         static += w + g + s
-        if p.kind == "parameter" and p.trainable:
-            grad_bytes += p.numel * (4 if bf16 else dtype_bytes(p.dtype))
-            elements += p.numel
+        g_bytes, moved = sync_bytes(p, training)
+        grad_bytes += g_bytes
+        step_bytes += moved
     sync = 0.0
     if shape.replicas > 1:
         sync = min(cluster.allreduce_s(max(1, grad_bytes // S), shape.rank_devices(d))
                    for d in range(S))
-    sync += elements / S * _STEP_ACCESSES[training.optimizer] * 4 / cluster.device.bytes_per_s()
+    sync += step_bytes / S / cluster.device.bytes_per_s()
     bound = (M - 1) * T + sync + T + (W - T) / v
     usable = usable_memory(cluster.device.memory_bytes, replace(
         training, schedule=shape.schedule, activation_checkpointing=ckpt))
@@ -525,22 +523,16 @@ def _sync_times(problem: StageProblem, assignment: Sequence[int]) -> tuple[list[
     shape = problem.shape
     graph = problem.table.graph
     S = shape.stages
-    bf16 = problem.training.precision == "bf16-mixed"
-    params: list[dict[str, int]] = [{} for _ in range(S)]
+    held: list[set[str]] = [set() for _ in range(S)]  # a tied parameter once per rank
     for b, k in enumerate(assignment):
-        for p in problem.blocks.blocks[b].params:
-            param = graph.param(p)
-            if param.kind == "parameter" and param.trainable:
-                params[k % S][p] = param.numel
+        held[k % S].update(problem.blocks.blocks[b].params)
     allreduce, step = [], []
     for d in range(S):
-        elements = sum(params[d].values())
-        grad_bytes = sum(n * (4 if bf16 else dtype_bytes(graph.param(p).dtype))
-                         for p, n in params[d].items())
+        sizes = [sync_bytes(graph.param(p), problem.training) for p in held[d]]
+        grad_bytes = sum(g for g, _ in sizes)
         allreduce.append(problem.cluster.allreduce_s(grad_bytes, shape.rank_devices(d))
                          if shape.replicas > 1 else 0.0)
-        step.append(elements * _STEP_ACCESSES[problem.training.optimizer] * 4
-                    / problem.cluster.device.bytes_per_s())
+        step.append(sum(moved for _, moved in sizes) / problem.cluster.device.bytes_per_s())
     return allreduce, step
 
 

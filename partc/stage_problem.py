@@ -37,9 +37,10 @@ from partc.coarsen import BlockGraph
 from partc.cost_model import CostTable
 from partc.errors import PartcError
 from partc.hardware import ClusterSpec, LinkSpec
-from partc.memory import (SCHEDULES, StageMemory, TrainingConfig, differentiable_tensors,
-                          in_flight_microbatches, stage_memory, usable_memory)
-from partc.opgraph import OpGraph, dtype_bytes
+from partc.memory import (FLOATING_DTYPES as _FLOATING, SCHEDULES, StageMemory, TrainingConfig,
+                          differentiable_tensors, in_flight_microbatches, param_memory,
+                          stage_memory, usable_memory)
+from partc.opgraph import OpGraph, Param, dtype_bytes
 
 PLACEMENTS = ("stage-major", "pipeline-major")
 # Bytes the optimizer step reads and writes per parameter element, per optimizer, fp32 states:
@@ -224,7 +225,6 @@ class StageProblem:
 
         # Per rank: all-reduce of gradients over its replicas, then the optimizer step.
         groups = [shape.rank_devices(d) for d in range(S)]
-        grad_elem = 4 if bf16 else None
         step_bps = cluster.device.bytes_per_s()
         sync_per_byte: list[float] = []
         sync_latency: list[int] = []
@@ -241,12 +241,8 @@ class StageProblem:
             sync_latency.append(t_units(latency))
 
         def sync_units(name: str) -> tuple[int, ...]:
-            p = graph.param(name)
-            if p.kind != "parameter" or not p.trainable:
-                return tuple(0 for _ in range(S))
-            gbytes = p.numel * (grad_elem or dtype_bytes(p.dtype))
-            step = p.numel * _STEP_ACCESSES[training.optimizer] * 4 / step_bps
-            return tuple(t_units(gbytes * sync_per_byte[d] + step) for d in range(S))
+            gbytes, moved = sync_bytes(graph.param(name), training)
+            return tuple(t_units(gbytes * sync_per_byte[d] + moved / step_bps) for d in range(S))
 
         shared_names = sorted(p for p, bs in users.items() if len(set(bs)) > 1)
         shared = [SharedParam(name=p, blocks=tuple(sorted(set(users[p]))),
@@ -429,9 +425,6 @@ class StageProblem:
         return all(assignment[u] <= assignment[v] for u, v in self.blocks.edges)
 
 
-_FLOATING = frozenset({"float64", "float32", "float16", "bfloat16"})
-
-
 def wire_bytes(graph: OpGraph, tensor: str, nbytes: float, bf16: bool) -> float:
     """Bytes a boundary tensor occupies when sent: floating activations travel in bf16 under
     bf16-mixed; graph inputs (the data) keep their dtype."""
@@ -460,12 +453,19 @@ def _merge_parallel(tensors: list[CrossingTensor]) -> list[CrossingTensor]:
     return list(merged.values())
 
 
-def _param_bytes(p, training: TrainingConfig) -> tuple[float, float]:
+def _param_bytes(p: Param, training: TrainingConfig) -> tuple[float, float]:
     """(static, step temporaries) bytes of one parameter/buffer; partc.memory's rules."""
-    from partc.memory import param_memory  # one formula for both models
-
     weights, grads, state, temps = param_memory(p, training)
     return float(weights + grads + state), float(temps)
+
+
+def sync_bytes(p: Param, training: TrainingConfig) -> tuple[int, int]:
+    """(gradient bytes a data-parallel all-reduce moves, bytes the optimizer step reads and
+    writes) for one parameter; (0, 0) for buffers and frozen parameters."""
+    grads = param_memory(p, training)[1]
+    if not grads:
+        return 0, 0
+    return grads, p.numel * _STEP_ACCESSES[training.optimizer] * 4
 
 
 def _block_transient(table: CostTable, nodes: Sequence[str], m: float,
