@@ -224,20 +224,25 @@ class CostTable:
     def to_dict(self) -> dict[str, Any]:
         src = asdict(self.source)
         src["batch_sizes"] = list(self.source.batch_sizes)
+        # Totals are summed from the rounded rows the file holds, so a loaded profile saves back
+        # to the same bytes (summing unrounded values could differ in the last digit).
+        written = CostTable(self.graph, self.source, {
+            name: NodeCost(*(Linear(_round(x.fixed), _round(x.per_sample))
+                             for x in (c.forward, c.backward, c.saved)), c.method)
+            for name, c in sorted(self.nodes.items())})  # sorted: the file's order, same sums
         return {
             "format": PROFILE_FORMAT,
             "format_version": PROFILE_VERSION,
             **src,
             "methods": self.methods(),
             "totals_at_batch_sizes": {
-                str(b): {"forward_s": _round(self.total_forward_s(b)),
-                         "backward_s": _round(self.total_backward_s(b)),
-                         "saved_bytes": int(self.total_saved_bytes(b))}
+                str(b): {"forward_s": _round(written.total_forward_s(b)),
+                         "backward_s": _round(written.total_backward_s(b)),
+                         "saved_bytes": int(written.total_saved_bytes(b))}
                 for b in self.source.batch_sizes},
-            "nodes": {name: [c.method, _round(c.forward.fixed), _round(c.forward.per_sample),
-                             _round(c.backward.fixed), _round(c.backward.per_sample),
-                             _round(c.saved.fixed), _round(c.saved.per_sample)]
-                      for name, c in sorted(self.nodes.items())},
+            "nodes": {name: [c.method, c.forward.fixed, c.forward.per_sample, c.backward.fixed,
+                             c.backward.per_sample, c.saved.fixed, c.saved.per_sample]
+                      for name, c in written.nodes.items()},
         }
 
     def save(self, path: str | Path) -> Path:
