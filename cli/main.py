@@ -186,73 +186,99 @@ def profile(model: Path, device: str, batch_size: int, batch_sizes: tuple[int, .
     click.echo(f"wrote {output}", err=True)
 
 
+def plan_options(default_cluster: str, compare: bool = False) -> Any:
+    """The options `solve` and `compile` share: cluster, batch, costs and everything the search
+    lets a user pin. `compare` adds `--strategy all`."""
+    options = [
+        click.option("--cluster", "-c", "cluster_name", default=default_cluster, show_default=True,
+                     help="Cluster config: 'local' (this machine: its GPUs, or its CPU cores as "
+                          "gloo processes), a name from configs/clusters/, or a YAML path."),
+        click.option("--batch-size", "-b", type=click.IntRange(min=1), required=True,
+                     help="Global batch size (samples per training iteration over all replicas)."),
+        click.option("--profile", "profile_path", type=click.Path(dir_okay=False, path_type=Path),
+                     help="Measured costs from `partc profile` (default: analytic, from the "
+                          "cluster's device config)."),
+        click.option("--strategy", type=click.Choice(["cpsat", "chain-dp", "uniform", "params"]
+                                                      + (["all"] if compare else [])),
+                     default="cpsat", show_default=True,
+                     help="How stages are cut" + ("; 'all' compares every strategy on the same "
+                                                  "search." if compare else ".")),
+        click.option("--stages", type=click.IntRange(min=1), help="Pin the pipeline stages."),
+        click.option("--replicas", type=click.IntRange(min=1),
+                     help="Pin the data-parallel replicas."),
+        click.option("--microbatches", type=click.IntRange(min=1),
+                     help="Pin the micro-batch count."),
+        click.option("--schedule", type=click.Choice(["gpipe", "1f1b", "interleaved-1f1b"]),
+                     help="Pin the pipeline schedule."),
+        click.option("--checkpointing/--no-checkpointing", default=None,
+                     help="Pin activation checkpointing on or off (default: searched)."),
+        click.option("--optimizer", type=click.Choice(["sgd", "sgd-momentum", "adam", "adamw"]),
+                     default="adamw", show_default=True),
+        click.option("--precision", type=click.Choice(["fp32", "bf16-mixed"]), default="fp32",
+                     show_default=True),
+        click.option("--memory-margin", type=click.FloatRange(min=0, max=1, max_open=True),
+                     default=0.1, show_default=True, help="Fraction of device memory kept free."),
+        click.option("--max-blocks", type=click.IntRange(min=1), default=DEFAULT_MAX_BLOCKS,
+                     show_default=True, help="Blocks the graph is coarsened to before solving."),
+        click.option("--time-limit", type=click.FloatRange(min=0, min_open=True), default=10.0,
+                     show_default=True, help="CP-SAT deterministic seconds per refined shape."),
+        click.option("--refine", type=click.IntRange(min=1), default=1, show_default=True,
+                     help="Best shapes CP-SAT optimises after the DP screen."),
+        click.option("--capture-batch", type=click.IntRange(min=1), default=2, show_default=True,
+                     help="Batch size the model is captured at (costs scale to any micro-batch)."),
+    ]
+
+    def apply(f: Any) -> Any:
+        for option in reversed(options):
+            f = option(f)
+        return f
+    return apply
+
+
+def _search_inputs(kw: dict[str, Any]) -> tuple[Any, Any, Any]:
+    """(cluster, TrainingConfig, SearchOptions) from the plan options."""
+    from partc.hardware import resolve_cluster
+    from partc.memory import TrainingConfig
+    from partc.search import SearchOptions
+
+    cluster = resolve_cluster(kw["cluster_name"])
+    training = TrainingConfig(optimizer=kw["optimizer"], precision=kw["precision"],
+                              memory_margin=kw["memory_margin"])
+    strategy = kw["strategy"]
+    options = SearchOptions(strategy="cpsat" if strategy == "all" else strategy,
+                            stages=kw["stages"], replicas=kw["replicas"],
+                            num_microbatches=kw["microbatches"], schedule=kw["schedule"],
+                            activation_checkpointing=kw["checkpointing"],
+                            max_blocks=kw["max_blocks"], time_limit_s=kw["time_limit"],
+                            refine=kw["refine"])
+    return cluster, training, options
+
+
 @cli.command()
 @click.argument("model", type=click.Path(path_type=Path))
-@click.option("--cluster", "-c", "cluster_name", default="cpu", show_default=True,
-              help="Cluster config: a name from configs/clusters/ or a YAML path.")
-@click.option("--batch-size", "-b", type=click.IntRange(min=1), required=True,
-              help="Global batch size (samples per training iteration over all replicas).")
-@click.option("--profile", "profile_path", type=click.Path(dir_okay=False, path_type=Path),
-              help="Measured costs from `partc profile` (default: analytic, from the cluster's "
-                   "device config).")
-@click.option("--strategy", type=click.Choice(["cpsat", "chain-dp", "uniform", "params", "all"]),
-              default="cpsat", show_default=True,
-              help="How stages are cut; 'all' compares every strategy on the same search.")
-@click.option("--stages", type=click.IntRange(min=1), help="Pin the pipeline stages.")
-@click.option("--replicas", type=click.IntRange(min=1), help="Pin the data-parallel replicas.")
-@click.option("--microbatches", type=click.IntRange(min=1), help="Pin the micro-batch count.")
-@click.option("--schedule", type=click.Choice(["gpipe", "1f1b", "interleaved-1f1b"]),
-              help="Pin the pipeline schedule.")
-@click.option("--checkpointing/--no-checkpointing", default=None,
-              help="Pin activation checkpointing on or off (default: searched).")
-@click.option("--optimizer", type=click.Choice(["sgd", "sgd-momentum", "adam", "adamw"]),
-              default="adamw", show_default=True)
-@click.option("--precision", type=click.Choice(["fp32", "bf16-mixed"]), default="fp32",
-              show_default=True)
-@click.option("--memory-margin", type=click.FloatRange(min=0, max=1, max_open=True), default=0.1,
-              show_default=True, help="Fraction of device memory kept free.")
-@click.option("--max-blocks", type=click.IntRange(min=1), default=DEFAULT_MAX_BLOCKS,
-              show_default=True, help="Blocks the graph is coarsened to before solving.")
-@click.option("--time-limit", type=click.FloatRange(min=0, min_open=True), default=10.0,
-              show_default=True, help="CP-SAT deterministic seconds per refined shape.")
-@click.option("--refine", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Best shapes CP-SAT optimises after the DP screen.")
-@click.option("--capture-batch", type=click.IntRange(min=1), default=2, show_default=True,
-              help="Batch size the model is captured at (costs scale to any micro-batch).")
+@plan_options(default_cluster="cpu", compare=True)
 @click.option("--output", "-o", type=click.Path(dir_okay=False, path_type=Path),
               help="Write the partition (YAML) here.")
 @click.option("--timeline", type=click.Path(dir_okay=False, path_type=Path),
               help="Write the simulated schedule (events, memory over time) as JSON here.")
 @debug_option
-def solve(model: Path, cluster_name: str, batch_size: int, profile_path: Path | None,
-          strategy: str, stages: int | None, replicas: int | None, microbatches: int | None,
-          schedule: str | None, checkpointing: bool | None, optimizer: str, precision: str,
-          memory_margin: float, max_blocks: int, time_limit: float, refine: int,
-          capture_batch: int, output: Path | None, timeline: Path | None) -> None:
+def solve(model: Path, output: Path | None, timeline: Path | None, **kw: Any) -> None:
     """Find the best pipeline x data-parallel partition of MODEL for a cluster and global batch:
     coarsen, search shapes, cut stages (CP-SAT by default), simulate; print the plan."""
     from partc.coarsen import coarsen
-    from partc.hardware import load_cluster
-    from partc.memory import TrainingConfig
     from partc.partition import format_partition, format_comparison
     from partc.pipeline import capture_graph, plan_costs
     from partc.progress import TerminalProgress
-    from partc.search import SearchOptions, compare_strategies, search
+    from partc.search import compare_strategies, search
 
     progress = TerminalProgress()
-    cluster = load_cluster(cluster_name)
-    training = TrainingConfig(optimizer=optimizer, precision=precision,
-                              memory_margin=memory_margin)
-    options = SearchOptions(strategy="cpsat" if strategy == "all" else strategy, stages=stages,
-                            replicas=replicas, num_microbatches=microbatches, schedule=schedule,
-                            activation_checkpointing=checkpointing, max_blocks=max_blocks,
-                            time_limit_s=time_limit, refine=refine)
-    result = capture_graph(model, capture_batch, onnx=False, progress=progress)
-    table = plan_costs(result, cluster.device, profile_path, progress)
-    with progress.step(f"coarsen to at most {max_blocks} blocks"):
-        blocks = coarsen(table, max_blocks)
-    if strategy == "all":
-        results = compare_strategies(table, cluster, batch_size, training, options,
+    cluster, training, options = _search_inputs(kw)
+    result = capture_graph(model, kw["capture_batch"], onnx=False, progress=progress)
+    table = plan_costs(result, cluster.device, kw["profile_path"], progress)
+    with progress.step(f"coarsen to at most {options.max_blocks} blocks"):
+        blocks = coarsen(table, options.max_blocks)
+    if kw["strategy"] == "all":
+        results = compare_strategies(table, cluster, kw["batch_size"], training, options,
                                      blocks=blocks, progress=progress)
         click.echo(format_comparison(results))
         chosen = results["cpsat"]
@@ -260,7 +286,7 @@ def solve(model: Path, cluster_name: str, batch_size: int, profile_path: Path | 
             raise chosen  # type: ignore[misc]
         partition = chosen  # type: ignore[assignment]
     else:
-        partition = search(table, cluster, batch_size, training, options, blocks=blocks,
+        partition = search(table, cluster, kw["batch_size"], training, options, blocks=blocks,
                            progress=progress)
     click.echo(format_partition(partition))
     if output is not None:
@@ -273,6 +299,53 @@ def solve(model: Path, cluster_name: str, batch_size: int, profile_path: Path | 
             timeline.parent.mkdir(parents=True, exist_ok=True)
             timeline.write_text(json.dumps(partition.simulation.to_dict(), sort_keys=True) + "\n")
         click.echo(f"wrote {timeline}", err=True)
+
+
+@cli.command(name="compile")
+@click.argument("model", type=click.Path(path_type=Path))
+@plan_options(default_cluster="local")
+@click.option("--output", "-o", type=click.Path(file_okay=False, path_type=Path),
+              help="Plan directory to write (plan.yaml + stage_<k>.pt) [default: plans/<model>].")
+@debug_option
+def compile_command(model: Path, output: Path | None, **kw: Any) -> None:
+    """Compile MODEL into a plan directory: capture, price, coarsen, solve, simulate, then split
+    the program into stages, trace each to TorchScript (stage_<k>.pt) and write plan.yaml."""
+    from partc.compile import CompileOptions, compile_model
+    from partc.plan import format_plan
+    from partc.progress import TerminalProgress
+
+    progress = TerminalProgress()
+    cluster, training, search_options = _search_inputs(kw)
+    output = output if output is not None else Path("plans") / model.stem
+    options = CompileOptions(batch_size=kw["batch_size"], search=search_options,
+                             training=training, profile=kw["profile_path"],
+                             capture_batch=kw["capture_batch"])
+    result = compile_model(model, cluster, output, options, progress)
+    click.echo(format_plan(result.plan, solver_wall_s=result.partition.solver.wall_s))
+    click.echo(f"wrote {output / 'plan.yaml'} and {result.plan.num_stages} stage files "
+               f"in {result.timings['total_s']:.1f} s", err=True)
+
+
+@cli.command()
+@click.argument("plan", type=click.Path(path_type=Path))
+@click.option("--rtol", type=click.FloatRange(min=0), default=1e-4, show_default=True,
+              help="Relative tolerance (of the largest reference magnitude per tensor).")
+@click.option("--atol", type=click.FloatRange(min=0), default=1e-5, show_default=True,
+              help="Absolute tolerance.")
+@click.option("--seed", type=int, default=0, show_default=True,
+              help="RNG seed of both runs (dropout) and of a meta model's initialisation.")
+@click.option("--device", default="cpu", show_default=True,
+              help="Device both runs use (cpu, cuda, cuda:N).")
+@debug_option
+def verify(plan: Path, rtol: float, atol: float, seed: int, device: str) -> None:
+    """Check a plan: schema, stage file hashes, and that the stages in sequence compute the model's
+    outputs, loss and every gradient (exit 1 when above tolerance)."""
+    from partc.verify import format_report, verify_plan
+
+    report = verify_plan(plan, rtol=rtol, atol=atol, seed=seed, device=device)
+    click.echo(format_report(report))
+    if not report.ok:
+        sys.exit(1)
 
 
 def main() -> None:

@@ -43,7 +43,7 @@ class Capture:
     trainable: dict[str, bool]  # parameter FQN -> requires_grad
 
 
-def _tied_groups(model: torch.nn.Module) -> dict[str, tuple[str, ...]]:
+def tied_groups(model: torch.nn.Module) -> dict[str, tuple[str, ...]]:
     """Names that refer to one tensor (tied weights), from the module tree itself."""
     by_id: dict[int, list[str]] = {}
     named = list(model.named_parameters(remove_duplicate=False))
@@ -144,7 +144,7 @@ def capture(model_file: ModelFile, batch_size: int, progress: Progress | None = 
         inputs = model_file.inputs(batch_size)
         if on_meta:
             inputs = inputs_to_meta(inputs)
-        tied = _tied_groups(model)
+        tied = tied_groups(model)
         trainable = {n: p.requires_grad for n, p in model.named_parameters(remove_duplicate=False)}
     where = f"{model_file.name} (batch size {batch_size})"
     with progress.step(f"capturing with torch.export at batch size {batch_size}"):

@@ -652,6 +652,65 @@ def load_cluster(name_or_path: str | Path) -> ClusterSpec:
     return cluster_from_dict(_read_yaml(path), str(path))
 
 
+LOCAL_CLUSTER = "local"
+
+
+def local_cluster() -> ClusterSpec:
+    """This machine as a cluster (what `--cluster local`, the default, means).
+
+    With CUDA GPUs: one device per GPU, the device config whose name matches the GPU's (e.g. an
+    "NVIDIA H100 80GB HBM3" is h100-80gb) with the GPU's real memory, NCCL, and the intra-node
+    link of a shipped cluster config of that device. Without: the CPU as one gloo process per
+    physical core, priced with the calibrated cpu device (configs/devices/cpu.yaml), each device
+    getting an equal share of the RAM, and the loopback link measured in configs/clusters/cpu.yaml.
+    """
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        return _local_gpus(torch.cuda.device_count(), torch.cuda.get_device_properties(0))
+    cores = physical_cores()
+    base = load_cluster("cpu")
+    device = replace(base.device, memory_bytes=ram_bytes() // cores,
+                     description=f"{cpu_model()}: 1 of {cores} physical core(s), "
+                                 f"{ram_bytes() / 2**30:.1f} GiB RAM shared equally")
+    return replace(base, name=LOCAL_CLUSTER, device=device, devices_per_node=cores, num_nodes=1,
+                   description=f"this machine: {cores} gloo process(es), one per physical core",
+                   source="detected: /proc/cpuinfo, /proc/meminfo; costs of configs/devices/cpu.yaml")
+
+
+def _local_gpus(count: int, props: Any) -> ClusterSpec:
+    gpu = str(props.name)
+    memory = int(props.total_memory)
+    best: DeviceSpec | None = None
+    for name in list_devices():
+        spec = load_device(name)
+        family = name.split("-")[0].upper()  # a100-80gb -> A100
+        if spec.kind == "cuda" and family in gpu.upper().replace(" ", "") and \
+                (best is None or abs(spec.memory_bytes - memory) < abs(best.memory_bytes - memory)):
+            best = spec
+    if best is None:
+        raise ConfigError(f"no device config matches this machine's GPU ({gpu})",
+                          hint=f"pass --cluster with a cluster config (configs/clusters/), or add "
+                               f"a device to {config_dir() / 'devices'}")
+    link = next((c.intra_node for c in (load_cluster(n) for n in list_clusters())
+                 if c.device.name == best.name), None)
+    if link is None:
+        raise ConfigError(f"no cluster config describes the links between {best.name} devices",
+                          hint="pass --cluster with a cluster config")
+    device = replace(best, memory_bytes=memory, description=f"{gpu} (config {best.name})")
+    return ClusterSpec(name=LOCAL_CLUSTER, device=device, devices_per_node=count, num_nodes=1,
+                       intra_node=link, inter_node=link, backend="nccl",
+                       description=f"this machine: {count} x {gpu}",
+                       source=f"detected by torch.cuda; costs of configs/devices/{best.name}.yaml")
+
+
+def resolve_cluster(name_or_path: str | Path) -> ClusterSpec:
+    """`local` (this machine, see local_cluster) or a cluster config name or path."""
+    if str(name_or_path) == LOCAL_CLUSTER:
+        return local_cluster()
+    return load_cluster(name_or_path)
+
+
 # --------------------------------------------------------------------------------------------
 # CPU calibration
 

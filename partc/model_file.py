@@ -81,11 +81,13 @@ class ModelFile:
         """The model file's loss_fn, or `default_loss_fn` when it defines none."""
         return self.loss_fn if self.loss_fn is not None else default_loss_fn
 
-    def data(self, batch_size: int) -> Iterator[tuple[Inputs, Any]]:
+    def data(self, batch_size: int,
+             output_shape: tuple[int, ...] | None = None) -> Iterator[tuple[Inputs, Any]]:
         """(inputs, target) pairs from the model file's batches(), normalised; or, when it defines
-        none, synthetic batches (see `synthetic_batches`)."""
+        none, synthetic batches (see `synthetic_batches`; `output_shape` is the first output's
+        shape at `batch_size` when the caller knows it, e.g. from a plan)."""
         if self.batches is None:
-            yield from synthetic_batches(self, batch_size)
+            yield from synthetic_batches(self, batch_size, output_shape=output_shape)
             return
         for i, item in enumerate(self.batches(batch_size)):
             if not (isinstance(item, (tuple, list)) and len(item) == 2):
@@ -144,8 +146,9 @@ def default_loss_fn(output: Any, target: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.mse_loss(out.float(), target.float())
 
 
-def synthetic_batches(model_file: ModelFile, batch_size: int,
-                      seed: int = 0) -> Iterator[tuple[Inputs, torch.Tensor]]:
+def synthetic_batches(model_file: ModelFile, batch_size: int, seed: int = 0,
+                      output_shape: tuple[int, ...] | None = None
+                      ) -> Iterator[tuple[Inputs, torch.Tensor]]:
     """Batches for a model file without batches(): its example_inputs plus synthetic targets.
 
     Every step re-draws floating-point inputs (standard normal) and integer inputs (uniform in
@@ -155,20 +158,22 @@ def synthetic_batches(model_file: ModelFile, batch_size: int,
     that dimension, which matches `default_loss_fn`'s classification branch (synthetic data is
     always classification-shaped: define batches() for regression). The output shape comes from
     one forward pass without gradients, in the model's training mode; a meta-device model runs
-    that pass on meta inputs, so nothing is materialised. Deterministic for a given seed.
+    that pass on meta inputs, so nothing is materialised; a caller that knows the output shape
+    (`output_shape`, e.g. from a plan) skips the pass. Deterministic for a given seed.
     """
     args, kwargs = model_file.inputs(batch_size)
-    model = model_file.build().train()
     gen = torch.Generator().manual_seed(seed)
-    probe_args, probe_kwargs = args, kwargs
-    if is_on_meta(model):
-        model = model.to("meta")
-        probe_args, probe_kwargs = inputs_to_meta((args, kwargs))
-    with torch.no_grad():
-        out = _first_tensor(model(*probe_args, **probe_kwargs))
-    classes = out.shape[-1]
-    target_shape = tuple(out.shape[:-1])
-    del model, out
+    if output_shape is None:
+        model = model_file.build().train()
+        probe_args, probe_kwargs = args, kwargs
+        if is_on_meta(model):
+            model = model.to("meta")
+            probe_args, probe_kwargs = inputs_to_meta((args, kwargs))
+        with torch.no_grad():
+            output_shape = tuple(_first_tensor(model(*probe_args, **probe_kwargs)).shape)
+        del model
+    classes = output_shape[-1]
+    target_shape = tuple(output_shape[:-1])
 
     def redraw(t: Any) -> Any:
         if not isinstance(t, torch.Tensor) or t.numel() == 0:

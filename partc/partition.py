@@ -45,7 +45,7 @@ class StagePlan:
                 "blocks": [self.blocks[0], self.blocks[-1]] if self.blocks else [],
                 "num_nodes": len(self.nodes), "modules": list(self.modules),
                 "parameters": list(self.parameters), "parameter_count": self.parameter_count,
-                "forward_s": _round(self.forward_s), "backward_s": _round(self.backward_s),
+                "forward_s": round_seconds(self.forward_s), "backward_s": round_seconds(self.backward_s),
                 "receives": list(self.receives), "sends": list(self.sends)}
 
 
@@ -76,10 +76,10 @@ class SolverReport:
 
     def to_dict(self, include_time: bool = True) -> dict[str, Any]:
         d = {"strategy": self.strategy, "status": self.status,
-             "objective_s": _round(self.objective_s),
-             "bound_s": None if self.bound_s is None else _round(self.bound_s),
+             "objective_s": round_seconds(self.objective_s),
+             "bound_s": None if self.bound_s is None else round_seconds(self.bound_s),
              "gap": None if self.gap is None else round(self.gap, 6),
-             "search_bound_s": _round(self.search_bound_s),
+             "search_bound_s": round_seconds(self.search_bound_s),
              "search_gap": round(self.search_gap, 6),
              "shapes": {"enumerated": self.shapes_enumerated, "evaluated": self.shapes_evaluated,
                         "pruned_by_bound": self.shapes_pruned},
@@ -134,7 +134,7 @@ class Partition:
             "memory": {"usable_bytes_per_device": self.usable_memory_bytes,
                        "ranks": [m.to_dict() for m in self.memory]},
             "solver": self.solver.to_dict(include_time),
-            "predicted": {"iteration_s": _round(self.iteration_s),
+            "predicted": {"iteration_s": round_seconds(self.iteration_s),
                           "samples_per_s": round(self.samples_per_s, 3),
                           "bubble_fraction": round(self.simulation.bubble_fraction, 6),
                           "peak_memory_bytes": [int(x) for x in
@@ -152,7 +152,7 @@ class Partition:
         return path
 
 
-def _round(x: float) -> float:
+def round_seconds(x: float) -> float:
     """Seconds to 1 ns: stable text, more precision than any estimate has."""
     return float(f"{x:.9g}") if x else 0.0
 
