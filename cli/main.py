@@ -336,13 +336,19 @@ def compile_command(model: Path, output: Path | None, **kw: Any) -> None:
               help="RNG seed of both runs (dropout) and of a meta model's initialisation.")
 @click.option("--device", default="cpu", show_default=True,
               help="Device both runs use (cpu, cuda, cuda:N).")
+@click.option("--init-from", type=click.Path(dir_okay=False, path_type=Path),
+              help="A torch.save'd state_dict of the model: both runs take their weights from it "
+                   "by FQN (as launch --init-from does) instead of the stage files or, for a "
+                   "meta-device model, the model's own initialisation.")
 @debug_option
-def verify(plan: Path, rtol: float, atol: float, seed: int, device: str) -> None:
+def verify(plan: Path, rtol: float, atol: float, seed: int, device: str,
+           init_from: Path | None) -> None:
     """Check a plan: schema, stage file hashes, and that the stages in sequence compute the model's
     outputs, loss and every gradient (exit 1 when above tolerance)."""
     from partc.verify import format_report, verify_plan
 
-    report = verify_plan(plan, rtol=rtol, atol=atol, seed=seed, device=device)
+    report = verify_plan(plan, rtol=rtol, atol=atol, seed=seed, device=device,
+                         init_from=init_from)
     click.echo(format_report(report))
     if not report.ok:
         sys.exit(1)

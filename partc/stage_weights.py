@@ -168,7 +168,8 @@ def pick_state(state: Mapping[str, torch.Tensor], names: Iterable[str],
                 picked[name] = state[candidate]
                 break
         else:
-            missing.append(name)
+            others = tuple(aliases.get(name, ()))
+            missing.append(name + (f" (or {', '.join(others)})" if others else ""))
     if missing:
         raise WeightsError(f"{where} lacks {len(missing)} tensor(s) a stage needs: "
                            f"{', '.join(missing[:5])}",

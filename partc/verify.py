@@ -30,8 +30,8 @@ from partc.model_file import ModelFile, load_model_file
 from partc.plan import Plan, PlanError, load_plan
 from partc.stage_code import load_stage
 from partc.stage_graph import flatten_inputs
-from partc.stage_weights import (check_shapes, initial_state, pick_state, set_stage_tensors,
-                                 stage_tensors)
+from partc.stage_weights import (check_shapes, initial_state, load_state_dict_file, pick_state,
+                                 set_stage_tensors, stage_tensors)
 
 DEFAULT_RTOL = 1e-4
 DEFAULT_ATOL = 1e-5
@@ -68,9 +68,12 @@ class VerifyReport:
 
 
 def verify_plan(path: str | Path, *, rtol: float = DEFAULT_RTOL, atol: float = DEFAULT_ATOL,
-                seed: int = 0, device: str = "cpu") -> VerifyReport:
+                seed: int = 0, device: str = "cpu",
+                init_from: str | Path | None = None) -> VerifyReport:
     """Run every check of the module docstring; structural failures raise PlanError, numerical
-    ones are in the report (`report.ok`)."""
+    ones are in the report (`report.ok`). `init_from`: a state_dict file both runs take their
+    weights from by FQN (the `--init-from` path of launch) instead of the stage files or the
+    model's own initialisation."""
     plan = load_plan(path)
     plan.check_stage_files()
     dev = torch.device(device)
@@ -85,7 +88,18 @@ def verify_plan(path: str | Path, *, rtol: float = DEFAULT_RTOL, atol: float = D
     model_file = _model_file(plan)
     model = model_file.build().train()
     aliases = plan.model.aliases()
-    if plan.model.on_meta:
+    if init_from is not None:
+        state = load_state_dict_file(init_from)
+        wanted = {n for m in stages for n in stage_tensors(m)}
+        weights = pick_state(state, sorted(wanted), aliases, str(init_from))
+        weights = {n: t.to(dev) for n, t in weights.items()}
+        if plan.model.on_meta:
+            groups = tied_groups(model)
+            model.to_empty(device=dev)
+            _retie(model, groups)
+        else:
+            model.to(dev)
+    elif plan.model.on_meta:
         weights = _initialised(model, model_file, plan, dev, seed)
     else:
         model.to(dev)
@@ -95,7 +109,7 @@ def verify_plan(path: str | Path, *, rtol: float = DEFAULT_RTOL, atol: float = D
     for st, module in zip(plan.stages, stages):
         mine = pick_state(weights, stage_tensors(module), aliases, f"weights of stage {st.index}")
         check_shapes(module, mine, f"stage {st.index}")
-        if plan.model.on_meta:
+        if plan.model.on_meta and init_from is None:
             # launch initialises each stage alone: it must get the whole model's values
             alone = initial_state(model_file, mine, dev, seed)
             differ = [n for n in mine if not torch.equal(alone[n], mine[n])]
@@ -200,11 +214,7 @@ def _initialised(model: torch.nn.Module, model_file: ModelFile, plan: Plan, devi
     state = initial_state(model_file, names, device, seed)
     groups = tied_groups(model)
     model.to_empty(device=device)
-    for group in set(groups.values()):  # to_empty may give each alias its own storage
-        first = model.get_parameter(group[0])
-        for alias in group[1:]:
-            path, _, leaf = alias.rpartition(".")
-            setattr(model.get_submodule(path) if path else model, leaf, first)
+    _retie(model, groups)
     model.load_state_dict(state, strict=False)
     for name, value in state.items():  # non-persistent buffers are not in load_state_dict's reach
         path, _, leaf = name.rpartition(".")
@@ -212,6 +222,15 @@ def _initialised(model: torch.nn.Module, model_file: ModelFile, plan: Plan, devi
         if leaf in owner._buffers:
             owner._buffers[leaf] = value.clone()
     return state
+
+
+def _retie(model: torch.nn.Module, groups: dict[str, tuple[str, ...]]) -> None:
+    """to_empty may give each name of a tied tensor its own storage: share the first again."""
+    for group in set(groups.values()):
+        first = model.get_parameter(group[0])
+        for alias in group[1:]:
+            path, _, leaf = alias.rpartition(".")
+            setattr(model.get_submodule(path) if path else model, leaf, first)
 
 
 def _with_aliases(weights: dict[str, torch.Tensor], aliases: dict[str, tuple[str, ...]],

@@ -90,3 +90,39 @@ def test_gpt2_1p3b_meta_solves_for_8_a100_without_materialising() -> None:
     assert out["rss_mib"] < 2048, out["rss_mib"]
     # the tied wte/lm_head weight counts in both the first and the last stage
     assert out["params"] >= 1_313_626_112
+
+
+COMPILE_SCRIPT = """
+import json, resource, sys, time
+from partc.compile import CompileOptions, compile_model
+from partc.hardware import load_cluster
+from partc.plan import load_plan
+from partc.search import SearchOptions
+start = time.perf_counter()
+r = compile_model(sys.argv[1], load_cluster("8xa100-80gb"), sys.argv[2],
+                  CompileOptions(batch_size=512, search=SearchOptions(stages=8)))
+wall = time.perf_counter() - start
+plan = load_plan(sys.argv[2])
+print(json.dumps({"rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  "wall_s": wall, "stages": plan.num_stages, "weights": plan.model.weights,
+                  "tied": [list(t.stages) for t in plan.tied_parameters],
+                  "params": sum(s.parameters for s in plan.stages),
+                  "gap": plan.solver["gap"]}))
+"""
+
+
+@pytest.mark.slow
+def test_gpt2_1p3b_meta_compiles_for_8_a100_without_materialising(tmp_path) -> None:
+    out = tmp_path / "xl"
+    proc = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT,
+                           str(EXAMPLES / "gpt2_1p3b_meta.py"), str(out)],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["stages"] == 8 and result["weights"] == "initialise-at-launch"
+    assert result["tied"] == [[0, 7]]  # wte in the first stage, the LM head in the last
+    # every parameter is in a stage (the tied one in two)
+    assert result["params"] == 1_313_626_112 + 50257 * 2048
+    assert result["rss_mib"] < 2048, result  # 5.3 GB of fp32 weights never materialised
+    assert sum(p.stat().st_size for p in out.glob("stage_*.pt")) < 2_000_000
+    print(f"1.3B compile: {result['wall_s']:.1f} s, {result['rss_mib']:.0f} MiB RSS")

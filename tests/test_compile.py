@@ -1,0 +1,269 @@
+"""partc compile + partc verify end to end: real export, split, jit.trace, CP-SAT, stage files."""
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from conftest import EXAMPLES, ROOT, TEST_MODELS
+from partc.compile import CompileOptions, compile_model
+from partc.hardware import load_cluster, local_cluster
+from partc.plan import PlanError, load_plan, plan_schema, validate_plan_dict
+from partc.search import SearchOptions
+from partc.stage_code import load_stage
+from partc.verify import verify_plan
+
+PARTC = str(Path(sys.executable).parent / "partc")
+CPU4 = load_cluster("cpu-4")
+
+
+def compile_to(tmp: Path, model: Path, stages: int, batch: int = 8, strategy: str = "cpsat",
+               cluster=CPU4) -> Path:
+    out = tmp / f"{model.stem}-{stages}-{strategy}"
+    compile_model(model, cluster, out, CompileOptions(
+        batch_size=batch, search=SearchOptions(stages=stages, strategy=strategy)))
+    return out
+
+
+def run(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([PARTC, *args], capture_output=True, text=True, cwd=cwd, timeout=600)
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+@pytest.mark.parametrize("example", ["mlp", "resnet", "transformer", "bert", "gpt2"])
+def test_compile_and_verify_every_example(tmp_path: Path, example: str, stages: int) -> None:
+    out = compile_to(tmp_path, EXAMPLES / f"{example}.py", stages)
+    plan = load_plan(out / "plan.yaml")  # validates against the JSON Schema
+    assert plan.num_stages == stages
+    assert sorted(p.name for p in out.glob("stage_*.pt")) == [f"stage_{k}.pt" for k in range(stages)]
+    report = verify_plan(out / "plan.yaml")
+    assert report.ok, [c for c in report.comparisons if not c.ok] + report.problems
+    grads = [c for c in report.comparisons if c.what.startswith("grad ")]
+    trainable = sum(1 for _ in __import__("partc.model_file", fromlist=["x"]).load_model_file(
+        EXAMPLES / f"{example}.py").build().parameters())
+    assert len(grads) == trainable  # every parameter's gradient was compared
+    # every stage's outputs are exactly the next stage's inputs (neighbour-only pipelining)
+    for a, b in zip(plan.stages, plan.stages[1:]):
+        assert [t.name for t in a.outputs] == [t.name for t in b.inputs]
+        assert [t.shape for t in a.outputs] == [t.shape for t in b.inputs]
+    assert [t.name for t in plan.stages[-1].outputs] == [t.name for t in plan.model.outputs]
+    if example in ("bert", "gpt2"):
+        # the tied embedding sits in the first stage (embedding) and the last (LM head)
+        assert len(plan.tied_parameters) == 1
+        assert plan.tied_parameters[0].stages == (0, stages - 1)
+
+
+def test_long_skip_is_relayed_through_middle_stages(tmp_path: Path) -> None:
+    out = compile_to(tmp_path, TEST_MODELS / "long_skip.py", 4, strategy="uniform")
+    plan = load_plan(out)
+    skip = plan.stages[0].outputs[0].name
+    relays = [k for k, st in enumerate(plan.stages) if any(t.relay and t.name == skip for t in st.outputs)]
+    assert relays and all(0 < k < 3 for k in relays)
+    # the relayed tensor comes from stage 0 and goes to the last stage
+    entry = next(t for t in plan.stages[1].inputs if t.name == skip)
+    assert entry.peer == (0,)
+    assert verify_plan(out).ok
+
+
+def test_plans_are_byte_identical_across_runs(tmp_path: Path) -> None:
+    dirs = []
+    for name in ("a", "b"):  # fresh processes: nothing carried over in torch's global state
+        out = tmp_path / name
+        proc = run("compile", str(EXAMPLES / "bert.py"), "-b", "8", "--stages", "2",
+                   "--cluster", "cpu-4", "-o", str(out))
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        dirs.append(out)
+    files = sorted(p.name for p in dirs[0].iterdir() if p.name != "timings.yaml")
+    assert files == ["plan.yaml", "stage_0.pt", "stage_1.pt"]
+    for name in files:
+        assert (dirs[0] / name).read_bytes() == (dirs[1] / name).read_bytes(), name
+    # and within one process (each stage traced in a fresh TorchScript compilation unit)
+    first = compile_to(tmp_path / "p", EXAMPLES / "bert.py", 2)
+    again = compile_to(tmp_path / "q", EXAMPLES / "bert.py", 2)
+    for name in files:
+        assert (again / name).read_bytes() == (first / name).read_bytes(), name
+    text = (dirs[0] / "plan.yaml").read_text()
+    assert str(tmp_path) not in text and "wall_s" not in text
+    assert "solver_wall_s" in (dirs[0] / "timings.yaml").read_text()
+    for k in range(2):
+        with zipfile.ZipFile(dirs[0] / f"stage_{k}.pt") as z:
+            assert not any(n.endswith(".debug_pkl") for n in z.namelist())
+            assert not any(str(ROOT).encode() in z.read(n) for n in z.namelist())
+
+
+@pytest.fixture(scope="module")
+def bert_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return compile_to(tmp_path_factory.mktemp("bert"), EXAMPLES / "bert.py", 2)
+
+
+def test_produced_plan_matches_the_json_schema(bert_plan: Path) -> None:
+    import jsonschema
+
+    data = yaml.safe_load((bert_plan / "plan.yaml").read_text())
+    jsonschema.Draft202012Validator(plan_schema()).validate(data)
+    assert data["schema_version"] == 1
+    for key in ("file", "graph_hash", "parameters", "inputs"):
+        assert key in data["model"]
+    stage = data["stages"][0]
+    for key in ("index", "file", "sha256", "replicas", "devices", "parameters", "parameter_names",
+                "modules", "inputs", "outputs", "predicted"):
+        assert key in stage
+    assert data["model"]["file"] == os.path.relpath(EXAMPLES / "bert.py", bert_plan)
+    # parameter FQNs are the model's own: a normal state_dict maps onto the stages
+    from partc.model_file import load_model_file
+    keys = set(load_model_file(EXAMPLES / "bert.py").build().state_dict())
+    for st in data["stages"]:
+        assert set(st["parameter_names"]) <= keys
+
+
+@pytest.mark.parametrize("edit, fragment", [
+    (lambda d: d.pop("stages"), "'stages' is a required property"),
+    (lambda d: d.update(schema_version=2), "schema_version 2"),
+    (lambda d: d["solver"].update(wall_s=1.0), "at solver"),
+    (lambda d: d["stages"][0].update(sha256="abc"), "at stages/0/sha256"),
+    (lambda d: d["training"].update(schedule="zigzag"), "at training/schedule"),
+    (lambda d: d["stages"][0]["inputs"][0].update({"from": "nowhere"}), "at stages/0/inputs/0/from"),
+])
+def test_schema_rejects_bad_plans(bert_plan: Path, edit, fragment: str) -> None:
+    data = yaml.safe_load((bert_plan / "plan.yaml").read_text())
+    bad = copy.deepcopy(data)
+    edit(bad)
+    with pytest.raises(PlanError, match=None) as info:
+        validate_plan_dict(bad, "plan.yaml")
+    assert fragment in info.value.message
+
+
+def test_unreadable_plans_are_user_errors(tmp_path: Path) -> None:
+    with pytest.raises(PlanError, match="not found"):
+        load_plan(tmp_path / "nothing.yaml")
+    bad = tmp_path / "plan.yaml"
+    bad.write_text("stages: [unclosed\n")
+    with pytest.raises(PlanError, match="not valid YAML"):
+        load_plan(bad)
+    bad.write_text("- just\n- a list\n")
+    with pytest.raises(PlanError, match="not a valid plan"):
+        load_plan(bad)
+
+
+def test_verify_catches_a_tampered_stage_file(bert_plan: Path, tmp_path: Path) -> None:
+    plan_dir = tmp_path / "tampered"
+    shutil.copytree(bert_plan, plan_dir)
+    data = bytearray((plan_dir / "stage_1.pt").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (plan_dir / "stage_1.pt").write_bytes(bytes(data))
+    proc = run("verify", str(plan_dir / "plan.yaml"))
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "does not match plan.yaml" in lines[0] and "stage_1.pt" in lines[0]
+    assert "Traceback" not in proc.stderr
+    (plan_dir / "stage_0.pt").unlink()
+    proc = run("verify", str(plan_dir))
+    assert proc.returncode == 2 and "is missing" in proc.stderr
+
+
+def test_verify_catches_a_wrong_stage(tmp_path: Path) -> None:
+    """A stage file of another model (same tensors, different code) with its hash updated in
+    plan.yaml passes the hash check and must fail on numerics, exit 1."""
+    variant = tmp_path / "mlp_gelu.py"
+    variant.write_text((EXAMPLES / "mlp.py").read_text().replace("nn.ReLU()", "nn.GELU()"))
+    good = compile_to(tmp_path, EXAMPLES / "mlp.py", 2, strategy="uniform")
+    other = compile_to(tmp_path, variant, 2, strategy="uniform")
+    assert load_plan(good).stages[1].parameter_names == load_plan(other).stages[1].parameter_names
+    shutil.copy(other / "stage_1.pt", good / "stage_1.pt")
+    data = yaml.safe_load((good / "plan.yaml").read_text())
+    data["stages"][1]["sha256"] = load_plan(other).stages[1].sha256
+    (good / "plan.yaml").write_text(yaml.safe_dump(data, sort_keys=True))
+    proc = run("verify", str(good / "plan.yaml"))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "FAIL" in proc.stdout and "verify: FAILED" in proc.stdout
+    assert "output <output>" in proc.stdout or "loss" in proc.stdout
+
+
+def test_meta_model_compiles_without_weights_and_verifies(tmp_path: Path) -> None:
+    out = compile_to(tmp_path, TEST_MODELS / "tiny_gpt2_meta.py", 2, batch=4)
+    plan = load_plan(out)
+    assert plan.model.on_meta and plan.model.weights == "initialise-at-launch"
+    for st in plan.stages:
+        module = load_stage(plan.stage_path(st))
+        assert all(t.is_meta for t in [*module.parameters(), *module.buffers()])
+        assert (out / st.file).stat().st_size < 200_000  # code and shapes, no weights
+        # traced on meta, yet no device is baked in: it runs wherever its inputs are
+        assert 'torch.device("meta")' not in module.code and 'torch.device("cpu")' not in module.code
+    report = verify_plan(out)  # runs the meta-traced stages on cpu with per-stage initialisation
+    assert report.ok, report.problems + [c for c in report.comparisons if not c.ok]
+
+
+def test_initialisation_of_a_stage_alone_equals_the_whole_model() -> None:
+    from partc.model_file import load_model_file
+    from partc.stage_weights import initial_state
+
+    mf = load_model_file(TEST_MODELS / "tiny_gpt2_meta.py")
+    model = mf.build()
+    names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    whole = initial_state(mf, names, "cpu", seed=3)
+    some = ["transformer.h.1.attn.c_proj.weight", "lm_head.weight", "transformer.ln_f.bias"]
+    alone = initial_state(mf, some, "cpu", seed=3)
+    for n in some:
+        assert torch.equal(alone[n], whole[n]), n
+    assert torch.equal(whole["lm_head.weight"], whole["transformer.wte.weight"])  # still tied
+    # GPT-2's scaled init of c_proj (set by the parent attention module) is honoured
+    std = whole["transformer.h.1.attn.c_proj.weight"].std().item()
+    assert std < 0.02 * 0.75
+    assert initial_state(mf, some, "cpu", seed=4)["lm_head.weight"].ne(alone["lm_head.weight"]).any()
+
+
+def test_compile_works_out_of_the_box_on_this_machine(tmp_path: Path) -> None:
+    cluster = local_cluster()
+    assert cluster.name == "local" and cluster.backend == "gloo" and cluster.num_devices >= 1
+    proc = run("compile", "examples/mlp.py", "-b", "8", "-o", str(tmp_path / "mlp"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "samples/s" in proc.stdout and "stage" in proc.stdout.splitlines()[1]
+    assert "wrote" in proc.stderr
+    plan = load_plan(tmp_path / "mlp")
+    assert plan.cluster["name"] == "local"
+    proc = run("verify", str(tmp_path / "mlp" / "plan.yaml"))
+    assert proc.returncode == 0 and "verify: ok" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_compile_user_errors_are_one_line(tmp_path: Path) -> None:
+    afile = tmp_path / "file"
+    afile.write_text("")
+    for args, fragment in [
+        (("compile", "examples/mlp.py", "-b", "8", "-o", str(afile)), "is a file"),
+        (("compile", "examples/mlp.py", "-b", "8", "--cluster", "nope"), "unknown"),
+        (("compile", "examples/nope.py", "-b", "8"), "nope.py"),
+        (("verify", str(tmp_path / "missing")), "not found"),
+    ]:
+        proc = run(*args)
+        assert proc.returncode == 2, (args, proc.stderr)
+        last = proc.stderr.strip().splitlines()[-1]
+        assert last.startswith(("partc: error:", "Error:")) and fragment in last, proc.stderr
+        assert "Traceback" not in proc.stderr
+
+
+def test_meta_plan_takes_weights_from_a_state_dict(tmp_path: Path) -> None:
+    """The --init-from path: a checkpoint by FQN (here with the tied tensor saved under its other
+    name only) fills the meta stages; verify runs both sides from it."""
+    from partc.model_file import load_model_file
+    from partc.stage_weights import initial_state
+
+    out = compile_to(tmp_path, TEST_MODELS / "tiny_gpt2_meta.py", 2, batch=4)
+    mf = load_model_file(TEST_MODELS / "tiny_gpt2_meta.py")
+    names = [n for n, _ in mf.build().named_parameters(remove_duplicate=False)]
+    state = initial_state(mf, names, "cpu", seed=11)
+    state = {n: t.clone() for n, t in state.items() if n != "lm_head.weight"}
+    torch.save(state, tmp_path / "weights.pt")
+    proc = run("verify", str(out), "--init-from", str(tmp_path / "weights.pt"))
+    assert proc.returncode == 0 and "verify: ok" in proc.stdout, proc.stdout + proc.stderr
+    del state["transformer.wte.weight"]
+    torch.save(state, tmp_path / "partial.pt")
+    proc = run("verify", str(out), "--init-from", str(tmp_path / "partial.pt"))
+    assert proc.returncode == 2 and "lacks 1 tensor(s)" in proc.stderr and "wte" in proc.stderr
