@@ -1,5 +1,5 @@
 # partc: two commands set everything up on a fresh machine.
-#   make demo   create .venv (torch==2.13.0 first, then partc[dev]) and run partc on an example
+#   make demo   create .venv (torch==2.13.0 first, then partc[dev]), compile and verify an example
 #   make test   same install, then the default test suite (slow tests excluded)
 PYTHON ?= python3
 VENV ?= .venv
@@ -20,7 +20,8 @@ $(STAMP): setup.cfg pyproject.toml
 	touch $(STAMP)
 
 demo: install
-	$(PARTC) inspect examples/bert.py --batch-size 2 --depth 2
+	$(PARTC) compile examples/bert.py --batch-size 16 --stages 2 -o plans/bert
+	$(PARTC) verify plans/bert/plan.yaml
 
 test: install
 	$(PY) -m pytest -m "not slow" -q

@@ -8,7 +8,8 @@ Checks, in order, stopping at the first failure of the first three:
    model (forward, loss_fn, backward) and through the stages in sequence, the way
    torch.distributed.pipelining runs them (each stage's inputs detached, its backward driven by
    the gradients of the next stage's inputs), then the model outputs, the loss and every
-   parameter gradient compared (a tied parameter's gradient is the sum over the stages holding it).
+   parameter gradient compared (a tied parameter's gradient is the sum over the stages holding
+   it), and so are the floating-point buffers after the forward (batch-norm running statistics).
 
 Both runs use the same weights (the stage files', loaded into the eager model by FQN, which also
 checks that a normal state_dict maps onto the stages; for a meta-device model both get the model's
@@ -171,6 +172,13 @@ def verify_plan(path: str | Path, *, rtol: float = DEFAULT_RTOL, atol: float = D
     for ref, got, spec in zip(ref_flat, current, plan.model.outputs):
         report.comparisons.append(_compare(f"output {spec.path}", got, ref, rtol, atol))
     report.comparisons.append(_compare("loss", stage_loss, loss, rtol, atol))
+    # buffers the forward updates in place (batch-norm running statistics) must agree too
+    model_buffers = dict(model.named_buffers(remove_duplicate=False))
+    for module in stages:
+        for name, buf in module.named_buffers():
+            if name in model_buffers and buf.is_floating_point():
+                report.comparisons.append(_compare(f"buffer {name}", buf, model_buffers[name],
+                                                   rtol, atol))
     summed: dict[str, torch.Tensor] = {}
     for module in stages:
         for name, p in module.named_parameters():
@@ -277,7 +285,8 @@ def format_report(report: VerifyReport) -> str:
     """The summary `partc verify` prints: max errors per kind, failures listed."""
     plan = report.plan
     lines = [f"{plan.model.name}: {plan.num_stages} stage files match plan.yaml (sha256)"]
-    for kind, label in (("output", "outputs"), ("loss", "loss"), ("grad", "gradients")):
+    for kind, label in (("output", "outputs"), ("loss", "loss"), ("grad", "gradients"),
+                        ("buffer", "buffers")):
         rows = [c for c in report.comparisons if c.what.startswith(kind)]
         if not rows:
             continue
