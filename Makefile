@@ -36,6 +36,7 @@ bench: install
 	$(PY) bench/capture.py
 	$(PY) bench/cost_model.py
 	$(PY) bench/solver.py
+	$(PY) bench/compile.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from partc.capture import export_program, output_paths
+from partc.capture import export_program
 from partc.coarsen import coarsen
 from partc.errors import PartcError
 from partc.hardware import ClusterSpec
@@ -27,8 +27,9 @@ from partc.memory import TrainingConfig
 from partc.model_file import inputs_to_meta
 from partc.partition import Partition, round_seconds
 from partc.pipeline import CaptureResult, capture_graph, plan_costs
-from partc.plan import (LOSS, MODEL_INPUT, WEIGHTS_AT_LAUNCH, WEIGHTS_IN_STAGE_FILES, ModelInfo,
-                        Plan, PlanStage, TensorRef, TiedParameter, stage_file_name, write_timings)
+from partc.plan import (LOSS, MODEL_INPUT, PLAN_FILE, WEIGHTS_AT_LAUNCH, WEIGHTS_IN_STAGE_FILES,
+                        ModelInfo, Plan, PlanStage, TensorRef, TiedParameter, stage_file_name,
+                        validate_plan_dict, write_timings)
 from partc.progress import Progress
 from partc.search import SearchOptions, search
 from partc.stage_code import stage_bytes, trace_stage
@@ -184,7 +185,6 @@ def emit_plan(result: CaptureResult, partition: Partition, cluster: ClusterSpec,
     progress = progress or Progress()
     output_dir = Path(output_dir)
     cap = result.capture
-    graph = result.graph
     m = partition.shape.microbatch_size
     exported, matched = _exported_at(result, m, progress)
     stage_of = {node: st.index for st in partition.stages for node in st.nodes}
@@ -198,6 +198,31 @@ def emit_plan(result: CaptureResult, partition: Partition, cluster: ClusterSpec,
         inputs = inputs_to_meta(inputs)
     flat = flatten_inputs(inputs, split.in_spec)
 
+    written: list[Path] = []  # stage files under temporary names until the plan is complete
+    try:
+        plan = _emit(result, partition, cluster, output_dir, costs, split, flat, written, progress)
+        validate_plan_dict(plan.to_dict(), "the plan being written")
+        # Never leave a plan.yaml next to stage files it does not describe: drop the old one,
+        # move the new stage files in, then write the new plan.yaml (atomically).
+        (output_dir / PLAN_FILE).unlink(missing_ok=True)
+        for tmp in written:
+            os.replace(tmp, output_dir / tmp.name.removeprefix(".").removesuffix(".tmp"))
+        written.clear()
+        _remove_stale_stages(output_dir, len(plan.stages))
+        with progress.step("writing plan.yaml"):
+            plan.save(output_dir)
+    finally:
+        for tmp in written:
+            tmp.unlink(missing_ok=True)
+    return plan
+
+
+def _emit(result: CaptureResult, partition: Partition, cluster: ClusterSpec, output_dir: Path,
+          costs: dict[str, Any], split: SplitProgram, flat: list[torch.Tensor],
+          written: list[Path], progress: Progress) -> Plan:
+    """Trace and write every stage (to temporary files listed in `written`); the Plan."""
+    cap = result.capture
+    graph = result.graph
     entries: list[PlanStage] = []
     holders: dict[str, list[int]] = {}
     current = flat
@@ -209,8 +234,8 @@ def emit_plan(result: CaptureResult, partition: Partition, cluster: ClusterSpec,
                 current = list(traced(*current))
         path = output_dir / stage_file_name(sg.index)
         tmp = path.with_name(f".{path.name}.tmp")
+        written.append(tmp)
         tmp.write_bytes(data)
-        os.replace(tmp, path)
         tensors = stage_tensors(traced)
         for name in sg.parameters:
             holders.setdefault(name, []).append(sg.index)
@@ -225,7 +250,6 @@ def emit_plan(result: CaptureResult, partition: Partition, cluster: ClusterSpec,
                           for name in sg.outputs),
             forward_s=st.forward_s, backward_s=st.backward_s,
             peak_memory_bytes=partition.memory[st.rank].total))
-    _remove_stale_stages(output_dir, num_stages)
 
     names_of: dict[str, tuple[str, ...]] = {}  # any FQN of a tensor -> all its FQNs
     for p in graph.params:
@@ -233,7 +257,6 @@ def emit_plan(result: CaptureResult, partition: Partition, cluster: ClusterSpec,
             names_of[n] = (p.name, *p.aliases)
     tied = tuple(TiedParameter(name=n, aliases=tuple(sorted(set(names_of.get(n, (n,))) - {n})),
                                stages=tuple(s)) for n, s in sorted(holders.items()) if len(s) > 1)
-    paths = output_paths(exported)
     model = ModelInfo(
         file=_relative(cap.model_file.path, output_dir), name=graph.model_name,
         graph_hash=graph.content_hash(), on_meta=cap.on_meta,
@@ -243,7 +266,7 @@ def emit_plan(result: CaptureResult, partition: Partition, cluster: ClusterSpec,
                                path=p) for n, p in zip(split.inputs, split.input_paths)),
         outputs=tuple(TensorRef(name=n, shape=split.tensors[n].shape,
                                 dtype=split.tensors[n].dtype, path=p)
-                      for n, p in zip(split.outputs, paths)),
+                      for n, p in zip(split.outputs, split.output_paths)),
         input_spec=_spec_text(split.in_spec), output_spec=_spec_text(split.out_spec),
         tied_weights=tuple(sorted((p.name, *p.aliases) for p in graph.params if p.aliases)))
     s = partition.shape
@@ -268,8 +291,6 @@ def emit_plan(result: CaptureResult, partition: Partition, cluster: ClusterSpec,
                 training=training, costs=costs, stages=tuple(entries), tied_parameters=tied,
                 solver=partition.solver.to_dict(include_time=False), predicted=predicted,
                 directory=output_dir)
-    with progress.step("writing plan.yaml"):
-        plan.save(output_dir)
     return plan
 
 

@@ -27,6 +27,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
 
+from partc.capture import output_paths
 from partc.errors import PartcError
 from partc.graph_builder import dtype_name
 from partc.model_file import Inputs
@@ -80,6 +81,7 @@ class SplitProgram:
     inputs: tuple[str, ...]  # the model's flat inputs (stage 0's forward arguments)
     input_paths: tuple[str, ...]  # where each flat input sits in (args, kwargs), pytree key strings
     outputs: tuple[str, ...]  # the model's flat outputs (the last stage's returns)
+    output_paths: tuple[str, ...]  # where each sits in the model's output structure
     in_spec: pytree.TreeSpec
     out_spec: pytree.TreeSpec
 
@@ -200,6 +202,7 @@ def split_program(exported: ExportedProgram, stage_of: Mapping[str, int],
     return SplitProgram(stages=stages, tensors=tensors, inputs=tuple(n.name for n in placeholders),
                         input_paths=_input_paths(exported.call_spec.in_spec),
                         outputs=tuple(n.name for n in flat_outputs),
+                        output_paths=tuple(output_paths(exported)),
                         in_spec=exported.call_spec.in_spec, out_spec=exported.call_spec.out_spec)
 
 
