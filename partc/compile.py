@@ -35,7 +35,7 @@ from partc.search import SearchOptions, search
 from partc.stage_code import stage_bytes, trace_stage
 from partc.stage_graph import MODEL_INPUT as SOURCE_INPUT
 from partc.stage_graph import SplitError, SplitProgram, flatten_inputs, split_program
-from partc.stage_weights import stage_tensors
+from partc.stage_weights import set_stage_tensors, stage_tensors
 
 
 class CompileError(PartcError):
@@ -204,11 +204,13 @@ def emit_plan(result: CaptureResult, partition: Partition, cluster: ClusterSpec,
         validate_plan_dict(plan.to_dict(), "the plan being written")
         # Never leave a plan.yaml next to stage files it does not describe: drop the old one,
         # move the new stage files in, then write the new plan.yaml (atomically).
+        had_plan = (output_dir / PLAN_FILE).is_file()
         (output_dir / PLAN_FILE).unlink(missing_ok=True)
         for tmp in written:
             os.replace(tmp, output_dir / tmp.name.removeprefix(".").removesuffix(".tmp"))
         written.clear()
-        _remove_stale_stages(output_dir, len(plan.stages))
+        if had_plan:  # then stage files there were an earlier plan's, not the user's
+            _remove_stale_stages(output_dir, len(plan.stages))
         with progress.step("writing plan.yaml"):
             plan.save(output_dir)
     finally:
@@ -226,12 +228,17 @@ def _emit(result: CaptureResult, partition: Partition, cluster: ClusterSpec, out
     entries: list[PlanStage] = []
     holders: dict[str, list[int]] = {}
     current = flat
+    # Tracing runs each stage forward in training mode, which updates buffers in place (batch-norm
+    # statistics): the files must hold the buffers as build_model() made them.
+    pristine = [{n: b.detach().clone() for n, b in sg.module.named_buffers()}
+                for sg in split.stages]
     for sg, st in zip(split.stages, partition.stages):
         with progress.step(f"tracing stage {sg.index} ({len(sg.nodes)} operators) to TorchScript"):
             traced = trace_stage(sg, current)
-            data = stage_bytes(traced)
             with torch.no_grad():
                 current = list(traced(*current))
+            set_stage_tensors(traced, pristine[sg.index])
+            data = stage_bytes(traced)
         path = output_dir / stage_file_name(sg.index)
         tmp = path.with_name(f".{path.name}.tmp")
         written.append(tmp)
@@ -243,7 +250,8 @@ def _emit(result: CaptureResult, partition: Partition, cluster: ClusterSpec, out
             index=sg.index, rank=st.rank, file=path.name, sha256=hashlib.sha256(data).hexdigest(),
             replicas=len(st.devices), devices=st.devices,
             parameters=sum(tensors[n].numel() for n in sg.parameters),
-            parameter_names=sg.parameters, buffer_names=sg.buffers, modules=st.modules,
+            parameter_names=sg.parameters, buffer_names=sg.buffers,
+            constant_names=sg.constants, modules=st.modules,
             num_nodes=len(sg.nodes),
             inputs=tuple(_ref(split, name, sg.index, "in") for name in sg.inputs),
             outputs=tuple(_ref(split, name, sg.index, "out", relay=name in sg.inputs)

@@ -86,7 +86,8 @@ class PlanStage:
     devices: tuple[int, ...]
     parameters: int  # element count of the parameters it holds
     parameter_names: tuple[str, ...]
-    buffer_names: tuple[str, ...]
+    buffer_names: tuple[str, ...]  # buffers in the model's state_dict
+    constant_names: tuple[str, ...]  # tensors not in a state_dict (non-persistent buffers, ...)
     modules: tuple[str, ...]
     num_nodes: int
     inputs: tuple[TensorRef, ...]
@@ -99,7 +100,8 @@ class PlanStage:
         return {"index": self.index, "rank": self.rank, "file": self.file, "sha256": self.sha256,
                 "replicas": self.replicas, "devices": list(self.devices),
                 "parameters": self.parameters, "parameter_names": list(self.parameter_names),
-                "buffer_names": list(self.buffer_names), "modules": list(self.modules),
+                "buffer_names": list(self.buffer_names),
+                "constant_names": list(self.constant_names), "modules": list(self.modules),
                 "num_nodes": self.num_nodes,
                 "inputs": [t.to_dict("from") for t in self.inputs],
                 "outputs": [t.to_dict("to") for t in self.outputs],
@@ -113,7 +115,8 @@ class PlanStage:
         return cls(index=d["index"], rank=d["rank"], file=d["file"], sha256=d["sha256"],
                    replicas=d["replicas"], devices=tuple(d["devices"]),
                    parameters=d["parameters"], parameter_names=tuple(d["parameter_names"]),
-                   buffer_names=tuple(d["buffer_names"]), modules=tuple(d["modules"]),
+                   buffer_names=tuple(d["buffer_names"]),
+                   constant_names=tuple(d["constant_names"]), modules=tuple(d["modules"]),
                    num_nodes=d["num_nodes"],
                    inputs=tuple(TensorRef.from_dict(t) for t in d["inputs"]),
                    outputs=tuple(TensorRef.from_dict(t) for t in d["outputs"]),

@@ -63,7 +63,9 @@ class StageGraph:
     inputs: tuple[str, ...]  # StageTensor names, in forward() argument order
     outputs: tuple[str, ...]  # StageTensor names, in the order forward() returns them
     parameters: tuple[str, ...]  # FQNs of the nn.Parameters it holds
-    buffers: tuple[str, ...]  # FQNs of the buffers and constants it holds
+    buffers: tuple[str, ...]  # FQNs of the buffers it holds that are in the model's state_dict
+    constants: tuple[str, ...]  # tensors it holds that a state_dict does not (non-persistent
+    #                             buffers such as position ids, constants lifted by export)
     nodes: tuple[str, ...]  # FX nodes it computes
 
     @property
@@ -88,7 +90,8 @@ class SplitProgram:
 
 def flatten_inputs(inputs: Inputs, in_spec: pytree.TreeSpec) -> list[torch.Tensor]:
     """The model's (args, kwargs) as the flat tensor list stage 0 takes, in the exported program's
-    order (keyword arguments in the order they were captured with, whatever order they come in)."""
+    order (keyword arguments in the order they were captured with, whatever order they come in).
+    Non-tensor leaves are dropped: export baked their captured values into the program."""
     args, kwargs = inputs
     if in_spec.num_children == 2 and in_spec.child(1).type is dict:
         order = in_spec.child(1).context
@@ -101,7 +104,8 @@ def flatten_inputs(inputs: Inputs, in_spec: pytree.TreeSpec) -> list[torch.Tenso
     if spec != in_spec:
         raise SplitError(f"inputs do not have the structure the plan was compiled with: {spec} "
                          f"vs {in_spec}", hint="pass the same inputs as the model file's example_inputs")
-    return flat
+    # non-tensor inputs (None, ints) were specialised into the program by export
+    return [t for t in flat if isinstance(t, torch.Tensor)]
 
 
 def _input_paths(in_spec: pytree.TreeSpec) -> tuple[str, ...]:
@@ -160,6 +164,8 @@ def split_program(exported: ExportedProgram, stage_of: Mapping[str, int],
     graph = gm.graph
     node_stage = _stage_of_nodes(gm, stage_of, clamp)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    # Non-tensor inputs (None, ints, flags) are baked into the program by export: not passed on.
+    tensor_inputs = [n for n in placeholders if isinstance(n.meta.get("val"), torch.Tensor)]
     out_node = next(n for n in graph.nodes if n.op == "output")
     flat_outputs = [a for a in pytree.tree_leaves(out_node.args[0])]
     for a in flat_outputs:
@@ -167,18 +173,21 @@ def split_program(exported: ExportedProgram, stage_of: Mapping[str, int],
             raise SplitError(f"the model returns a constant ({a!r}), not a tensor",
                              hint="return only tensors computed from the inputs")
     order = {n: i for i, n in enumerate(graph.nodes)}
+    _check_mutated_attributes(gm, node_stage)
 
-    # Which stages read each value; the loss (stage num_stages) reads the outputs.
+    # Which stages read each value; the loss (stage num_stages) reads the outputs. Attributes
+    # (parameters, buffers) never travel: each stage that reads one holds it.
     consumers: dict[torch.fx.Node, set[int]] = {}
     for node, stage in node_stage.items():
         if node.target in _DROPPED_TARGETS:
             continue
         for a in node.all_input_nodes:
-            if a.op != "get_attr":
+            if a.op not in ("get_attr", "placeholder") or a in tensor_inputs:
                 consumers.setdefault(a, set()).add(stage)
     for a in flat_outputs:
-        consumers.setdefault(a, set()).add(num_stages)
-    source = {n: MODEL_INPUT for n in placeholders} | dict(node_stage)
+        if a.op != "get_attr":
+            consumers.setdefault(a, set()).add(num_stages)
+    source = {n: MODEL_INPUT for n in tensor_inputs} | dict(node_stage)
 
     tensors: dict[str, StageTensor] = {}
     live: list[list[torch.fx.Node]] = []  # live[k]: values stage k returns (k < num_stages - 1)
@@ -186,46 +195,94 @@ def split_program(exported: ExportedProgram, stage_of: Mapping[str, int],
         values = sorted((v for v, readers in consumers.items()
                          if source[v] <= k < max(readers)), key=order.__getitem__)
         live.append(values)
-    crossing = {v for values in live for v in values} | set(placeholders) | set(flat_outputs)
+    crossing = {v for values in live for v in values} | set(tensor_inputs) | set(flat_outputs)
     for v in sorted(crossing, key=order.__getitem__):
+        if v.op == "get_attr":  # a parameter or buffer returned as a model output
+            value = _attribute(gm, str(v.target))
+            tensors[v.name] = StageTensor(name=v.name, shape=tuple(value.shape),
+                                          dtype=dtype_name(value.dtype), source=num_stages - 1,
+                                          consumers=(num_stages,))
+            continue
         shape, dtype = _tensor_meta(v)
         tensors[v.name] = StageTensor(name=v.name, shape=shape, dtype=dtype, source=source[v],
                                       consumers=tuple(sorted(consumers.get(v, ()))))
 
     stages = []
     for k in range(num_stages):
-        stage_inputs = placeholders if k == 0 else live[k - 1]
+        stage_inputs = tensor_inputs if k == 0 else live[k - 1]
         stage_outputs = flat_outputs if k == num_stages - 1 else live[k]
         members = [n for n in graph.nodes if node_stage.get(n) == k]
         stages.append(_build_stage(gm, k, stage_inputs, stage_outputs, members))
 
-    return SplitProgram(stages=stages, tensors=tensors, inputs=tuple(n.name for n in placeholders),
-                        input_paths=_input_paths(exported.call_spec.in_spec),
+    mask = [isinstance(n.meta.get("val"), torch.Tensor) for n in placeholders]
+    paths = _input_paths(exported.call_spec.in_spec)
+    return SplitProgram(stages=stages, tensors=tensors, inputs=tuple(n.name for n in tensor_inputs),
+                        input_paths=tuple(p for p, keep in zip(paths, mask) if keep),
                         outputs=tuple(n.name for n in flat_outputs),
                         output_paths=tuple(output_paths(exported)),
                         in_spec=exported.call_spec.in_spec, out_spec=exported.call_spec.out_spec)
+
+
+def _attribute(gm: torch.nn.Module, target: str) -> torch.Tensor:
+    path, _, leaf = target.rpartition(".")
+    return getattr(gm.get_submodule(path) if path else gm, leaf)
+
+
+def _writes(node: torch.fx.Node, arg: torch.fx.Node) -> bool:
+    """Whether `node` writes to its argument `arg` in place (per the operator's schema)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return False
+    for i, formal in enumerate(schema.arguments):
+        actual = node.args[i] if i < len(node.args) else node.kwargs.get(formal.name)
+        if actual is arg and formal.alias_info is not None and formal.alias_info.is_write:
+            return True
+    return False
+
+
+def _check_mutated_attributes(gm: torch.fx.GraphModule, node_stage: Mapping[torch.fx.Node, int]) -> None:
+    """Each stage holds its own copy of an attribute, so a buffer updated in place (running
+    statistics, a step counter) must be read and written in one stage only."""
+    for attr in (n for n in gm.graph.nodes if n.op == "get_attr"):
+        users = [u for u in attr.users if u in node_stage and u.target not in _DROPPED_TARGETS]
+        stages = {node_stage[u] for u in users}
+        if len(stages) > 1 and any(_writes(u, attr) for u in users):
+            raise SplitError(f"buffer {attr.target} is updated in place in one stage and read in "
+                             f"another (stages {sorted(stages)}): the stages would hold diverging "
+                             "copies",
+                             hint="pin a different --stages count or --strategy so the module "
+                                  "owning it stays in one stage, or report the model")
+
+
+_GRAD_MODE_REGION = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
 
 
 def _build_stage(gm: torch.fx.GraphModule, index: int, inputs: list[torch.fx.Node],
                  outputs: list[torch.fx.Node], members: list[torch.fx.Node]) -> StageGraph:
     root = torch.nn.Module()
     graph = torch.fx.Graph()
-    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    env: dict[torch.fx.Node, Any] = {}
     for v in inputs:
         env[v] = graph.placeholder(v.name)
         env[v].meta = dict(v.meta)
     params: list[str] = []
     buffers: list[str] = []
+    constants: list[str] = []
+    kinds = {"parameter": params, "buffer": buffers, "constant": constants}
 
-    def value(arg: torch.fx.Node) -> torch.fx.Node:
+    def attr(owner: torch.nn.Module, target: str, key: Any, meta: dict[str, Any]) -> torch.fx.Node:
+        if key not in env:
+            kinds[_register(root, owner, target)].append(target)
+            with graph.inserting_after(_last_attr(graph)):
+                env[key] = graph.get_attr(target)
+            env[key].meta = dict(meta)
+        return env[key]
+
+    def value(arg: torch.fx.Node) -> Any:
         if arg.op == "get_attr":
-            if arg not in env:
-                kind = _register(root, gm, arg.target)  # type: ignore[arg-type]
-                (params if kind == "parameter" else buffers).append(str(arg.target))
-                with graph.inserting_after(_last_attr(graph)):
-                    env[arg] = graph.get_attr(str(arg.target))
-                env[arg].meta = dict(arg.meta)
-            return env[arg]
+            return attr(gm, str(arg.target), arg, arg.meta)
+        if arg.op == "placeholder" and arg not in env:
+            return arg.meta.get("val")  # a non-tensor input, specialised by export
         if arg not in env:
             raise SplitError(f"stage {index} reads {arg.name}, which no earlier stage passes on",
                              hint="report this model: the stage boundaries are inconsistent")
@@ -235,13 +292,53 @@ def _build_stage(gm: torch.fx.GraphModule, index: int, inputs: list[torch.fx.Nod
     for node in members:
         if node.target in _DROPPED_TARGETS:
             continue
-        env[node] = graph.node_copy(node, value)
+        if _GRAD_MODE_REGION is not None and node.target is _GRAD_MODE_REGION:
+            env[node] = _inline_grad_region(graph, gm, node, value, attr)
+        elif node.target is operator.getitem and isinstance(env.get(node.args[0]), tuple):
+            env[node] = env[node.args[0]][node.args[1]]  # type: ignore[index]
+        elif node.op == "call_function" and any(
+                a.op == "get_attr" and isinstance(_attribute(gm, str(a.target)), torch.nn.Module)
+                for a in node.all_input_nodes):
+            raise SplitError(f"operator {node.target} (node {node.name}) runs a sub-graph, which "
+                             "stage tracing does not support",
+                             hint="remove torch.autocast / torch.cond regions from forward() "
+                                  "(use --precision bf16-mixed for mixed precision)")
+        else:
+            env[node] = graph.node_copy(node, value)
         computed.append(node.name)
     graph.output(tuple(env[v] if v in env else value(v) for v in outputs))
     module = torch.fx.GraphModule(root, graph, class_name=f"Stage{index}")
     return StageGraph(index=index, module=module, inputs=tuple(v.name for v in inputs),
                       outputs=tuple(v.name for v in outputs), parameters=tuple(params),
-                      buffers=tuple(buffers), nodes=tuple(computed))
+                      buffers=tuple(buffers), constants=tuple(constants),
+                      nodes=tuple(computed))
+
+
+def _inline_grad_region(graph: torch.fx.Graph, gm: torch.fx.GraphModule, node: torch.fx.Node,
+                        value: Any, attr: Any) -> tuple[torch.fx.Node, ...]:
+    """Copy a `with torch.no_grad()` / `set_grad_enabled` region's sub-graph into the stage.
+    jit.trace does not record grad mode, so a no-grad region's results are detached instead,
+    which is what no_grad means for everything downstream."""
+    enabled, sub_node, *operands = node.args
+    sub = _attribute(gm, str(sub_node.target))  # type: ignore[union-attr]
+    local: dict[torch.fx.Node, Any] = {}
+    sub_inputs = iter(operands)
+    results: tuple[Any, ...] = ()
+    for inner in sub.graph.nodes:  # type: ignore[union-attr]
+        if inner.op == "placeholder":
+            outer = next(sub_inputs)
+            local[inner] = value(outer) if isinstance(outer, torch.fx.Node) else outer
+        elif inner.op == "get_attr":
+            local[inner] = attr(sub, str(inner.target), (sub_node, inner.target), inner.meta)
+        elif inner.op == "output":
+            results = tuple(local[a] if isinstance(a, torch.fx.Node) else a
+                            for a in pytree.tree_leaves(inner.args[0]))
+        else:
+            local[inner] = graph.node_copy(inner, lambda a: local[a])
+    if not enabled:
+        results = tuple(graph.call_function(torch.ops.aten.detach.default, (r,))
+                        if isinstance(r, torch.fx.Node) else r for r in results)
+    return results
 
 
 def _last_attr(graph: torch.fx.Graph) -> torch.fx.Node:
@@ -255,11 +352,12 @@ def _last_attr(graph: torch.fx.Graph) -> torch.fx.Node:
     return last
 
 
-def _register(root: torch.nn.Module, gm: torch.nn.Module, target: str) -> str:
-    """Put gm's attribute `target` (a parameter, buffer or constant) into `root` under the same
-    dotted name, creating plain container modules on the way. Returns its kind."""
+def _register(root: torch.nn.Module, owner_root: torch.nn.Module, target: str) -> str:
+    """Put `owner_root`'s attribute `target` (a parameter, buffer or constant) into `root` under
+    the same dotted name, creating plain container modules on the way. Returns its kind:
+    "parameter", "buffer" (in the model's state_dict) or "constant" (not in it)."""
     path, _, leaf = target.rpartition(".")
-    owner = gm.get_submodule(path) if path else gm
+    owner = owner_root.get_submodule(path) if path else owner_root
     value: Any = getattr(owner, leaf)
     module = root
     for part in path.split(".") if path else []:
@@ -270,8 +368,9 @@ def _register(root: torch.nn.Module, gm: torch.nn.Module, target: str) -> str:
         module.register_parameter(leaf, value)
         return "parameter"
     if isinstance(value, torch.Tensor):
-        persistent = leaf not in getattr(owner, "_non_persistent_buffers_set", ())
+        persistent = leaf in owner._buffers and \
+            leaf not in getattr(owner, "_non_persistent_buffers_set", ())
         module.register_buffer(leaf, value, persistent=persistent)
-        return "buffer"
+        return "buffer" if persistent else "constant"
     raise SplitError(f"attribute {target} of the exported program is a {type(value).__name__}",
                      hint="only tensor attributes (parameters, buffers, constants) can be staged")

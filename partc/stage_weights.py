@@ -123,6 +123,8 @@ def initial_state(model_file: ModelFile, names: Iterable[str], device: torch.dev
                 continue
             elif callable(getattr(module, "reset_parameters", None)):
                 module.reset_parameters()  # type: ignore[operator]
+            elif callable(getattr(module, "_reset_parameters", None)):  # nn.MultiheadAttention
+                module._reset_parameters()  # type: ignore[operator]
             elif any(True for _ in module.parameters(recurse=False)) or \
                     any(True for _ in module.buffers(recurse=False)):
                 failed.append(path or "(root)")
@@ -187,3 +189,27 @@ def check_shapes(stage: torch.nn.Module, values: Mapping[str, torch.Tensor], whe
             raise WeightsError(f"{where}: {name} is {tuple(value.shape)} {value.dtype}, the stage "
                                f"needs {tuple(want.shape)} {want.dtype}",
                                hint="the weights are of another model or configuration")
+
+
+def stage_state(stage: torch.nn.Module, parameter_names: Iterable[str],
+                buffer_names: Iterable[str], *, checkpoint: Mapping[str, torch.Tensor] | None,
+                aliases: Mapping[str, Iterable[str]], model_file: ModelFile | None,
+                device: torch.device | str, seed: int = 0,
+                where: str = "the checkpoint") -> dict[str, torch.Tensor]:
+    """The tensors a loaded stage still needs, by FQN (module docstring): parameters and
+    state_dict buffers from `checkpoint` when given; every other tensor the stage file holds for
+    real is kept (constants, non-persistent buffers); what is left (meta tensors) comes from the
+    model's own initialisation. Returns only the tensors to set (`set_stage_tensors`)."""
+    current = stage_tensors(stage)
+    values: dict[str, torch.Tensor] = {}
+    if checkpoint is not None:
+        wanted = [*parameter_names, *buffer_names]
+        values = {n: t.to(device) for n, t in pick_state(checkpoint, wanted, aliases, where).items()}
+    missing = [n for n, t in current.items() if n not in values and t.is_meta]
+    if missing:
+        if model_file is None:
+            raise WeightsError(f"the stage has no values for {', '.join(missing[:3])}",
+                               hint="pass the model file or --init-from")
+        values.update(initial_state(model_file, missing, device, seed))
+    check_shapes(stage, values, where)
+    return values

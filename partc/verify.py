@@ -3,7 +3,7 @@
 Checks, in order, stopping at the first failure of the first three:
 1. plan.yaml against the schema (partc.plan.load_plan);
 2. every stage file's SHA-256 against plan.yaml, before any stage file is loaded;
-3. each stage's inputs and outputs against plan.yaml (count, shape, dtype of what it returns);
+3. each stage's tensors, inputs and outputs against plan.yaml (names; count, shape, dtype);
 4. numerics: one micro-batch from the model file's data (or synthetic data) through the eager
    model (forward, loss_fn, backward) and through the stages in sequence, the way
    torch.distributed.pipelining runs them (each stage's inputs detached, its backward driven by
@@ -31,8 +31,8 @@ from partc.model_file import ModelFile, load_model_file
 from partc.plan import Plan, PlanError, load_plan
 from partc.stage_code import load_stage
 from partc.stage_graph import flatten_inputs
-from partc.stage_weights import (check_shapes, initial_state, load_state_dict_file, pick_state,
-                                 set_stage_tensors, stage_tensors)
+from partc.stage_weights import (initial_state, load_state_dict_file, set_stage_tensors,
+                                 stage_state, stage_tensors)
 
 DEFAULT_RTOL = 1e-4
 DEFAULT_ATOL = 1e-5
@@ -77,11 +77,11 @@ def verify_plan(path: str | Path, *, rtol: float = DEFAULT_RTOL, atol: float = D
     model's own initialisation."""
     plan = load_plan(path)
     plan.check_stage_files()
-    dev = torch.device(device)
+    dev = _device(device)
     stages = [load_stage(plan.stage_path(s), map_location=dev) for s in plan.stages]
     for st, module in zip(plan.stages, stages):
         names = set(stage_tensors(module))
-        expected = set(st.parameter_names) | set(st.buffer_names)
+        expected = set(st.parameter_names) | set(st.buffer_names) | set(st.constant_names)
         if names != expected:
             raise PlanError(f"stage {st.index} holds tensors {sorted(names ^ expected)[:3]} that "
                             "plan.yaml does not list (or the reverse)",
@@ -89,31 +89,26 @@ def verify_plan(path: str | Path, *, rtol: float = DEFAULT_RTOL, atol: float = D
     model_file = _model_file(plan)
     model = model_file.build().train()
     aliases = plan.model.aliases()
-    if init_from is not None:
-        state = load_state_dict_file(init_from)
-        wanted = {n for m in stages for n in stage_tensors(m)}
-        weights = pick_state(state, sorted(wanted), aliases, str(init_from))
-        weights = {n: t.to(dev) for n, t in weights.items()}
-        if plan.model.on_meta:
-            groups = tied_groups(model)
-            model.to_empty(device=dev)
-            _retie(model, groups)
-        else:
-            model.to(dev)
-    elif plan.model.on_meta:
-        weights = _initialised(model, model_file, plan, dev, seed)
+    report = VerifyReport(plan=plan)
+    checkpoint = load_state_dict_file(init_from) if init_from is not None else None
+    if plan.model.on_meta:
+        whole = _initialised(model, model_file, dev, seed)
     else:
         model.to(dev)
-        weights = _stage_weights(plan, stages)
-    model.load_state_dict(_with_aliases(weights, aliases, model), strict=False)
-    report = VerifyReport(plan=plan)
+        whole = _stage_weights(stages)
+    if checkpoint is not None:
+        keys = set(model.state_dict())
+        model.load_state_dict({k: v for k, v in checkpoint.items() if k in keys}, strict=False)
+    else:
+        model.load_state_dict(_with_aliases(whole, aliases, model), strict=False)
     for st, module in zip(plan.stages, stages):
-        mine = pick_state(weights, stage_tensors(module), aliases, f"weights of stage {st.index}")
-        check_shapes(module, mine, f"stage {st.index}")
-        if plan.model.on_meta and init_from is None:
-            # launch initialises each stage alone: it must get the whole model's values
-            alone = initial_state(model_file, mine, dev, seed)
-            differ = [n for n in mine if not torch.equal(alone[n], mine[n])]
+        # the stage's tensors as launch gets them: checkpoint, stage file, own initialisation
+        mine = stage_state(module, st.parameter_names, st.buffer_names, checkpoint=checkpoint,
+                           aliases=aliases, model_file=model_file, device=dev, seed=seed,
+                           where=str(init_from) if init_from else f"stage {st.index}")
+        if plan.model.on_meta and checkpoint is None:
+            # initialised alone, a stage must get the whole model's values
+            differ = [n for n, t in mine.items() if not torch.equal(t, whole[n])]
             if differ:
                 report.problems.append(f"stage {st.index} initialised alone differs from the "
                                        f"whole model's initialisation in {', '.join(differ[:3])}")
@@ -144,7 +139,16 @@ def verify_plan(path: str | Path, *, rtol: float = DEFAULT_RTOL, atol: float = D
     boundary_outputs: list[tuple[torch.Tensor, ...]] = []
     for st, module in zip(plan.stages, stages):
         taken = [t.detach().requires_grad_(t.is_floating_point()) for t in current]
-        outs = module(*taken)
+        if len(taken) != len(st.inputs):
+            report.problems.append(f"stage {st.index} gets {len(taken)} tensors, plan.yaml lists "
+                                   f"{len(st.inputs)} inputs")
+            return report
+        try:
+            outs = module(*taken)
+        except RuntimeError as exc:
+            first = next((ln for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
+            report.problems.append(f"stage {st.index} fails to run: {first[:200]}")
+            return report
         _check_io(report, st.index, outs, st.outputs)
         boundary_inputs.append(taken)
         boundary_outputs.append(outs)
@@ -176,7 +180,7 @@ def verify_plan(path: str | Path, *, rtol: float = DEFAULT_RTOL, atol: float = D
     model_buffers = dict(model.named_buffers(remove_duplicate=False))
     for module in stages:
         for name, buf in module.named_buffers():
-            if name in model_buffers and buf.is_floating_point():
+            if name in model_buffers:
                 report.comparisons.append(_compare(f"buffer {name}", buf, model_buffers[name],
                                                    rtol, atol))
     summed: dict[str, torch.Tensor] = {}
@@ -196,6 +200,19 @@ def verify_plan(path: str | Path, *, rtol: float = DEFAULT_RTOL, atol: float = D
     return report
 
 
+def _device(name: str) -> torch.device:
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise PlanError(f"unknown device {name!r}", hint="use cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise PlanError(f"device {name} requested but torch sees no CUDA device",
+                        hint="use --device cpu on this machine")
+    if device.type not in ("cpu", "cuda"):
+        raise PlanError(f"device {name} is not supported", hint="use cpu, cuda or cuda:N")
+    return device
+
+
 def _model_file(plan: Plan) -> ModelFile:
     path = plan.model_path
     if not path.is_file():
@@ -205,7 +222,7 @@ def _model_file(plan: Plan) -> ModelFile:
     return load_model_file(path)
 
 
-def _stage_weights(plan: Plan, stages: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
+def _stage_weights(stages: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
     """Every tensor of every stage file by FQN (the first stage holding a tied one)."""
     weights: dict[str, torch.Tensor] = {}
     for module in stages:
@@ -214,7 +231,7 @@ def _stage_weights(plan: Plan, stages: list[torch.nn.Module]) -> dict[str, torch
     return weights
 
 
-def _initialised(model: torch.nn.Module, model_file: ModelFile, plan: Plan, device: torch.device,
+def _initialised(model: torch.nn.Module, model_file: ModelFile, device: torch.device,
                  seed: int) -> dict[str, torch.Tensor]:
     """A meta-device model's own initialisation, whole; the model moved onto it."""
     names = [n for n, _ in model.named_parameters(remove_duplicate=False)]

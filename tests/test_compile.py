@@ -267,3 +267,39 @@ def test_meta_plan_takes_weights_from_a_state_dict(tmp_path: Path) -> None:
     torch.save(state, tmp_path / "partial.pt")
     proc = run("verify", str(out), "--init-from", str(tmp_path / "partial.pt"))
     assert proc.returncode == 2 and "lacks 1 tensor(s)" in proc.stderr and "wte" in proc.stderr
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_awkward_inputs_and_outputs_compile_and_verify(tmp_path: Path, stages: int) -> None:
+    out = compile_to(tmp_path, TEST_MODELS / "odd_io.py", stages, batch=4, strategy="uniform")
+    plan = load_plan(out)
+    assert [t.name for t in plan.model.inputs] == ["x"]  # None and 2 were baked in by export
+    assert len(plan.model.outputs) == 2
+    report = verify_plan(out)
+    assert report.ok, report.problems + [c for c in report.comparisons if not c.ok]
+    assert any(c.what == "buffer norm.running_mean" for c in report.comparisons)
+
+
+def test_stage_files_hold_the_buffers_build_model_made(tmp_path: Path) -> None:
+    """Tracing runs forward in training mode; batch-norm statistics must not leak into files."""
+    from partc.model_file import load_model_file
+
+    out = compile_to(tmp_path, EXAMPLES / "resnet.py", 2)
+    fresh = load_model_file(EXAMPLES / "resnet.py").build().state_dict()
+    plan = load_plan(out)
+    for st in plan.stages:
+        for name, t in load_stage(plan.stage_path(st)).state_dict().items():
+            assert torch.equal(t, fresh[name]), name
+
+
+def test_a_buffer_updated_in_one_stage_and_read_in_another_is_refused(tmp_path: Path) -> None:
+    proc = run("compile", str(TEST_MODELS / "stale_buffer.py"), "-b", "4", "--stages", "2",
+               "--cluster", "cpu-4", "-o", str(tmp_path / "p"))
+    assert proc.returncode == 2
+    assert "buffer scale is updated in place in one stage and read in another" in proc.stderr
+    assert not (tmp_path / "p" / "plan.yaml").exists()
+
+
+def test_verify_rejects_a_bad_device(bert_plan: Path) -> None:
+    proc = run("verify", str(bert_plan), "--device", "tpu7")
+    assert proc.returncode == 2 and "device" in proc.stderr and "Traceback" not in proc.stderr
