@@ -25,7 +25,7 @@ from partc.errors import PartcError
 from partc.hardware import ClusterSpec
 from partc.memory import TrainingConfig
 from partc.model_file import inputs_to_meta
-from partc.partition import Partition, round_seconds
+from partc.partition import Partition
 from partc.pipeline import CaptureResult, capture_graph, plan_costs
 from partc.plan import (LOSS, MODEL_INPUT, PLAN_FILE, WEIGHTS_AT_LAUNCH, WEIGHTS_IN_STAGE_FILES,
                         ModelInfo, Plan, PlanStage, TensorRef, TiedParameter, stage_file_name,
@@ -278,25 +278,13 @@ def _emit(result: CaptureResult, partition: Partition, cluster: ClusterSpec, out
         input_spec=_spec_text(split.in_spec), output_spec=_spec_text(split.out_spec),
         tied_weights=tuple(sorted((p.name, *p.aliases) for p in graph.params if p.aliases)))
     s = partition.shape
-    training = {"global_batch_size": partition.global_batch_size, "stages": s.stages,
-                "replicas": s.replicas, "num_microbatches": s.num_microbatches,
-                "microbatch_size": s.microbatch_size, "schedule": s.schedule,
-                "virtual_stages_per_rank": s.chunks,
-                "activation_checkpointing": s.activation_checkpointing,
-                "placement": s.placement, "optimizer": partition.training.optimizer,
-                "precision": partition.training.precision,
-                "memory_margin": partition.training.memory_margin}
-    sim = partition.simulation
-    predicted = {"iteration_s": round_seconds(partition.iteration_s),
-                 "samples_per_s": round(partition.samples_per_s, 3),
-                 "bubble_fraction": round(sim.bubble_fraction, 6),
-                 "peak_memory_bytes": [int(x) for x in sim.peak_memory_bytes],
+    predicted = {**partition.predicted_dict(),
                  "usable_memory_bytes": int(partition.usable_memory_bytes),
                  "memory": [mem.to_dict() for mem in partition.memory]}
     plan = Plan(partc_version=partc_version(), model=model,
                 cluster={**cluster.to_dict(), "num_devices": cluster.num_devices,
                          "devices_used": s.num_devices},
-                training=training, costs=costs, stages=tuple(entries), tied_parameters=tied,
+                training=partition.training_dict(), costs=costs, stages=tuple(entries), tied_parameters=tied,
                 solver=partition.solver.to_dict(include_time=False), predicted=predicted,
                 directory=output_dir)
     return plan

@@ -120,12 +120,12 @@ def saved_activations(capture: Capture) -> dict[str, Linear]:
             inputs = inputs_to_meta(inputs)
         # the forward runs in training mode: keep buffers (batch-norm statistics) as they were,
         # they are the model's own state and later passes (emit) save them
-        before = {n: b.detach().clone() for n, b in module.named_buffers() if not b.is_meta}
+        before = {n: t.detach().clone() for n, t in module.named_buffers() if not t.is_meta}
         saved = saved_activation_bytes(module, inputs)
         with torch.no_grad():
-            for n, b in module.named_buffers():
+            for n, t in module.named_buffers():
                 if n in before:
-                    b.copy_(before[n])
+                    t.copy_(before[n])
         for name in {n.name for n in program.graph.nodes} | set(saved):
             points.setdefault(name, []).append((float(b), float(saved.get(name, 0))))
         del module
@@ -172,12 +172,12 @@ def _measure(result: CaptureResult, b: int, device: torch.device, use_ort: bool,
     with progress.step(f"torch: saved activations, fwd/bwd per node at batch {b}"):
         # the forward runs in training mode: keep buffers (batch-norm statistics) as they were,
         # they are the model's own state and later passes (emit) save them
-        before = {n: b.detach().clone() for n, b in module.named_buffers() if not b.is_meta}
+        before = {n: t.detach().clone() for n, t in module.named_buffers() if not t.is_meta}
         saved = saved_activation_bytes(module, inputs)
         with torch.no_grad():
-            for n, b in module.named_buffers():
+            for n, t in module.named_buffers():
                 if n in before:
-                    b.copy_(before[n])
+                    t.copy_(before[n])
         timing = time_nodes(module, inputs, b, device, warmup=options.warmup,
                             runs=max(3, options.runs // 2))
     ort_timing = None

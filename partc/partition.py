@@ -114,6 +114,25 @@ class Partition:
     def samples_per_s(self) -> float:
         return self.global_batch_size / self.iteration_s if self.iteration_s > 0 else 0.0
 
+    def training_dict(self) -> dict[str, Any]:
+        """The training shape and settings (plan.yaml's `training`)."""
+        s = self.shape
+        return {"global_batch_size": self.global_batch_size, "stages": s.stages,
+                "replicas": s.replicas, "num_microbatches": s.num_microbatches,
+                "microbatch_size": s.microbatch_size, "schedule": s.schedule,
+                "virtual_stages_per_rank": s.chunks,
+                "activation_checkpointing": s.activation_checkpointing,
+                "placement": s.placement, "optimizer": self.training.optimizer,
+                "precision": self.training.precision,
+                "memory_margin": self.training.memory_margin}
+
+    def predicted_dict(self) -> dict[str, Any]:
+        """The simulated iteration: time, throughput, bubble, peak memory per rank."""
+        return {"iteration_s": round_seconds(self.iteration_s),
+                "samples_per_s": round(self.samples_per_s, 3),
+                "bubble_fraction": round(self.simulation.bubble_fraction, 6),
+                "peak_memory_bytes": [int(x) for x in self.simulation.peak_memory_bytes]}
+
     def to_dict(self, include_time: bool = True, include_timeline: bool = False) -> dict[str, Any]:
         """Plain data, deterministic for the same inputs (without `include_time`)."""
         s = self.shape
@@ -122,23 +141,12 @@ class Partition:
             "model": self.model, "graph_hash": self.graph_hash,
             "cluster": {"name": self.cluster, "num_devices": self.num_devices,
                         "devices_used": s.num_devices},
-            "training": {"global_batch_size": self.global_batch_size, "stages": s.stages,
-                         "replicas": s.replicas, "num_microbatches": s.num_microbatches,
-                         "microbatch_size": s.microbatch_size, "schedule": s.schedule,
-                         "virtual_stages_per_rank": s.chunks,
-                         "activation_checkpointing": s.activation_checkpointing,
-                         "placement": s.placement, "optimizer": self.training.optimizer,
-                         "precision": self.training.precision,
-                         "memory_margin": self.training.memory_margin},
+            "training": self.training_dict(),
             "stages": [st.to_dict() for st in self.stages],
             "memory": {"usable_bytes_per_device": self.usable_memory_bytes,
                        "ranks": [m.to_dict() for m in self.memory]},
             "solver": self.solver.to_dict(include_time),
-            "predicted": {"iteration_s": round_seconds(self.iteration_s),
-                          "samples_per_s": round(self.samples_per_s, 3),
-                          "bubble_fraction": round(self.simulation.bubble_fraction, 6),
-                          "peak_memory_bytes": [int(x) for x in
-                                                self.simulation.peak_memory_bytes]},
+            "predicted": self.predicted_dict(),
         }
         if include_timeline:
             d["simulation"] = self.simulation.to_dict()
