@@ -22,12 +22,14 @@ per-node shares of T_f and T_b; the profile records which method priced which no
 """
 from __future__ import annotations
 
+import contextlib
+
 import gc
 import platform
 from dataclasses import dataclass, replace
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch.export import ExportedProgram
@@ -106,6 +108,20 @@ def _versions() -> dict[str, str]:
     return out
 
 
+@contextlib.contextmanager
+def buffers_restored(module: torch.nn.Module) -> Iterator[None]:
+    """Measurements run forward in training mode, which updates buffers in place (batch-norm
+    statistics); those are the model's own state, which later passes (emit) save: put them back."""
+    before = {n: t.detach().clone() for n, t in module.named_buffers() if not t.is_meta}
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for n, t in module.named_buffers():
+                if n in before:
+                    t.copy_(before[n])
+
+
 def saved_activations(capture: Capture) -> dict[str, Linear]:
     """Bytes each node saves for backward, fitted over the captured B and 2B. Runs on the meta
     device when the model is on meta (no memory, no device needed), else where the model lives."""
@@ -118,14 +134,8 @@ def saved_activations(capture: Capture) -> dict[str, Linear]:
         inputs = capture.model_file.inputs(b)
         if capture.on_meta:
             inputs = inputs_to_meta(inputs)
-        # the forward runs in training mode: keep buffers (batch-norm statistics) as they were,
-        # they are the model's own state and later passes (emit) save them
-        before = {n: t.detach().clone() for n, t in module.named_buffers() if not t.is_meta}
-        saved = saved_activation_bytes(module, inputs)
-        with torch.no_grad():
-            for n, t in module.named_buffers():
-                if n in before:
-                    t.copy_(before[n])
+        with buffers_restored(module):
+            saved = saved_activation_bytes(module, inputs)
         for name in {n.name for n in program.graph.nodes} | set(saved):
             points.setdefault(name, []).append((float(b), float(saved.get(name, 0))))
         del module
@@ -170,16 +180,10 @@ def _measure(result: CaptureResult, b: int, device: torch.device, use_ort: bool,
         to_device(module, device)
     inputs = inputs_on(cap.model_file.inputs(b), device)
     with progress.step(f"torch: saved activations, fwd/bwd per node at batch {b}"):
-        # the forward runs in training mode: keep buffers (batch-norm statistics) as they were,
-        # they are the model's own state and later passes (emit) save them
-        before = {n: t.detach().clone() for n, t in module.named_buffers() if not t.is_meta}
-        saved = saved_activation_bytes(module, inputs)
-        with torch.no_grad():
-            for n, t in module.named_buffers():
-                if n in before:
-                    t.copy_(before[n])
-        timing = time_nodes(module, inputs, b, device, warmup=options.warmup,
-                            runs=max(3, options.runs // 2))
+        with buffers_restored(module):
+            saved = saved_activation_bytes(module, inputs)
+            timing = time_nodes(module, inputs, b, device, warmup=options.warmup,
+                                runs=max(3, options.runs // 2))
     ort_timing = None
     if use_ort:
         export = _onnx_at(result, b, program, progress)
