@@ -34,7 +34,7 @@ from partc.progress import Progress
 from partc.search import SearchOptions, search
 from partc.stage_code import stage_bytes, trace_stage
 from partc.stage_graph import MODEL_INPUT as SOURCE_INPUT
-from partc.stage_graph import SplitError, SplitProgram, flatten_inputs, split_program
+from partc.stage_graph import SplitProgram, flatten_inputs, split_program
 from partc.stage_weights import set_stage_tensors, stage_tensors
 
 
@@ -254,7 +254,7 @@ def _emit(result: CaptureResult, partition: Partition, cluster: ClusterSpec, out
             constant_names=sg.constants, modules=st.modules,
             num_nodes=len(sg.nodes),
             inputs=tuple(_ref(split, name, sg.index, "in") for name in sg.inputs),
-            outputs=tuple(_ref(split, name, sg.index, "out", relay=name in sg.inputs)
+            outputs=tuple(_ref(split, name, sg.index, "out", relay=name in sg.relayed)
                           for name in sg.outputs),
             forward_s=st.forward_s, backward_s=st.backward_s,
             peak_memory_bytes=partition.memory[st.rank].total))
@@ -308,5 +308,3 @@ def _remove_stale_stages(directory: Path, num_stages: int) -> None:
         if suffix.isdigit() and int(suffix) >= num_stages:
             path.unlink()
 
-
-__all__ = ["CompileOptions", "CompileResult", "compile_model", "emit_plan", "SplitError"]

@@ -26,7 +26,6 @@ import torch
 import torch.utils._pytree as pytree
 
 from partc.capture import tied_groups
-from partc.errors import PartcError
 from partc.model_file import ModelFile, load_model_file
 from partc.plan import Plan, PlanError, load_plan
 from partc.stage_code import load_stage
@@ -321,8 +320,3 @@ def format_report(report: VerifyReport) -> str:
     lines.append("verify: " + ("ok" if report.ok else "FAILED"))
     return "\n".join(lines)
 
-
-class VerifyError(PartcError):
-    """Numerics differ (exit 1 from the CLI)."""
-
-    exit_code = 1
