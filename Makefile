@@ -1,5 +1,5 @@
 # partc: two commands set everything up on a fresh machine.
-#   make demo   create .venv (torch==2.13.0 first, then partc[dev]), compile and verify an example
+#   make demo   create .venv (torch==2.13.0 first, then partc[dev]), compile, verify and train an example
 #   make test   same install, then the default test suite (slow tests excluded)
 PYTHON ?= python3
 VENV ?= .venv
@@ -22,6 +22,7 @@ $(STAMP): setup.cfg pyproject.toml
 demo: install
 	$(PARTC) compile examples/bert.py --batch-size 16 --stages 2 -o plans/bert
 	$(PARTC) verify plans/bert/plan.yaml
+	$(PARTC) launch plans/bert/plan.yaml --steps 3
 
 test: install
 	$(PY) -m pytest -m "not slow" -q
@@ -37,6 +38,7 @@ bench: install
 	$(PY) bench/cost_model.py
 	$(PY) bench/solver.py
 	$(PY) bench/compile.py
+	$(PY) bench/launch.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

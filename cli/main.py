@@ -354,6 +354,64 @@ def verify(plan: Path, rtol: float, atol: float, seed: int, device: str,
         sys.exit(1)
 
 
+@cli.command()
+@click.argument("plan", type=click.Path(path_type=Path))
+@click.option("--steps", type=click.IntRange(min=1), default=10, show_default=True,
+              help="Training steps (global batches) to run, counted from step 0; a resumed run "
+                   "continues up to this step.")
+@click.option("--checkpoint-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Write per-stage checkpoints (model + optimizer, by parameter name) and a "
+                   "manifest here; an elastic restart resumes from the newest complete one.")
+@click.option("--checkpoint-every", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Checkpoint every K steps (0: only after the last step).")
+@click.option("--keep-checkpoints", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Complete checkpoints kept; older ones are deleted.")
+@click.option("--resume", is_flag=True,
+              help="Continue from the newest complete checkpoint in --checkpoint-dir.")
+@click.option("--init-from", type=click.Path(dir_okay=False, path_type=Path),
+              help="A torch.save'd state_dict of the model (or a partc checkpoint's stage file): "
+                   "initial weights by FQN, instead of the stage files' or a meta model's own "
+                   "initialisation.")
+@click.option("--lr", type=float, help="Learning rate [default: 1e-3 for adam/adamw, 0.01 sgd].")
+@click.option("--weight-decay", type=float,
+              help="Weight decay [default: 0.01 for adamw, else 0].")
+@click.option("--seed", type=int, default=0, show_default=True,
+              help="Seed of dropout (per step and rank) and of a meta model's initialisation.")
+@click.option("--metrics", type=click.Path(dir_okay=False, path_type=Path),
+              help="Append one JSON line per step (loss, samples/s, per-stage times) here.")
+@click.option("--log-every", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Print a progress line every N steps (when stderr is not a terminal).")
+@click.option("--nnodes", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Nodes (as torchrun); the plan's processes are split evenly over them.")
+@click.option("--node-rank", type=click.IntRange(min=0), default=0, show_default=True,
+              help="This node's rank (as torchrun).")
+@click.option("--rdzv-endpoint", default="", help="HOST:PORT of the rendezvous (as torchrun); "
+              "required with --nnodes > 1.")
+@click.option("--rdzv-backend", default="c10d", show_default=True, help="As torchrun.")
+@click.option("--rdzv-id", default="partc", show_default=True, help="Job id (as torchrun).")
+@click.option("--max-restarts", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Restart all workers up to N times when one fails (as torchrun); they resume "
+                   "from the newest checkpoint.")
+@debug_option
+def launch(plan: Path, steps: int, checkpoint_dir: Path | None, checkpoint_every: int,
+           keep_checkpoints: int, resume: bool, init_from: Path | None, lr: float | None,
+           weight_decay: float | None, seed: int, metrics: Path | None, log_every: int,
+           nnodes: int, node_rank: int, rdzv_endpoint: str, rdzv_backend: str, rdzv_id: str,
+           max_restarts: int) -> None:
+    """Train a plan on torch.distributed: one process per device, pipeline x data parallel,
+    started by torch's elastic launcher (torchrun's flags and semantics)."""
+    from partc.launch import ElasticOptions, launch as run_plan
+    from partc.training import TrainOptions
+
+    options = TrainOptions(steps=steps, seed=seed, lr=lr, weight_decay=weight_decay,
+                           checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
+                           keep_checkpoints=keep_checkpoints, resume=resume, init_from=init_from,
+                           metrics=metrics, log_every=log_every)
+    elastic = ElasticOptions(nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
+                             rdzv_backend=rdzv_backend, rdzv_id=rdzv_id, max_restarts=max_restarts)
+    run_plan(plan, options, elastic)
+
+
 def main() -> None:
     cli(prog_name="partc")
 

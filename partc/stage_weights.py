@@ -213,3 +213,57 @@ def stage_state(stage: torch.nn.Module, parameter_names: Iterable[str],
         values.update(initial_state(model_file, missing, device, seed))
     check_shapes(stage, values, where)
     return values
+
+
+def whole_model_weights(model: torch.nn.Module, model_file: ModelFile, on_meta: bool,
+                        stages: list[torch.nn.Module], aliases: dict[str, tuple[str, ...]],
+                        device: torch.device, seed: int,
+                        checkpoint: Mapping[str, torch.Tensor] | None = None
+                        ) -> dict[str, torch.Tensor]:
+    """Give the whole (unsplit) model the weights a plan's stages start from, in place: the
+    checkpoint's when given, else a meta model's own initialisation, else the stage files'.
+    The model ends up on `device`; returns the plan's weights by FQN (for a checkpoint, {}).
+    This is the single-process side of every stages-vs-model comparison (verify, launch tests,
+    benchmarks)."""
+    if on_meta:
+        whole = _initialise_whole(model, model_file, device, seed)
+    else:
+        model.to(device)
+        whole = {}
+        for module in stages:  # the first stage holding a tied tensor
+            for name, t in stage_tensors(module).items():
+                whole.setdefault(name, t.detach())
+    keys = set(model.state_dict())
+    if checkpoint is not None:
+        model.load_state_dict({k: v for k, v in checkpoint.items() if k in keys}, strict=False)
+        return {}
+    values = {n: t for n, t in whole.items() if n in keys}
+    for name, t in whole.items():  # a tied tensor under every name the model has for it
+        for other in aliases.get(name, ()):
+            if other in keys and other not in values:
+                values[other] = t
+    model.load_state_dict(values, strict=False)
+    return whole
+
+
+def _initialise_whole(model: torch.nn.Module, model_file: ModelFile, device: torch.device,
+                      seed: int) -> dict[str, torch.Tensor]:
+    """A meta-device model's own initialisation, whole; the model moved onto it."""
+    names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    names += [n for n, _ in model.named_buffers(remove_duplicate=False)]
+    state = initial_state(model_file, names, device, seed)
+    groups = tied_groups(model)
+    model.to_empty(device=device)
+    # to_empty may give each name of a tied tensor its own storage: share the first again
+    for group in set(groups.values()):
+        first = model.get_parameter(group[0])
+        for alias in group[1:]:
+            path, _, leaf = alias.rpartition(".")
+            setattr(model.get_submodule(path) if path else model, leaf, first)
+    model.load_state_dict(state, strict=False)
+    for name, value in state.items():  # non-persistent buffers are not in load_state_dict's reach
+        path, _, leaf = name.rpartition(".")
+        owner = model.get_submodule(path) if path else model
+        if leaf in owner._buffers:
+            owner._buffers[leaf] = value.clone()
+    return state

@@ -25,13 +25,12 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from partc.capture import tied_groups
 from partc.model_file import ModelFile, load_model_file
 from partc.plan import Plan, PlanError, load_plan
 from partc.stage_code import load_stage
 from partc.stage_graph import flatten_inputs
-from partc.stage_weights import (initial_state, load_state_dict_file, set_stage_tensors,
-                                 stage_state, stage_tensors)
+from partc.stage_weights import (load_state_dict_file, set_stage_tensors, stage_state,
+                                 stage_tensors, whole_model_weights)
 
 DEFAULT_RTOL = 1e-4
 DEFAULT_ATOL = 1e-5
@@ -90,16 +89,8 @@ def verify_plan(path: str | Path, *, rtol: float = DEFAULT_RTOL, atol: float = D
     aliases = plan.model.aliases()
     report = VerifyReport(plan=plan)
     checkpoint = load_state_dict_file(init_from) if init_from is not None else None
-    if plan.model.on_meta:
-        whole = _initialised(model, model_file, dev, seed)
-    else:
-        model.to(dev)
-        whole = _stage_weights(stages)
-    if checkpoint is not None:
-        keys = set(model.state_dict())
-        model.load_state_dict({k: v for k, v in checkpoint.items() if k in keys}, strict=False)
-    else:
-        model.load_state_dict(_with_aliases(whole, aliases, model), strict=False)
+    whole = whole_model_weights(model, model_file, plan.model.on_meta, stages, aliases, dev, seed,
+                                checkpoint=checkpoint)
     for st, module in zip(plan.stages, stages):
         # the stage's tensors as launch gets them: checkpoint, stage file, own initialisation
         mine = stage_state(module, st.parameter_names, st.buffer_names, checkpoint=checkpoint,
@@ -219,54 +210,6 @@ def _model_file(plan: Plan) -> ModelFile:
                         hint="keep the plan directory where compile wrote it relative to the "
                              "model file, or re-run partc compile")
     return load_model_file(path)
-
-
-def _stage_weights(stages: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
-    """Every tensor of every stage file by FQN (the first stage holding a tied one)."""
-    weights: dict[str, torch.Tensor] = {}
-    for module in stages:
-        for name, t in stage_tensors(module).items():
-            weights.setdefault(name, t.detach())
-    return weights
-
-
-def _initialised(model: torch.nn.Module, model_file: ModelFile, device: torch.device,
-                 seed: int) -> dict[str, torch.Tensor]:
-    """A meta-device model's own initialisation, whole; the model moved onto it."""
-    names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
-    names += [n for n, _ in model.named_buffers(remove_duplicate=False)]
-    state = initial_state(model_file, names, device, seed)
-    groups = tied_groups(model)
-    model.to_empty(device=device)
-    _retie(model, groups)
-    model.load_state_dict(state, strict=False)
-    for name, value in state.items():  # non-persistent buffers are not in load_state_dict's reach
-        path, _, leaf = name.rpartition(".")
-        owner = model.get_submodule(path) if path else model
-        if leaf in owner._buffers:
-            owner._buffers[leaf] = value.clone()
-    return state
-
-
-def _retie(model: torch.nn.Module, groups: dict[str, tuple[str, ...]]) -> None:
-    """to_empty may give each name of a tied tensor its own storage: share the first again."""
-    for group in set(groups.values()):
-        first = model.get_parameter(group[0])
-        for alias in group[1:]:
-            path, _, leaf = alias.rpartition(".")
-            setattr(model.get_submodule(path) if path else model, leaf, first)
-
-
-def _with_aliases(weights: dict[str, torch.Tensor], aliases: dict[str, tuple[str, ...]],
-                  model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """`weights` under the model's state_dict keys (a tied tensor under all its names)."""
-    keys = set(model.state_dict())
-    out = {n: t for n, t in weights.items() if n in keys}
-    for name, t in weights.items():
-        for other in aliases.get(name, ()):
-            if other in keys and other not in out:
-                out[other] = t
-    return out
 
 
 def _to(value: Any, device: torch.device) -> Any:

@@ -1,0 +1,151 @@
+"""Training checkpoints of `partc launch`: one file per stage, keyed by parameter name, plus a
+manifest written last.
+
+    CHECKPOINT_DIR/step-00000040/stage-0.pt     {"model": {fqn: tensor}, "optimizer": {fqn: state}}
+    CHECKPOINT_DIR/step-00000040/stage-1.pt
+    CHECKPOINT_DIR/step-00000040/manifest.json  written once every stage file is in place
+
+Every file is written to a temporary name, flushed to disk and renamed, and the manifest only after
+all ranks have renamed theirs (a barrier), so a directory with a manifest whose files all exist
+with the recorded sizes is complete; `latest_checkpoint` returns the newest such one and ignores
+anything a crash left half-written. Model and optimizer tensors are stored under the model's
+parameter names (FQNs), not under stage-local positions, so a checkpoint is independent of the
+plan that wrote it: a plan re-cut into other stages resumes from it, and its stage files together
+form an ordinary state_dict (`--init-from` accepts any of them).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from partc.errors import PartcError
+
+FORMAT = "partc-checkpoint"
+VERSION = 1
+MANIFEST = "manifest.json"
+_STEP_DIR = re.compile(r"^step-(\d{8})$")
+
+
+class CheckpointError(PartcError):
+    """A checkpoint directory that cannot be written, or one to resume from that does not fit."""
+
+
+def step_directory(root: Path, step: int) -> Path:
+    return root / f"step-{step:08d}"
+
+
+def stage_file_name(stage: int) -> str:
+    return f"stage-{stage}.pt"
+
+
+def save_stage(root: Path, step: int, stage: int, model: dict[str, torch.Tensor],
+               optimizer: dict[str, dict[str, Any]]) -> Path:
+    """Write one stage's tensors (by FQN) and optimizer state (by FQN) atomically."""
+    directory = step_directory(root, step)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / stage_file_name(stage)
+    tmp = path.with_name(f".{path.name}.tmp")
+    state = {"model": {n: t.detach().cpu() for n, t in model.items()},
+             "optimizer": {n: {k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v)
+                               for k, v in s.items()} for n, s in optimizer.items()}}
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def write_manifest(root: Path, step: int, info: dict[str, Any], keep: int) -> Path:
+    """Mark step's checkpoint complete (call once every stage file is written), then delete all
+    but the newest `keep` complete checkpoints and any older incomplete ones."""
+    directory = step_directory(root, step)
+    files = sorted(p.name for p in directory.glob("stage-*.pt"))
+    manifest = {"format": FORMAT, "version": VERSION, "step": step,
+                "files": {name: (directory / name).stat().st_size for name in files}, **info}
+    path = directory / MANIFEST
+    tmp = path.with_name(f".{MANIFEST}.tmp")
+    tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+    _fsync_directory(directory)
+    complete = [c.step for c in _complete(root)]
+    for s in _step_dirs(root):
+        if s < step and (s not in complete or s not in complete[-keep:]):
+            shutil.rmtree(step_directory(root, s), ignore_errors=True)
+    return path
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A complete checkpoint on disk."""
+
+    step: int
+    directory: Path
+    manifest: dict[str, Any]
+
+    def files(self) -> list[Path]:
+        return [self.directory / name for name in sorted(self.manifest["files"])]
+
+    def load(self, names: set[str], aliases: dict[str, tuple[str, ...]]
+             ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
+        """Model tensors and optimizer states for `names` (a tied tensor under any of its names),
+        read memory-mapped from whichever stage files hold them. Missing names are absent."""
+        model: dict[str, torch.Tensor] = {}
+        optimizer: dict[str, dict[str, Any]] = {}
+        for path in self.files():
+            state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+            for name in names:
+                for key in (name, *aliases.get(name, ())):
+                    if name not in model and key in state["model"]:
+                        model[name] = state["model"][key]
+                    if name not in optimizer and key in state["optimizer"]:
+                        optimizer[name] = state["optimizer"][key]
+        return model, optimizer
+
+
+def latest_checkpoint(root: str | Path) -> Checkpoint | None:
+    """The newest complete checkpoint under `root`, or None."""
+    complete = _complete(Path(root))
+    return complete[-1] if complete else None
+
+
+def _step_dirs(root: Path) -> list[int]:
+    if not root.is_dir():
+        return []
+    steps = [int(m.group(1)) for p in root.iterdir() if (m := _STEP_DIR.match(p.name))]
+    return sorted(steps)
+
+
+def _complete(root: Path) -> list[Checkpoint]:
+    found = []
+    for step in _step_dirs(root):
+        directory = step_directory(root, step)
+        try:
+            manifest = json.loads((directory / MANIFEST).read_text())
+        except (OSError, ValueError):
+            continue
+        if manifest.get("format") != FORMAT or manifest.get("step") != step:
+            continue
+        sizes = manifest.get("files", {})
+        if sizes and all((directory / n).is_file() and (directory / n).stat().st_size == size
+                         for n, size in sizes.items()):
+            found.append(Checkpoint(step=step, directory=directory, manifest=manifest))
+    return found
+
+
+def _fsync_directory(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,305 @@
+"""partc launch end to end: real torchrun/elastic agent, real gloo process groups, real
+torch.distributed.pipelining schedules and DDP, compared step by step with single-process training
+of the same model on the same data (partc.training.train_single_process)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import EXAMPLES, ROOT, TEST_MODELS
+from partc.checkpoint import latest_checkpoint
+from partc.compile import CompileOptions, compile_model
+from partc.hardware import load_cluster
+from partc.memory import TrainingConfig
+from partc.plan import PlanError, load_plan
+from partc.rank_layout import rank_layout
+from partc.search import SearchOptions
+from partc.training import TrainOptions, train_single_process
+
+PARTC = str(Path(sys.executable).parent / "partc")
+TORCHRUN = str(Path(sys.executable).parent / "torchrun")
+CPU4 = load_cluster("cpu-4")
+RTOL = 1e-5  # fp32: the pipeline sums micro-batch gradients in another order than one batch
+
+
+def compile_plan(tmp: Path, model: Path, stages: int, replicas: int, batch: int = 16,
+                 training: TrainingConfig | None = None, **search: object) -> Path:
+    out = tmp / f"{model.stem}-{stages}x{replicas}"
+    compile_model(model, CPU4, out, CompileOptions(
+        batch_size=batch, training=training or TrainingConfig(),
+        search=SearchOptions(stages=stages, replicas=replicas, **search)))
+    return out / "plan.yaml"
+
+
+def launch(plan: Path, *flags: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([PARTC, "launch", str(plan), *flags], capture_output=True, text=True,
+                          cwd=ROOT, timeout=timeout)
+
+
+def losses_of(metrics: Path) -> list[float]:
+    """The loss of each step; a step run twice (after a restart) counts with its last value."""
+    by_step: dict[int, float] = {}
+    for line in metrics.read_text().splitlines():
+        row = json.loads(line)
+        by_step[row["step"]] = row["loss"]
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def assert_close(got: list[float], want: list[float], rtol: float = RTOL) -> None:
+    assert len(got) == len(want), (got, want)
+    for step, (a, b) in enumerate(zip(got, want)):
+        assert abs(a - b) <= rtol * abs(b), f"step {step + 1}: launch {a!r} vs single process {b!r}"
+
+
+def train_and_compare(plan: Path, tmp: Path, steps: int = 5, chunks: int = 1) -> list[float]:
+    metrics = tmp / f"{plan.parent.name}.jsonl"
+    result = launch(plan, "--steps", str(steps), "--metrics", str(metrics))
+    assert result.returncode == 0, result.stderr[-3000:]
+    got = losses_of(metrics)
+    want = train_single_process(load_plan(plan), TrainOptions(steps=steps), chunks=chunks)
+    assert_close(got, want)
+    return got
+
+
+# ---- equal to single-process training ----------------------------------------------------------
+
+def test_two_stages_tied_transformer(tmp_path: Path) -> None:
+    """2 processes, 1F1B, an embedding tied to the output head across the two stages."""
+    plan = compile_plan(tmp_path, EXAMPLES / "transformer.py", 2, 1)
+    assert load_plan(plan).tied_parameters  # the tie really spans both stages
+    metrics = tmp_path / "m.jsonl"
+    result = launch(plan, "--steps", "5", "--metrics", str(metrics))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_close(losses_of(metrics), train_single_process(load_plan(plan), TrainOptions(steps=5)))
+    # the summary compares measured per-stage times with the plan's predictions
+    assert "predicted" in result.stdout and "trained steps 1..5" in result.stdout
+    assert "data: the model file's batches()" in result.stderr
+    rows = [json.loads(x) for x in metrics.read_text().splitlines()]
+    assert all(len(r["stage_forward_s"]) == 2 and r["samples_per_s"] > 0 for r in rows)
+
+
+def test_two_by_two_hf_gpt2_tied(tmp_path: Path) -> None:
+    """4 processes: 2 stages x 2 replicas (DDP per stage), HF GPT-2 with tied lm_head."""
+    plan = compile_plan(tmp_path, TEST_MODELS / "gpt2_no_dropout.py", 2, 2)
+    layout = rank_layout(load_plan(plan))
+    assert layout.world_size == 4 and layout.replicas == 2
+    assert load_plan(plan).tied_parameters
+    train_and_compare(plan, tmp_path)
+
+
+def test_two_stages_hf_bert_keyword_inputs_pair_target(tmp_path: Path) -> None:
+    """HF BERT: keyword inputs, a (masked-LM, next-sentence) target pair, tied decoder."""
+    plan = compile_plan(tmp_path, TEST_MODELS / "bert_no_dropout.py", 2, 1)
+    train_and_compare(plan, tmp_path)
+
+
+def test_two_by_two_cnn_with_batch_norm(tmp_path: Path) -> None:
+    """A ResNet (skip connections, batch norm) on 2 x 2: batch norm normalises each micro-batch,
+    so the reference is single-process gradient accumulation over the same micro-batches."""
+    plan = compile_plan(tmp_path, EXAMPLES / "resnet.py", 2, 2)
+    p = load_plan(plan)
+    chunks = p.training["replicas"] * p.training["num_microbatches"]
+    train_and_compare(plan, tmp_path, chunks=chunks)
+
+
+def test_interleaved_schedule_with_activation_checkpointing(tmp_path: Path) -> None:
+    """2 ranks x 2 virtual stages (ScheduleInterleaved1F1B), forward recomputed in backward."""
+    plan = compile_plan(tmp_path, EXAMPLES / "transformer.py", 2, 1,
+                        schedule="interleaved-1f1b", activation_checkpointing=True)
+    p = load_plan(plan)
+    assert p.num_stages == 4 and p.training["activation_checkpointing"]
+    train_and_compare(plan, tmp_path, steps=3)
+
+
+def test_bf16_mixed_trains_close_to_fp32(tmp_path: Path) -> None:
+    plan = compile_plan(tmp_path, EXAMPLES / "transformer.py", 2, 1,
+                        training=TrainingConfig(precision="bf16-mixed"))
+    metrics = tmp_path / "m.jsonl"
+    result = launch(plan, "--steps", "3", "--metrics", str(metrics))
+    assert result.returncode == 0, result.stderr[-3000:]
+    want = train_single_process(load_plan(plan), TrainOptions(steps=3))
+    assert_close(losses_of(metrics), want, rtol=2e-2)  # bf16 compute, fp32 weights and loss
+
+
+# ---- checkpoints, resume, elastic restart ------------------------------------------------------
+
+def _workers(agent: int) -> list[tuple[int, dict[str, str]]]:
+    """(pid, environment) of the agent's worker processes."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid != agent:
+                continue
+            env = dict(item.split("=", 1) for item in
+                       (entry / "environ").read_bytes().decode(errors="replace").split("\0")
+                       if "=" in item)
+        except (OSError, IndexError, ValueError):
+            continue
+        if "LOCAL_RANK" in env:
+            found.append((int(entry.name), env))
+    return found
+
+
+def test_killed_rank_restarts_and_resumes_from_checkpoint(tmp_path: Path) -> None:
+    plan = compile_plan(tmp_path, EXAMPLES / "transformer.py", 2, 1)
+    steps = 24
+    clean = tmp_path / "clean.jsonl"
+    result = launch(plan, "--steps", str(steps), "--metrics", str(clean))
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    metrics, ckpt = tmp_path / "killed.jsonl", tmp_path / "ckpt"
+    agent = subprocess.Popen([PARTC, "launch", str(plan), "--steps", str(steps), "--metrics",
+                              str(metrics), "--checkpoint-dir", str(ckpt), "--checkpoint-every",
+                              "1", "--max-restarts", "1"], cwd=ROOT, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    done_at_kill = 0
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and agent.poll() is None:
+        done = len(metrics.read_text().splitlines()) if metrics.exists() else 0
+        if done >= 4:
+            victim = [pid for pid, env in _workers(agent.pid)
+                      if env["LOCAL_RANK"] == "1" and env.get("TORCHELASTIC_RESTART_COUNT") == "0"]
+            if victim:
+                done_at_kill = len(metrics.read_text().splitlines())
+                os.kill(victim[0], signal.SIGKILL)
+                break
+        time.sleep(0.02)
+    out, err = agent.communicate(timeout=300)
+    assert done_at_kill >= 4, "the run ended before the test could kill a rank"
+    assert done_at_kill < steps
+    assert agent.returncode == 0, err[-3000:]
+    resumed = [ln for ln in err.splitlines() if "resuming from" in ln]
+    assert resumed, err[-2000:]
+    step = int(resumed[-1].rsplit("(step ", 1)[1].rstrip(")"))
+    assert step >= done_at_kill - 1  # at most the step in flight is run again
+    assert losses_of(metrics) == losses_of(clean)  # bit for bit: nothing lost, nothing replayed
+    last = latest_checkpoint(ckpt)
+    assert last is not None and last.step == steps
+    assert len(list(ckpt.glob("step-*"))) <= 2  # --keep-checkpoints 2
+
+
+def test_resume_with_a_replanned_layout(tmp_path: Path) -> None:
+    """Checkpoints are by parameter name: 3 steps on 2 stages, then 2 more on 2 x 2."""
+    a = compile_plan(tmp_path, EXAMPLES / "transformer.py", 2, 1)
+    b = compile_plan(tmp_path, EXAMPLES / "transformer.py", 2, 2)
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    first = launch(a, "--steps", "3", "--checkpoint-dir", str(ckpt), "--metrics", str(metrics))
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert latest_checkpoint(ckpt).step == 3
+    second = launch(b, "--steps", "5", "--checkpoint-dir", str(ckpt), "--resume",
+                    "--metrics", str(metrics))
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resuming from" in second.stderr
+    assert_close(losses_of(metrics), train_single_process(load_plan(a), TrainOptions(steps=5)))
+
+
+def test_init_from_a_state_dict(tmp_path: Path) -> None:
+    import torch
+
+    from partc.model_file import load_model_file
+
+    plan = compile_plan(tmp_path, EXAMPLES / "mlp.py", 2, 1)
+    model = load_model_file(EXAMPLES / "mlp.py").build()
+    torch.manual_seed(7)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    state = tmp_path / "init.pt"
+    torch.save(model.state_dict(), state)
+    metrics = tmp_path / "m.jsonl"
+    result = launch(plan, "--steps", "3", "--init-from", str(state), "--metrics", str(metrics))
+    assert result.returncode == 0, result.stderr[-3000:]
+    want = train_single_process(load_plan(plan), TrainOptions(steps=3, init_from=state))
+    default = train_single_process(load_plan(plan), TrainOptions(steps=3))
+    assert_close(losses_of(metrics), want)
+    assert abs(want[0] - default[0]) > 1e-3  # the init really changed the weights
+
+
+# ---- torchrun directly, and errors -------------------------------------------------------------
+
+def test_torchrun_runs_the_worker_module(tmp_path: Path) -> None:
+    plan = compile_plan(tmp_path, EXAMPLES / "mlp.py", 2, 1)
+    metrics = tmp_path / "m.jsonl"
+    result = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node", "2", "-m",
+                             "partc.launch", str(plan), "--steps", "2", "--metrics", str(metrics)],
+                            capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert len(losses_of(metrics)) == 2
+
+
+def test_torchrun_with_the_wrong_world_size_fails_in_one_line(tmp_path: Path) -> None:
+    plan = compile_plan(tmp_path, EXAMPLES / "mlp.py", 2, 1)
+    result = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node", "3", "-m",
+                             "partc.launch", str(plan), "--steps", "1"],
+                            capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert result.returncode != 0
+    # each worker says why in one line (torchrun then prints its own failure report)
+    assert "error: the plan runs on 2 processes, torchrun started 3" in result.stderr
+
+
+def test_launch_errors_are_one_line(tmp_path: Path) -> None:
+    plan = compile_plan(tmp_path, EXAMPLES / "mlp.py", 2, 1)
+    cases = {
+        "--resume needs --checkpoint-dir": [str(plan), "--resume"],
+        "no complete checkpoint": [str(plan), "--resume", "--checkpoint-dir",
+                                   str(tmp_path / "empty")],
+        "not found": [str(tmp_path / "nope" / "plan.yaml")],
+        "--init-from": [str(plan), "--init-from", str(tmp_path / "missing.pt")],
+        "does not divide": [str(plan), "--nnodes", "3", "--rdzv-endpoint", "localhost:1"],
+    }
+    for needle, args in cases.items():
+        result = subprocess.run([PARTC, "launch", *args], capture_output=True, text=True,
+                                cwd=ROOT, timeout=120)
+        assert result.returncode == 2, (needle, result.stderr)
+        lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+        assert len(lines) == 1 and needle in lines[0] and "hint:" in lines[0], (needle, lines)
+    # a tampered stage file is refused before any process starts
+    stage = plan.parent / "stage_1.pt"
+    data = bytearray(stage.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    stage.write_bytes(bytes(data))
+    result = launch(plan, "--steps", "1")
+    assert result.returncode == 2 and "does not match plan.yaml" in result.stderr
+
+
+def test_nccl_plan_without_gpus_is_refused(tmp_path: Path) -> None:
+    out = tmp_path / "xl"
+    compile_model(TEST_MODELS / "tiny_gpt2_meta.py", load_cluster("8xa100-80gb"), out,
+                  CompileOptions(batch_size=8, search=SearchOptions(stages=2, replicas=1)))
+    result = launch(out / "plan.yaml", "--steps", "1")
+    assert result.returncode == 2
+    assert "CUDA device" in result.stderr and "--cluster local" in result.stderr
+
+
+# ---- the layout (no processes) -----------------------------------------------------------------
+
+def test_rank_layout_of_both_placements(tmp_path: Path) -> None:
+    plan = load_plan(compile_plan(tmp_path, EXAMPLES / "mlp.py", 2, 2))
+    layout = rank_layout(plan)
+    assert layout.world_size == 4
+    for p in range(2):
+        for r in range(2):
+            g = layout.mesh[p][r]
+            assert layout.coordinates(g) == (p, r)
+            assert layout.stages_of(g) == (p,)
+            assert plan.stages[p].devices[r] == layout.devices[g]
+    # pipeline-major: each replica's pipeline on neighbouring devices
+    swapped = dataclasses.replace(plan, stages=(
+        dataclasses.replace(plan.stages[0], devices=(0, 2)),
+        dataclasses.replace(plan.stages[1], devices=(1, 3))))
+    assert rank_layout(swapped).mesh == ((0, 2), (1, 3))
+    broken = dataclasses.replace(plan, stages=(
+        dataclasses.replace(plan.stages[0], devices=(0, 1)),
+        dataclasses.replace(plan.stages[1], devices=(1, 3))))
+    with pytest.raises(PlanError, match="devices"):
+        rank_layout(broken)
