@@ -55,27 +55,47 @@ def save_stage(root: Path, step: int, stage: int, model: dict[str, torch.Tensor]
     state = {"model": {n: t.detach().cpu() for n, t in model.items()},
              "optimizer": {n: {k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v)
                                for k, v in s.items()} for n, s in optimizer.items()}}
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise CheckpointError(f"cannot write checkpoint {path}: {exc.strerror}",
+                              hint="check the checkpoint directory's space and permissions") from None
     return path
 
 
-def write_manifest(root: Path, step: int, info: dict[str, Any], keep: int) -> Path:
-    """Mark step's checkpoint complete (call once every stage file is written), then delete all
-    but the newest `keep` complete checkpoints and any older incomplete ones."""
+def write_manifest(root: Path, step: int, num_stages: int, info: dict[str, Any],
+                   keep: int) -> Path:
+    """Mark step's checkpoint complete (call once every stage file is written): the manifest
+    lists exactly stage-0..stage-(num_stages-1), each of which must be there. Then delete all but
+    the newest `keep` complete checkpoints up to this step, and older incomplete ones."""
     directory = step_directory(root, step)
-    files = sorted(p.name for p in directory.glob("stage-*.pt"))
-    manifest = {"format": FORMAT, "version": VERSION, "step": step,
-                "files": {name: (directory / name).stat().st_size for name in files}, **info}
+    files = {}
+    for k in range(num_stages):
+        name = stage_file_name(k)
+        try:
+            files[name] = (directory / name).stat().st_size
+        except OSError:
+            raise CheckpointError(f"checkpoint {directory} lacks {name} after every rank wrote "
+                                  "its stages", hint="the checkpoint directory must be one "
+                                  "shared filesystem path for all nodes") from None
+    manifest = {"format": FORMAT, "version": VERSION, "step": step, "files": files, **info}
     path = directory / MANIFEST
     tmp = path.with_name(f".{MANIFEST}.tmp")
-    tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise CheckpointError(f"cannot write {path}: {exc.strerror}",
+                              hint="check the checkpoint directory's space and permissions") from None
     _fsync_directory(directory)
-    complete = [c.step for c in _complete(root)]
+    complete = [c.step for c in _complete(root) if c.step <= step]
     for s in _step_dirs(root):
         if s < step and (s not in complete or s not in complete[-keep:]):
             shutil.rmtree(step_directory(root, s), ignore_errors=True)
@@ -114,6 +134,11 @@ def latest_checkpoint(root: str | Path) -> Checkpoint | None:
     """The newest complete checkpoint under `root`, or None."""
     complete = _complete(Path(root))
     return complete[-1] if complete else None
+
+
+def checkpoint_at(root: str | Path, step: int) -> Checkpoint | None:
+    """The complete checkpoint of `step` under `root`, or None (missing or incomplete)."""
+    return next((c for c in _complete(Path(root)) if c.step == step), None)
 
 
 def _step_dirs(root: Path) -> list[int]:

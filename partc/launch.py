@@ -79,7 +79,10 @@ def launch(plan_path: str | Path, options: TrainOptions,
         run(get_args_parser().parse_args(args))
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
-        message = failure.message if isinstance(failure.message, str) else ""
+        message = failure.message
+        if isinstance(message, dict):  # the error file @record wrote: {"message": "...", ...}
+            message = message.get("message", "")
+        message = message if isinstance(message, str) else ""
         reason = next((ln.strip() for ln in message.splitlines() if ln.strip()), "")
         reason = reason.removeprefix("_RankFailed: ")
         raise RunFailedError(f"rank {rank} failed (exit code {failure.exitcode})"
@@ -87,6 +90,16 @@ def launch(plan_path: str | Path, options: TrainOptions,
                           + (f" after {elastic.max_restarts} restart(s)"
                              if elastic.max_restarts else ""),
                           hint="the rank's output above has the details") from None
+    except Exception as exc:  # rendezvous timeouts, unreachable endpoints
+        from torch.distributed.elastic.rendezvous import RendezvousError
+
+        if not isinstance(exc, (RendezvousError, OSError, RuntimeError)):
+            raise
+        from partc.errors import summarize_exception
+
+        raise LaunchError(f"the launcher failed before training: {summarize_exception(exc)}",
+                          hint="check --rdzv-endpoint and that every node runs the same "
+                               "command") from None
 
 
 def check_launch(plan: Plan, options: TrainOptions, elastic: ElasticOptions) -> int:
@@ -130,8 +143,12 @@ def check_launch(plan: Plan, options: TrainOptions, elastic: ElasticOptions) -> 
         except OSError as exc:
             raise CheckpointError(f"cannot create --checkpoint-dir {options.checkpoint_dir}: "
                                   f"{exc.strerror}", hint="check the path and permissions") from None
+        found = latest_checkpoint(options.checkpoint_dir)
+        if not options.resume and found is not None and elastic.node_rank == 0:
+            raise CheckpointError(f"--checkpoint-dir {options.checkpoint_dir} already holds a "
+                                  f"checkpoint (step {found.step})", hint="pass --resume to "
+                                  "continue that run, or use an empty directory")
         if options.resume and elastic.node_rank == 0:
-            found = latest_checkpoint(options.checkpoint_dir)
             if found is None:
                 raise CheckpointError(f"--resume: no complete checkpoint in "
                                       f"{options.checkpoint_dir}",

@@ -42,15 +42,16 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
 from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
 from torch.nn.parallel import DistributedDataParallel
 
-from partc.checkpoint import (Checkpoint, CheckpointError, latest_checkpoint, save_stage,
-                              write_manifest)
+from partc.checkpoint import (Checkpoint, CheckpointError, checkpoint_at, latest_checkpoint,
+                              save_stage, write_manifest)
 from partc.plan import Plan, PlanStage, TensorRef, TiedParameter, load_plan
 from partc.rank_layout import RankLayout, rank_layout
 from partc.stage_code import load_stage
 from partc.stage_graph import flatten_inputs
 from partc.stage_weights import load_state_dict_file, set_stage_tensors, stage_state
-from partc.training import (LaunchError, TrainOptions, batched_inputs, build_optimizer,
-                            global_batches, model_file_of, output_spec, step_seed)
+from partc.training import (LaunchError, TrainOptions, batched_flags, build_optimizer,
+                            check_inputs, global_batches, model_file_of, next_batch, output_spec,
+                            step_seed)
 
 
 @dataclass(frozen=True)
@@ -111,11 +112,14 @@ class _StageRunner(torch.nn.Module):
 
     def forward(self, *args: torch.Tensor) -> Any:
         outputs = self._run(*args)
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         if self.bf16:
             # bf16-mixed sends bf16 activations (as the memory model prices them; autocast
             # leaves some fp32, so cast every floating one) and computes the loss in fp32
             dtype = torch.float32 if self.last else torch.bfloat16
             outputs = tuple(o.to(dtype) if o.is_floating_point() else o for o in outputs)
+        if not self.last:  # p2p sends need contiguous tensors (a cut after a transpose)
+            outputs = tuple(o.contiguous() for o in outputs)
         return outputs
 
     def _run(self, *args: torch.Tensor) -> Any:
@@ -206,7 +210,7 @@ def _train(plan: Plan, layout: RankLayout, env: RankEnv, device: torch.device,
     V, R = layout.num_stages, layout.replicas
     M = int(plan.training["num_microbatches"])
 
-    resume = _resume_point(options, env)
+    resume = _resume_point(plan, options, env, device)
     init = None
     if resume is None and options.init_from is not None:
         init = load_state_dict_file(options.init_from)
@@ -239,15 +243,18 @@ def _train(plan: Plan, layout: RankLayout, env: RankEnv, device: torch.device,
     checkpointing = bool(plan.training.get("activation_checkpointing"))
     for local in locals_:
         runner: torch.nn.Module = local.module
-        if bf16 or checkpointing:
-            runner = _StageRunner(local.module, device, bf16, checkpointing,
-                                  last=local.spec.index == V - 1)
+        is_last = local.spec.index == V - 1
+        if bf16 or checkpointing or not is_last:
+            runner = _StageRunner(local.module, device, bf16, checkpointing, last=is_last)
         if R > 1 and local.optimizer is not None:
             unused = _parameters_without_gradient(local.module, local.spec, device)
             runner = DistributedDataParallel(
                 runner, process_group=dp_group, gradient_as_bucket_view=True,
                 device_ids=[device.index] if device.type == "cuda" else None,
-                find_unused_parameters=bool(unused))
+                find_unused_parameters=bool(unused),
+                # buffers start equal (same init or checkpoint); re-broadcasting them before
+                # every micro-batch's forward would cost M collectives per stage and step
+                broadcast_buffers=False)
         k = local.spec.index
         boundary = torch.bfloat16 if bf16 else None
         local.pipe = _TimedStage(
@@ -258,24 +265,66 @@ def _train(plan: Plan, layout: RankLayout, env: RankEnv, device: torch.device,
                                  floating=boundary if k < V - 1 else None),
             group=pp_group)
 
-    loss_fn = _StageLoss(model_file.loss(), output_spec(plan, model_file))
-    # only the first stage's rank passes inputs, and says which carry the batch in dim 0
-    chunk_spec = (tuple(TensorChunkSpec(0) if b else _Replicate() for b in batched_inputs(plan))
-                  if 0 in mine else None)
-    schedule = _schedule(plan, [l.pipe for l in locals_ if l.pipe is not None], M, loss_fn,
-                         chunk_spec)
-
     start = resume.step if resume is not None else 0
     first, last = 0 in mine, V - 1 in mine
-    data = global_batches(model_file, plan, skip=start) if (first or last) else None
+    batch = int(plan.training["global_batch_size"])
+    data = global_batches(model_file, plan) if (first or last) else None
+    if data is not None:
+        for step in range(start):  # a resumed run continues with the batches it would have had
+            next_batch(data, options.seed, step)
     in_spec = pytree.treespec_loads(plan.model.input_spec) if plan.model.input_spec else None
-    batched = batched_inputs(plan)
+    pending = next_batch(data, options.seed, start) if data is not None and start < options.steps \
+        else None
+    batched: tuple[bool, ...] = ()
+    chunk_spec = None
+    if first and pending is not None:
+        # which inputs carry the batch in dim 0, from real data: a shared [1, S] input at
+        # micro-batch 1 looks batched in the plan's shapes
+        flat0 = _flat_inputs(pending[0], in_spec)
+        batched = batched_flags(flat0, batch)
+        check_inputs(flat0, plan, batched)
+        chunk_spec = tuple(TensorChunkSpec(0) if b else _Replicate() for b in batched)
+    loss_fn = _StageLoss(model_file.loss(), output_spec(plan, model_file)) if last else None
+    schedule = _schedule(plan, [l.pipe for l in locals_ if l.pipe is not None], M,
+                         loss_fn if loss_fn is not None else _no_loss, chunk_spec)
+
     reporter = _Reporter(plan, options, start, out, err) if rank == 0 else None
+    try:
+        return _loop(plan, options, env, layout, device, locals_, schedule, loss_fn, tied, data,
+                     pending, in_spec, batched, resume, reporter, model_file.batches is not None)
+    finally:
+        if reporter is not None:
+            reporter.close()
+
+
+def _no_loss(outputs: Any, target: Any) -> torch.Tensor:
+    raise AssertionError("the loss runs on the last stage only")
+
+
+def _flat_inputs(inputs: Any, in_spec: pytree.TreeSpec | None) -> list[Any]:
+    if in_spec is not None:
+        return flatten_inputs(inputs, in_spec)
+    return [t for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor)]
+
+
+def _loop(plan: Plan, options: TrainOptions, env: RankEnv, layout: RankLayout,
+          device: torch.device, locals_: list[_LocalStage], schedule: Any,
+          loss_fn: _StageLoss | None, tied: list[_TiedGroup], data: Any, pending: Any,
+          in_spec: pytree.TreeSpec | None, batched: tuple[bool, ...],
+          resume: Checkpoint | None, reporter: "_Reporter | None",
+          has_batches: bool) -> RunSummary | None:
+    rank = env.rank
+    mine = layout.stages_of(rank)
+    V, R = layout.num_stages, layout.replicas
+    M = int(plan.training["num_microbatches"])
+    _, replica = layout.coordinates(rank)
+    first, last = 0 in mine, V - 1 in mine
+    batch = int(plan.training["global_batch_size"])
+    start = resume.step if resume is not None else 0
     if reporter is not None:
-        reporter.begin(layout, resume, data_source=("the model file's batches()"
-                                                    if model_file.batches else
-                                                    "synthetic batches (the model file defines "
-                                                    "no batches())"))
+        reporter.begin(layout, resume, data_source=("the model file's batches()" if has_batches
+                                                    else "synthetic batches (the model file "
+                                                    "defines no batches())"))
     summary = RunSummary(resumed_from=start if resume is not None else None)
     for step in range(start, options.steps):
         torch.manual_seed(step_seed(options.seed, step, rank))
@@ -288,18 +337,27 @@ def _train(plan: Plan, layout: RankLayout, env: RankEnv, device: torch.device,
         args: list[torch.Tensor] = []
         target = None
         if data is not None:
-            inputs, whole_target = next(data)
+            inputs, whole_target = pending if pending is not None else \
+                next_batch(data, options.seed, step)
+            pending = None
             if first:
-                flat = flatten_inputs(inputs, in_spec) if in_spec else pytree.tree_leaves(inputs)
+                flat = _flat_inputs(inputs, in_spec)
+                check_inputs(flat, plan, batched)
                 args = [(_replica_slice(t, replica, R) if b else t).to(device)
                         for t, b in zip(flat, batched)]
             if last:
-                whole_batch = int(plan.training["global_batch_size"])
+                assert loss_fn is not None
+                leaves = [t for t in pytree.tree_leaves(whole_target)
+                          if isinstance(t, torch.Tensor)]
+                if not any(t.dim() and t.shape[0] == batch for t in leaves):
+                    raise LaunchError(f"no tensor of the batch's target has the global batch "
+                                      f"size {batch} in dim 0", hint="batches(batch_size) must "
+                                      "yield (inputs, target) with batch_size samples")
                 mine_target = pytree.tree_map(
                     lambda t: _replica_slice(t, replica, R).to(device)
-                    if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == whole_batch
+                    if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == batch
                     else t, whole_target)
-                target = loss_fn.set_target(mine_target, whole_batch // R)
+                target = loss_fn.set_target(mine_target, batch // R)
         losses: list[torch.Tensor] | None = [] if last else None
         schedule.step(*args, target=target, losses=losses, return_outputs=False)
         _sum_tied_gradients(tied, locals_)
@@ -339,19 +397,61 @@ def _train(plan: Plan, layout: RankLayout, env: RankEnv, device: torch.device,
 
 # ---- setup ----------------------------------------------------------------------------------
 
-def _resume_point(options: TrainOptions, env: RankEnv) -> Checkpoint | None:
-    """The checkpoint to continue from: the newest complete one with --resume or after an elastic
-    restart (when the run has a checkpoint directory)."""
-    if options.checkpoint_dir is None or not (options.resume or env.restart_count > 0):
+def _resume_point(plan: Plan, options: TrainOptions, env: RankEnv,
+                  device: torch.device) -> Checkpoint | None:
+    """The checkpoint to continue from, the same on every rank: rank 0 picks the newest complete
+    one (with --resume, or after an elastic restart) and broadcasts its step; every rank must see
+    it (the directory is shared) and it must fit this run. A fresh run refuses a directory that
+    already holds checkpoints: pruning and restarts would mix two runs."""
+    root = options.checkpoint_dir
+    if root is None:
         return None
-    found = latest_checkpoint(options.checkpoint_dir)
-    if found is None and options.resume:
-        raise CheckpointError(f"--resume: no complete checkpoint in {options.checkpoint_dir}",
-                              hint="check the directory, or drop --resume to start from step 0")
-    if found is not None and found.step > options.steps:
-        raise CheckpointError(f"the newest checkpoint is at step {found.step}, past --steps "
-                              f"{options.steps}", hint=f"pass --steps greater than {found.step}")
+    decision: list[Any] = [None]
+    if env.rank == 0:
+        found = latest_checkpoint(root)
+        if not (options.resume or env.restart_count > 0):
+            if found is not None:
+                decision[0] = ("error", f"--checkpoint-dir {root} already holds a checkpoint "
+                               f"(step {found.step})", "pass --resume to continue that run, or "
+                               "use an empty directory")
+        elif found is None:
+            if options.resume:
+                decision[0] = ("error", f"--resume: no complete checkpoint in {root}",
+                               "check the directory, or drop --resume to start from step 0")
+        else:
+            problem = _incompatible(plan, options, found)
+            decision[0] = ("error", *problem) if problem else ("step", found.step)
+    dist.broadcast_object_list(decision, src=0, device=device)
+    if decision[0] is None:
+        return None
+    if decision[0][0] == "error":
+        raise CheckpointError(decision[0][1], hint=decision[0][2])
+    found = checkpoint_at(root, decision[0][1])
+    if found is None:
+        raise CheckpointError(f"rank {env.rank} cannot see the checkpoint of step "
+                              f"{decision[0][1]} in {root} that rank 0 resumes from",
+                              hint="the checkpoint directory must be one shared filesystem path "
+                                   "for all nodes")
     return found
+
+
+def _incompatible(plan: Plan, options: TrainOptions, found: Checkpoint) -> tuple[str, str] | None:
+    m = found.manifest
+    if found.step > options.steps:
+        return (f"the newest checkpoint is at step {found.step}, past --steps {options.steps}",
+                f"pass --steps greater than {found.step}")
+    if m.get("optimizer") != plan.training["optimizer"]:
+        return (f"checkpoint {found.directory} holds {m.get('optimizer')} state, the plan "
+                f"trains with {plan.training['optimizer']}",
+                "resume with a plan compiled for the same optimizer, or start from its weights "
+                "with --init-from")
+    if m.get("global_batch_size") != plan.training["global_batch_size"]:
+        return (f"checkpoint {found.directory} was trained at global batch "
+                f"{m.get('global_batch_size')}, the plan's is "
+                f"{plan.training['global_batch_size']}",
+                "resume with a plan of the same global batch (the data position counts "
+                "batches), or start from its weights with --init-from")
+    return None
 
 
 def _example(refs: tuple[TensorRef, ...], device: torch.device, grad: bool,
@@ -529,7 +629,7 @@ def _save_checkpoint(plan: Plan, options: TrainOptions, step: int, locals_: list
                 "stages": plan.num_stages, "optimizer": plan.training["optimizer"],
                 "plan_stage_sha256": [s.sha256 for s in plan.stages],
                 "global_batch_size": plan.training["global_batch_size"]}
-        write_manifest(root, step, info, options.keep_checkpoints)
+        write_manifest(root, step, plan.num_stages, info, options.keep_checkpoints)
     dist.barrier()
 
 
@@ -594,9 +694,12 @@ class _Reporter:
             self.err.write(text + "\n")
         self.err.flush()
 
-    def finish(self, summary: RunSummary) -> None:
+    def close(self) -> None:
         if self.metrics is not None:
             self.metrics.close()
+            self.metrics = None
+
+    def finish(self, summary: RunSummary) -> None:
         steps = sorted(summary.step_s)
         if not steps:
             self.out.write("partc launch: nothing to do (the checkpoint is at --steps)\n")

@@ -129,25 +129,50 @@ def model_file_of(plan: Plan) -> ModelFile:
     return load_model_file(path)
 
 
-def global_batches(model_file: ModelFile, plan: Plan, skip: int = 0
-                   ) -> Iterator[tuple[Inputs, Any]]:
+def global_batches(model_file: ModelFile, plan: Plan) -> Iterator[tuple[Inputs, Any]]:
     """The run's batches of global_batch_size samples, from the model file's batches() or
-    synthetic ones (`ModelFile.data`), after skipping the first `skip` (a resumed run)."""
+    synthetic ones (`ModelFile.data`). Draw them with `next_batch`."""
     batch = int(plan.training["global_batch_size"])
     m = plan.microbatch_size
     first = tuple(plan.model.outputs[0].shape)
     shape = (batch, *first[1:]) if first and first[0] == m else first
-    data = model_file.data(batch, output_shape=shape)
-    for _ in range(skip):
-        next(data)
-    yield from data
+    return iter(model_file.data(batch, output_shape=shape))
 
 
-def batched_inputs(plan: Plan) -> tuple[bool, ...]:
-    """Per flat model input: does it carry the batch in dim 0 (micro-batch-sized in the plan)?
-    Others (a shared mask, a table) go whole to every micro-batch."""
-    m = plan.microbatch_size
-    return tuple(bool(t.shape) and t.shape[0] == m for t in plan.model.inputs)
+def next_batch(data: Iterator[tuple[Inputs, Any]], seed: int, step: int) -> tuple[Inputs, Any]:
+    """Step `step`'s batch. Drawn under an RNG seeded by (seed, step) alone and restored after,
+    so a batches() that uses torch's global RNG gives every rank (the first stage's inputs, the
+    last stage's targets) the same samples, and a resumed run the same batches."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(step_seed(seed, step, -1))
+        try:
+            return next(data)
+        except StopIteration:
+            raise LaunchError(f"the model file's batches() ran out at step {step + 1}",
+                              hint="make batches() yield at least --steps batches (e.g. loop "
+                                   "over epochs)") from None
+
+
+def batched_flags(flat: list[Any], batch: int) -> tuple[bool, ...]:
+    """Per flat model input: does it carry the batch in dim 0? Others (a shared mask, a table)
+    go whole to every replica and micro-batch."""
+    return tuple(isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == batch
+                 for t in flat)
+
+
+def check_inputs(flat: list[Any], plan: Plan, batched: tuple[bool, ...]) -> None:
+    """The model file's batch must have the plan's input shapes (at the global batch size)."""
+    batch = int(plan.training["global_batch_size"])
+    if len(flat) != len(plan.model.inputs):
+        raise LaunchError(f"the model file's batches give {len(flat)} input tensors, the plan "
+                          f"has {len(plan.model.inputs)}", hint="re-run partc compile")
+    for t, ref, b in zip(flat, plan.model.inputs, batched):
+        want = (batch, *ref.shape[1:]) if b else tuple(ref.shape)
+        if tuple(t.shape) != want or str(t.dtype).removeprefix("torch.") != ref.dtype:
+            raise LaunchError(f"input {ref.path or ref.name} of a batch is {tuple(t.shape)} "
+                              f"{str(t.dtype).removeprefix('torch.')}, the plan needs {want} "
+                              f"{ref.dtype}", hint="batches(batch_size) must yield full batches "
+                              "shaped like example_inputs(batch_size)")
 
 
 def output_spec(plan: Plan, model_file: ModelFile) -> pytree.TreeSpec:
@@ -156,7 +181,8 @@ def output_spec(plan: Plan, model_file: ModelFile) -> pytree.TreeSpec:
         return pytree.treespec_loads(plan.model.output_spec)
     from partc.model_file import inputs_to_meta
 
-    model = model_file.build().to("meta").train()
+    with torch.device("meta"):  # never materialise the model for its output structure
+        model = model_file.build().to("meta").train()
     args, kwargs = inputs_to_meta(model_file.inputs(plan.microbatch_size))
     with torch.no_grad():
         return pytree.tree_flatten(model(*args, **kwargs))[1]
@@ -188,7 +214,7 @@ def train_single_process(plan: Plan, options: TrainOptions, chunks: int = 1,
     losses = []
     data = global_batches(model_file, plan)
     for step in range(options.steps):
-        (args, kwargs), target = next(data)
+        (args, kwargs), target = next_batch(data, options.seed, step)
         torch.manual_seed(step_seed(options.seed, step, 0))
         if optimizer is not None:
             optimizer.zero_grad(set_to_none=True)
@@ -209,7 +235,7 @@ def train_single_process(plan: Plan, options: TrainOptions, chunks: int = 1,
 
 def _chunks(value: Any, batch: int, chunks: int) -> list[Any]:
     """Split inputs or a target into `chunks` micro-batches along dim 0 of every tensor that has
-    the batch there (the rest go whole to each micro-batch, as in `batched_inputs`)."""
+    the batch there (the rest go whole to each micro-batch, as in `batched_flags`)."""
     if chunks == 1:
         return [value]
     leaves, spec = pytree.tree_flatten(value)

@@ -197,6 +197,9 @@ def test_resume_with_a_replanned_layout(tmp_path: Path) -> None:
     first = launch(a, "--steps", "3", "--checkpoint-dir", str(ckpt), "--metrics", str(metrics))
     assert first.returncode == 0, first.stderr[-3000:]
     assert latest_checkpoint(ckpt).step == 3
+    # a fresh run must not mix its checkpoints with another run's
+    again = launch(a, "--steps", "3", "--checkpoint-dir", str(ckpt))
+    assert again.returncode == 2 and "already holds a checkpoint (step 3)" in again.stderr
     second = launch(b, "--steps", "5", "--checkpoint-dir", str(ckpt), "--resume",
                     "--metrics", str(metrics))
     assert second.returncode == 0, second.stderr[-3000:]
