@@ -21,7 +21,7 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, Callable
 
 import torch
 
@@ -51,19 +51,10 @@ def save_stage(root: Path, step: int, stage: int, model: dict[str, torch.Tensor]
     directory = step_directory(root, step)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / stage_file_name(stage)
-    tmp = path.with_name(f".{path.name}.tmp")
     state = {"model": {n: t.detach().cpu() for n, t in model.items()},
              "optimizer": {n: {k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v)
                                for k, v in s.items()} for n, s in optimizer.items()}}
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as exc:
-        raise CheckpointError(f"cannot write checkpoint {path}: {exc.strerror}",
-                              hint="check the checkpoint directory's space and permissions") from None
+    _write_atomically(path, lambda f: torch.save(state, f))
     return path
 
 
@@ -84,16 +75,8 @@ def write_manifest(root: Path, step: int, num_stages: int, info: dict[str, Any],
                                   "shared filesystem path for all nodes") from None
     manifest = {"format": FORMAT, "version": VERSION, "step": step, "files": files, **info}
     path = directory / MANIFEST
-    tmp = path.with_name(f".{MANIFEST}.tmp")
-    try:
-        with open(tmp, "w") as f:
-            f.write(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as exc:
-        raise CheckpointError(f"cannot write {path}: {exc.strerror}",
-                              hint="check the checkpoint directory's space and permissions") from None
+    text = (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode()
+    _write_atomically(path, lambda f: f.write(text))
     _fsync_directory(directory)
     complete = [c.step for c in _complete(root) if c.step <= step]
     for s in _step_dirs(root):
@@ -163,6 +146,20 @@ def _complete(root: Path) -> list[Checkpoint]:
                          for n, size in sizes.items()):
             found.append(Checkpoint(step=step, directory=directory, manifest=manifest))
     return found
+
+
+def _write_atomically(path: Path, write: Callable[[BinaryIO], Any]) -> None:
+    """Write to a temporary name, flush to disk, rename: `path` is whole or absent."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise CheckpointError(f"cannot write checkpoint file {path}: {exc.strerror}",
+                              hint="check the checkpoint directory's space and permissions") from None
 
 
 def _fsync_directory(directory: Path) -> None:

@@ -25,10 +25,10 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from partc.model_file import ModelFile, load_model_file
 from partc.plan import Plan, PlanError, load_plan
 from partc.stage_code import load_stage
 from partc.stage_graph import flatten_inputs
+from partc.training import model_file_of
 from partc.stage_weights import (load_state_dict_file, set_stage_tensors, stage_state,
                                  stage_tensors, whole_model_weights)
 
@@ -84,7 +84,7 @@ def verify_plan(path: str | Path, *, rtol: float = DEFAULT_RTOL, atol: float = D
             raise PlanError(f"stage {st.index} holds tensors {sorted(names ^ expected)[:3]} that "
                             "plan.yaml does not list (or the reverse)",
                             hint="the stage file does not belong to this plan; re-run partc compile")
-    model_file = _model_file(plan)
+    model_file = model_file_of(plan)
     model = model_file.build().train()
     aliases = plan.model.aliases()
     report = VerifyReport(plan=plan)
@@ -201,15 +201,6 @@ def _device(name: str) -> torch.device:
     if device.type not in ("cpu", "cuda"):
         raise PlanError(f"device {name} is not supported", hint="use cpu, cuda or cuda:N")
     return device
-
-
-def _model_file(plan: Plan) -> ModelFile:
-    path = plan.model_path
-    if not path.is_file():
-        raise PlanError(f"the plan's model file {plan.model.file} (resolved to {path}) is missing",
-                        hint="keep the plan directory where compile wrote it relative to the "
-                             "model file, or re-run partc compile")
-    return load_model_file(path)
 
 
 def _to(value: Any, device: torch.device) -> Any:
