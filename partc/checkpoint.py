@@ -119,6 +119,44 @@ def latest_checkpoint(root: str | Path) -> Checkpoint | None:
     return complete[-1] if complete else None
 
 
+def choose_resume(root: str | Path, *, resume: bool, restarted: bool, steps: int,
+                  optimizer: str, global_batch_size: int) -> Checkpoint | None:
+    """The checkpoint a run continues from (None: start at step 0), or CheckpointError.
+
+    A fresh run (neither --resume nor an elastic restart) refuses a directory that already holds
+    a checkpoint: pruning and restarts would mix two runs. A resumed one takes the newest complete
+    checkpoint, which must be before --steps (at it, after a restart: the run had finished) and
+    come from the same optimizer and global batch (the data position counts batches)."""
+    found = latest_checkpoint(root)
+    if not (resume or restarted):
+        if found is not None:
+            raise CheckpointError(f"--checkpoint-dir {root} already holds a checkpoint (step "
+                                  f"{found.step})", hint="pass --resume to continue that run, or "
+                                  "use an empty directory")
+        return None
+    if found is None:
+        if resume:
+            raise CheckpointError(f"--resume: no complete checkpoint in {root}",
+                                  hint="check the directory, or drop --resume to start from "
+                                       "step 0")
+        return None
+    if found.step > (steps if restarted else steps - 1):
+        raise CheckpointError(f"the newest checkpoint in {root} is at step {found.step}, --steps "
+                              f"is {steps}", hint=f"pass --steps greater than {found.step}")
+    m = found.manifest
+    if m.get("optimizer") != optimizer:
+        raise CheckpointError(f"checkpoint {found.directory} holds {m.get('optimizer')} state, "
+                              f"the plan trains with {optimizer}",
+                              hint="resume with a plan compiled for the same optimizer, or start "
+                                   "from its weights with --init-from")
+    if m.get("global_batch_size") != global_batch_size:
+        raise CheckpointError(f"checkpoint {found.directory} was trained at global batch "
+                              f"{m.get('global_batch_size')}, the plan's is {global_batch_size}",
+                              hint="resume with a plan of the same global batch, or start from "
+                                   "its weights with --init-from")
+    return found
+
+
 def checkpoint_at(root: str | Path, step: int) -> Checkpoint | None:
     """The complete checkpoint of `step` under `root`, or None (missing or incomplete)."""
     return next((c for c in _complete(Path(root)) if c.step == step), None)

@@ -21,8 +21,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from partc.checkpoint import CheckpointError, latest_checkpoint
-from partc.errors import PartcError
+from partc.checkpoint import CheckpointError, choose_resume
+from partc.errors import PartcError, summarize_exception
+from partc.hardware import physical_cores
 from partc.plan import Plan, load_plan
 from partc.rank_layout import rank_layout
 from partc.training import LaunchError, TrainOptions, add_train_arguments, train_options_from
@@ -67,12 +68,13 @@ def launch(plan_path: str | Path, options: TrainOptions,
     args += ["-m", "partc.launch", str(plan_file), *options.argv()]
     if plan.cluster.get("backend") != "nccl" and "OMP_NUM_THREADS" not in os.environ:
         # gloo workers share the CPU: each gets its share of the cores (torchrun would set 1)
-        os.environ["OMP_NUM_THREADS"] = str(max(1, _physical_cores() // nproc))
+        os.environ["OMP_NUM_THREADS"] = str(max(1, physical_cores() // nproc))
     # Workers get their own TCPStore per rendezvous round: with the agent's store shared (the
     # default), restarted workers read the previous round's gloo/NCCL addresses and fail to
     # connect (pytorch/pytorch#135712).
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.run import get_args_parser, run
 
     try:
@@ -90,13 +92,7 @@ def launch(plan_path: str | Path, options: TrainOptions,
                           + (f" after {elastic.max_restarts} restart(s)"
                              if elastic.max_restarts else ""),
                           hint="the rank's output above has the details") from None
-    except Exception as exc:  # rendezvous timeouts, unreachable endpoints
-        from torch.distributed.elastic.rendezvous import RendezvousError
-
-        if not isinstance(exc, (RendezvousError, OSError, RuntimeError)):
-            raise
-        from partc.errors import summarize_exception
-
+    except (RendezvousError, OSError, RuntimeError) as exc:  # timeouts, unreachable endpoints
         raise LaunchError(f"the launcher failed before training: {summarize_exception(exc)}",
                           hint="check --rdzv-endpoint and that every node runs the same "
                                "command") from None
@@ -143,33 +139,14 @@ def check_launch(plan: Plan, options: TrainOptions, elastic: ElasticOptions) -> 
         except OSError as exc:
             raise CheckpointError(f"cannot create --checkpoint-dir {options.checkpoint_dir}: "
                                   f"{exc.strerror}", hint="check the path and permissions") from None
-        found = latest_checkpoint(options.checkpoint_dir)
-        if not options.resume and found is not None and elastic.node_rank == 0:
-            raise CheckpointError(f"--checkpoint-dir {options.checkpoint_dir} already holds a "
-                                  f"checkpoint (step {found.step})", hint="pass --resume to "
-                                  "continue that run, or use an empty directory")
-        if options.resume and elastic.node_rank == 0:
-            if found is None:
-                raise CheckpointError(f"--resume: no complete checkpoint in "
-                                      f"{options.checkpoint_dir}",
-                                      hint="check the directory, or drop --resume")
-            if found.step >= options.steps:
-                raise CheckpointError(f"--resume: the checkpoint is at step {found.step}, "
-                                      f"--steps is {options.steps}",
-                                      hint=f"pass --steps greater than {found.step}")
+        if elastic.node_rank == 0:  # the same choice rank 0 makes, before anything starts
+            choose_resume(options.checkpoint_dir, resume=options.resume, restarted=False,
+                          steps=options.steps, optimizer=plan.training["optimizer"],
+                          global_batch_size=plan.training["global_batch_size"])
     if elastic.max_restarts and options.checkpoint_dir is None:
         print("partc launch: warning: --max-restarts without --checkpoint-dir: a restarted run "
               "starts again from step 0", file=sys.stderr)
     return nproc
-
-
-def _physical_cores() -> int:
-    from partc.hardware import local_cluster
-
-    try:
-        return max(1, int(local_cluster().devices_per_node))
-    except Exception:  # noqa: BLE001 - detection is best effort; the count only sizes threads
-        return max(1, (os.cpu_count() or 2) // 2)
 
 
 class _RankFailed(Exception):

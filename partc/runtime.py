@@ -42,7 +42,7 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
 from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
 from torch.nn.parallel import DistributedDataParallel
 
-from partc.checkpoint import (Checkpoint, CheckpointError, checkpoint_at, latest_checkpoint,
+from partc.checkpoint import (Checkpoint, CheckpointError, checkpoint_at, choose_resume,
                               save_stage, write_manifest)
 from partc.plan import Plan, PlanStage, TensorRef, TiedParameter, load_plan
 from partc.rank_layout import RankLayout, rank_layout
@@ -51,7 +51,7 @@ from partc.stage_graph import flatten_inputs
 from partc.stage_weights import load_state_dict_file, set_stage_tensors, stage_state
 from partc.training import (LaunchError, TrainOptions, batched_flags, build_optimizer,
                             check_inputs, global_batches, model_file_of, next_batch, output_spec,
-                            step_seed)
+                            split_batch, step_seed)
 
 
 @dataclass(frozen=True)
@@ -269,32 +269,99 @@ def _train(plan: Plan, layout: RankLayout, env: RankEnv, device: torch.device,
     first, last = 0 in mine, V - 1 in mine
     batch = int(plan.training["global_batch_size"])
     data = global_batches(model_file, plan) if (first or last) else None
+    pending = None
     if data is not None:
         for step in range(start):  # a resumed run continues with the batches it would have had
             next_batch(data, options.seed, step)
+        if start < options.steps:
+            pending = next_batch(data, options.seed, start)
     in_spec = pytree.treespec_loads(plan.model.input_spec) if plan.model.input_spec else None
-    pending = next_batch(data, options.seed, start) if data is not None and start < options.steps \
-        else None
     batched: tuple[bool, ...] = ()
     chunk_spec = None
     if first and pending is not None:
         # which inputs carry the batch in dim 0, from real data: a shared [1, S] input at
         # micro-batch 1 looks batched in the plan's shapes
-        flat0 = _flat_inputs(pending[0], in_spec)
-        batched = batched_flags(flat0, batch)
-        check_inputs(flat0, plan, batched)
+        batched = batched_flags(_flat_inputs(pending[0], in_spec), batch)
         chunk_spec = tuple(TensorChunkSpec(0) if b else _Replicate() for b in batched)
     loss_fn = _StageLoss(model_file.loss(), output_spec(plan, model_file)) if last else None
-    schedule = _schedule(plan, [l.pipe for l in locals_ if l.pipe is not None], M,
-                         loss_fn if loss_fn is not None else _no_loss, chunk_spec)
-
+    run = _RankRun(plan=plan, options=options, device=device, rank=rank, replica=replica,
+                   replicas=R, stages=locals_, tied=tied, loss_fn=loss_fn, data=data,
+                   pending=pending, in_spec=in_spec, batched=batched, resume=resume,
+                   schedule=_schedule(plan, [l.pipe for l in locals_ if l.pipe is not None], M,
+                                      loss_fn if loss_fn is not None else _no_loss, chunk_spec))
     reporter = _Reporter(plan, options, start, out, err) if rank == 0 else None
     try:
-        return _loop(plan, options, env, layout, device, locals_, schedule, loss_fn, tied, data,
-                     pending, in_spec, batched, resume, reporter, model_file.batches is not None)
+        if reporter is not None:
+            reporter.begin(layout, resume, data_source=(
+                "the model file's batches()" if model_file.batches is not None
+                else "synthetic batches (the model file defines no batches())"))
+        return _loop(run, reporter)
     finally:
         if reporter is not None:
             reporter.close()
+
+
+@dataclass
+class _RankRun:
+    """One rank's training, set up: what the step loop works with."""
+
+    plan: Plan
+    options: TrainOptions
+    device: torch.device
+    rank: int
+    replica: int
+    replicas: int
+    stages: list[_LocalStage]
+    tied: list[_TiedGroup]
+    loss_fn: _StageLoss | None  # on the rank holding the last stage
+    data: Any  # the batch iterator, on the first and last stage's ranks
+    pending: Any  # the first batch, drawn during setup
+    in_spec: pytree.TreeSpec | None
+    batched: tuple[bool, ...]  # per flat model input, on the first stage's rank
+    resume: Checkpoint | None
+    schedule: Any
+
+    @property
+    def start(self) -> int:
+        return self.resume.step if self.resume is not None else 0
+
+    @property
+    def num_stages(self) -> int:
+        return self.plan.num_stages
+
+    @property
+    def is_first(self) -> bool:
+        return any(l.spec.index == 0 for l in self.stages)
+
+    @property
+    def batch(self) -> int:
+        return int(self.plan.training["global_batch_size"])
+
+    def next_inputs(self, step: int) -> tuple[list[torch.Tensor], Any]:
+        """This rank's part of step's batch: first-stage inputs and last-stage target (the
+        index target of `_StageLoss`)."""
+        if self.data is None:
+            return [], None
+        batch, R = self.batch, self.replicas
+        inputs, whole_target = self.pending if self.pending is not None else \
+            next_batch(self.data, self.options.seed, step)
+        self.pending = None
+        args: list[torch.Tensor] = []
+        target = None
+        if self.is_first:
+            flat = _flat_inputs(inputs, self.in_spec)
+            check_inputs(flat, self.plan, self.batched)
+            args = [t.to(self.device) for t in split_batch(flat, batch, R)[self.replica]]
+        if self.loss_fn is not None:
+            leaves = [t for t in pytree.tree_leaves(whole_target) if isinstance(t, torch.Tensor)]
+            if not any(t.dim() and t.shape[0] == batch for t in leaves):
+                raise LaunchError(f"no tensor of the batch's target has the global batch size "
+                                  f"{batch} in dim 0", hint="batches(batch_size) must yield "
+                                  "(inputs, target) with batch_size samples")
+            mine = pytree.tree_map(lambda t: t.to(self.device) if isinstance(t, torch.Tensor)
+                                   else t, split_batch(whole_target, batch, R)[self.replica])
+            target = self.loss_fn.set_target(mine, batch // R)
+        return args, target
 
 
 def _no_loss(outputs: Any, target: Any) -> torch.Tensor:
@@ -307,72 +374,36 @@ def _flat_inputs(inputs: Any, in_spec: pytree.TreeSpec | None) -> list[Any]:
     return [t for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor)]
 
 
-def _loop(plan: Plan, options: TrainOptions, env: RankEnv, layout: RankLayout,
-          device: torch.device, locals_: list[_LocalStage], schedule: Any,
-          loss_fn: _StageLoss | None, tied: list[_TiedGroup], data: Any, pending: Any,
-          in_spec: pytree.TreeSpec | None, batched: tuple[bool, ...],
-          resume: Checkpoint | None, reporter: "_Reporter | None",
-          has_batches: bool) -> RunSummary | None:
-    rank = env.rank
-    mine = layout.stages_of(rank)
-    V, R = layout.num_stages, layout.replicas
+def _loop(run: _RankRun, reporter: "_Reporter | None") -> RunSummary | None:
+    plan, options = run.plan, run.options
+    V, R = run.num_stages, run.replicas
     M = int(plan.training["num_microbatches"])
-    _, replica = layout.coordinates(rank)
-    first, last = 0 in mine, V - 1 in mine
-    batch = int(plan.training["global_batch_size"])
-    start = resume.step if resume is not None else 0
-    if reporter is not None:
-        reporter.begin(layout, resume, data_source=("the model file's batches()" if has_batches
-                                                    else "synthetic batches (the model file "
-                                                    "defines no batches())"))
-    summary = RunSummary(resumed_from=start if resume is not None else None)
+    start = run.start
+    summary = RunSummary(resumed_from=start if run.resume is not None else None)
     for step in range(start, options.steps):
-        torch.manual_seed(step_seed(options.seed, step, rank))
-        for local in locals_:
+        torch.manual_seed(step_seed(options.seed, step, run.rank))
+        for local in run.stages:
             if local.optimizer is not None:
                 local.optimizer.zero_grad(set_to_none=True)
             assert local.pipe is not None
             local.pipe.forward_s = local.pipe.backward_s = 0.0
         began = time.perf_counter()
-        args: list[torch.Tensor] = []
-        target = None
-        if data is not None:
-            inputs, whole_target = pending if pending is not None else \
-                next_batch(data, options.seed, step)
-            pending = None
-            if first:
-                flat = _flat_inputs(inputs, in_spec)
-                check_inputs(flat, plan, batched)
-                args = [(_replica_slice(t, replica, R) if b else t).to(device)
-                        for t, b in zip(flat, batched)]
-            if last:
-                assert loss_fn is not None
-                leaves = [t for t in pytree.tree_leaves(whole_target)
-                          if isinstance(t, torch.Tensor)]
-                if not any(t.dim() and t.shape[0] == batch for t in leaves):
-                    raise LaunchError(f"no tensor of the batch's target has the global batch "
-                                      f"size {batch} in dim 0", hint="batches(batch_size) must "
-                                      "yield (inputs, target) with batch_size samples")
-                mine_target = pytree.tree_map(
-                    lambda t: _replica_slice(t, replica, R).to(device)
-                    if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == batch
-                    else t, whole_target)
-                target = loss_fn.set_target(mine_target, batch // R)
-        losses: list[torch.Tensor] | None = [] if last else None
-        schedule.step(*args, target=target, losses=losses, return_outputs=False)
-        _sum_tied_gradients(tied, locals_)
-        for local in locals_:
+        args, target = run.next_inputs(step)
+        losses: list[torch.Tensor] | None = [] if run.loss_fn is not None else None
+        run.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        _sum_tied_gradients(run.tied, run.stages)
+        for local in run.stages:
             if local.optimizer is not None:
                 local.optimizer.step()
         # loss: mean over micro-batches and replicas; times per micro-batch, mean over replicas
         row = torch.zeros(1 + 2 * V, dtype=torch.float64)
         if losses:
             row[0] = float(torch.stack([l.detach().float() for l in losses]).mean()) / R
-        for local in locals_:
+        for local in run.stages:
             assert local.pipe is not None
             row[1 + local.spec.index] = local.pipe.forward_s / M / R
             row[1 + V + local.spec.index] = local.pipe.backward_s / M / R
-        row = row.to(device)
+        row = row.to(run.device)
         dist.reduce(row, dst=0)
         step_s = time.perf_counter() - began
         if reporter is not None:
@@ -386,7 +417,7 @@ def _loop(plan: Plan, options: TrainOptions, env: RankEnv, layout: RankLayout,
         if options.checkpoint_dir is not None and (
                 done == options.steps
                 or (options.checkpoint_every and done % options.checkpoint_every == 0)):
-            _save_checkpoint(plan, options, done, locals_, replica, rank)
+            _save_checkpoint(plan, options, done, run.stages, run.replica, run.rank)
             if reporter is not None:
                 reporter.note(f"checkpoint step {done} -> {options.checkpoint_dir}")
     if reporter is not None:
@@ -399,28 +430,21 @@ def _loop(plan: Plan, options: TrainOptions, env: RankEnv, layout: RankLayout,
 
 def _resume_point(plan: Plan, options: TrainOptions, env: RankEnv,
                   device: torch.device) -> Checkpoint | None:
-    """The checkpoint to continue from, the same on every rank: rank 0 picks the newest complete
-    one (with --resume, or after an elastic restart) and broadcasts its step; every rank must see
-    it (the directory is shared) and it must fit this run. A fresh run refuses a directory that
-    already holds checkpoints: pruning and restarts would mix two runs."""
+    """The checkpoint to continue from, the same on every rank: rank 0 chooses
+    (checkpoint.choose_resume) and broadcasts the step; every rank must see that checkpoint (the
+    directory is shared across nodes)."""
     root = options.checkpoint_dir
     if root is None:
         return None
     decision: list[Any] = [None]
     if env.rank == 0:
-        found = latest_checkpoint(root)
-        if not (options.resume or env.restart_count > 0):
-            if found is not None:
-                decision[0] = ("error", f"--checkpoint-dir {root} already holds a checkpoint "
-                               f"(step {found.step})", "pass --resume to continue that run, or "
-                               "use an empty directory")
-        elif found is None:
-            if options.resume:
-                decision[0] = ("error", f"--resume: no complete checkpoint in {root}",
-                               "check the directory, or drop --resume to start from step 0")
-        else:
-            problem = _incompatible(plan, options, found)
-            decision[0] = ("error", *problem) if problem else ("step", found.step)
+        try:
+            found = choose_resume(root, resume=options.resume, restarted=env.restart_count > 0,
+                                  steps=options.steps, optimizer=plan.training["optimizer"],
+                                  global_batch_size=plan.training["global_batch_size"])
+            decision[0] = ("step", found.step) if found is not None else None
+        except CheckpointError as exc:
+            decision[0] = ("error", exc.message, exc.hint)
     dist.broadcast_object_list(decision, src=0, device=device)
     if decision[0] is None:
         return None
@@ -433,25 +457,6 @@ def _resume_point(plan: Plan, options: TrainOptions, env: RankEnv,
                               hint="the checkpoint directory must be one shared filesystem path "
                                    "for all nodes")
     return found
-
-
-def _incompatible(plan: Plan, options: TrainOptions, found: Checkpoint) -> tuple[str, str] | None:
-    m = found.manifest
-    if found.step > options.steps:
-        return (f"the newest checkpoint is at step {found.step}, past --steps {options.steps}",
-                f"pass --steps greater than {found.step}")
-    if m.get("optimizer") != plan.training["optimizer"]:
-        return (f"checkpoint {found.directory} holds {m.get('optimizer')} state, the plan "
-                f"trains with {plan.training['optimizer']}",
-                "resume with a plan compiled for the same optimizer, or start from its weights "
-                "with --init-from")
-    if m.get("global_batch_size") != plan.training["global_batch_size"]:
-        return (f"checkpoint {found.directory} was trained at global batch "
-                f"{m.get('global_batch_size')}, the plan's is "
-                f"{plan.training['global_batch_size']}",
-                "resume with a plan of the same global batch (the data position counts "
-                "batches), or start from its weights with --init-from")
-    return None
 
 
 def _example(refs: tuple[TensorRef, ...], device: torch.device, grad: bool,
@@ -537,10 +542,6 @@ def _schedule(plan: Plan, pipes: list[_TimedStage], M: int, loss_fn: Callable[..
         raise LaunchError(f"unknown schedule {name!r} in the plan",
                           hint="use a plan written by this partc")
     return cls(pipes[0], M, loss_fn=loss_fn, args_chunk_spec=chunk_spec)
-
-
-def _replica_slice(t: torch.Tensor, replica: int, replicas: int) -> torch.Tensor:
-    return torch.tensor_split(t, replicas)[replica] if replicas > 1 else t
 
 
 # ---- tied parameters ------------------------------------------------------------------------

@@ -73,17 +73,18 @@ class TrainOptions:
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of TrainOptions, for the per-rank entry point (`python -m partc.launch`)."""
-    parser.add_argument("--steps", type=int, default=TrainOptions.steps)
-    parser.add_argument("--seed", type=int, default=0)
+    d = TrainOptions()
+    parser.add_argument("--steps", type=int, default=d.steps)
+    parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--lr", type=float)
     parser.add_argument("--weight-decay", type=float)
     parser.add_argument("--checkpoint-dir", type=Path)
-    parser.add_argument("--checkpoint-every", type=int, default=0)
-    parser.add_argument("--keep-checkpoints", type=int, default=2)
+    parser.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every)
+    parser.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--init-from", type=Path)
     parser.add_argument("--metrics", type=Path)
-    parser.add_argument("--log-every", type=int, default=1)
+    parser.add_argument("--log-every", type=int, default=d.log_every)
 
 
 def train_options_from(ns: argparse.Namespace) -> TrainOptions:
@@ -219,8 +220,8 @@ def train_single_process(plan: Plan, options: TrainOptions, chunks: int = 1,
         if optimizer is not None:
             optimizer.zero_grad(set_to_none=True)
         total = 0.0
-        for piece, tgt in zip(_chunks((args, kwargs), batch, chunks),
-                              _chunks(target, batch, chunks)):
+        for piece, tgt in zip(split_batch((args, kwargs), batch, chunks),
+                              split_batch(target, batch, chunks)):
             a, k = pytree.tree_map(lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t,
                                    piece)
             tgt = pytree.tree_map(lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t, tgt)
@@ -233,9 +234,10 @@ def train_single_process(plan: Plan, options: TrainOptions, chunks: int = 1,
     return losses
 
 
-def _chunks(value: Any, batch: int, chunks: int) -> list[Any]:
-    """Split inputs or a target into `chunks` micro-batches along dim 0 of every tensor that has
-    the batch there (the rest go whole to each micro-batch, as in `batched_flags`)."""
+def split_batch(value: Any, batch: int, chunks: int) -> list[Any]:
+    """Split inputs or a target (any structure) into `chunks` equal parts along dim 0 of every
+    tensor that has the batch there; the rest go whole to each part (as in `batched_flags`).
+    Replicas and micro-batches are cut this way."""
     if chunks == 1:
         return [value]
     leaves, spec = pytree.tree_flatten(value)

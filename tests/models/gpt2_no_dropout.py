@@ -2,15 +2,10 @@
 training step for step (dropout masks depend on how the batch is split, so they cannot)."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import torch
+from _examples import example
 
-_spec = importlib.util.spec_from_file_location(
-    "partc_example_gpt2", Path(__file__).resolve().parents[2] / "examples" / "gpt2.py")
-_example = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_example)
+_example = example("gpt2")
 
 example_inputs = _example.example_inputs
 loss_fn = _example.loss_fn
