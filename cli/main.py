@@ -412,6 +412,81 @@ def launch(plan: Path, steps: int, checkpoint_dir: Path | None, checkpoint_every
     run_plan(plan, options, elastic)
 
 
+@cli.command()
+@click.argument("plans", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("--model", type=click.Path(dir_okay=False, path_type=Path),
+              help="The model file (default: the one recorded in the plan, relative to it).")
+@debug_option
+def check(plans: tuple[Path, ...], model: Path | None) -> None:
+    """Is each of PLANS still what `partc compile` would write? Re-captures the model, compares
+    its graph with the plan's and re-solves with the plan's recorded inputs. A directory stands
+    for every plan.yaml under it. Exit 0: all current; 1: a plan is stale (what changed, what
+    moves, old vs new throughput, the command that refreshes it); 2: bad input."""
+    from partc.plan_check import check_plan, find_plans, format_check
+    from partc.progress import TerminalProgress
+
+    paths = find_plans(plans)
+    if len(paths) == 1:
+        report = check_plan(paths[0], model, TerminalProgress())
+        click.echo(format_check(report))
+        sys.exit(report.exit_code)
+    worst = 0
+    for path in paths:  # keep going: CI wants every stale plan in one run
+        try:
+            report = check_plan(path, model, TerminalProgress())
+        except PartcError as exc:
+            if _debug(click.get_current_context()):
+                traceback.print_exc()
+            click.echo(f"partc: error: {path}: {exc.one_line()}", err=True)
+            worst = 2
+            continue
+        click.echo(format_check(report))
+        worst = max(worst, report.exit_code)
+    sys.exit(worst)
+
+
+@cli.command()
+@click.argument("old", type=click.Path(path_type=Path))
+@click.argument("new", type=click.Path(path_type=Path))
+@debug_option
+def diff(old: Path, new: Path) -> None:
+    """Show how plan NEW differs from plan OLD: shape, modules that change stage, per-stage
+    devices, predicted times and memory, throughput. Exit 0 either way."""
+    from partc.plan import load_plan
+    from partc.plan_diff import diff_layouts, format_diff, layout_of_plan
+
+    a, b = load_plan(old), load_plan(new)
+    click.echo(f"--- {old}\n+++ {new}")
+    click.echo(format_diff(diff_layouts(layout_of_plan(a), layout_of_plan(b)), "old", "new"))
+
+
+@cli.command()
+@click.argument("plan", type=click.Path(path_type=Path))
+@click.option("--png", type=click.Path(dir_okay=False, path_type=Path),
+              help="Write the report picture here: simulated schedule (Gantt), memory and time "
+                   "per stage.")
+@click.option("--html", type=click.Path(dir_okay=False, path_type=Path),
+              help="Write a self-contained HTML report (the picture and the plan summary).")
+@debug_option
+def show(plan: Path, png: Path | None, html: Path | None) -> None:
+    """Summarise PLAN: stages, devices, predicted times and memory per device, the simulated
+    schedule's idle time; --png/--html draw it. Reads plan.yaml only."""
+    from partc.plan import load_plan
+    from partc.plan_report import format_summary, render_html, render_png
+
+    loaded = load_plan(plan)
+    click.echo(format_summary(loaded))
+    picture = None
+    if png is not None:
+        with writing_to(png):
+            picture = render_png(loaded, png)
+        click.echo(f"wrote {png}", err=True)
+    if html is not None:
+        with writing_to(html):
+            render_html(loaded, html, picture)
+        click.echo(f"wrote {html}", err=True)
+
+
 def main() -> None:
     cli(prog_name="partc")
 

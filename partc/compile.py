@@ -25,7 +25,7 @@ from partc.errors import PartcError
 from partc.hardware import ClusterSpec
 from partc.memory import TrainingConfig
 from partc.model_file import inputs_to_meta
-from partc.partition import Partition
+from partc.partition import Partition, round_seconds
 from partc.pipeline import CaptureResult, capture_graph, plan_costs
 from partc.plan import (LOSS, MODEL_INPUT, PLAN_FILE, WEIGHTS_AT_LAUNCH, WEIGHTS_IN_STAGE_FILES,
                         ModelInfo, Plan, PlanStage, TensorRef, TiedParameter, stage_file_name,
@@ -91,16 +91,23 @@ def compile_model(model_path: str | Path, cluster: ClusterSpec, output_dir: str 
     timings["solve_s"] = time.perf_counter() - t
     timings["solver_wall_s"] = partition.solver.wall_s
     t = time.perf_counter()
-    costs = {"source": "profile" if options.profile else "analytic",
-             "profile": _relative(options.profile, output_dir) if options.profile else None,
-             "capture_batch_size": options.capture_batch,
-             "max_blocks": options.search.max_blocks, "strategy": options.search.strategy,
-             "time_limit_s": options.search.time_limit_s, "pinned": _pinned(options.search)}
+    costs = recorded_costs(options, output_dir)
     plan = emit_plan(result, partition, cluster, output_dir, costs, progress)
     timings["emit_s"] = time.perf_counter() - t
     timings["total_s"] = time.perf_counter() - start
     write_timings(output_dir, timings)
     return CompileResult(plan=plan, partition=partition, directory=output_dir, timings=timings)
+
+
+def recorded_costs(options: CompileOptions, output_dir: Path) -> dict[str, Any]:
+    """plan.yaml's `costs`: every solve input besides the model, cluster and training settings,
+    so that `partc check` can re-solve exactly as compile did."""
+    return {"source": "profile" if options.profile else "analytic",
+            "profile": _relative(options.profile, output_dir) if options.profile else None,
+            "capture_batch_size": options.capture_batch,
+            "max_blocks": options.search.max_blocks, "strategy": options.search.strategy,
+            "time_limit_s": options.search.time_limit_s, "refine": options.search.refine,
+            "pinned": _pinned(options.search)}
 
 
 def _pinned(options: SearchOptions) -> dict[str, Any]:
@@ -232,7 +239,7 @@ def _emit(result: CaptureResult, partition: Partition, cluster: ClusterSpec, out
     # statistics): the files must hold the buffers as build_model() made them.
     pristine = [{n: b.detach().clone() for n, b in sg.module.named_buffers()}
                 for sg in split.stages]
-    for sg, st in zip(split.stages, partition.stages):
+    for sg, st, timing in zip(split.stages, partition.stages, partition.pipeline.stages):
         with progress.step(f"tracing stage {sg.index} ({len(sg.nodes)} operators) to TorchScript"):
             traced = trace_stage(sg, current)
             with torch.no_grad():
@@ -257,7 +264,9 @@ def _emit(result: CaptureResult, partition: Partition, cluster: ClusterSpec, out
             outputs=tuple(_ref(split, name, sg.index, "out", relay=name in sg.relayed)
                           for name in sg.outputs),
             forward_s=st.forward_s, backward_s=st.backward_s,
-            peak_memory_bytes=partition.memory[st.rank].total))
+            peak_memory_bytes=partition.memory[st.rank].total,
+            send_forward_s=timing.send_forward_s, send_backward_s=timing.send_backward_s,
+            activation_bytes=int(timing.activation_bytes), static_bytes=int(timing.static_bytes)))
 
     names_of: dict[str, tuple[str, ...]] = {}  # any FQN of a tensor -> all its FQNs
     for p in graph.params:
@@ -276,11 +285,11 @@ def _emit(result: CaptureResult, partition: Partition, cluster: ClusterSpec, out
                                 dtype=split.tensors[n].dtype, path=p)
                       for n, p in zip(split.outputs, split.output_paths)),
         input_spec=_spec_text(split.in_spec), output_spec=_spec_text(split.out_spec),
-        tied_weights=tuple(sorted((p.name, *p.aliases) for p in graph.params if p.aliases)))
+        tied_weights=tuple(sorted((p.name, *p.aliases) for p in graph.params if p.aliases)),
+        module_fingerprints=graph.module_fingerprints(),
+        parameter_signatures=graph.parameter_signatures())
     s = partition.shape
-    predicted = {**partition.predicted_dict(),
-                 "usable_memory_bytes": int(partition.usable_memory_bytes),
-                 "memory": [mem.to_dict() for mem in partition.memory]}
+    predicted = plan_predictions(partition)
     plan = Plan(partc_version=partc_version(), model=model,
                 cluster={**cluster.to_dict(), "num_devices": cluster.num_devices,
                          "devices_used": s.num_devices},
@@ -289,6 +298,16 @@ def _emit(result: CaptureResult, partition: Partition, cluster: ClusterSpec, out
                 directory=output_dir)
     return plan
 
+
+
+def plan_predictions(partition: Partition) -> dict[str, Any]:
+    """plan.yaml's `predicted`: the simulated iteration, memory per rank and the per-rank sync
+    times the simulation used."""
+    return {**partition.predicted_dict(),
+            "usable_memory_bytes": int(partition.usable_memory_bytes),
+            "memory": [mem.to_dict() for mem in partition.memory],
+            "allreduce_s": [round_seconds(x) for x in partition.pipeline.allreduce_s],
+            "optimizer_s": [round_seconds(x) for x in partition.pipeline.optimizer_s]}
 
 
 def _ref(split: SplitProgram, name: str, stage: int, side: str, relay: bool = False) -> TensorRef:

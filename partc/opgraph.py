@@ -339,11 +339,8 @@ class OpGraph:
         batch = self.batch_size
 
         def spec(t: TensorSpec) -> dict[str, Any]:
-            shape: list[Any] = list(t.shape)
-            if t.batch_dim is not None:
-                per = Fraction(t.shape[t.batch_dim], batch)
-                shape[t.batch_dim] = f"B*{per}"
-            return {"name": t.name, "shape": shape, "dtype": t.dtype, "batch_dim": t.batch_dim}
+            return {"name": t.name, "shape": _batch_free_shape(t, batch), "dtype": t.dtype,
+                    "batch_dim": t.batch_dim}
 
         def node(n: OpNode) -> dict[str, Any]:
             return {"name": n.name, "target": n.target, "kind": n.kind, "module": n.module,
@@ -362,3 +359,38 @@ class OpGraph:
         digest = "sha256:" + hashlib.sha256(blob).hexdigest()
         self.__dict__["_hash"] = digest
         return digest
+
+    def module_fingerprints(self) -> dict[str, str]:
+        """Module path -> a short hash of the operators it calls itself (not its submodules'):
+        targets, batch-free input/output shapes and dtypes, the parameters it reads (relative to
+        the module) and per-sample FLOPs. Node names are left out, so adding an operator in one
+        module changes that module's fingerprint only. `partc check` compares these to say which
+        modules of a model changed since its plan was made."""
+        batch = self.batch_size
+        own: dict[str, list[Any]] = {}
+        for n in self.nodes:
+            prefix = f"{n.module}." if n.module else ""
+            own.setdefault(n.module, []).append([
+                n.target, [_batch_free_shape(self.tensor(t), batch) for t in n.inputs],
+                [[_batch_free_shape(t, batch), t.dtype] for t in n.outputs],
+                [p.removeprefix(prefix) for p in n.params],
+                n.flops - n.flops_per_sample * batch, n.flops_per_sample])
+        return {path: hashlib.sha256(json.dumps(ops, separators=(",", ":")).encode()
+                                     ).hexdigest()[:12]
+                for path, ops in sorted(own.items())}
+
+    def parameter_signatures(self) -> dict[str, str]:
+        """FQN -> "dtype[shape]" of every parameter and buffer (tied tensors under their first
+        name), for explaining what changed between two captures of a model."""
+        return {p.name: f"{p.dtype}{list(p.shape)}" for p in sorted(self.params, key=lambda p: p.name)
+                if p.kind in ("parameter", "buffer")}
+
+
+def _batch_free_shape(t: TensorSpec, batch: int) -> list[Any]:
+    """The shape with the batch dimension written as a multiple of the batch ("B*128"), so that
+    captures at different batch sizes agree."""
+    shape: list[Any] = list(t.shape)
+    if t.batch_dim is not None:
+        shape[t.batch_dim] = f"B*{Fraction(t.shape[t.batch_dim], batch)}"
+    return shape
+

@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from partc.memory import StageMemory, TrainingConfig
-from partc.simulator import Simulation
+from partc.simulator import PipelineSpec, Simulation
 from partc.stage_problem import PipelineShape
 
 PARTITION_FORMAT = "partc-partition"
@@ -104,6 +104,7 @@ class Partition:
     memory: tuple[StageMemory, ...]  # per rank
     usable_memory_bytes: int
     solver: SolverReport
+    pipeline: PipelineSpec  # what was simulated: per-stage times and transfers, per-rank sync
     simulation: Simulation
 
     @property

@@ -15,12 +15,15 @@ import os
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from partc.errors import PartcError
 from partc.partition import round_seconds
+
+if TYPE_CHECKING:
+    from partc.simulator import PipelineSpec
 
 SCHEMA_VERSION = 1
 PLAN_FILE = "plan.yaml"
@@ -95,6 +98,12 @@ class PlanStage:
     forward_s: float
     backward_s: float
     peak_memory_bytes: int
+    # What the schedule simulation took for this stage (partc.simulator.StageTiming), so `partc
+    # show` can replay the schedule from plan.yaml alone.
+    send_forward_s: float = 0.0
+    send_backward_s: float = 0.0
+    activation_bytes: int = 0
+    static_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {"index": self.index, "rank": self.rank, "file": self.file, "sha256": self.sha256,
@@ -107,7 +116,11 @@ class PlanStage:
                 "outputs": [t.to_dict("to") for t in self.outputs],
                 "predicted": {"forward_s": round_seconds(self.forward_s),
                               "backward_s": round_seconds(self.backward_s),
-                              "peak_memory_bytes": self.peak_memory_bytes}}
+                              "peak_memory_bytes": self.peak_memory_bytes,
+                              "send_forward_s": round_seconds(self.send_forward_s),
+                              "send_backward_s": round_seconds(self.send_backward_s),
+                              "activation_bytes": self.activation_bytes,
+                              "static_bytes": self.static_bytes}}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "PlanStage":
@@ -121,7 +134,9 @@ class PlanStage:
                    inputs=tuple(TensorRef.from_dict(t) for t in d["inputs"]),
                    outputs=tuple(TensorRef.from_dict(t) for t in d["outputs"]),
                    forward_s=p["forward_s"], backward_s=p["backward_s"],
-                   peak_memory_bytes=p["peak_memory_bytes"])
+                   peak_memory_bytes=p["peak_memory_bytes"],
+                   send_forward_s=p["send_forward_s"], send_backward_s=p["send_backward_s"],
+                   activation_bytes=p["activation_bytes"], static_bytes=p["static_bytes"])
 
 
 @dataclass(frozen=True)
@@ -147,6 +162,10 @@ class ModelInfo:
     input_spec: str  # torch.utils._pytree.treespec_dumps of (args, kwargs); "" if not serialisable
     output_spec: str  # the same for the model's output structure
     tied_weights: tuple[tuple[str, ...], ...] = ()  # FQNs naming one tensor (any stage count)
+    # What `partc check` explains changes with: module path -> hash of its own operators, and
+    # parameter/buffer FQN -> "dtype[shape]" (OpGraph.module_fingerprints/parameter_signatures).
+    module_fingerprints: dict[str, str] = field(default_factory=dict)
+    parameter_signatures: dict[str, str] = field(default_factory=dict)
 
     def aliases(self) -> dict[str, tuple[str, ...]]:
         """Every FQN of a tied tensor -> its other FQNs."""
@@ -158,7 +177,9 @@ class ModelInfo:
                 "inputs": [t.to_dict(None) for t in self.inputs],
                 "outputs": [t.to_dict(None) for t in self.outputs],
                 "input_spec": self.input_spec, "output_spec": self.output_spec,
-                "tied_weights": [list(g) for g in self.tied_weights]}
+                "tied_weights": [list(g) for g in self.tied_weights],
+                "fingerprint": {"modules": dict(self.module_fingerprints),
+                                "parameters": dict(self.parameter_signatures)}}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelInfo":
@@ -167,7 +188,9 @@ class ModelInfo:
                    inputs=tuple(TensorRef.from_dict(t) for t in d["inputs"]),
                    outputs=tuple(TensorRef.from_dict(t) for t in d["outputs"]),
                    input_spec=d["input_spec"], output_spec=d["output_spec"],
-                   tied_weights=tuple(tuple(g) for g in d["tied_weights"]))
+                   tied_weights=tuple(tuple(g) for g in d["tied_weights"]),
+                   module_fingerprints=dict(d["fingerprint"]["modules"]),
+                   parameter_signatures=dict(d["fingerprint"]["parameters"]))
 
 
 @dataclass(frozen=True)
@@ -204,6 +227,22 @@ class Plan:
     def stage_path(self, stage: PlanStage) -> Path:
         base = self.directory if self.directory is not None else Path(".")
         return base / stage.file
+
+    def pipeline_spec(self) -> "PipelineSpec":
+        """The schedule simulation's input, rebuilt from plan.yaml (`simulate` of it replays the
+        predicted iteration: partc show draws it)."""
+        from partc.simulator import PipelineSpec, StageTiming
+
+        p = self.predicted
+        return PipelineSpec(
+            schedule=self.training["schedule"], num_ranks=int(self.training["stages"]),
+            num_microbatches=int(self.training["num_microbatches"]),
+            stages=tuple(StageTiming(forward_s=s.forward_s, backward_s=s.backward_s,
+                                     send_forward_s=s.send_forward_s,
+                                     send_backward_s=s.send_backward_s,
+                                     activation_bytes=float(s.activation_bytes),
+                                     static_bytes=float(s.static_bytes)) for s in self.stages),
+            allreduce_s=tuple(p["allreduce_s"]), optimizer_s=tuple(p["optimizer_s"]))
 
     def check_stage_files(self) -> None:
         """Raise PlanError unless every stage file exists and has the recorded SHA-256. Nothing

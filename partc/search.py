@@ -506,15 +506,15 @@ def build_partition(problem: StageProblem, assignment: Sequence[int], global_bat
             send_backward_s=sends_bwd[k] if k > 0 else 0.0,
             activation_bytes=saved if not ckpt else 0.0, static_bytes=float(static)))
     allreduce, step = _sync_times(problem, assignment)
-    simulation = simulate(PipelineSpec(schedule=shape.schedule, num_ranks=S,
-                                       num_microbatches=shape.num_microbatches,
-                                       stages=tuple(timings), allreduce_s=tuple(allreduce),
-                                       optimizer_s=tuple(step)))
+    pipeline = PipelineSpec(schedule=shape.schedule, num_ranks=S,
+                            num_microbatches=shape.num_microbatches, stages=tuple(timings),
+                            allreduce_s=tuple(allreduce), optimizer_s=tuple(step))
+    simulation = simulate(pipeline)
     return Partition(model=graph.model_name, graph_hash=graph.content_hash(), cluster=cluster.name,
                      num_devices=cluster.num_devices, global_batch_size=global_batch,
                      shape=shape, training=problem.training, stages=tuple(stages),
                      memory=tuple(memory), usable_memory_bytes=problem.usable_bytes(),
-                     solver=report, simulation=simulation)
+                     solver=report, pipeline=pipeline, simulation=simulation)
 
 
 def _sync_times(problem: StageProblem, assignment: Sequence[int]) -> tuple[list[float],

@@ -1,0 +1,249 @@
+"""Plans as code: `partc check`, `partc diff` and `partc show` as users run them (a real
+subprocess per call), on plans compiled here and on the example plans checked into the repo."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import EXAMPLES, ROOT
+
+PARTC = str(Path(sys.executable).parent / "partc")
+EXAMPLE_PLANS = ROOT / "examples" / "plans"
+
+
+def run(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([PARTC, *args], capture_output=True, text=True, cwd=cwd, timeout=600)
+
+
+def compile_plan(out: Path, model: Path, *flags: str) -> Path:
+    proc = run("compile", str(model), "--cluster", "cpu-4", "-o", str(out), *flags)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def bert2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """HF BERT in 2 stages (pinned), compiled once for this module."""
+    return compile_plan(tmp_path_factory.mktemp("bert") / "bert2", EXAMPLES / "bert.py",
+                        "-b", "8", "--stages", "2")
+
+
+@pytest.fixture
+def plan_copy(bert2: Path, tmp_path: Path) -> Path:
+    """A private copy of the BERT plan whose model path still resolves (absolute)."""
+    out = tmp_path / "plan"
+    shutil.copytree(bert2, out)
+    data = yaml.safe_load((out / "plan.yaml").read_text())
+    data["model"]["file"] = str(EXAMPLES / "bert.py")
+    (out / "plan.yaml").write_text(yaml.safe_dump(data, sort_keys=True))
+    return out
+
+
+def edited_model(tmp_path: Path, old: str, new: str) -> Path:
+    text = (EXAMPLES / "bert.py").read_text()
+    assert old in text
+    path = tmp_path / "bert_edited.py"
+    path.write_text(text.replace(old, new))
+    return path
+
+
+def edit_plan(plan_dir: Path, edit) -> None:
+    path = plan_dir / "plan.yaml"
+    data = yaml.safe_load(path.read_text())
+    edit(data)
+    path.write_text(yaml.safe_dump(data, sort_keys=True))
+
+
+# ---- the example plans checked into this repository ---------------------------------------------
+
+def test_example_plans_are_current() -> None:
+    """The CI recipe of docs/ci.md, run on this repository's own plans: fails when an example
+    model, the solver or the cost model changes without the plans being recompiled."""
+    names = sorted(p.parent.name for p in EXAMPLE_PLANS.rglob("plan.yaml"))
+    assert names == ["mlp", "resnet", "transformer"]
+    proc = run("check", "examples/plans")
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 3 and all(": current (" in line for line in lines), proc.stdout
+
+
+# ---- check -------------------------------------------------------------------------------------
+
+def test_check_current_plan(bert2: Path) -> None:
+    proc = run("check", str(bert2 / "plan.yaml"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+    assert proc.stdout.startswith(f"{bert2 / 'plan.yaml'}: current (bert, 2 stage(s)")
+
+
+def test_check_names_changed_parameters_and_modules(plan_copy: Path, tmp_path: Path) -> None:
+    model = edited_model(tmp_path, "intermediate_size=1024", "intermediate_size=1536")
+    proc = run("check", str(plan_copy), "--model", str(model))
+    assert proc.returncode == 1, proc.stdout + proc.stderr[-2000:]
+    out = proc.stdout
+    assert ": STALE (bert" in out.splitlines()[0]
+    assert "the model changed since the plan was compiled" in out
+    assert "parameters changed (12):" in out
+    assert ("bert.encoder.layer.0.intermediate.dense.weight: float32[1024, 256] -> "
+            "float32[1536, 256]") in out
+    assert "modules whose operators changed" in out and "bert.encoder.layer.3.output.dense" in out
+    assert "samples/s (-" in out  # a wider model is slower: old vs new throughput
+    assert f"fix: partc compile {model}" in out and "--stages 2" in out
+
+
+def test_check_names_added_modules_and_moves(plan_copy: Path, tmp_path: Path) -> None:
+    model = edited_model(tmp_path, "num_hidden_layers=4", "num_hidden_layers=6")
+    proc = run("check", str(plan_copy), "--model", str(model))
+    assert proc.returncode == 1
+    out = proc.stdout
+    assert "modules added (2):" in out
+    assert "      bert.encoder.layer.4\n" in out and "      bert.encoder.layer.5\n" in out
+    assert "parameters added (32):" in out
+    assert "modules that change stage" in out  # two more layers: the boundary moves
+
+
+def test_check_re_solves_and_shows_what_moves(plan_copy: Path) -> None:
+    """Same model, but the plan's recorded stage contents and predictions are not what the
+    solver produces (as after a solver or cost-model change): stale, with the moved modules."""
+    def move_a_module(data: dict) -> None:
+        first, second = data["stages"][0], data["stages"][1]
+        moved = first["modules"].pop()
+        second["modules"].insert(0, moved)
+        first["predicted"]["forward_s"] = round(first["predicted"]["forward_s"] * 0.5, 10)
+
+    edit_plan(plan_copy, move_a_module)
+    proc = run("check", str(plan_copy))
+    assert proc.returncode == 1, proc.stdout + proc.stderr[-2000:]
+    out = proc.stdout
+    assert "re-solving with the plan's recorded inputs gives a different plan" in out
+    assert "the model changed" not in out
+    assert "modules that change stage" in out and "stage 1 -> stage 0" in out
+    assert "fwd ms" in out
+    # The printed fix recompiles the plan; afterwards it is current again.
+    fix = next(line for line in out.splitlines() if line.strip().startswith("fix: "))
+    args = fix.strip().removeprefix("fix: partc ").split()
+    assert run(*args).returncode == 0
+    assert run("check", str(plan_copy)).returncode == 0
+
+
+def test_check_when_memory_no_longer_fits(plan_copy: Path) -> None:
+    def shrink(data: dict) -> None:
+        data["cluster"]["device"]["memory_bytes"] = 1 << 20
+
+    edit_plan(plan_copy, shrink)
+    proc = run("check", str(plan_copy))
+    assert proc.returncode == 1
+    assert "no plan fits any more" in proc.stdout
+
+
+def test_check_reuses_a_checked_in_profile(tmp_path: Path) -> None:
+    plan_dir = tmp_path / "tf"
+    plan_dir.mkdir()
+    profile = plan_dir / "profile.yaml"
+    proc = run("profile", str(EXAMPLES / "transformer.py"), "--batch-sizes", "2,4", "--runs", "2",
+               "--warmup", "1", "-o", str(profile))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    compile_plan(plan_dir, EXAMPLES / "transformer.py", "-b", "8", "--stages", "2",
+                 "--profile", str(profile))
+    plan = yaml.safe_load((plan_dir / "plan.yaml").read_text())
+    assert plan["costs"]["source"] == "profile" and plan["costs"]["profile"] == "profile.yaml"
+    proc = run("check", str(plan_dir))
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+    # The profile is part of the plan's inputs: a different one makes the plan stale.
+    data = yaml.safe_load(profile.read_text())
+    for row in data["nodes"].values():  # [method, fwd fixed, fwd per sample, bwd ..., saved ...]
+        row[1:5] = [x * 3 for x in row[1:5]]
+    profile.write_text(yaml.safe_dump(data, sort_keys=True))
+    proc = run("check", str(plan_dir))
+    assert proc.returncode == 1 and "gives a different plan" in proc.stdout, proc.stdout
+    profile.unlink()
+    proc = run("check", str(plan_dir))
+    assert proc.returncode == 2 and "profile.yaml recorded in" in proc.stderr
+    assert "(hint: " in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_check_several_plans_reports_each(bert2: Path, tmp_path: Path) -> None:
+    proc = run("check", str(bert2), str(tmp_path / "missing"), "examples/plans/mlp")
+    assert proc.returncode == 2
+    assert proc.stdout.count(": current (") == 2
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("partc: error:")]
+    assert len(errors) == 1 and "missing" in errors[0]
+
+
+def test_check_missing_model_file(plan_copy: Path, tmp_path: Path) -> None:
+    proc = run("check", str(plan_copy), "--model", str(tmp_path / "gone.py"))
+    assert proc.returncode == 2 and "not found" in proc.stderr and "--model" in proc.stderr
+
+
+# ---- diff --------------------------------------------------------------------------------------
+
+def test_diff_of_two_plans(bert2: Path, tmp_path: Path) -> None:
+    bert4 = compile_plan(tmp_path / "bert4", EXAMPLES / "bert.py", "-b", "8", "--stages", "4")
+    proc = run("diff", str(bert2), str(bert4))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    assert out.startswith(f"--- {bert2}\n+++ {bert4}\n")
+    assert "pipeline stages: 2 -> 4" in out
+    assert "modules that change stage" in out and "-> stage 3" in out
+    assert "    3  - -> 3" in out  # a stage only the new plan has
+    assert "predicted: " in out and "samples/s" in out
+    same = run("diff", str(bert2), str(bert2))
+    assert same.returncode == 0 and same.stdout.rstrip().endswith("no differences")
+
+
+# ---- show --------------------------------------------------------------------------------------
+
+def test_show_summary_png_and_html(bert2: Path, tmp_path: Path) -> None:
+    png, page = tmp_path / "r" / "bert.png", tmp_path / "r" / "bert.html"
+    proc = run("show", str(bert2), "--png", str(png), "--html", str(page))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    assert out.startswith("bert: 2 stage(s)") and "memory per device" in out
+    assert "rank 1: busy" in out and "idle" in out
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 30_000
+    text = page.read_text()
+    assert "data:image/png;base64," in text and "<table" in text and "stage_1.pt" in text
+    # Same plan, same picture (no timestamps): reports can be committed next to plans.
+    again = tmp_path / "again.png"
+    assert run("show", str(bert2), "--png", str(again)).returncode == 0
+    assert again.read_bytes() == data
+
+
+def test_replayed_schedule_is_the_predicted_iteration(bert2: Path) -> None:
+    from partc.plan import load_plan
+    from partc.plan_report import replay
+
+    plan = load_plan(bert2)
+    sim = replay(plan)
+    assert sim.iteration_s == pytest.approx(plan.predicted["iteration_s"], rel=1e-6)
+    assert sim.bubble_fraction == pytest.approx(plan.predicted["bubble_fraction"], abs=1e-6)
+    assert [int(x) for x in sim.peak_memory_bytes] == pytest.approx(
+        plan.predicted["peak_memory_bytes"], abs=2)
+
+
+# ---- module attribution (pure) -----------------------------------------------------------------
+
+def test_modules_are_attributed_by_nearest_listed_ancestor() -> None:
+    from partc.plan_diff import Layout, LayoutStage, collapse_modules, module_stages
+
+    def stage(index: int, modules: tuple[str, ...]) -> LayoutStage:
+        return LayoutStage(index=index, rank=index, devices=(index,), modules=modules,
+                           parameters=0, forward_s=0.0, backward_s=0.0, peak_memory_bytes=0,
+                           send_forward_s=0.0, send_backward_s=0.0, activation_bytes=0,
+                           static_bytes=0)
+
+    # "m" is listed by both stages (its own operators are split); "m.a" is wholly in stage 0.
+    layout = Layout(model="x", graph_hash="h", cluster="c", devices_used=2, training={},
+                    stages=(stage(0, ("(root)", "m", "m.a")), stage(1, ("m", "m.b.c"))),
+                    predicted={}, solver={})
+    got = module_stages(layout, ["", "m", "m.a", "m.a.x", "m.b.c", "m.b.c.d", "m.z"])
+    assert got == {"": (0,), "m": (0, 1), "m.a": (0,), "m.a.x": (0,), "m.b.c": (1,),
+                   "m.b.c.d": (1,), "m.z": (0, 1)}
+    universe = {"m", "m.a", "m.a.x", "m.b", "m.b.c"}
+    assert collapse_modules(["m.a", "m.a.x", "m.b.c"], universe) == ["m.a", "m.b.c"]
+    assert collapse_modules(["m.b", "m.b.c"], universe) == ["m.b"]
