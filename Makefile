@@ -38,6 +38,7 @@ bench: install
 	$(PY) bench/cost_model.py
 	$(PY) bench/solver.py
 	$(PY) bench/compile.py
+	$(PY) bench/check.py
 	$(PY) bench/launch.py
 
 clean:

@@ -47,15 +47,18 @@ def format_summary(plan: Plan) -> str:
     sim = replay(plan)
     lines = [format_plan(plan)]
     usable = plan.predicted["usable_memory_bytes"]
+    memory = plan.predicted["memory"]
+    unit, div = ("GiB", 2**30) if max(m["total"] for m in memory) >= 2**30 else ("MiB", 2**20)
     lines.append("")
-    lines.append(f"memory per device (GiB; usable {_gib(usable)} of "
-                 f"{_gib(plan.cluster['device']['memory_bytes'])}):")
+    lines.append(f"memory per device ({unit}; usable {usable / div:,.1f} of "
+                 f"{plan.cluster['device']['memory_bytes'] / div:,.1f}):")
+    short = {"optimizer_state": "optimizer", "communication": "comm"}
     kinds = [k for k, _, _ in _MEMORY_KINDS]
-    lines.append(f"{'rank':>4} " + " ".join(f"{label[:11]:>11}" for _, label, _ in _MEMORY_KINDS)
+    lines.append(f"{'rank':>4} " + " ".join(f"{short.get(k, k):>11}" for k in kinds)
                  + f" {'total':>9} {'of usable':>9}")
-    for rank, mem in enumerate(plan.predicted["memory"]):
-        lines.append(f"{rank:>4} " + " ".join(f"{_gib(mem.get(k, 0)):>11}" for k in kinds)
-                     + f" {_gib(mem['total']):>9} {mem['total'] / usable if usable else 0:>9.1%}")
+    for rank, mem in enumerate(memory):
+        lines.append(f"{rank:>4} " + " ".join(f"{mem.get(k, 0) / div:>11,.2f}" for k in kinds)
+                     + f" {mem['total'] / div:>9,.2f} {mem['total'] / usable if usable else 0:>9.1%}")
     lines.append("")
     span = sim.last_backward_s
     lines.append(f"schedule ({plan.training['schedule']}, {plan.training['num_microbatches']} "

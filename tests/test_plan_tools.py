@@ -61,12 +61,25 @@ def edit_plan(plan_dir: Path, edit) -> None:
 
 # ---- the example plans checked into this repository ---------------------------------------------
 
+def recipe_commands() -> dict[str, list[str]]:
+    """The `partc check` command lines of this repository's pre-commit hook and GitHub Actions
+    job (the recipe docs/ci.md gives), without the executable."""
+    hook = yaml.safe_load((ROOT / ".pre-commit-config.yaml").read_text())["repos"][0]["hooks"][0]
+    workflow = yaml.safe_load((ROOT / ".github" / "workflows" / "plans.yml").read_text())
+    step = next(s for s in workflow["jobs"]["partc-check"]["steps"]
+                if "partc check" in s.get("run", ""))
+    return {"pre-commit": hook["entry"].split()[1:] + hook["args"],
+            "github-actions": step["run"].split()[1:]}
+
+
 def test_example_plans_are_current() -> None:
     """The CI recipe of docs/ci.md, run on this repository's own plans: fails when an example
     model, the solver or the cost model changes without the plans being recompiled."""
     names = sorted(p.parent.name for p in EXAMPLE_PLANS.rglob("plan.yaml"))
     assert names == ["mlp", "resnet", "transformer"]
-    proc = run("check", "examples/plans")
+    commands = recipe_commands()
+    assert commands["pre-commit"] == commands["github-actions"] == ["check", "examples/plans"]
+    proc = run(*commands["pre-commit"])
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert len(lines) == 3 and all(": current (" in line for line in lines), proc.stdout
