@@ -86,14 +86,14 @@ def cli() -> None:
 
 
 @cli.command()
-@click.argument("model", type=click.Path(path_type=Path))
+@click.argument("model", type=click.Path(readable=False, path_type=Path))
 @click.option("--batch-size", "-b", type=click.IntRange(min=1), default=1, show_default=True,
               help="Batch size to capture the model at.")
 @click.option("--depth", "-d", type=click.IntRange(min=0), default=1, show_default=True,
               help="Module-tree depth of the table (0: whole model, 1: the root's children, ...).")
-@click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--json", "json_out", type=click.Path(readable=False, dir_okay=False, path_type=Path),
               help="Also write the summary as JSON to this file.")
-@click.option("--save", "save_dir", type=click.Path(file_okay=False, path_type=Path),
+@click.option("--save", "save_dir", type=click.Path(readable=False, file_okay=False, path_type=Path),
               help="Write the OpGraph (graph.json) and the weightless ONNX model (model.onnx) here.")
 @click.option("--no-onnx", is_flag=True, help="Skip the ONNX export (FX-only OpGraph).")
 @debug_option
@@ -133,7 +133,7 @@ def _batch_sizes(_ctx: click.Context, _param: click.Parameter, value: str | None
 
 
 @cli.command()
-@click.argument("model", type=click.Path(path_type=Path))
+@click.argument("model", type=click.Path(readable=False, path_type=Path))
 @click.option("--device", default="cpu", show_default=True,
               help="Device to measure on: cpu, cuda or cuda:N.")
 @click.option("--batch-size", "-b", type=click.IntRange(min=1), default=2, show_default=True,
@@ -152,7 +152,7 @@ def _batch_sizes(_ctx: click.Context, _param: click.Parameter, value: str | None
               help="Timed runs per measurement (median).")
 @click.option("--warmup", type=click.IntRange(min=0), default=3, show_default=True,
               help="Untimed warm-up runs before timing.")
-@click.option("--output", "-o", type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--output", "-o", type=click.Path(readable=False, dir_okay=False, path_type=Path),
               default=Path("profile.yaml"), show_default=True, help="Profile file to write.")
 @debug_option
 def profile(model: Path, device: str, batch_size: int, batch_sizes: tuple[int, ...], method: str,
@@ -195,7 +195,7 @@ def plan_options(default_cluster: str, compare: bool = False) -> Any:
                           "gloo processes), a name from configs/clusters/, or a YAML path."),
         click.option("--batch-size", "-b", type=click.IntRange(min=1), required=True,
                      help="Global batch size (samples per training iteration over all replicas)."),
-        click.option("--profile", "profile_path", type=click.Path(dir_okay=False, path_type=Path),
+        click.option("--profile", "profile_path", type=click.Path(readable=False, dir_okay=False, path_type=Path),
                      help="Measured costs from `partc profile` (default: analytic, from the "
                           "cluster's device config)."),
         click.option("--strategy", type=click.Choice(["cpsat", "chain-dp", "uniform", "params"]
@@ -255,11 +255,11 @@ def _search_inputs(kw: dict[str, Any]) -> tuple[Any, Any, Any]:
 
 
 @cli.command()
-@click.argument("model", type=click.Path(path_type=Path))
+@click.argument("model", type=click.Path(readable=False, path_type=Path))
 @plan_options(default_cluster="cpu", compare=True)
-@click.option("--output", "-o", type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--output", "-o", type=click.Path(readable=False, dir_okay=False, path_type=Path),
               help="Write the partition (YAML) here.")
-@click.option("--timeline", type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--timeline", type=click.Path(readable=False, dir_okay=False, path_type=Path),
               help="Write the simulated schedule (events, memory over time) as JSON here.")
 @debug_option
 def solve(model: Path, output: Path | None, timeline: Path | None, **kw: Any) -> None:
@@ -302,9 +302,9 @@ def solve(model: Path, output: Path | None, timeline: Path | None, **kw: Any) ->
 
 
 @cli.command(name="compile")
-@click.argument("model", type=click.Path(path_type=Path))
+@click.argument("model", type=click.Path(readable=False, path_type=Path))
 @plan_options(default_cluster="local")
-@click.option("--output", "-o", type=click.Path(file_okay=False, path_type=Path),
+@click.option("--output", "-o", type=click.Path(readable=False, file_okay=False, path_type=Path),
               help="Plan directory to write (plan.yaml + stage_<k>.pt) [default: plans/<model>].")
 @debug_option
 def compile_command(model: Path, output: Path | None, **kw: Any) -> None:
@@ -327,7 +327,7 @@ def compile_command(model: Path, output: Path | None, **kw: Any) -> None:
 
 
 @cli.command()
-@click.argument("plan", type=click.Path(path_type=Path))
+@click.argument("plan", type=click.Path(readable=False, path_type=Path))
 @click.option("--rtol", type=click.FloatRange(min=0), default=1e-4, show_default=True,
               help="Relative tolerance (of the largest reference magnitude per tensor).")
 @click.option("--atol", type=click.FloatRange(min=0), default=1e-5, show_default=True,
@@ -336,7 +336,7 @@ def compile_command(model: Path, output: Path | None, **kw: Any) -> None:
               help="RNG seed of both runs (dropout) and of a meta model's initialisation.")
 @click.option("--device", default="cpu", show_default=True,
               help="Device both runs use (cpu, cuda, cuda:N).")
-@click.option("--init-from", type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--init-from", type=click.Path(readable=False, dir_okay=False, path_type=Path),
               help="A torch.save'd state_dict of the model: both runs take their weights from it "
                    "by FQN (as launch --init-from does) instead of the stage files or, for a "
                    "meta-device model, the model's own initialisation.")
@@ -355,11 +355,11 @@ def verify(plan: Path, rtol: float, atol: float, seed: int, device: str,
 
 
 @cli.command()
-@click.argument("plan", type=click.Path(path_type=Path))
+@click.argument("plan", type=click.Path(readable=False, path_type=Path))
 @click.option("--steps", type=click.IntRange(min=1), default=10, show_default=True,
               help="Training steps (global batches) to run, counted from step 0; a resumed run "
                    "continues up to this step.")
-@click.option("--checkpoint-dir", type=click.Path(file_okay=False, path_type=Path),
+@click.option("--checkpoint-dir", type=click.Path(readable=False, file_okay=False, path_type=Path),
               help="Write per-stage checkpoints (model + optimizer, by parameter name) and a "
                    "manifest here; an elastic restart resumes from the newest complete one.")
 @click.option("--checkpoint-every", type=click.IntRange(min=0), default=0, show_default=True,
@@ -368,7 +368,7 @@ def verify(plan: Path, rtol: float, atol: float, seed: int, device: str,
               help="Complete checkpoints kept; older ones are deleted.")
 @click.option("--resume", is_flag=True,
               help="Continue from the newest complete checkpoint in --checkpoint-dir.")
-@click.option("--init-from", type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--init-from", type=click.Path(readable=False, dir_okay=False, path_type=Path),
               help="A torch.save'd state_dict of the model (or a partc checkpoint's stage file): "
                    "initial weights by FQN, instead of the stage files' or a meta model's own "
                    "initialisation.")
@@ -377,7 +377,7 @@ def verify(plan: Path, rtol: float, atol: float, seed: int, device: str,
               help="Weight decay [default: 0.01 for adamw, else 0].")
 @click.option("--seed", type=int, default=0, show_default=True,
               help="Seed of dropout (per step and rank) and of a meta model's initialisation.")
-@click.option("--metrics", type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--metrics", type=click.Path(readable=False, dir_okay=False, path_type=Path),
               help="Append one JSON line per step (loss, samples/s, per-stage times) here.")
 @click.option("--log-every", type=click.IntRange(min=1), default=1, show_default=True,
               help="Print a progress line every N steps (when stderr is not a terminal).")
@@ -413,8 +413,8 @@ def launch(plan: Path, steps: int, checkpoint_dir: Path | None, checkpoint_every
 
 
 @cli.command()
-@click.argument("plans", nargs=-1, required=True, type=click.Path(path_type=Path))
-@click.option("--model", type=click.Path(dir_okay=False, path_type=Path),
+@click.argument("plans", nargs=-1, required=True, type=click.Path(readable=False, path_type=Path))
+@click.option("--model", type=click.Path(readable=False, dir_okay=False, path_type=Path),
               help="The model file (default: the one recorded in the plan, relative to it).")
 @debug_option
 def check(plans: tuple[Path, ...], model: Path | None) -> None:
@@ -446,8 +446,8 @@ def check(plans: tuple[Path, ...], model: Path | None) -> None:
 
 
 @cli.command()
-@click.argument("old", type=click.Path(path_type=Path))
-@click.argument("new", type=click.Path(path_type=Path))
+@click.argument("old", type=click.Path(readable=False, path_type=Path))
+@click.argument("new", type=click.Path(readable=False, path_type=Path))
 @debug_option
 def diff(old: Path, new: Path) -> None:
     """Show how plan NEW differs from plan OLD: shape, modules that change stage, per-stage
@@ -461,11 +461,11 @@ def diff(old: Path, new: Path) -> None:
 
 
 @cli.command()
-@click.argument("plan", type=click.Path(path_type=Path))
-@click.option("--png", type=click.Path(dir_okay=False, path_type=Path),
+@click.argument("plan", type=click.Path(readable=False, path_type=Path))
+@click.option("--png", type=click.Path(readable=False, dir_okay=False, path_type=Path),
               help="Write the report picture here: simulated schedule (Gantt), memory and time "
                    "per stage.")
-@click.option("--html", type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--html", type=click.Path(readable=False, dir_okay=False, path_type=Path),
               help="Write a self-contained HTML report (the picture and the plan summary).")
 @debug_option
 def show(plan: Path, png: Path | None, html: Path | None) -> None:

@@ -73,7 +73,18 @@ def compile_model(model_path: str | Path, cluster: ClusterSpec, output_dir: str 
     """Run every pass and write the plan directory (module docstring)."""
     progress = progress or Progress()
     output_dir = Path(output_dir)
+    created = not output_dir.exists()
     _prepare_output(output_dir)
+    try:
+        return _compile(model_path, cluster, output_dir, options, progress)
+    except BaseException:
+        if created and output_dir.is_dir() and not any(output_dir.iterdir()):
+            output_dir.rmdir()  # a failed compile leaves no empty plan directory behind
+        raise
+
+
+def _compile(model_path: str | Path, cluster: ClusterSpec, output_dir: Path,
+             options: CompileOptions, progress: Progress) -> CompileResult:
     timings: dict[str, float] = {}
     start = time.perf_counter()
     result = capture_graph(model_path, options.capture_batch, onnx=False, progress=progress)

@@ -16,8 +16,10 @@ run the same worker directly:
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,7 +88,6 @@ def launch(plan_path: str | Path, options: TrainOptions,
             message = message.get("message", "")
         message = message if isinstance(message, str) else ""
         reason = next((ln.strip() for ln in message.splitlines() if ln.strip()), "")
-        reason = reason.removeprefix("_RankFailed: ")
         raise RunFailedError(f"rank {rank} failed (exit code {failure.exitcode})"
                           + (f": {reason}" if reason else "")
                           + (f" after {elastic.max_restarts} restart(s)"
@@ -149,8 +150,18 @@ def check_launch(plan: Plan, options: TrainOptions, elastic: ElasticOptions) -> 
     return nproc
 
 
-class _RankFailed(Exception):
-    """A worker's user error, recorded by torchelastic as one line for the agent to print."""
+def _record_user_error(line: str) -> None:
+    """Write a worker's user error to torchelastic's error file as one line without a traceback,
+    in the format @record writes, so the agent (and partc launch) report the reason and torchrun's
+    failure summary shows no partc stack frames for an error the user caused."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {"message": {"message": line, "extraInfo": {
+        "py_callstack": f"(a partc user error, no traceback) {line}",
+        "timestamp": str(int(time.time()))}}}
+    with open(path, "w") as f:
+        json.dump(data, f)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
             line = exc.one_line()
             print(f"partc launch: rank {os.environ.get('RANK', '?')}: error: {line}",
                   file=sys.stderr, flush=True)
-            raise _RankFailed(line) from None
+            _record_user_error(line)
+            sys.exit(1)  # @record leaves SystemExit alone: no traceback in the error file
 
     try:
         if "TORCHELASTIC_RUN_ID" in os.environ or "RANK" in os.environ:
@@ -183,8 +195,6 @@ def main(argv: list[str] | None = None) -> int:
     except PartcError as exc:
         print(f"partc launch: error: {exc.one_line()}", file=sys.stderr)
         return exc.exit_code
-    except _RankFailed:
-        return 1
     return 0
 
 

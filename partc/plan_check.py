@@ -117,8 +117,12 @@ def check_plan(plan_path: str | Path, model: str | Path | None = None,
     with progress.step("checking stage file hashes"):
         plan.check_stage_files()
     model_path = Path(model) if model is not None else plan.model_path
+    if model is not None and not model_path.is_file():
+        raise ModelFileError(f"--model {model_path} is not a file",
+                             hint="pass the model file the plan was compiled from")
     if not model_path.is_file():
-        raise ModelFileError(f"model file {model_path} (recorded in {path}) not found",
+        raise ModelFileError(f"model file {plan.model.file} recorded in {path} (resolved to "
+                             f"{model_path}) not found",
                              hint="pass --model PATH to the model file the plan was compiled from")
     report = CheckReport(plan_path=path, plan=plan, model_path=model_path, current=True)
     if plan.partc_version != partc_version():

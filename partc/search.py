@@ -31,7 +31,7 @@ from partc.coarsen import DEFAULT_MAX_BLOCKS, BlockGraph, coarsen
 from partc.cost_model import CostTable
 from partc.cpsat_stages import solve_cpsat
 from partc.errors import PartcError
-from partc.hardware import ClusterSpec
+from partc.hardware import ClusterSpec, format_quantity
 from partc.memory import (SCHEDULES, TrainingConfig, param_memory, stage_boundary,
                           usable_memory)
 from partc.partition import Partition, SolverReport, StagePlan
@@ -424,8 +424,9 @@ def _infeasible(blocks: BlockGraph, table: CostTable, cluster: ClusterSpec,
         f"the model does not fit: even cut into {S} stage(s) with micro-batch {m}"
         f"{' and activation checkpointing' if ckpt else ''}"
         f"{f' ({pinned})' if pinned else ''}, the fullest device needs at least "
-        f"{need / 2**30:.2f} GiB but a {dev.name} has {usable / 2**30:.2f} GiB usable "
-        f"({dev.memory_bytes / 2**30:.2f} GiB minus the {training.memory_margin:.0%} margin)",
+        f"{format_quantity(need, 'B')} but a {dev.name} has {format_quantity(usable, 'B')} usable "
+        f"({format_quantity(dev.memory_bytes, 'B')} minus the {training.memory_margin:.0%} "
+        "margin)",
         hint="use more or larger devices (--cluster), --precision bf16-mixed or a lighter "
              "--optimizer, a smaller batch, or leave stages/micro-batches/checkpointing to the "
              "search")

@@ -189,7 +189,7 @@ def test_check_several_plans_reports_each(bert2: Path, tmp_path: Path) -> None:
 
 def test_check_missing_model_file(plan_copy: Path, tmp_path: Path) -> None:
     proc = run("check", str(plan_copy), "--model", str(tmp_path / "gone.py"))
-    assert proc.returncode == 2 and "not found" in proc.stderr and "--model" in proc.stderr
+    assert proc.returncode == 2 and "is not a file" in proc.stderr and "--model" in proc.stderr
 
 
 # ---- diff --------------------------------------------------------------------------------------

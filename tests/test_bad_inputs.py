@@ -1,0 +1,403 @@
+"""Bad inputs through the real `partc` CLI (one subprocess per invocation).
+
+What this suite guarantees, for every bad input a user can hand partc through the command they
+would hit it with (model files, device/cluster configs, batch flags, plan directories, stage
+files, torchrun's world size, missing arguments, unwritable outputs):
+
+* the process exits non-zero: 2 for a user/input error (never 0, never 3 "internal error");
+* stderr holds exactly one line starting with `partc: error:` that names the cause and carries
+  a `(hint: ...)`; nothing in stdout or stderr is a Python `Traceback`;
+* nothing is produced from a bad input: no plan.yaml is written, no training step runs;
+* `--debug` (before or after the command name) does show the traceback.
+
+Click's own usage errors (a missing argument) keep click's format: exit 2, `Usage:` and one
+`Error:` line.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable, Sequence
+
+import pytest
+import yaml
+
+from conftest import EXAMPLES, ROOT, TEST_MODELS
+
+BIN = Path(sys.executable).parent
+PARTC = str(BIN / "partc")
+TORCHRUN = str(BIN / "torchrun")
+MLP = str(EXAMPLES / "mlp.py")
+ERROR = "partc: error:"
+# Without these two capabilities root obeys file permissions like any other user.
+NO_DAC = ["setpriv", "--bounding-set=-dac_override,-dac_read_search"]
+
+Proc = subprocess.CompletedProcess
+
+
+def run(*args: str, prefix: Sequence[str] = (), timeout: float = 300) -> Proc[str]:
+    """`partc ARGS...` as a user runs it, from the repository root."""
+    return subprocess.run([*prefix, PARTC, *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=timeout)
+
+
+def _context(proc: Proc[str]) -> str:
+    return (f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n"
+            f"--- stderr\n{proc.stderr[-3000:]}")
+
+
+def assert_one_line_error(proc: Proc[str], *fragments: str | tuple[str, ...],
+                          stdout_empty: bool = True) -> str:
+    """The contract: exit 2, one `partc: error:` line with every fragment (a tuple: any of its
+    strings) and a hint, no traceback anywhere. Returns the error line."""
+    context = _context(proc)
+    assert proc.returncode == 2, context
+    errors = [line for line in proc.stderr.splitlines() if line.startswith(ERROR)]
+    assert len(errors) == 1, context
+    line = errors[0]
+    assert "(hint: " in line, context
+    for fragment in fragments:
+        options = fragment if isinstance(fragment, tuple) else (fragment,)
+        assert any(f in line for f in options), (fragment, context)
+    assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout, context
+    assert "internal error" not in proc.stderr, context
+    if stdout_empty:
+        assert proc.stdout == "", context
+    return line
+
+
+def unreadable_copy(source: Path, target: Path) -> list[str]:
+    """Copy `source` to `target`, chmod 000 it and return the command prefix under which the
+    copy really is unreadable (root reads anything unless its DAC capabilities are dropped)."""
+    shutil.copy(source, target)
+    target.chmod(0)
+    if os.geteuid() != 0:
+        return []
+    if shutil.which("setpriv") is None:
+        pytest.skip("running as root, which can read a chmod 000 file, and no setpriv")
+    probe = subprocess.run([*NO_DAC, "cat", str(target)], capture_output=True)
+    if probe.returncode == 0 or b"Permission denied" not in probe.stderr:
+        pytest.skip("running as root, which can read a chmod 000 file (setpriv cannot drop "
+                    "CAP_DAC_OVERRIDE here)")
+    return NO_DAC
+
+
+# ---- shared plans ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def mlp_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A good 2-stage plan of examples/mlp.py on cpu-4 (compiled once); copy it before damaging."""
+    out = tmp_path_factory.mktemp("good") / "mlp"
+    proc = run("compile", MLP, "-b", "8", "--stages", "2", "--cluster", "cpu-4", "-o", str(out))
+    assert proc.returncode == 0, _context(proc)
+    assert (out / "plan.yaml").exists() and (out / "stage_1.pt").exists()
+    return out
+
+
+def copy_plan(mlp_plan: Path, tmp_path: Path) -> Path:
+    plan_dir = tmp_path / "plan"
+    shutil.copytree(mlp_plan, plan_dir)
+    return plan_dir
+
+
+# ---- model files -------------------------------------------------------------------------------
+
+MODEL_CASES = [
+    ("compile", TEST_MODELS / "missing.py", "model file not found"),
+    ("compile", TEST_MODELS, "is a directory"),
+    ("compile", TEST_MODELS / "raises_on_import.py",
+     "raised RuntimeError: cannot reach the dataset server"),
+    ("compile", TEST_MODELS / "no_build.py", "does not define build_model()"),
+    ("compile", TEST_MODELS / "data_dependent.py", "torch.export failed"),
+    ("compile", TEST_MODELS / "int_output.py", "non-tensor output at [1]: int"),
+    ("compile", TEST_MODELS / "string_output.py", "non-tensor output at [1]: str"),
+    ("inspect", TEST_MODELS / "string_output.py", "non-tensor output at [1]: str"),
+    ("inspect", TEST_MODELS, "is a directory"),
+]
+
+
+@pytest.mark.parametrize("command, model, fragment", MODEL_CASES,
+                         ids=[f"{c}-{m.name}" for c, m, _ in MODEL_CASES])
+def test_bad_model_file(command: str, model: Path, fragment: str, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    if command == "compile":
+        proc = run("compile", str(model), "-b", "4", "--cluster", "cpu-4", "-o", str(out))
+    else:
+        proc = run("inspect", str(model), "--no-onnx")
+    assert_one_line_error(proc, fragment)
+    assert not (out / "plan.yaml").exists()
+
+
+def test_unreadable_model_file(tmp_path: Path) -> None:
+    model = tmp_path / "mlp.py"
+    prefix = unreadable_copy(EXAMPLES / "mlp.py", model)
+    proc = run("compile", str(model), "-b", "4", "--cluster", "cpu-4", "-o", str(tmp_path / "o"),
+               prefix=prefix)
+    assert_one_line_error(proc, str(model), ("Permission denied", "not readable"))
+
+
+# ---- devices, clusters, batch flags ------------------------------------------------------------
+
+def _cluster_yaml(tmp: Path, edit: Callable[[dict], None]) -> Path:
+    data = yaml.safe_load((ROOT / "configs" / "clusters" / "cpu-4.yaml").read_text())
+    edit(data)
+    path = tmp / "cluster.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _text(tmp: Path, name: str, text: str) -> Path:
+    path = tmp / name
+    path.write_text(text)
+    return path
+
+
+def _compile(*flags: str) -> Callable[[Path], list[str]]:
+    return lambda tmp: ["compile", MLP, *flags, "-o", str(tmp / "out")]
+
+
+def _with_cluster(make: Callable[[Path], Path], *flags: str) -> Callable[[Path], list[str]]:
+    return lambda tmp: ["compile", MLP, "-b", "8", *flags, "--cluster", str(make(tmp)),
+                        "-o", str(tmp / "out")]
+
+
+CONFIG_CASES: dict[str, tuple[Callable[[Path], list[str]], tuple[str | tuple[str, ...], ...]]] = {
+    "unknown-device": (
+        lambda tmp: ["profile", MLP, "--analytic", "nope", "-o", str(tmp / "p.yaml")],
+        ("unknown device 'nope'",)),
+    "device-yaml-not-yaml": (
+        lambda tmp: ["profile", MLP, "--analytic", str(_text(tmp, "dev.yaml", "[1, 2")),
+                     "-o", str(tmp / "p.yaml")],
+        ("dev.yaml", "not valid YAML")),
+    "unknown-cluster": (_compile("-b", "8", "--cluster", "nope"), ("unknown cluster 'nope'",)),
+    "cluster-not-yaml": (
+        _with_cluster(lambda tmp: _text(tmp, "c.yaml", "name: [unclosed\n")),
+        ("c.yaml", "not valid YAML")),
+    "cluster-not-a-mapping": (
+        _with_cluster(lambda tmp: _text(tmp, "c.yaml", "- a\n- b\n")),
+        ("c.yaml", "must be a mapping")),
+    "cluster-missing-key": (
+        _with_cluster(lambda tmp: _cluster_yaml(tmp, lambda d: d.pop("intra_node"))),
+        ("cluster.yaml", "'intra_node'", "missing")),
+    "batch-not-divisible": (
+        _compile("-b", "10", "--microbatches", "4", "--cluster", "cpu-4"),
+        ("global batch 10", "--microbatches 4")),
+    "infeasible-memory": (
+        _with_cluster(lambda tmp: _cluster_yaml(
+            tmp, lambda d: d.update(device_memory_bytes="1MiB"))),
+        ("does not fit", ("usable", "margin"))),
+}
+
+
+@pytest.mark.parametrize("case", list(CONFIG_CASES))
+def test_bad_config_or_flags(case: str, tmp_path: Path) -> None:
+    make_args, fragments = CONFIG_CASES[case]
+    proc = run(*make_args(tmp_path))
+    assert_one_line_error(proc, *fragments)
+    assert not (tmp_path / "out" / "plan.yaml").exists() and not (tmp_path / "p.yaml").exists()
+
+
+def test_unreadable_cluster_file(tmp_path: Path) -> None:
+    cluster = tmp_path / "cluster.yaml"
+    prefix = unreadable_copy(ROOT / "configs" / "clusters" / "cpu-4.yaml", cluster)
+    proc = run("compile", MLP, "-b", "8", "--cluster", str(cluster), "-o", str(tmp_path / "o"),
+               prefix=prefix)
+    assert_one_line_error(proc, "cannot read", "Permission denied")
+
+
+# ---- plan files --------------------------------------------------------------------------------
+
+def _truncate(plan_dir: Path) -> None:
+    path = plan_dir / "plan.yaml"
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) // 2])
+
+
+def _binary(plan_dir: Path) -> None:
+    (plan_dir / "plan.yaml").write_bytes(bytes(range(256)) * 8)
+
+
+def _a_list(plan_dir: Path) -> None:
+    (plan_dir / "plan.yaml").write_text("- just\n- a list\n")
+
+
+def _schema_99(plan_dir: Path) -> None:
+    path = plan_dir / "plan.yaml"
+    text = path.read_text()
+    assert "schema_version: 1\n" in text
+    path.write_text(text.replace("schema_version: 1\n", "schema_version: 99\n"))
+
+
+PLAN_DAMAGE: dict[str, tuple[Callable[[Path], None] | None, tuple[str | tuple[str, ...], ...]]] = {
+    "missing": (None, ("no-such-plan", "not found")),
+    # cut in half: not YAML, or YAML that lacks half the plan, depending on where the cut falls
+    "truncated": (_truncate, ("plan.yaml", ("not valid YAML", "not a valid plan"))),
+    "binary": (_binary, ("plan.yaml", "not valid YAML")),
+    "not-a-mapping": (_a_list, ("plan.yaml", "not a valid plan")),
+    "schema-99": (_schema_99, ("schema_version 99",)),
+}
+PLAN_COMMANDS = {
+    "verify": lambda plan, good: ["verify", plan],
+    "show": lambda plan, good: ["show", plan],
+    "check": lambda plan, good: ["check", plan],
+    "launch": lambda plan, good: ["launch", plan, "--steps", "1"],
+    "diff": lambda plan, good: ["diff", good, plan],
+}
+
+
+@pytest.mark.parametrize("command", list(PLAN_COMMANDS))
+@pytest.mark.parametrize("damage", list(PLAN_DAMAGE))
+def test_bad_plan(damage: str, command: str, mlp_plan: Path, tmp_path: Path) -> None:
+    edit, fragments = PLAN_DAMAGE[damage]
+    if edit is None:
+        plan_dir = tmp_path / "no-such-plan"
+    else:
+        plan_dir = copy_plan(mlp_plan, tmp_path)
+        edit(plan_dir)
+    proc = run(*PLAN_COMMANDS[command](str(plan_dir), str(mlp_plan)))
+    assert_one_line_error(proc, *fragments)
+
+
+@pytest.mark.parametrize("as_file", [
+    False,
+    True,
+], ids=["directory", "plan.yaml"])
+def test_unreadable_plan(as_file: bool, mlp_plan: Path, tmp_path: Path) -> None:
+    plan_dir = tmp_path / "plan"
+    plan_dir.mkdir()
+    prefix = unreadable_copy(mlp_plan / "plan.yaml", plan_dir / "plan.yaml")
+    target = plan_dir / "plan.yaml" if as_file else plan_dir
+    proc = run("show", str(target), prefix=prefix)
+    assert_one_line_error(proc, "plan.yaml", "Permission denied")
+
+
+# ---- stage files -------------------------------------------------------------------------------
+
+def _drop_stage(plan_dir: Path) -> None:
+    (plan_dir / "stage_1.pt").unlink()
+
+
+def _append_byte(plan_dir: Path) -> None:
+    with open(plan_dir / "stage_1.pt", "ab") as f:
+        f.write(b"\0")
+
+
+STAGE_DAMAGE = {
+    "stage-missing": (_drop_stage, "is missing"),
+    "stage-hash-mismatch": (_append_byte, "does not match plan.yaml"),
+}
+
+
+@pytest.mark.parametrize("command", ["verify", "launch", "check"])
+@pytest.mark.parametrize("damage", list(STAGE_DAMAGE))
+def test_bad_stage_file(damage: str, command: str, mlp_plan: Path, tmp_path: Path) -> None:
+    edit, fragment = STAGE_DAMAGE[damage]
+    plan_dir = copy_plan(mlp_plan, tmp_path)
+    edit(plan_dir)
+    metrics = tmp_path / "metrics.jsonl"
+    extra = ["--steps", "1", "--metrics", str(metrics)] if command == "launch" else []
+    proc = run(command, str(plan_dir / "plan.yaml"), *extra)
+    assert_one_line_error(proc, "stage_1.pt", fragment)
+    assert not metrics.exists()  # refused before any training step ran
+
+
+def test_check_with_a_missing_model_file(mlp_plan: Path, tmp_path: Path) -> None:
+    model = tmp_path / "gone.py"
+    proc = run("check", str(mlp_plan), "--model", str(model))
+    assert_one_line_error(proc, str(model), "is not a file")
+
+
+# ---- torchrun with the wrong world size --------------------------------------------------------
+
+# The worker's one line: `partc launch: rank N: error: ...` (as tests/test_launch.py accepts).
+WORKER_ERROR = re.compile(r"^partc(?: launch: rank \d+)?: error: ")
+
+
+@pytest.fixture(scope="module")
+def torchrun_one_process(mlp_plan: Path) -> Proc[str]:
+    """torchrun starting 1 worker for the 2-process plan (run once for the tests below)."""
+    return subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node", "1", "-m",
+                           "partc.launch", str(mlp_plan / "plan.yaml"), "--steps", "1"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+
+
+def test_torchrun_world_size_mismatch(torchrun_one_process: Proc[str]) -> None:
+    proc = torchrun_one_process
+    context = _context(proc)
+    assert proc.returncode != 0, context
+    errors = [line for line in proc.stderr.splitlines() if WORKER_ERROR.match(line)]
+    assert len(errors) == 1, context
+    assert "the plan runs on 2 processes, torchrun started 1" in errors[0], context
+    assert "(hint: " in errors[0], context
+    assert "internal error" not in proc.stderr and "Traceback" not in proc.stdout, context
+    # torchrun prints its own failure report (its traceback starts in torchrun, not in partc)
+    lines = proc.stderr.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("Traceback (most recent call last):"):
+            assert "bin/torchrun" in lines[i + 1], context
+
+
+def test_torchrun_world_size_mismatch_shows_no_partc_frames(
+        torchrun_one_process: Proc[str]) -> None:
+    assert not re.search(r'File "[^"]*/partc/', torchrun_one_process.stderr), \
+        _context(torchrun_one_process)
+
+
+# ---- missing arguments and unwritable outputs --------------------------------------------------
+
+@pytest.mark.parametrize("args, missing", [
+    (["check"], "Missing argument 'PLAN"),
+    (["diff", "PLAN"], "Missing argument 'NEW'"),
+], ids=["check-no-plan", "diff-one-plan"])
+def test_missing_arguments_are_usage_errors(args: list[str], missing: str,
+                                            mlp_plan: Path) -> None:
+    args = [str(mlp_plan) if a == "PLAN" else a for a in args]
+    proc = run(*args)
+    context = _context(proc)
+    assert proc.returncode == 2, context
+    assert proc.stderr.startswith(f"Usage: partc {args[0]} "), context
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and missing in errors[0], context
+    assert "Traceback" not in proc.stderr and proc.stdout == "", context
+
+
+@pytest.mark.parametrize("flag", ["--png", "--html"])
+def test_show_to_an_unwritable_path(flag: str, mlp_plan: Path, tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    target = blocker / f"report.{flag[2:]}"
+    proc = run("show", str(mlp_plan), flag, str(target))
+    # the summary is printed before the picture is drawn, so stdout is not empty
+    assert_one_line_error(proc, "cannot write", str(target), stdout_empty=False)
+    assert blocker.read_text() == "x"
+
+
+# ---- --debug shows the traceback ---------------------------------------------------------------
+
+def _debug_case(name: str, mlp_plan: Path, tmp: Path) -> list[str]:
+    if name == "model-raises":
+        return ["--debug", "compile", str(TEST_MODELS / "raises_on_import.py"), "-b", "4",
+                "--cluster", "cpu-4", "-o", str(tmp / "out")]
+    if name == "unknown-cluster":
+        return ["compile", MLP, "-b", "8", "--cluster", "nope", "-o", str(tmp / "out"), "--debug"]
+    plan_dir = copy_plan(mlp_plan, tmp)
+    if name == "plan-truncated":
+        _truncate(plan_dir)
+        return ["--debug", "show", str(plan_dir)]
+    assert name == "stage-hash-mismatch"
+    _append_byte(plan_dir)
+    return ["verify", str(plan_dir), "--debug"]
+
+
+@pytest.mark.parametrize("case", ["model-raises", "unknown-cluster", "plan-truncated",
+                                  "stage-hash-mismatch"])
+def test_debug_shows_the_traceback(case: str, mlp_plan: Path, tmp_path: Path) -> None:
+    proc = run(*_debug_case(case, mlp_plan, tmp_path))
+    context = _context(proc)
+    assert proc.returncode == 2, context
+    assert "Traceback (most recent call last):" in proc.stderr, context
+    assert sum(line.startswith(ERROR) for line in proc.stderr.splitlines()) == 1, context
