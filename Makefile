@@ -1,5 +1,5 @@
 # partc: two commands set everything up on a fresh machine.
-#   make demo   create .venv (torch==2.13.0 first, then partc[dev]), compile, verify and train an example
+#   make demo   create .venv (torch==2.13.0 first, then partc[dev]), compile, verify, check, draw and train an example
 #   make test   same install, then the default test suite (slow tests excluded)
 PYTHON ?= python3
 VENV ?= .venv
@@ -22,6 +22,8 @@ $(STAMP): setup.cfg pyproject.toml
 demo: install
 	$(PARTC) compile examples/bert.py --batch-size 16 --stages 2 -o plans/bert
 	$(PARTC) verify plans/bert/plan.yaml
+	$(PARTC) check plans/bert/plan.yaml
+	$(PARTC) show plans/bert/plan.yaml --png plans/bert/report.png --html plans/bert/report.html
 	$(PARTC) launch plans/bert/plan.yaml --steps 3
 
 test: install
