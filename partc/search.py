@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import Any, Sequence
 
 from partc.baselines import params_assignment, uniform_assignment
 from partc.chain_dp import solve_chain_dp
@@ -32,7 +32,8 @@ from partc.cost_model import CostTable
 from partc.cpsat_stages import solve_cpsat
 from partc.errors import PartcError
 from partc.hardware import ClusterSpec, format_quantity
-from partc.memory import (SCHEDULES, TrainingConfig, param_memory, stage_boundary,
+from partc.memory import (SCHEDULES, TrainingConfig, in_flight_microbatches, param_memory,
+                          stage_boundary,
                           usable_memory)
 from partc.partition import Partition, SolverReport, StagePlan
 from partc.progress import Progress
@@ -190,45 +191,68 @@ def _pinned(options: SearchOptions) -> str:
 
 
 # ---- bounds ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ParameterTotals:
+    """What the shape bounds need from the parameters, which depends on the training settings but
+    not on the shape: computed once per search, not once per shape (with thousands of shapes on
+    64 devices and thousands of parameters, recomputing it dominated the search)."""
+
+    static_bytes: int  # weights + gradients + optimizer state of the whole model
+    block_static_bytes: tuple[int, ...]  # the same per block
+    grad_bytes: int  # gradient bytes all-reduced per iteration
+    step_bytes: int  # bytes the optimizer step moves
+
+    @classmethod
+    def of(cls, blocks: BlockGraph, table: CostTable,
+           training: TrainingConfig) -> "ParameterTotals":
+        graph = table.graph
+        per_param = {p.name: param_memory(p, training) for p in graph.params}
+        block_static = tuple(sum(sum(per_param[p][:3]) for p in b.params) for b in blocks.blocks)
+        grad_bytes = step_bytes = 0
+        for p in graph.params:
+            g_bytes, moved = sync_bytes(p, training)
+            grad_bytes += g_bytes
+            step_bytes += moved
+        return cls(static_bytes=sum(sum(m[:3]) for m in per_param.values()),
+                   block_static_bytes=block_static, grad_bytes=grad_bytes, step_bytes=step_bytes)
+
+
 def shape_lower_bound(blocks: BlockGraph, table: CostTable, cluster: ClusterSpec,
-                      training: TrainingConfig, shape: PipelineShape) -> tuple[float, bool]:
+                      training: TrainingConfig, shape: PipelineShape,
+                      totals: ParameterTotals | None = None) -> tuple[float, bool]:
     """(lower bound of the objective in seconds, whether the parameters can fit at all).
 
     Time: perfectly balanced ranks, no transfers, the all-reduce and step of the average rank.
     Memory: every rank needs its parameters' static bytes, so their total over the ranks and the
-    largest single block must fit."""
+    largest single block must fit. `totals` (ParameterTotals.of the same blocks, table and
+    training) saves recomputing the parameters' sizes per shape."""
+    totals = totals or ParameterTotals.of(blocks, table, training)
     m = shape.microbatch_size
     ckpt = shape.activation_checkpointing
     comp = [b.forward.at(m) * (2.0 if ckpt else 1.0) + b.backward.at(m) for b in blocks.blocks]
     W = sum(comp)
     S, v, M = shape.stages, shape.chunks, shape.num_microbatches
     T = max(W / S, max(comp) if v == 1 or S == 1 else 0.0)
-    graph = table.graph
-    grad_bytes = 0
-    step_bytes = 0
-    static = 0
-    block_static = []
-    for b in blocks.blocks:
-        total = 0
-        for p in b.params:
-            w, g, s, _ = param_memory(graph.param(p), training)
-            total += w + g + s
-        block_static.append(total)
-    for p in graph.params:
-        w, g, s, _ = param_memory(p, training)
-        static += w + g + s
-        g_bytes, moved = sync_bytes(p, training)
-        grad_bytes += g_bytes
-        step_bytes += moved
     sync = 0.0
     if shape.replicas > 1:
-        sync = min(cluster.allreduce_s(max(1, grad_bytes // S), shape.rank_devices(d))
+        sync = min(cluster.allreduce_s(max(1, totals.grad_bytes // S), shape.rank_devices(d))
                    for d in range(S))
-    sync += step_bytes / S / cluster.device.bytes_per_s()
+    sync += totals.step_bytes / S / cluster.device.bytes_per_s()
     bound = (M - 1) * T + sync + T + (W - T) / v
     usable = usable_memory(cluster.device.memory_bytes, replace(
         training, schedule=shape.schedule, activation_checkpointing=ckpt))
-    fits = static / S <= usable and max(block_static) <= usable
+    # The fullest rank holds at least static_d + coef_d * saved_d (StageProblem.rank_memory; coef
+    # = in-flight micro-batches / chunks, 1 / chunks with checkpointing). Summing
+    # saved_d <= (X - static_d) / coef_d over ranks bounds the peak X from below; without this,
+    # large models screened every shape whose weights alone fit, all infeasible, before pruning.
+    factor = 0.5 if training.precision == "bf16-mixed" else 1.0
+    saved = factor * sum(b.saved.at(m) for b in blocks.blocks)
+    coef = [(1.0 if ckpt else in_flight_microbatches(shape.schedule, d, S, M, v)) / v
+            for d in range(S)]
+    peak = max(totals.static_bytes / S,
+               (saved + totals.static_bytes / max(coef)) / sum(1.0 / c for c in coef))
+    slack = usable * 1e-6 + 1.0  # float rounding must never exclude a feasible shape
+    fits = peak <= usable + slack and max(totals.block_static_bytes, default=0) <= usable
     return bound, fits
 
 
@@ -249,8 +273,10 @@ def search(table: CostTable, cluster: ClusterSpec, global_batch: int,
             blocks = coarsen(table, options.max_blocks)
     shapes = enumerate_shapes(cluster, global_batch, len(blocks.blocks), options)
     candidates = []
+    totals = ParameterTotals.of(blocks, table, training)
+    memo: dict[tuple, Any] = {}  # StageProblem.build's shape-independent pieces
     for shape in shapes:
-        bound, fits = shape_lower_bound(blocks, table, cluster, training, shape)
+        bound, fits = shape_lower_bound(blocks, table, cluster, training, shape, totals)
         if fits:
             candidates.append(_Candidate(shape, bound))
     candidates.sort(key=lambda c: (c.lower_bound_s, c.shape.label()))
@@ -263,7 +289,7 @@ def search(table: CostTable, cluster: ClusterSpec, global_batch: int,
             if best is not None and cand.lower_bound_s >= best.objective_s:
                 pruned = len(candidates) - i
                 break
-            _screen(cand, blocks, table, cluster, training, strategy)
+            _screen(cand, blocks, table, cluster, training, strategy, memo)
             evaluated.append(cand)
             if cand.assignment is not None and (best is None
                                                 or cand.objective_s < best.objective_s):
@@ -304,9 +330,9 @@ def _gap(objective: float, bound: float | None) -> float | None:
 
 
 def _screen(cand: _Candidate, blocks: BlockGraph, table: CostTable, cluster: ClusterSpec,
-            training: TrainingConfig, strategy: str) -> None:
+            training: TrainingConfig, strategy: str, memo: dict[tuple, Any]) -> None:
     """First assignment of a shape: the strategy's own cut, or the exact DP for dp/cpsat."""
-    problem = StageProblem.build(blocks, table, cluster, training, cand.shape)
+    problem = StageProblem.build(blocks, table, cluster, training, cand.shape, memo)
     cand.problem = problem
     V = cand.shape.virtual_stages
     unit = problem.time_unit_s / cand.shape.chunks
@@ -579,4 +605,5 @@ def compare_strategies(table: CostTable, cluster: ClusterSpec, global_batch: int
 
 
 __all__ = ["STRATEGIES", "SearchOptions", "SearchError", "InfeasibleMemoryError", "search",
-           "compare_strategies", "enumerate_shapes", "shape_lower_bound", "build_partition"]
+           "compare_strategies", "enumerate_shapes", "shape_lower_bound", "ParameterTotals",
+           "build_partition"]

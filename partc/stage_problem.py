@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 from partc.coarsen import BlockGraph
 from partc.cost_model import CostTable
@@ -185,8 +185,13 @@ class StageProblem:
     # ---- construction ----------------------------------------------------------------------
     @classmethod
     def build(cls, blocks: BlockGraph, table: CostTable, cluster: ClusterSpec,
-              training: TrainingConfig, shape: PipelineShape) -> "StageProblem":
-        """Price every block for `shape` (see the module docstring)."""
+              training: TrainingConfig, shape: PipelineShape,
+              memo: dict[tuple, Any] | None = None) -> "StageProblem":
+        """Price every block for `shape` (see the module docstring). `memo`, shared by the builds
+        of one search (same blocks and table), keeps the shape-independent pieces: per-parameter
+        bytes and per-block transients at a micro-batch size; a search over thousands of shapes
+        of a 100B-parameter model spent most of its time recomputing them."""
+        memo = {} if memo is None else memo
         if shape.num_devices > cluster.num_devices:
             raise ShapeError(f"{shape.label()} needs {shape.num_devices} devices, the cluster "
                              f"has {cluster.num_devices}", hint="use fewer stages or replicas")
@@ -221,7 +226,8 @@ class StageProblem:
         for b in blocks.blocks:
             for p in b.params:
                 users.setdefault(p, []).append(b.index)
-        param_info = {p: _param_bytes(graph.param(p), training) for p in users}
+        param_info = {p: _memo(memo, ("param", p, training),
+                               lambda p=p: _param_bytes(graph.param(p), training)) for p in users}
 
         # Per rank: all-reduce of gradients over its replicas, then the optimizer step.
         groups = [shape.rank_devices(d) for d in range(S)]
@@ -241,7 +247,8 @@ class StageProblem:
             sync_latency.append(t_units(latency))
 
         def sync_units(name: str) -> tuple[int, ...]:
-            gbytes, moved = sync_bytes(graph.param(name), training)
+            gbytes, moved = _memo(memo, ("sync", name, training),
+                                  lambda: sync_bytes(graph.param(name), training))
             return tuple(t_units(gbytes * sync_per_byte[d] + moved / step_bps) for d in range(S))
 
         shared_names = sorted(p for p, bs in users.items() if len(set(bs)) > 1)
@@ -250,7 +257,7 @@ class StageProblem:
                               sync=sync_units(p)) for p in shared_names]
         shared_set = set(shared_names)
 
-        requires = differentiable_tensors(graph)
+        requires = _memo(memo, ("requires",), lambda: differentiable_tensors(graph))
         static, temps, sync, has_trainable, saved, transient = [], [], [], [], [], []
         for b in blocks.blocks:
             own = [p for p in b.params if p not in shared_set]
@@ -265,7 +272,9 @@ class StageProblem:
                                      and graph.param(p).trainable for p in b.params))
             factor = 0.5 if bf16 else 1.0
             saved.append(m_units(b.saved.at(m) * factor))
-            transient.append(m_units(_block_transient(table, b.nodes, m, requires, bf16)))
+            transient.append(m_units(_memo(
+                memo, ("transient", b.index, m, bf16),
+                lambda b=b: _block_transient(table, b.nodes, m, requires, bf16))))
 
         # Crossing tensors: transfer time per boundary k on the link between ranks (k-1)%S, k%S.
         links = shape.boundary_links(cluster)
@@ -451,6 +460,12 @@ def _merge_parallel(tensors: list[CrossingTensor]) -> list[CrossingTensor]:
                 backward=tuple(a + b for a, b in zip(other.backward, t.backward)),
                 size=other.size + t.size, grad_size=other.grad_size + t.grad_size)
     return list(merged.values())
+
+
+def _memo(memo: dict[tuple, Any], key: tuple, compute: Callable[[], Any]) -> Any:
+    if key not in memo:
+        memo[key] = compute()
+    return memo[key]
 
 
 def _param_bytes(p: Param, training: TrainingConfig) -> tuple[float, float]:
