@@ -1,27 +1,30 @@
-"""Solver benchmark: cpsat vs chain-dp vs the uniform and params baselines, and BERT-large's compile
-path.
+"""Plan quality: cpsat vs chain-dp vs the uniform and params baselines, over a model zoo x clusters.
 
-For every example (mlp, transformer, bert, gpt2, resnet: on the `cpu` and `8xa100-80gb` clusters)
-and the meta-device BERT-large and GPT-2 1.3B (on `8xa100-80gb`), the model is captured once
-(torch.export, no ONNX), priced with the analytic roofline of the cluster's device, coarsened once
-(128 blocks) and searched by every strategy on the same block graph (`compare_strategies`, as
-`partc solve --strategy all`). Two settings per (model, cluster):
+For every model of the zoo on every cluster (`cpu`: this machine's 2 gloo processes,
+`8xa100-80gb`, `4x8xv100-32gb`, `4x8xh100-80gb`) the model is captured once (torch.export, no
+ONNX; the large models on the meta device, never materialised), priced with the analytic roofline
+of the cluster's device, coarsened once (128 blocks) and searched by every strategy on the same
+block graph (`compare_strategies`, as `partc solve --strategy all`):
+
+- uniform: Megatron-style equal layer counts per stage; params: DeepSpeed-style balanced
+  parameters; chain-dp: the exact dynamic program over contiguous cuts; cpsat: partc's solver.
+
+Two settings per (model, cluster):
 
 - free: stages, replicas, micro-batches, schedule and checkpointing all searched;
-- pinned: a pipeline pinned so the strategies' cuts have to differ: `--stages 8 --replicas 1` for
-  the large models on 8xa100, `--stages 2` on cpu (2 devices, so 1 replica), `--stages 4` for the
-  small models on 8xa100 (replicas searched) when the model has at least 8 blocks.
+- pinned: a pipeline pinned so the strategies' cuts have to differ (`settings()`): 2 stages on
+  `cpu`, 4 stages for the small examples elsewhere, 8 stages for the zoo's large models (1 replica
+  on 8 GPUs, replicas searched on 32).
 
 One markdown row per (model, cluster, setting, strategy): the shape, the simulated iteration time,
-the solver's objective, cpsat's gap (its bound for that shape) and search gap (any shape), whether
-the plan fits (largest rank's exact memory vs usable memory), the bubble and the search's wall time
-(capture, pricing and coarsening excluded). A summary table then gives cpsat's simulated iteration
-time over the best baseline's (uniform, params) and over chain-dp's per case.
+the solver's objective, cpsat's proven gap to its bound for that shape and its search gap (any
+shape), whether the plan fits (largest rank's exact memory vs usable memory; a strategy with no
+plan that fits says why), the bubble and the search's wall time (capture, pricing and coarsening
+excluded). A summary table then gives cpsat's simulated iteration time over the best baseline's
+(uniform, params) and over chain-dp's per case.
 
-Finally BERT-large's whole compile path (imports, capture without ONNX, roofline pricing,
-coarsening, cpsat search) is timed in a fresh process, with its peak RSS (goal: < 60 s).
-
-    .venv/bin/python bench/solver.py [--quick] [--models mlp,bert_large_meta] [--json out.json]
+    .venv/bin/python bench/plan_quality.py [--quick] [--models mlp,bert_large]
+        [--clusters cpu,8xa100-80gb] [--json bench/results/plan_quality.json]
 """
 from __future__ import annotations
 
@@ -46,8 +49,25 @@ from partc.partition import Partition  # noqa: E402
 from partc.pipeline import capture_graph, plan_costs  # noqa: E402
 from partc.search import STRATEGIES, SearchOptions, compare_strategies  # noqa: E402
 
+# name -> (model file, global batch on GPU clusters). The small examples' batches scale with the
+# cluster instead (`global_batch()`).
+ZOO: dict[str, tuple[str, int | None]] = {
+    "mlp": ("examples/mlp.py", None),
+    "transformer": ("examples/transformer.py", None),
+    "bert": ("examples/bert.py", None),
+    "gpt2": ("examples/gpt2.py", None),
+    "resnet": ("examples/resnet.py", None),
+    # BERT phase-2-style batches of 256; GPT-2 at 512 x 1024 tokens (0.5M per iteration);
+    # ResNet-50 at ImageNet's standard 256.
+    "bert_base": ("bench/models/bert_base.py", 256),
+    "bert_large": ("examples/bert_large_meta.py", 256),
+    "gpt2_small": ("bench/models/scale/gpt_0p1b.py", 512),
+    "gpt2_medium": ("bench/models/scale/gpt_0p35b.py", 512),
+    "gpt2_1p3b": ("examples/gpt2_1p3b_meta.py", 512),
+    "resnet50": ("bench/models/resnet50_meta.py", 256),
+}
 SMALL = ("mlp", "transformer", "bert", "gpt2", "resnet")
-LARGE = ("bert_large_meta", "gpt2_1p3b_meta")
+CLUSTERS = ("cpu", "8xa100-80gb", "4x8xv100-32gb", "4x8xh100-80gb")
 CAPTURE_BATCH = 2  # `partc solve`'s default --capture-batch
 BASELINES = ("uniform", "params")
 
@@ -57,31 +77,37 @@ class Case:
     model: str
     cluster: str
     global_batch: int
+    devices: int
 
 
-# Global batches: BERT-large 256 (its phase-2 pre-training batch per 8 GPUs), GPT-2 1.3B 512
-# (sequence 1024: 0.5M tokens per iteration); the small examples 32 on the 2-device cpu cluster
-# and 64 on 8 A100s (8 samples per replica under pure data parallelism).
-def cases(models: list[str]) -> list[Case]:
+def global_batch(model: str, devices: int) -> int:
+    """The small examples get 16 samples per device (32 on this machine's 2 processes, 512 on 32
+    GPUs); the zoo's real-size models their usual training batch whatever the cluster."""
+    fixed = ZOO[model][1]
+    return fixed if fixed is not None else 16 * devices
+
+
+def cases(models: list[str], clusters: list[str]) -> list[Case]:
     out = []
     for m in models:
-        if m in LARGE:
-            out.append(Case(m, "8xa100-80gb", 256 if m == "bert_large_meta" else 512))
-        else:
-            out.append(Case(m, "cpu", 32))
-            out.append(Case(m, "8xa100-80gb", 64))
+        for c in clusters:
+            n = load_cluster(c).num_devices
+            out.append(Case(m, c, global_batch(m, n), n))
     return out
 
 
 def settings(case: Case, num_blocks: int) -> list[tuple[str, dict[str, int]]]:
     """(label, pinned SearchOptions fields) per setting (module docstring)."""
     out: list[tuple[str, dict[str, int]]] = [("free", {})]
-    if case.model in LARGE:
-        out.append(("S8 R1", {"stages": 8, "replicas": 1}))
-    elif case.cluster == "cpu":
+    if case.devices == 2:
         out.append(("S2", {"stages": 2}))
-    elif num_blocks >= 8:
-        out.append(("S4", {"stages": 4}))
+    elif case.model in SMALL:
+        if num_blocks >= 8:
+            out.append(("S4", {"stages": 4}))
+    elif case.devices == 8:
+        out.append(("S8 R1", {"stages": 8, "replicas": 1}))
+    else:
+        out.append(("S8", {"stages": 8}))
     return out
 
 
@@ -89,8 +115,8 @@ def run_case(case: Case, training: TrainingConfig, time_limit_s: float,
              captures: dict[str, Any]) -> list[dict[str, Any]]:
     if case.model not in captures:
         captures.clear()  # one model's capture alive at a time
-        captures[case.model] = capture_graph(ROOT / "examples" / f"{case.model}.py",
-                                             CAPTURE_BATCH, onnx=False)
+        captures[case.model] = capture_graph(ROOT / ZOO[case.model][0], CAPTURE_BATCH,
+                                             onnx=False)
     result = captures[case.model]
     cluster = load_cluster(case.cluster)
     table = plan_costs(result, cluster.device)
@@ -182,65 +208,6 @@ def summary(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
-# ---- BERT-large's compile path in a fresh process -------------------------------------------
-COMPILE_CHILD = r"""
-import json, resource, sys, time
-t0 = time.perf_counter()
-steps = {}
-def mark(name, since):
-    now = time.perf_counter(); steps[name] = now - since; return now
-from partc.coarsen import coarsen
-from partc.hardware import load_cluster
-from partc.memory import TrainingConfig
-from partc.pipeline import capture_graph, plan_costs
-from partc.search import SearchOptions, search
-t = mark("imports", t0)
-result = capture_graph(sys.argv[1], 2, onnx=False)
-t = mark("capture", t)
-cluster = load_cluster(sys.argv[2])
-table = plan_costs(result, cluster.device)
-t = mark("plan_costs", t)
-blocks = coarsen(table, 128)
-t = mark("coarsen", t)
-pinned = json.loads(sys.argv[4])
-p = search(table, cluster, int(sys.argv[3]), TrainingConfig(precision=sys.argv[5]),
-           SearchOptions(strategy="cpsat", time_limit_s=float(sys.argv[6]), **pinned),
-           blocks=blocks)
-t = mark("search", t)
-print(json.dumps({"total_s": time.perf_counter() - t0, "steps": steps, "shape": p.shape.label(),
-                  "iteration_s": p.iteration_s, "status": p.solver.status,
-                  "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
-"""
-
-
-def compile_path(setting: str, pinned: dict[str, int], precision: str,
-                 time_limit_s: float) -> dict[str, Any]:
-    t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", COMPILE_CHILD,
-                           str(ROOT / "examples" / "bert_large_meta.py"), "8xa100-80gb", "256",
-                           json.dumps(pinned), precision, str(time_limit_s)],
-                          capture_output=True, text=True, cwd=ROOT)
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        raise SystemExit(f"compile path: {proc.stderr[-2000:]}")
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    out.update(setting=setting, process_wall_s=wall)
-    return out
-
-
-def compile_markdown(runs: list[dict[str, Any]]) -> str:
-    out = ["| setting | imports s | capture s | plan_costs s | coarsen s | cpsat search s "
-           "| in-process total s | process wall s | peak RSS MiB | plan |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-    for r in runs:
-        s = r["steps"]
-        out.append(f"| {r['setting']} | {s['imports']:.1f} | {s['capture']:.1f} | "
-                   f"{s['plan_costs']:.1f} | {s['coarsen']:.1f} | {s['search']:.1f} | "
-                   f"{r['total_s']:.1f} | {r['process_wall_s']:.1f} | {r['rss_mib']:.0f} | "
-                   f"{r['shape']} ({r['status']}) |")
-    return "\n".join(out)
-
-
 def _revision() -> str:
     """HEAD's short hash, and the partc/ files that differ from it (numbers depend on them)."""
     try:
@@ -256,46 +223,45 @@ def _revision() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default=",".join(SMALL + LARGE),
-                        help="comma-separated example names")
+    parser.add_argument("--models", default=",".join(ZOO), help="comma-separated zoo names")
+    parser.add_argument("--clusters", default=",".join(CLUSTERS))
     parser.add_argument("--quick", action="store_true",
-                        help="mlp and bert_large_meta only (a smoke run, not for the docs)")
+                        help="bert and bert_large on cpu and 8xa100-80gb (the `make bench` set)")
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16-mixed"])
     parser.add_argument("--time-limit", type=float, default=10.0,
                         help="CP-SAT deterministic seconds per refined shape (partc's default)")
-    parser.add_argument("--no-compile-path", action="store_true",
-                        help="skip the BERT-large compile-path subprocess")
-    parser.add_argument("--json", type=Path)
+    parser.add_argument("--json", type=Path, help="write the raw rows here")
     args = parser.parse_args()
-    models = ["mlp", "bert_large_meta"] if args.quick else args.models.split(",")
+    models = args.models.split(",")
+    clusters = args.clusters.split(",")
+    if args.quick:
+        models, clusters = ["bert", "bert_large"], ["cpu", "8xa100-80gb"]
+    unknown = [m for m in models if m not in ZOO]
+    if unknown:
+        raise SystemExit(f"unknown model(s) {unknown}; the zoo has {', '.join(ZOO)}")
     training = TrainingConfig(optimizer="adamw", precision=args.precision, memory_margin=0.1)
     start = time.perf_counter()
-    command = " ".join(["python", "bench/solver.py"] + sys.argv[1:])
+    command = " ".join([".venv/bin/python", "bench/plan_quality.py"] + sys.argv[1:])
+    machine = (f"{platform.machine()}, {platform.python_implementation()} "
+               f"{platform.python_version()}")
     print(f"partc at {_revision()}")
-    print(f"command: `{command}`; {platform.machine()}, {platform.python_implementation()} "
-          f"{platform.python_version()}; AdamW, {args.precision}, 10% memory margin, analytic "
+    print(f"command: `{command}`; {machine}; AdamW, {args.precision}, 10% memory margin, analytic "
           f"costs, capture batch {CAPTURE_BATCH}, 128 blocks, CP-SAT limit {args.time_limit} "
           f"deterministic s, refine 1\n")
     rows: list[dict[str, Any]] = []
     captures: dict[str, Any] = {}
-    for case in cases(models):
+    for case in cases(models, clusters):
         rows += run_case(case, training, args.time_limit, captures)
     captures.clear()
     print(markdown(rows))
     print()
     print(summary(rows))
-    runs = []
-    if not args.no_compile_path:
-        for setting, pinned in (("free", {}), ("S8 R1", {"stages": 8, "replicas": 1})):
-            print(f"... compile path {setting}", file=sys.stderr, flush=True)
-            runs.append(compile_path(setting, pinned, args.precision, args.time_limit))
-        print()
-        print("BERT-large compile path (fresh process; 8xa100-80gb, global batch 256, cpsat):\n")
-        print(compile_markdown(runs))
     total = time.perf_counter() - start
     print(f"\nbench wall time: {total:.0f} s")
     if args.json:
-        args.json.write_text(json.dumps({"rows": rows, "compile_path": runs, "wall_s": total},
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"rows": rows, "wall_s": total, "command": command,
+                                         "revision": _revision(), "machine": machine},
                                         indent=2, sort_keys=True, default=str) + "\n")
 
 
