@@ -433,7 +433,10 @@ def _infeasible(blocks: BlockGraph, table: CostTable, cluster: ClusterSpec,
     S = min(options.stages or N, len(blocks.blocks), N)
     R = options.replicas or 1
     per_replica = global_batch // R if global_batch % R == 0 else global_batch
-    M = options.num_microbatches or per_replica
+    # The most micro-batches the search tries (the smallest micro-batch it could use): a message
+    # about a shape the search never considered could claim a need below the usable memory.
+    M = options.num_microbatches or max(
+        k for k in range(1, min(per_replica, options.max_microbatches) + 1) if per_replica % k == 0)
     m = max(1, per_replica // M)
     schedule = options.schedule or ("1f1b" if M >= S else "gpipe")
     ckpt = options.activation_checkpointing if options.activation_checkpointing is not None \

@@ -19,8 +19,8 @@ from partc.cpsat_stages import solve_cpsat
 from partc.hardware import ClusterSpec, load_cluster
 from partc.memory import TrainingConfig, in_flight_microbatches
 from partc.pipeline import capture_graph
-from partc.search import (InfeasibleMemoryError, SearchError, SearchOptions, compare_strategies,
-                          enumerate_shapes, search)
+from partc.search import (InfeasibleMemoryError, ParameterTotals, SearchError, SearchOptions,
+                          compare_strategies, enumerate_shapes, search, shape_lower_bound)
 from partc.stage_problem import PipelineShape, ShapeError, StageProblem
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -310,6 +310,36 @@ def test_infeasible_memory_error_names_the_smallest_need() -> None:
     # Sizes in units that show them (1 MiB devices are not "0.00 GiB").
     assert re.search(r"needs at least [0-9.]+[kMG]B but a cpu has 943\.7kB usable \(1\.049MB ",
                      text), text
+
+
+def test_infeasible_memory_error_describes_a_shape_the_search_tried() -> None:
+    # Global batch 64 with at most 4 micro-batches: the smallest micro-batch the search can use
+    # is 16, so the message must not describe micro-batch 1 (whose need could be below usable).
+    tiny = with_memory(CPU, 1 << 20)
+    with pytest.raises(InfeasibleMemoryError) as info:
+        search(table_of("bert"), tiny, 64, options=SearchOptions(max_microbatches=4))
+    assert "with micro-batch 16 " in info.value.one_line()
+
+
+def test_shape_bound_never_rejects_a_shape_with_a_feasible_cut() -> None:
+    # ParameterTotals' memory bound is a relaxation of StageProblem.rank_memory: any shape the
+    # exact DP finds a feasible cut for must pass it. Device sizes where some shapes fit and
+    # some do not make both sides of the bound matter.
+    table = table_of("gpt2")
+    blocks = coarsen(table, 128)
+    training = TrainingConfig()
+    totals = ParameterTotals.of(blocks, table, training)
+    feasible = rejected = 0
+    for mib in (12, 24, 48):
+        cluster = with_memory(CPU8, mib << 20)
+        for shape in enumerate_shapes(cluster, 8, len(blocks.blocks), SearchOptions()):
+            fits = shape_lower_bound(blocks, table, cluster, training, shape, totals)[1]
+            p = StageProblem.build(blocks, table, cluster, training, shape)
+            if solve_chain_dp(p).assignment is not None:
+                assert fits, (mib, shape.label())
+                feasible += 1
+            rejected += not fits
+    assert feasible > 10 and rejected > 10, (feasible, rejected)
 
 
 def test_search_is_deterministic() -> None:
