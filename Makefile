@@ -7,7 +7,8 @@ PY := $(VENV)/bin/python
 PARTC := $(VENV)/bin/partc
 STAMP := $(VENV)/.partc-installed
 
-.PHONY: install demo test test-slow test-all bench clean
+.PHONY: install demo test test-slow test-all bench bench-quality bench-measured bench-scale \
+	bench-runtime bench-plots bench-all clean
 
 install: $(STAMP)
 
@@ -35,13 +36,37 @@ test-slow: install
 test-all: install
 	$(PY) -m pytest -q
 
+# Benchmarks (docs/benchmarks.md). `make bench` is the quick set (about 15 min on 2 cores); the
+# full sets have their own targets, write raw rows to bench/results/ and bench-plots redraws
+# docs/img/ from them.
+RESULTS := bench/results
+
 bench: install
 	$(PY) bench/capture.py
 	$(PY) bench/cost_model.py
-	$(PY) bench/solver.py
-	$(PY) bench/compile.py
-	$(PY) bench/check.py
-	$(PY) bench/launch.py
+	$(PY) bench/plan_quality.py --quick
+	$(PY) bench/plan_measured.py --quick
+	$(PY) bench/compile.py --quick --repeats 1
+	$(PY) bench/compile_scale.py --sizes 0p1b,4p9b --clusters 4x8xv100-32gb --no-onnx
+	$(PY) bench/check.py --repeats 1
+	$(PY) bench/launch.py --quick
+
+bench-quality: install
+	$(PY) bench/plan_quality.py --json $(RESULTS)/plan_quality.json
+
+bench-measured: install
+	$(PY) bench/plan_measured.py --processes 2 --repeats 3 --json $(RESULTS)/plan_measured.json
+
+bench-scale: install
+	$(PY) bench/compile_scale.py --json $(RESULTS)/compile_scale.json
+
+bench-runtime: install
+	$(PY) bench/launch.py --repeats 3 --json $(RESULTS)/launch.json
+
+bench-plots: install
+	$(PY) bench/plots.py
+
+bench-all: bench-quality bench-measured bench-scale bench-runtime bench-plots
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -22,7 +22,11 @@ compile with analytic costs does not export ONNX; `onnx` is measured separately,
 what `partc profile` pays before measuring. Peak RSS is the process's (getrusage of a wrapper).
 
     .venv/bin/python bench/compile_scale.py [--families gpt,bert] [--sizes 0p1b,1b]
-        [--clusters 4x8xv100-32gb,8x8xh100-80gb] [--repeats 1] [--json bench/results/compile_scale.json]
+        [--clusters 4x8xv100-32gb,8x8xh100-80gb] [--repeats 3] [--repeats-large 1]
+        [--json bench/results/compile_scale.json]
+
+Cases below 2B parameters run `--repeats` times (median wall time and steps, largest RSS), the
+larger ones `--repeats-large` times: one run of the whole table takes about 20 minutes here.
 """
 from __future__ import annotations
 
@@ -178,7 +182,10 @@ def main() -> None:
     parser.add_argument("--families", default=",".join(FAMILIES))
     parser.add_argument("--sizes", default=",".join(SIZES))
     parser.add_argument("--clusters", default=",".join(CLUSTERS))
-    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="runs per case below 2B parameters (median reported)")
+    parser.add_argument("--repeats-large", type=int, default=1,
+                        help="runs per case from 2B parameters (minutes each on 2 cores)")
     parser.add_argument("--no-onnx", action="store_true", help="skip the ONNX export column")
     parser.add_argument("--json", type=Path, help="write the raw rows here")
     args = parser.parse_args()
@@ -193,7 +200,8 @@ def main() -> None:
         for size in args.sizes.split(","):
             params = params_of(family, size)
             for cluster in args.clusters.split(","):
-                runs = [compile_case(family, size, cluster) for _ in range(args.repeats)]
+                repeats = args.repeats if params < 2e9 else args.repeats_large
+                runs = [compile_case(family, size, cluster) for _ in range(repeats)]
                 row = median_row(runs)
                 row["params"] = params
                 rows.append(row)

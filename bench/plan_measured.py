@@ -1,0 +1,355 @@
+"""Measured plan quality on this machine: does a plan's predicted iteration time hold when
+`partc launch` trains it, and do cpsat's plans train faster than the baselines' plans?
+
+For each example model (examples/{mlp,transformer,bert,gpt2,resnet}.py) and each process count,
+every stage-cutting strategy (cpsat, chain-dp, uniform = Megatron-style equal layers, params =
+DeepSpeed-style balanced parameters) compiles a plan, and each distinct plan is trained:
+
+    partc compile examples/X.py -b B --cluster cpu   --stages 2              --strategy S -o DIR
+    partc compile examples/X.py -b B --cluster cpu-4 --stages 4 --replicas 1 --strategy S -o DIR
+    OMP_NUM_THREADS=1 partc launch DIR/plan.yaml --steps N --metrics DIR/metrics.jsonl
+
+- 2 processes: the `cpu` cluster (2 calibrated gloo devices, one per core); 4 processes: `cpu-4`
+  (4 devices oversubscribed on the 2 cores). Stages are pinned so every strategy cuts the same
+  number of pipeline stages; micro-batches, schedule and checkpointing are left to each strategy's
+  search, because choosing them for its own cut is part of what a strategy's plan is (each
+  baseline's stages are priced and its shape searched by the same simulator, docs/solver.md).
+- Prediction: plan.yaml's `predicted.iteration_s` and `predicted.samples_per_s`.
+- Measurement: `step_s` of the launch's metrics file (rank 0's wall time of one step: data,
+  pipeline schedule, tied-gradient sum, optimizer step), median over the steps after two warm-up
+  steps; samples/s = B / that median.
+- Identical plans: strategies whose plans have the same stage files (the sha256 in plan.yaml) and
+  the same training shape (stages, replicas, micro-batches and their size, schedule, virtual
+  stages, checkpointing, placement) are one plan; it is launched once and the others are reported
+  as "same plan as <strategy>" with its numbers (on a 2-core machine launches are the cost).
+- Repeats (`--repeats R`): everything is compiled once (compiles are deterministic), then the
+  repeat loop is outermost: each repeat launches every distinct plan of every (model, processes)
+  case in turn, starting at a different plan each repeat, so machine drift and the position in the
+  sequence hit all strategies alike. Tables show medians over repeats; cpsat-vs-baseline
+  throughput ratios are computed per repeat (cpsat samples/s / baseline samples/s), then medianed.
+- Global batches (BATCH below): big enough that a step's compute is not lost in the fixed per-step
+  cost of a launch (gloo round trips, Python dispatch, ~20 ms here) yet a launch of N steps stays
+  a few seconds of training: the MLP is tiny (a 64-sample step is ~1 ms of predicted compute,
+  ~25 ms measured, all overhead), so it gets 4096 (as bench/launch.py); the transformer and ResNet
+  get 64 and the two Hugging Face models 32 (~0.1-0.2 s predicted per step, ~0.3-0.9 s measured).
+
+Caveats: with 4 processes on 2 cores the measured times include oversubscription (two processes
+per core, time-sliced) while the predictions assume 4 real devices, so measured/predicted at 4
+processes is not a test of the cost model alone. The machine may be shared: the load average at
+the start is printed with the machine; from one run to the next the same plan's step time drifted
+by up to 40% here, so compare strategies within a run and use repeats. The `cpu` device is
+calibrated on this machine (bench/calibrate_cpu.py) but the cost model prices operators (a fixed
+dispatch overhead each) and links, not the pipelining runtime's own per-micro-batch work.
+
+Cost on this 2-core machine (AMD EPYC, load average 3-4 from other benchmarks): a compile takes
+4-8 s (capture dominates; the Hugging Face models are the slow ones), a launch of 10 steps 8-25 s,
+of which ~7 s is fixed (starting the elastic agent and the workers, importing torch, rendezvous,
+loading the stages) and 4-process launches are the slow ones. The default run compiles 40 plans
+(~4 min) and has 28 distinct plans to launch per repeat (~7 min): ~25 min with 3 repeats, 11 min
+with `--repeats 1`; `--quick` takes under 2 min. The end of the report gives the run's totals.
+
+`--microbatches M` pins the micro-batch count for every strategy, to compare the cuts alone: the
+searched counts differ between strategies (e.g. the MLP: cpsat 8, uniform 4, predicted 0.5%
+apart) and the per-micro-batch cost the model misses can outweigh a better cut on this machine.
+
+    .venv/bin/python bench/plan_measured.py [--quick] [--models mlp,bert] [--processes 2,4]
+        [--repeats 3] [--steps 10] [--microbatches M] [--json rows.json]
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+PARTC = str(Path(sys.executable).parent / "partc")
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+MODELS = ["mlp", "transformer", "bert", "gpt2", "resnet"]
+BATCH = {"mlp": 4096, "transformer": 64, "bert": 32, "gpt2": 32, "resnet": 64}
+STRATEGIES = ["cpsat", "chain-dp", "uniform", "params"]
+BASELINES = ["uniform", "params", "chain-dp"]
+# processes -> (cluster, pinned compile options)
+CASES = {2: ("cpu", ["--stages", "2"]), 4: ("cpu-4", ["--stages", "4", "--replicas", "1"])}
+WARMUP = 2
+
+
+@dataclass
+class Plan:
+    """One strategy's compiled plan of one (model, processes) case."""
+    model: str
+    processes: int
+    strategy: str
+    directory: Path
+    compile_s: float
+    error: str | None = None
+    shape: dict[str, Any] = field(default_factory=dict)
+    key: tuple = ()
+    predicted_iteration_s: float | None = None
+    predicted_samples_per_s: float | None = None
+    same_as: str | None = None  # the strategy whose identical plan is launched instead
+    steps_s: list[float] = field(default_factory=list)  # measured step time per repeat
+    launch_s: list[float] = field(default_factory=list)  # wall time of each launch
+
+
+def last_line(text: str) -> str:
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return lines[-1] if lines else "(no output)"
+
+
+def compile_plan(model: str, processes: int, strategy: str, out: Path,
+                 microbatches: int | None = None) -> Plan:
+    cluster, pinned = CASES[processes]
+    if microbatches:
+        pinned = [*pinned, "--microbatches", str(microbatches)]
+    start = time.perf_counter()
+    proc = subprocess.run([PARTC, "compile", f"examples/{model}.py", "-b", str(BATCH[model]),
+                           "--cluster", cluster, *pinned, "--strategy", strategy, "-o", str(out)],
+                          cwd=ROOT, env=ENV, capture_output=True, text=True)
+    plan = Plan(model, processes, strategy, out, time.perf_counter() - start)
+    if proc.returncode != 0:
+        plan.error = f"compile failed: {last_line(proc.stderr)}"
+        return plan
+    doc = yaml.safe_load((out / "plan.yaml").read_text())
+    t = doc["training"]
+    plan.shape = {"stages": t["stages"], "replicas": t["replicas"],
+                  "num_microbatches": t["num_microbatches"],
+                  "microbatch_size": t["microbatch_size"], "schedule": t["schedule"],
+                  "virtual_stages_per_rank": t["virtual_stages_per_rank"],
+                  "activation_checkpointing": t["activation_checkpointing"],
+                  "placement": t["placement"]}
+    # The stage hashes fix the cut (and the micro-batch shape the stages were traced at); the
+    # shape adds what the stage files do not show (schedule, replicas, checkpointing).
+    plan.key = (tuple(s["sha256"] for s in doc["stages"]), tuple(sorted(plan.shape.items())))
+    plan.predicted_iteration_s = float(doc["predicted"]["iteration_s"])
+    plan.predicted_samples_per_s = float(doc["predicted"]["samples_per_s"])
+    return plan
+
+
+def launch(plan: Plan, steps: int) -> None:
+    """Train the plan once; append its median step time (or record the error)."""
+    metrics = plan.directory / "metrics.jsonl"
+    metrics.unlink(missing_ok=True)  # launch appends
+    start = time.perf_counter()
+    proc = subprocess.run([PARTC, "launch", str(plan.directory / "plan.yaml"), "--steps",
+                           str(steps), "--metrics", str(metrics)],
+                          cwd=ROOT, env=ENV, capture_output=True, text=True)
+    plan.launch_s.append(time.perf_counter() - start)
+    if proc.returncode != 0 or not metrics.exists():
+        plan.error = f"launch failed: {last_line(proc.stderr)}"
+        return
+    rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+    plan.steps_s.append(statistics.median(r["step_s"] for r in rows[WARMUP:] or rows))
+
+
+def shape_text(shape: dict[str, Any]) -> str:
+    v = shape["virtual_stages_per_rank"]
+    return (f"{shape['stages']}x{shape['replicas']}, {shape['num_microbatches']} mb of "
+            f"{shape['microbatch_size']}, {shape['schedule']}{f' (v{v})' if v > 1 else ''}, "
+            f"ckpt {'on' if shape['activation_checkpointing'] else 'off'}")
+
+
+def measured(plan: Plan, plans: dict[str, Plan]) -> Plan:
+    """The plan whose launches stand for this one (itself, or the identical plan launched)."""
+    return plans[plan.same_as] if plan.same_as else plan
+
+
+def ranking(plans: dict[str, Plan], value: Any) -> str:
+    """Distinct plans from fastest to slowest by value(plan) (seconds, shown in ms); strategies
+    sharing a plan joined with '='."""
+    groups: dict[str, list[str]] = {}
+    for s, p in plans.items():
+        if p.error is None and not p.same_as and measured(p, plans).steps_s:
+            groups[s] = [s]
+    for s, p in plans.items():
+        if p.same_as in groups:
+            groups[p.same_as].append(s)
+    order = sorted(groups, key=lambda s: value(plans[s]))
+    return " < ".join(f"{'='.join(groups[s])} ({value(plans[s]) * 1e3:.2f})" for s in order)
+
+
+def cpu_model() -> str:
+    """The CPU's model name (platform.processor() is only the architecture on Linux)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+def strip(order: str) -> str:
+    """A ranking without its numbers."""
+    return " < ".join(part.split(" (")[0] for part in order.split(" < "))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="mlp and bert, 2 processes, 1 repeat, 6 steps (for make bench)")
+    parser.add_argument("--models", help=f"comma-separated subset of {','.join(MODELS)}")
+    parser.add_argument("--processes", help="comma-separated subset of 2,4")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--microbatches", type=int,
+                        help="pin the micro-batch count for every strategy (default: searched)")
+    parser.add_argument("--json", type=Path, help="write the raw rows here")
+    args = parser.parse_args()
+    models = ["mlp", "bert"] if args.quick else MODELS
+    processes = [2] if args.quick else sorted(CASES)
+    repeats, steps = (1, 6) if args.quick else (args.repeats, args.steps)
+    if args.models:
+        models = [m for m in args.models.split(",") if m]
+    if args.processes:
+        processes = [int(p) for p in args.processes.split(",") if p]
+    unknown = [m for m in models if m not in BATCH] + [str(p) for p in processes if p not in CASES]
+    if unknown:
+        raise SystemExit(f"unknown models/processes: {', '.join(unknown)}")
+    if steps <= WARMUP:
+        raise SystemExit(f"--steps must be more than the {WARMUP} warm-up steps")
+
+    machine = {"processor": platform.processor() or platform.machine(),
+               "cpu_model": cpu_model(), "cpu_count": os.cpu_count(),
+               "python": platform.python_version(),
+               "torch": importlib.metadata.version("torch"),
+               "load_average_1m": round(os.getloadavg()[0], 2)}
+    config = {"models": models, "processes": processes, "repeats": repeats, "steps": steps,
+              "warmup_steps": WARMUP, "batch": {m: BATCH[m] for m in models},
+              "clusters": {p: CASES[p][0] for p in processes}, "omp_num_threads": 1,
+              "microbatches": args.microbatches or "searched"}
+    print(f"machine: {machine['processor']} ({machine['cpu_model']}), {machine['cpu_count']} "
+          f"cpus, python {machine['python']}, torch {machine['torch']}, load average "
+          f"{machine['load_average_1m']} at start")
+    print(f"config: {repeats} repeats x {steps} steps (median of steps after {WARMUP} warm-up), "
+          f"OMP_NUM_THREADS=1, batch {', '.join(f'{m} {BATCH[m]}' for m in models)}, "
+          f"micro-batches {args.microbatches or 'searched'}\n",
+          flush=True)
+
+    began = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        cases: dict[tuple[str, int], dict[str, Plan]] = {}
+        for model in models:
+            for n in processes:
+                plans: dict[str, Plan] = {}
+                for strategy in STRATEGIES:
+                    plan = compile_plan(model, n, strategy, tmp / f"{model}-{n}-{strategy}",
+                                        args.microbatches)
+                    same = [s for s, p in plans.items()
+                            if p.error is None and not p.same_as and p.key == plan.key]
+                    if plan.error is None and same:
+                        plan.same_as = same[0]
+                    plans[strategy] = plan
+                    print(f"compiled {model} x{n} {strategy} in {plan.compile_s:.1f} s"
+                          f"{': ' + plan.error if plan.error else ''}"
+                          f"{' (same plan as ' + plan.same_as + ')' if plan.same_as else ''}",
+                          file=sys.stderr, flush=True)
+                cases[(model, n)] = plans
+        compile_s = time.perf_counter() - began
+
+        for r in range(repeats):
+            for (model, n), plans in cases.items():
+                todo = [p for p in plans.values() if p.error is None and not p.same_as]
+                # Rotate the start so no strategy always runs first (right after a compile or
+                # another case's launches).
+                k = r % len(todo) if todo else 0
+                for plan in todo[k:] + todo[:k]:
+                    launch(plan, steps)
+                    got = (f"{plan.steps_s[-1] * 1e3:.1f} ms/step" if plan.error is None
+                           else plan.error)
+                    print(f"repeat {r + 1}/{repeats} {model} x{n} {plan.strategy}: {got} "
+                          f"(launch {plan.launch_s[-1]:.1f} s)", file=sys.stderr, flush=True)
+    total_s = time.perf_counter() - began
+
+    rows: list[dict[str, Any]] = []
+    ratios: list[dict[str, Any]] = []
+    print("| model | processes | strategy | shape (S x R, micro-batches, schedule, ckpt) "
+          "| predicted ms/iter | measured ms/iter | measured/predicted | measured samples/s "
+          "| same plan as |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for (model, n), plans in cases.items():
+        batch = BATCH[model]
+        for strategy, plan in plans.items():
+            m = measured(plan, plans)
+            error = plan.error or m.error
+            step = statistics.median(m.steps_s) if m.steps_s and error is None else None
+            row = {"model": model, "processes": n, "cluster": CASES[n][0],
+                   "global_batch": batch, "strategy": strategy, "shape": plan.shape or None,
+                   "predicted_iteration_s": plan.predicted_iteration_s,
+                   "predicted_samples_per_s": plan.predicted_samples_per_s,
+                   "measured_step_s": step, "measured_steps_s": list(m.steps_s),
+                   "measured_samples_per_s": batch / step if step else None,
+                   "measured_over_predicted": (step / plan.predicted_iteration_s
+                                               if step and plan.predicted_iteration_s else None),
+                   "same_plan_as": plan.same_as, "error": error,
+                   "compile_s": plan.compile_s, "launch_s": list(plan.launch_s)}
+            rows.append(row)
+            if error:
+                shape = shape_text(plan.shape) if plan.shape else "-"
+                print(f"| {model} | {n} | {strategy} | {shape} "
+                      f"| {(plan.predicted_iteration_s or 0) * 1e3:.2f} | {error} | - | - "
+                      f"| {plan.same_as or ''} |")
+                continue
+            spread = (f" ({min(m.steps_s) * 1e3:.0f}-{max(m.steps_s) * 1e3:.0f})"
+                      if len(m.steps_s) > 1 else "")
+            print(f"| {model} | {n} | {strategy} | {shape_text(plan.shape)} "
+                  f"| {plan.predicted_iteration_s * 1e3:.2f} | {step * 1e3:.1f}{spread} "
+                  f"| {row['measured_over_predicted']:.2f}x | {row['measured_samples_per_s']:,.0f} "
+                  f"| {plan.same_as or ''} |")
+
+    print("\n| model | processes | cpsat samples/s | vs uniform | vs params | vs chain-dp "
+          "| predicted order (fastest first) | measured order | order matches |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for (model, n), plans in cases.items():
+        cp = measured(plans["cpsat"], plans)
+        ok = plans["cpsat"].error is None and cp.error is None and bool(cp.steps_s)
+        cells = []
+        for base in BASELINES:
+            b = measured(plans[base], plans)
+            if not ok or plans[base].error or b.error or not b.steps_s:
+                cells.append("-")
+                continue
+            # per repeat: cpsat samples/s over baseline samples/s = baseline step / cpsat step
+            ratio = statistics.median(bs / cs for bs, cs in zip(b.steps_s, cp.steps_s))
+            ratios.append({"model": model, "processes": n, "baseline": base,
+                           "cpsat_over_baseline": ratio, "same_plan": b is cp})
+            cells.append("same plan" if b is cp else f"{ratio:.2f}x")
+        pred = ranking(plans, lambda p: p.predicted_iteration_s)
+        meas = ranking(plans, lambda p: statistics.median(measured(p, plans).steps_s))
+        # the same sequence of plans, whatever the numbers
+        match = "yes" if strip(pred) == strip(meas) else "no"
+        if "<" not in pred:
+            match = "one plan"
+        rate = f"{BATCH[model] / statistics.median(cp.steps_s):,.0f}" if ok else "-"
+        print(f"| {model} | {n} | {rate} | {' | '.join(cells)} | {pred or '-'} | {meas or '-'} "
+              f"| {match} |")
+
+    launches = [s for plans in cases.values() for p in plans.values() for s in p.launch_s]
+    compiles = [p.compile_s for plans in cases.values() for p in plans.values()]
+    print(f"\n{len(compiles)} compiles in {compile_s:.0f} s ({min(compiles):.1f}-"
+          f"{max(compiles):.1f} s each), {len(launches)} launches in {sum(launches):.0f} s "
+          + (f"({min(launches):.1f}-{max(launches):.1f} s each), " if launches else "")
+          + f"{total_s / 60:.1f} min in all")
+    if 4 in processes:
+        print("4 processes run oversubscribed on the 2 cores: their measured times include the "
+              "time-slicing; predictions assume 4 devices.")
+    if args.json:
+        args.json.write_text(json.dumps({"machine": machine, "config": config, "rows": rows,
+                                         "ratios": ratios, "total_s": total_s}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
