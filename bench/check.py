@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import argparse
 import platform
-import re
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from process_stats import Measured, run_measured
 
 ROOT = Path(__file__).resolve().parent.parent
 PARTC = str(Path(sys.executable).parent / "partc")
@@ -30,20 +30,12 @@ CASES = [  # (model file, batch, stages, cluster)
     ("examples/gpt2_1p3b_meta.py", 512, 8, "8xa100-80gb"),
 ]
 
-_WRAPPER = ("import resource, subprocess, sys; rc = subprocess.call(sys.argv[1:]); "
-            "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); "
-            "sys.exit(rc)")
-_STEP = re.compile(r"^\s+ok (.*) \(([0-9.]+) s\)$")
 
 
-def _steps(stderr: str) -> dict[str, float]:
+def _steps(run: Measured) -> dict[str, float]:
     """Seconds per phase from the progress lines."""
     out = {"capture": 0.0, "costs": 0.0, "solve": 0.0}
-    for line in stderr.splitlines():
-        m = _STEP.match(line)
-        if not m:
-            continue
-        what, secs = m.group(1), float(m.group(2))
+    for what, secs in run.steps():
         if what.startswith(("loading", "building", "capturing")):
             out["capture"] += secs
         elif what.startswith("pricing"):
@@ -63,14 +55,10 @@ def run_case(model: str, batch: int, stages: int, cluster: str, repeats: int) ->
             raise SystemExit(f"compile failed: {model}\n{proc.stderr[-2000:]}")
         runs = []
         for _ in range(repeats):
-            start = time.perf_counter()
-            proc = subprocess.run([sys.executable, "-c", _WRAPPER, PARTC, "check", str(out)],
-                                  cwd=ROOT, capture_output=True, text=True)
-            wall = time.perf_counter() - start
-            if proc.returncode != 0:
-                raise SystemExit(f"check did not pass: {model}\n{proc.stdout}{proc.stderr[-2000:]}")
-            rss = int(proc.stderr.strip().splitlines()[-1]) / 1024
-            runs.append({"wall_s": wall, "rss_mib": rss, **_steps(proc.stderr)})
+            run = run_measured([PARTC, "check", str(out)], cwd=ROOT)
+            if run.returncode != 0:
+                raise SystemExit(f"check did not pass: {model}\n{run.stdout}{run.stderr[-2000:]}")
+            runs.append({"wall_s": run.wall_s, "rss_mib": run.rss_mib, **_steps(run)})
     mid = sorted(runs, key=lambda r: r["wall_s"])[len(runs) // 2]
     return {**mid, "wall_s": statistics.median(r["wall_s"] for r in runs),
             "rss_mib": max(r["rss_mib"] for r in runs)}

@@ -14,11 +14,11 @@ from __future__ import annotations
 import argparse
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from process_stats import run_measured
 
 import yaml
 
@@ -37,27 +37,18 @@ CASES = [  # (model file, batch, stages, cluster)
 QUICK = CASES[:2] + CASES[-1:]
 
 
-# Runs one command and prints its peak RSS: a fresh wrapper per case, so RUSAGE_CHILDREN is
-# that compile's own peak, not the largest of every case so far.
-_WRAPPER = ("import resource, subprocess, sys; rc = subprocess.call(sys.argv[1:]); "
-            "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(rc)")
-
 
 def run_case(model: str, batch: int, stages: int, cluster: str) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "plan"
-        start = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-c", _WRAPPER, PARTC, "compile", model,
-                               "-b", str(batch), "--stages", str(stages), "--cluster", cluster,
-                               "-o", str(out)], cwd=ROOT, capture_output=True, text=True)
-        wall = time.perf_counter() - start
-        if proc.returncode != 0:
-            raise SystemExit(f"compile failed: {model}\n{proc.stderr[-2000:]}")
-        rss_kib = int(proc.stdout.strip().splitlines()[-1])
+        run = run_measured([PARTC, "compile", model, "-b", str(batch), "--stages", str(stages),
+                            "--cluster", cluster, "-o", str(out)], cwd=ROOT)
+        if run.returncode != 0:
+            raise SystemExit(f"compile failed: {model}\n{run.stderr[-2000:]}")
         timings = yaml.safe_load((out / "timings.yaml").read_text())
         plan = yaml.safe_load((out / "plan.yaml").read_text())
         size = sum(p.stat().st_size for p in out.glob("stage_*.pt"))
-    return {"wall_s": wall, "rss_mib": rss_kib / 1024, "size_mb": size / 1e6,
+    return {"wall_s": run.wall_s, "rss_mib": run.rss_mib, "size_mb": size / 1e6,
             "params": plan["model"]["parameters"], "weights": plan["model"]["weights"],
             **timings}
 

@@ -36,11 +36,12 @@ import os
 import platform
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from process_stats import run_measured
 from typing import Any
 
 import yaml
@@ -53,12 +54,6 @@ CLUSTERS = ("4x8xv100-32gb", "8x8xh100-80gb")
 BATCH = {"gpt": 128, "bert": 256}
 STEPS = ("load", "export", "opgraph", "cost", "coarsen", "solve", "emit")
 
-# Runs one command and prints its peak RSS: a fresh wrapper per case, so RUSAGE_CHILDREN is
-# that command's own peak, not the largest of every case so far.
-_WRAPPER = ("import resource, subprocess, sys; rc = subprocess.call(sys.argv[1:]); "
-            "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); "
-            "sys.exit(rc)")
-_STEP_LINE = re.compile(r"^\s*ok (.*) \((\d+(?:\.\d+)?) s\)\s*$")
 
 
 def step_of(label: str) -> str | None:
@@ -76,32 +71,25 @@ def step_of(label: str) -> str | None:
     return None
 
 
-def run_measured(args: list[str]) -> tuple[int, float, float, dict[str, float], str]:
+def measure(args: list[str]) -> tuple[int, float, float, dict[str, float], str]:
     """(exit code, wall s, peak RSS MiB, seconds per step, last error line) of one command."""
-    start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", _WRAPPER, *args], cwd=ROOT,
-                          capture_output=True, text=True, env={**os.environ, "PYTHONHASHSEED": "0"})
-    wall = time.perf_counter() - start
-    lines = proc.stderr.strip().splitlines()
-    rss_mib = int(lines[-1]) / 1024
+    run = run_measured(args, cwd=ROOT, env={**os.environ, "PYTHONHASHSEED": "0"})
     steps: dict[str, float] = {}
-    for line in lines[:-1]:
-        match = _STEP_LINE.match(line)
-        if match:
-            step = step_of(match.group(1))
-            if step is not None:
-                steps[step] = steps.get(step, 0.0) + float(match.group(2))
-    errors = [ln for ln in lines if ln.startswith("partc: error:")]
-    if proc.returncode not in (0, 2) or (proc.returncode == 2 and not errors):
-        raise SystemExit(f"{' '.join(args)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    return proc.returncode, wall, rss_mib, steps, errors[-1] if errors else ""
+    for label, secs in run.steps():
+        step = step_of(label)
+        if step is not None:
+            steps[step] = steps.get(step, 0.0) + secs
+    errors = [ln for ln in run.stderr.splitlines() if ln.startswith("partc: error:")]
+    if run.returncode not in (0, 2) or (run.returncode == 2 and not errors):
+        raise SystemExit(f"{' '.join(args)} failed ({run.returncode}):\n{run.stderr[-3000:]}")
+    return run.returncode, run.wall_s, run.rss_mib, steps, errors[-1] if errors else ""
 
 
 def compile_case(family: str, size: str, cluster: str) -> dict[str, Any]:
     model = f"bench/models/scale/{family}_{size}.py"
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "plan"
-        rc, wall, rss, steps, error = run_measured(
+        rc, wall, rss, steps, error = measure(
             [PARTC, "compile", model, "-b", str(BATCH[family]), "--cluster", cluster,
              "-o", str(out)])
         row: dict[str, Any] = {"family": family, "size": size, "cluster": cluster,
@@ -128,7 +116,7 @@ def _shape(plan: dict[str, Any]) -> str:
 
 def onnx_case(family: str, size: str) -> dict[str, Any]:
     model = f"bench/models/scale/{family}_{size}.py"
-    rc, wall, rss, steps, error = run_measured([PARTC, "inspect", model, "-b", "2"])
+    rc, wall, rss, steps, error = measure([PARTC, "inspect", model, "-b", "2"])
     return {"family": family, "size": size, "wall_s": wall, "rss_mib": rss,
             "onnx_s": steps.get("onnx"), "error": error}
 

@@ -1,0 +1,47 @@
+"""What the benchmarks measure of one partc command run in a fresh process: exit code, wall time,
+peak RSS and the step times of its progress lines. Shared by bench/compile.py, check.py and
+compile_scale.py."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+# Runs one command and prints its peak RSS last on stderr: a fresh wrapper per run, so
+# RUSAGE_CHILDREN is that command's own peak, not the largest of every run so far.
+_WRAPPER = ("import resource, subprocess, sys; rc = subprocess.call(sys.argv[1:]); "
+            "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); "
+            "sys.exit(rc)")
+_STEP_LINE = re.compile(r"^\s*ok (.*) \((\d+(?:\.\d+)?) s\)\s*$")
+
+
+@dataclass
+class Measured:
+    returncode: int
+    wall_s: float
+    rss_mib: float
+    stdout: str
+    stderr: str  # the command's own stderr (the wrapper's RSS line removed)
+
+    def steps(self) -> list[tuple[str, float]]:
+        """(label, seconds) of every finished progress step ("  ok <label> (<s> s)")."""
+        out = []
+        for line in self.stderr.splitlines():
+            match = _STEP_LINE.match(line)
+            if match:
+                out.append((match.group(1), float(match.group(2))))
+        return out
+
+
+def run_measured(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> Measured:
+    """Run `args` under the RSS wrapper and measure it."""
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", _WRAPPER, *args], cwd=cwd, capture_output=True,
+                          text=True, env=env)
+    wall = time.perf_counter() - start
+    lines = proc.stderr.rstrip("\n").split("\n")
+    return Measured(returncode=proc.returncode, wall_s=wall, rss_mib=int(lines[-1]) / 1024,
+                    stdout=proc.stdout, stderr="\n".join(lines[:-1]))
