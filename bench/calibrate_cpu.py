@@ -1,6 +1,6 @@
 """Calibrate this machine's CPU as a partc device and cluster.
 
-Writes configs/devices/cpu.yaml (partc.hardware.measure_cpu: matmul/conv/attention FLOP/s, memory
+Writes configs/devices/cpu.yaml (partc.hardware.calibration.measure_cpu: matmul/conv/attention FLOP/s, memory
 bandwidth, per-operator overhead, memory per device) and configs/clusters/cpu.yaml (one node of
 `cores / threads` such devices; the intra-node link is measured here: gloo send/recv between two
 local processes, 1 B ping-pong for latency and 64 MiB for bandwidth). Takes about 30 s. Other
@@ -28,8 +28,10 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from partc.hardware import (  # noqa: E402
-    OP_CLASSES, CpuCalibration, LinkSpec, format_quantity, load_cluster, load_device, measure_cpu)
+from partc.hardware.calibration import CpuCalibration, measure_cpu
+from partc.hardware.configs import load_cluster, load_device
+from partc.hardware.specs import OP_CLASSES, LinkSpec
+from partc.hardware.units import format_quantity
 
 COMMAND = "python bench/calibrate_cpu.py"
 BIG_BYTES = 64 << 20

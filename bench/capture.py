@@ -27,7 +27,7 @@ class Timer(Progress):
         t = time.perf_counter(); yield
         self.steps[label.split(" (")[0]] = time.perf_counter() - t
 
-from partc.pipeline import capture_graph
+from partc.frontend.capture import capture_graph
 timer = Timer()
 t0 = time.perf_counter()
 g = capture_graph(sys.argv[1], int(sys.argv[2]), progress=timer).graph

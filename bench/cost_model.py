@@ -6,7 +6,7 @@ computed from configs/devices/cpu.yaml. Both are then checked against the *eager
 forward+backward wall time of the captured program (what partc's stages run; median of runs, 1
 thread) at held-out batch sizes: 3 (between the
 profiled sizes) and 8 (beyond them), and the predicted peak memory of a training step against the
-measured one (partc.memory vs torch.profiler's allocation trace of a real AdamW step).
+measured one (partc.solve.memory vs torch.profiler's allocation trace of a real AdamW step).
 
     .venv/bin/python bench/cost_model.py [--examples mlp,bert] [--json out.json]
 """
@@ -25,14 +25,16 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from partc.capture import quiet_torch  # noqa: E402
-from partc.cost_model import CostTable, analytic_cost_table  # noqa: E402
-from partc.hardware import load_device  # noqa: E402
-from partc.measured_costs import ProfileOptions, measure_costs, saved_activations  # noqa: E402
-from partc.pipeline import capture_graph  # noqa: E402
+from partc.frontend.export import quiet_torch  # noqa: E402
+from partc.cost.roofline import analytic_cost_table  # noqa: E402
+from partc.cost.table import CostTable
+from partc.hardware.configs import load_device  # noqa: E402
+from partc.cost.activations import saved_activations  # noqa: E402
+from partc.cost.measured import ProfileOptions, measure_costs
+from partc.frontend.capture import capture_graph  # noqa: E402
 from partc.progress import Progress  # noqa: E402
-from partc.memory import TrainingConfig, stage_memory  # noqa: E402
-from partc.torch_profiler import measure_training_peak, program_module, time_model  # noqa: E402
+from partc.solve.memory import TrainingConfig, stage_memory  # noqa: E402
+from partc.cost.torch_profiler import measure_training_peak, program_module, time_model  # noqa: E402
 
 EXAMPLES = ("mlp", "transformer", "bert", "gpt2", "resnet")
 HELD_OUT = (3, 8)

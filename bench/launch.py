@@ -121,7 +121,7 @@ def split_block(plan: dict) -> int:
 
 def placement(plan: dict) -> str:
     """The plan's rank layout as handwritten_pipeline.py's --placement: global rank g is the
-    g-th of the plan's devices (partc.rank_layout), checked against the script's formula."""
+    g-th of the plan's devices (partc.run.rank_layout), checked against the script's formula."""
     stages, replicas = plan["stages"], int(plan["training"]["replicas"])
     devices = sorted({d for st in stages for d in st["devices"]})
     mesh = [[devices.index(d) for d in st["devices"]] for st in stages]  # [stage][replica]

@@ -41,13 +41,14 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from partc.coarsen import coarsen  # noqa: E402
+from partc.solve.coarsen import coarsen  # noqa: E402
 from partc.errors import PartcError  # noqa: E402
-from partc.hardware import load_cluster  # noqa: E402
-from partc.memory import TrainingConfig  # noqa: E402
-from partc.partition import Partition  # noqa: E402
-from partc.pipeline import capture_graph, plan_costs  # noqa: E402
-from partc.search import STRATEGIES, SearchOptions, compare_strategies  # noqa: E402
+from partc.hardware.configs import load_cluster  # noqa: E402
+from partc.solve.memory import TrainingConfig  # noqa: E402
+from partc.solve.partition import Partition  # noqa: E402
+from partc.cost.plan_costs import plan_costs  # noqa: E402
+from partc.frontend.capture import capture_graph
+from partc.solve.search import STRATEGIES, SearchOptions, compare_strategies  # noqa: E402
 
 # name -> (model file, global batch on GPU clusters). The small examples' batches scale with the
 # cluster instead (`global_batch()`).

@@ -16,7 +16,7 @@ from typing import Any, Iterator
 
 import click
 
-from partc.coarsen import DEFAULT_MAX_BLOCKS
+from partc.solve.coarsen import DEFAULT_MAX_BLOCKS
 from partc.errors import PartcError
 
 INTERNAL_ERROR_EXIT = 3
@@ -100,8 +100,8 @@ def cli() -> None:
 def inspect(model: Path, batch_size: int, depth: int, json_out: Path | None,
             save_dir: Path | None, no_onnx: bool) -> None:
     """Capture MODEL (a model file) and print parameters, FLOPs and activations per module."""
-    from partc.module_summary import format_table, summarize_modules
-    from partc.pipeline import capture_graph
+    from partc.graph.module_summary import format_table, summarize_modules
+    from partc.frontend.capture import capture_graph
     from partc.progress import TerminalProgress
 
     progress = TerminalProgress()
@@ -159,22 +159,22 @@ def profile(model: Path, device: str, batch_size: int, batch_sizes: tuple[int, .
             analytic_device: str | None, threads: int, runs: int, warmup: int, output: Path) -> None:
     """Measure (or compute) the cost of every operator of MODEL: forward and backward time and
     activation bytes per node, as a function of the micro-batch size."""
-    from partc.cost_model import format_cost_summary
+    from partc.cost.table import format_cost_summary
     from partc.progress import TerminalProgress
 
     progress = TerminalProgress()
     if analytic_device is not None:
-        from partc.cost_model import analytic_cost_table
-        from partc.hardware import load_device
-        from partc.measured_costs import saved_activations
-        from partc.pipeline import capture_graph
+        from partc.cost.roofline import analytic_cost_table
+        from partc.hardware.configs import load_device
+        from partc.cost.activations import saved_activations
+        from partc.frontend.capture import capture_graph
 
         spec = load_device(analytic_device)
         result = capture_graph(model, batch_size, onnx=False, progress=progress)
         with progress.step("measuring saved activations (meta-safe) and pricing by roofline"):
             table = analytic_cost_table(result.graph, spec, saved=saved_activations(result.capture))
     else:
-        from partc.measured_costs import ProfileOptions, profile_model
+        from partc.cost.measured import ProfileOptions, profile_model
 
         options = ProfileOptions(device=device, batch_sizes=batch_sizes, method=method,
                                  threads=threads, warmup=warmup, runs=runs)
@@ -237,9 +237,9 @@ def plan_options(default_cluster: str, compare: bool = False) -> Any:
 
 def _search_inputs(kw: dict[str, Any]) -> tuple[Any, Any, Any]:
     """(cluster, TrainingConfig, SearchOptions) from the plan options."""
-    from partc.hardware import resolve_cluster
-    from partc.memory import TrainingConfig
-    from partc.search import SearchOptions
+    from partc.hardware.local import resolve_cluster
+    from partc.solve.memory import TrainingConfig
+    from partc.solve.search import SearchOptions
 
     cluster = resolve_cluster(kw["cluster_name"])
     training = TrainingConfig(optimizer=kw["optimizer"], precision=kw["precision"],
@@ -265,11 +265,12 @@ def _search_inputs(kw: dict[str, Any]) -> tuple[Any, Any, Any]:
 def solve(model: Path, output: Path | None, timeline: Path | None, **kw: Any) -> None:
     """Find the best pipeline x data-parallel partition of MODEL for a cluster and global batch:
     coarsen, search shapes, cut stages (CP-SAT by default), simulate; print the plan."""
-    from partc.coarsen import coarsen
-    from partc.partition import format_partition, format_comparison
-    from partc.pipeline import capture_graph, plan_costs
+    from partc.solve.coarsen import coarsen
+    from partc.solve.partition import format_partition, format_comparison
+    from partc.cost.plan_costs import plan_costs
+    from partc.frontend.capture import capture_graph
     from partc.progress import TerminalProgress
-    from partc.search import compare_strategies, search
+    from partc.solve.search import compare_strategies, search
 
     progress = TerminalProgress()
     cluster, training, options = _search_inputs(kw)
@@ -310,8 +311,8 @@ def solve(model: Path, output: Path | None, timeline: Path | None, **kw: Any) ->
 def compile_command(model: Path, output: Path | None, **kw: Any) -> None:
     """Compile MODEL into a plan directory: capture, price, coarsen, solve, simulate, then split
     the program into stages, trace each to TorchScript (stage_<k>.pt) and write plan.yaml."""
-    from partc.compile import CompileOptions, compile_model
-    from partc.plan import format_plan
+    from partc.emit.compile import CompileOptions, compile_model
+    from partc.plans.plan import format_plan
     from partc.progress import TerminalProgress
 
     progress = TerminalProgress()
@@ -345,7 +346,7 @@ def verify(plan: Path, rtol: float, atol: float, seed: int, device: str,
            init_from: Path | None) -> None:
     """Check a plan: schema, stage file hashes, and that the stages in sequence compute the model's
     outputs, loss and every gradient (exit 1 when above tolerance)."""
-    from partc.verify import format_report, verify_plan
+    from partc.emit.verify import format_report, verify_plan
 
     report = verify_plan(plan, rtol=rtol, atol=atol, seed=seed, device=device,
                          init_from=init_from)
@@ -400,8 +401,8 @@ def launch(plan: Path, steps: int, checkpoint_dir: Path | None, checkpoint_every
            max_restarts: int) -> None:
     """Train a plan on torch.distributed: one process per device, pipeline x data parallel,
     started by torch's elastic launcher (torchrun's flags and semantics)."""
-    from partc.launch import ElasticOptions, launch as run_plan
-    from partc.training import TrainOptions
+    from partc.run.launch import ElasticOptions, launch as run_plan
+    from partc.run.training import TrainOptions
 
     options = TrainOptions(steps=steps, seed=seed, lr=lr, weight_decay=weight_decay,
                            checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
@@ -422,7 +423,7 @@ def check(plans: tuple[Path, ...], model: Path | None) -> None:
     its graph with the plan's and re-solves with the plan's recorded inputs. A directory stands
     for every plan.yaml under it. Exit 0: all current; 1: a plan is stale (what changed, what
     moves, old vs new throughput, the command that refreshes it); 2: bad input."""
-    from partc.plan_check import check_plan, find_plans, format_check
+    from partc.plans.check import check_plan, find_plans, format_check
     from partc.progress import TerminalProgress
 
     paths = find_plans(plans)
@@ -452,8 +453,8 @@ def check(plans: tuple[Path, ...], model: Path | None) -> None:
 def diff(old: Path, new: Path) -> None:
     """Show how plan NEW differs from plan OLD: shape, modules that change stage, per-stage
     devices, predicted times and memory, throughput. Exit 0 either way."""
-    from partc.plan import load_plan
-    from partc.plan_diff import diff_layouts, format_diff, layout_of_plan
+    from partc.plans.plan import load_plan
+    from partc.plans.diff import diff_layouts, format_diff, layout_of_plan
 
     a, b = load_plan(old), load_plan(new)
     click.echo(f"--- {old}\n+++ {new}")
@@ -471,8 +472,8 @@ def diff(old: Path, new: Path) -> None:
 def show(plan: Path, png: Path | None, html: Path | None) -> None:
     """Summarise PLAN: stages, devices, predicted times and memory per device, the simulated
     schedule's idle time; --png/--html draw it. Reads plan.yaml only."""
-    from partc.plan import load_plan
-    from partc.plan_report import format_summary, render_html, render_png
+    from partc.plans.plan import load_plan
+    from partc.plans.report import format_summary, render_html, render_png
 
     loaded = load_plan(plan)
     click.echo(format_summary(loaded))

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import pytest
 
-from partc.capture import capture
+from partc.frontend.export import capture
 from partc.errors import CaptureError
-from partc.model_file import load_model_file
-from partc.pipeline import capture_graph
+from partc.frontend.model_file import load_model_file
+from partc.frontend.capture import capture_graph
 
 from conftest import TEST_MODELS
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from partc.opgraph import OpGraph
+from partc.graph.opgraph import OpGraph
 
 from conftest import EXAMPLES, ROOT, TEST_MODELS
 
@@ -112,8 +112,8 @@ def test_profile_writes_a_profile_for_the_model(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert "measured costs of transformer" in proc.stdout
     assert "priced by: onnxruntime" in proc.stdout
-    from partc.cost_model import CostTable
-    from partc.pipeline import capture_graph
+    from partc.cost.table import CostTable
+    from partc.frontend.capture import capture_graph
 
     graph = capture_graph(EXAMPLES / "transformer.py", 4, onnx=False).graph
     table = CostTable.load(out, graph)  # same model, another batch: accepted

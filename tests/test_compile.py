@@ -14,12 +14,13 @@ import torch
 import yaml
 
 from conftest import EXAMPLES, ROOT, TEST_MODELS
-from partc.compile import CompileOptions, compile_model
-from partc.hardware import load_cluster, local_cluster
-from partc.plan import PlanError, load_plan, plan_schema, validate_plan_dict
-from partc.search import SearchOptions
-from partc.stage_code import load_stage
-from partc.verify import verify_plan
+from partc.emit.compile import CompileOptions, compile_model
+from partc.hardware.configs import load_cluster
+from partc.hardware.local import local_cluster
+from partc.plans.plan import PlanError, load_plan, plan_schema, validate_plan_dict
+from partc.solve.search import SearchOptions
+from partc.emit.stage_code import load_stage
+from partc.emit.verify import verify_plan
 
 PARTC = str(Path(sys.executable).parent / "partc")
 CPU4 = load_cluster("cpu-4")
@@ -47,7 +48,7 @@ def test_compile_and_verify_every_example(tmp_path: Path, example: str, stages: 
     report = verify_plan(out / "plan.yaml")
     assert report.ok, [c for c in report.comparisons if not c.ok] + report.problems
     grads = [c for c in report.comparisons if c.what.startswith("grad ")]
-    trainable = sum(1 for _ in __import__("partc.model_file", fromlist=["x"]).load_model_file(
+    trainable = sum(1 for _ in __import__("partc.frontend.model_file", fromlist=["x"]).load_model_file(
         EXAMPLES / f"{example}.py").build().parameters())
     assert len(grads) == trainable  # every parameter's gradient was compared
     # every stage's outputs are exactly the next stage's inputs (neighbour-only pipelining)
@@ -118,7 +119,7 @@ def test_produced_plan_matches_the_json_schema(bert_plan: Path) -> None:
         assert key in stage
     assert data["model"]["file"] == os.path.relpath(EXAMPLES / "bert.py", bert_plan)
     # parameter FQNs are the model's own: a normal state_dict maps onto the stages
-    from partc.model_file import load_model_file
+    from partc.frontend.model_file import load_model_file
     keys = set(load_model_file(EXAMPLES / "bert.py").build().state_dict())
     for st in data["stages"]:
         assert set(st["parameter_names"]) <= keys
@@ -202,8 +203,8 @@ def test_meta_model_compiles_without_weights_and_verifies(tmp_path: Path) -> Non
 
 
 def test_initialisation_of_a_stage_alone_equals_the_whole_model() -> None:
-    from partc.model_file import load_model_file
-    from partc.stage_weights import initial_state
+    from partc.frontend.model_file import load_model_file
+    from partc.emit.stage_weights import initial_state
 
     mf = load_model_file(TEST_MODELS / "tiny_gpt2_meta.py")
     model = mf.build()
@@ -252,8 +253,8 @@ def test_compile_user_errors_are_one_line(tmp_path: Path) -> None:
 def test_meta_plan_takes_weights_from_a_state_dict(tmp_path: Path) -> None:
     """The --init-from path: a checkpoint by FQN (here with the tied tensor saved under its other
     name only) fills the meta stages; verify runs both sides from it."""
-    from partc.model_file import load_model_file
-    from partc.stage_weights import initial_state
+    from partc.frontend.model_file import load_model_file
+    from partc.emit.stage_weights import initial_state
 
     out = compile_to(tmp_path, TEST_MODELS / "tiny_gpt2_meta.py", 2, batch=4)
     mf = load_model_file(TEST_MODELS / "tiny_gpt2_meta.py")
@@ -282,7 +283,7 @@ def test_awkward_inputs_and_outputs_compile_and_verify(tmp_path: Path, stages: i
 
 def test_stage_files_hold_the_buffers_build_model_made(tmp_path: Path) -> None:
     """Tracing runs forward in training mode; batch-norm statistics must not leak into files."""
-    from partc.model_file import load_model_file
+    from partc.frontend.model_file import load_model_file
 
     out = compile_to(tmp_path, EXAMPLES / "resnet.py", 2)
     fresh = load_model_file(EXAMPLES / "resnet.py").build().state_dict()

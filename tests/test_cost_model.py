@@ -8,15 +8,17 @@ import torch
 import torch.nn as nn
 import yaml
 
-from partc.capture import export_program
-from partc.cost_model import (
-    CostTable, Linear, ProfileFileError, analytic_cost_table, needs_backward, op_class, roofline_s,
-)
-from partc.hardware import load_device
-from partc.model_file import inputs_to_meta
-from partc.measured_costs import ProfileOptions, profile_model, saved_activations
-from partc.pipeline import capture_graph
-from partc.torch_profiler import program_module, saved_activation_bytes
+from partc.frontend.export import export_program
+from partc.cost.op_classes import op_class
+from partc.cost.roofline import analytic_cost_table, roofline_s
+from partc.cost.table import CostTable, Linear, ProfileFileError, needs_backward
+from partc.hardware.configs import load_device
+from partc.frontend.model_file import inputs_to_meta
+from partc.cost.activations import saved_activations
+from partc.cost.measured import ProfileOptions, profile_model
+from partc.frontend.capture import capture_graph
+from partc.cost.activations import saved_activation_bytes
+from partc.cost.torch_profiler import program_module
 
 from conftest import EXAMPLES, TEST_MODELS
 
@@ -200,9 +202,9 @@ def test_profile_every_example_on_cpu(name: str, tmp_path: Path) -> None:
 
 def test_combine_splits_torch_totals_by_onnxruntime_shares(capture_example) -> None:
     """The arithmetic of joining the measurements, on hand-made timings of a real graph."""
-    from partc.measured_costs import _Measurement, combine
-    from partc.ort_profiler import OrtTiming
-    from partc.torch_profiler import TorchTiming
+    from partc.cost.measured import _Measurement, combine
+    from partc.cost.ort_profiler import OrtTiming
+    from partc.cost.torch_profiler import TorchTiming
 
     graph = capture_example("mlp").graph
     linears = [n.name for n in graph.nodes if n.kind == "linear"]

@@ -9,10 +9,19 @@ import pytest
 import yaml
 
 from partc.errors import PartcError
-from partc.hardware import (
-    OP_CLASSES, ClusterSpec, ConfigError, DeviceSpec, LinkSpec, calibrate_cpu, cluster_from_dict,
-    config_dir, device_from_dict, format_quantity, list_clusters, list_devices, load_cluster,
-    load_device, parse_quantity)
+from partc.hardware.calibration import calibrate_cpu
+from partc.hardware.configs import (
+    ConfigError,
+    cluster_from_dict,
+    config_dir,
+    device_from_dict,
+    list_clusters,
+    list_devices,
+    load_cluster,
+    load_device,
+)
+from partc.hardware.specs import OP_CLASSES, ClusterSpec, DeviceSpec, LinkSpec
+from partc.hardware.units import format_quantity, parse_quantity
 
 SHIPPED_DEVICES = {"cpu", "v100-32gb", "a100-40gb", "a100-80gb", "h100-80gb", "h200-141gb"}
 SHIPPED_CLUSTERS = {"cpu", "4x8xv100-32gb", "8xa100-80gb", "1x8xa100-40gb", "4x8xh100-80gb",

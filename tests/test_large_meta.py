@@ -11,7 +11,7 @@ from conftest import EXAMPLES
 
 SCRIPT = """
 import json, resource, sys
-from partc.pipeline import capture_graph
+from partc.frontend.capture import capture_graph
 r = capture_graph(sys.argv[1], 1)
 g = r.graph
 print(json.dumps({
@@ -64,9 +64,10 @@ def test_gpt2_1p3b_meta_analytic_profile(tmp_path) -> None:
 SOLVE = """
 import json, resource, sys, time
 start = time.perf_counter()
-from partc.hardware import load_cluster
-from partc.pipeline import capture_graph, plan_costs
-from partc.search import SearchOptions, search
+from partc.hardware.configs import load_cluster
+from partc.cost.plan_costs import plan_costs
+from partc.frontend.capture import capture_graph
+from partc.solve.search import SearchOptions, search
 cluster = load_cluster("8xa100-80gb")
 r = capture_graph(sys.argv[1], 1, onnx=False)
 table = plan_costs(r, cluster.device)
@@ -94,10 +95,10 @@ def test_gpt2_1p3b_meta_solves_for_8_a100_without_materialising() -> None:
 
 COMPILE_SCRIPT = """
 import json, resource, sys, time
-from partc.compile import CompileOptions, compile_model
-from partc.hardware import load_cluster
-from partc.plan import load_plan
-from partc.search import SearchOptions
+from partc.emit.compile import CompileOptions, compile_model
+from partc.hardware.configs import load_cluster
+from partc.plans.plan import load_plan
+from partc.solve.search import SearchOptions
 start = time.perf_counter()
 r = compile_model(sys.argv[1], load_cluster("8xa100-80gb"), sys.argv[2],
                   CompileOptions(batch_size=512, search=SearchOptions(stages=8)))

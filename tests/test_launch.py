@@ -1,6 +1,6 @@
 """partc launch end to end: real torchrun/elastic agent, real gloo process groups, real
 torch.distributed.pipelining schedules and DDP, compared step by step with single-process training
-of the same model on the same data (partc.training.train_single_process)."""
+of the same model on the same data (partc.run.training.train_single_process)."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 
 from conftest import EXAMPLES, ROOT, TEST_MODELS
-from partc.checkpoint import latest_checkpoint
-from partc.compile import CompileOptions, compile_model
-from partc.hardware import load_cluster
-from partc.memory import TrainingConfig
-from partc.plan import PlanError, load_plan
-from partc.rank_layout import rank_layout
-from partc.search import SearchOptions
-from partc.training import TrainOptions, train_single_process
+from partc.run.checkpoint import latest_checkpoint
+from partc.emit.compile import CompileOptions, compile_model
+from partc.hardware.configs import load_cluster
+from partc.solve.memory import TrainingConfig
+from partc.plans.plan import PlanError, load_plan
+from partc.run.rank_layout import rank_layout
+from partc.solve.search import SearchOptions
+from partc.run.training import TrainOptions, train_single_process
 
 PARTC = str(Path(sys.executable).parent / "partc")
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
@@ -210,7 +210,7 @@ def test_resume_with_a_replanned_layout(tmp_path: Path) -> None:
 def test_init_from_a_state_dict(tmp_path: Path) -> None:
     import torch
 
-    from partc.model_file import load_model_file
+    from partc.frontend.model_file import load_model_file
 
     plan = compile_plan(tmp_path, EXAMPLES / "mlp.py", 2, 1)
     model = load_model_file(EXAMPLES / "mlp.py").build()

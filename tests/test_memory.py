@@ -23,17 +23,22 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.utils._pytree as pytree  # noqa: E402
 
-from partc.cost_model import CostTable, analytic_cost_table  # noqa: E402
-from partc.hardware import OP_CLASSES, ConfigError, DeviceSpec, load_device  # noqa: E402
-from partc.measured_costs import saved_activations  # noqa: E402
-from partc.memory import (  # noqa: E402
+from partc.cost.roofline import analytic_cost_table  # noqa: E402
+from partc.cost.table import CostTable
+from partc.hardware.configs import ConfigError, load_device  # noqa: E402
+from partc.hardware.specs import OP_CLASSES, DeviceSpec
+from partc.cost.activations import saved_activations  # noqa: E402
+from partc.solve.memory import (  # noqa: E402
     OPTIMIZERS, PRECISIONS, SCHEDULES, MemoryConfigError, StageMemory, TrainingConfig,
     in_flight_microbatches, stage_boundary, stage_memory, usable_memory,
 )
-from partc.opgraph import GraphOutput, OpGraph, OpNode, Param, TensorSpec  # noqa: E402
-from partc.pipeline import CaptureResult, capture_graph  # noqa: E402
-from partc.torch_profiler import (  # noqa: E402
-    make_optimizer, measure_training_peak, peak_above_start, storage_bytes,
+from partc.graph.opgraph import GraphOutput, OpGraph, OpNode, Param, TensorSpec  # noqa: E402
+from partc.frontend.capture import CaptureResult, capture_graph  # noqa: E402
+from partc.cost.torch_profiler import (
+    make_optimizer,
+    measure_training_peak,
+    peak_above_start,
+    storage_bytes,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -127,7 +132,7 @@ def test_gpipe_activations_grow_with_micro_batches() -> None:
 def test_bf16_scaling_matches_saved_tensors_in_bf16() -> None:
     """Saved activations of the real model run in bfloat16 vs the model's 0.5 scaling of the fp32
     measurement (models whose CPU kernels keep bf16; see docs for attention on CPU)."""
-    from partc.memory import _saved_bytes
+    from partc.solve.memory import _saved_bytes
 
     for name in ("mlp", "transformer", "resnet"):
         result, table = captured(name)
@@ -201,7 +206,7 @@ def _pipeline_stage(run: str, rank: int) -> tuple[Any, Any, Any, Any]:
 
 def _model_file(name: str) -> Any:
     """The example's loaded model file."""
-    from partc.model_file import load_model_file
+    from partc.frontend.model_file import load_model_file
 
     return load_model_file(EXAMPLES / f"{name}.py")
 
@@ -395,7 +400,7 @@ def test_communication_of_a_middle_stage() -> None:
     outputs of the in-flight micro-batches unless the stage saves them anyway, and what
     Schedule1F1B's send works keep referenced in the steady state."""
     graph = _two_branch_graph()
-    from partc.cost_model import Linear, NodeCost
+    from partc.cost.table import Linear, NodeCost
 
     zero = Linear(0.0, 0.0)
     table = CostTable(graph=graph, source=analytic_cost_table(graph, cpu_device()).source,

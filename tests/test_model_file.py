@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from partc.errors import ModelFileError
-from partc.model_file import default_loss_fn, load_model_file, normalize_inputs
+from partc.frontend.model_file import default_loss_fn, load_model_file, normalize_inputs
 
 from conftest import EXAMPLES, TEST_MODELS
 

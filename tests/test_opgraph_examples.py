@@ -7,10 +7,10 @@ import operator
 import pytest
 import torch
 
-from partc.flop_count import flop_counter_mode
+from partc.frontend.flop_count import flop_counter_mode
 
-from partc.model_file import load_model_file
-from partc.opgraph import OpGraph
+from partc.frontend.model_file import load_model_file
+from partc.graph.opgraph import OpGraph
 
 from conftest import EXAMPLES
 

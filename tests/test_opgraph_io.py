@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from partc.errors import GraphFileError
-from partc.opgraph import OpGraph
-from partc.pipeline import capture_graph
+from partc.graph.opgraph import OpGraph
+from partc.frontend.capture import capture_graph
 
 from conftest import EXAMPLES
 

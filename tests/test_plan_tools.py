@@ -228,8 +228,8 @@ def test_show_summary_png_and_html(bert2: Path, tmp_path: Path) -> None:
 
 
 def test_replayed_schedule_is_the_predicted_iteration(bert2: Path) -> None:
-    from partc.plan import load_plan
-    from partc.plan_report import replay
+    from partc.plans.plan import load_plan
+    from partc.plans.report import replay
 
     plan = load_plan(bert2)
     sim = replay(plan)
@@ -242,7 +242,7 @@ def test_replayed_schedule_is_the_predicted_iteration(bert2: Path) -> None:
 # ---- module attribution (pure) -----------------------------------------------------------------
 
 def test_modules_are_attributed_by_nearest_listed_ancestor() -> None:
-    from partc.plan_diff import Layout, LayoutStage, collapse_modules, module_stages
+    from partc.plans.diff import Layout, LayoutStage, collapse_modules, module_stages
 
     def stage(index: int, modules: tuple[str, ...]) -> LayoutStage:
         return LayoutStage(index=index, rank=index, devices=(index,), modules=modules,

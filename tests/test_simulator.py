@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from partc.memory import in_flight_microbatches
-from partc.simulator import (
+from partc.solve.memory import in_flight_microbatches
+from partc.solve.simulator import (
     SCHEDULES, Event, PipelineSpec, Simulation, StageTiming, action_order, simulate,
 )
 
@@ -328,7 +328,7 @@ def test_interleaved_holds_warmup_plus_one() -> None:
 
 
 def test_peaks_agree_with_memory_model_in_flight_count() -> None:
-    # partc.memory.in_flight_microbatches encodes the same reading of torch's schedules; the
+    # partc.solve.memory.in_flight_microbatches encodes the same reading of torch's schedules; the
     # simulated peak (one byte per micro-batch and virtual stage) must be its count.
     for schedule, s, m, chunks in valid_shapes(max_ranks=6, max_mb=14, chunk_choices=(1, 2, 3, 4)):
         sim = simulate(uniform(schedule, s, m, chunks, act=1.0))

@@ -11,17 +11,20 @@ from pathlib import Path
 
 import pytest
 
-from partc.baselines import layer_runs, params_assignment, uniform_assignment
-from partc.chain_dp import solve_chain_dp
-from partc.coarsen import CoarsenError, atomic_groups, coarsen
-from partc.cost_model import FREE_KINDS, CostTable, analytic_cost_table
-from partc.cpsat_stages import solve_cpsat
-from partc.hardware import ClusterSpec, load_cluster
-from partc.memory import TrainingConfig, in_flight_microbatches
-from partc.pipeline import capture_graph
-from partc.search import (InfeasibleMemoryError, ParameterTotals, SearchError, SearchOptions,
+from partc.solve.strategies.baselines import layer_runs, params_assignment, uniform_assignment
+from partc.solve.strategies.chain_dp import solve_chain_dp
+from partc.solve.coarsen import CoarsenError, atomic_groups, coarsen
+from partc.cost.op_classes import FREE_KINDS
+from partc.cost.roofline import analytic_cost_table
+from partc.cost.table import CostTable
+from partc.solve.strategies.cpsat import solve_cpsat
+from partc.hardware.configs import load_cluster
+from partc.hardware.specs import ClusterSpec
+from partc.solve.memory import TrainingConfig, in_flight_microbatches
+from partc.frontend.capture import capture_graph
+from partc.solve.search import (InfeasibleMemoryError, ParameterTotals, SearchError, SearchOptions,
                           compare_strategies, enumerate_shapes, search, shape_lower_bound)
-from partc.stage_problem import PipelineShape, ShapeError, StageProblem
+from partc.solve.stage_problem import PipelineShape, ShapeError, StageProblem
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = {"mlp": ROOT / "examples/mlp.py", "transformer": ROOT / "examples/transformer.py",

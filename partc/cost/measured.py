@@ -1,0 +1,308 @@
+"""The measured CostTable: `partc profile` (docs/cost-model.md, "Measured").
+
+For each profiled micro-batch size b (default: the capture's B and 2B):
+
+1. torch, on the target device, whole model without the profiler: forward time T_f(b) and backward
+   time T_b(b) (medians), and the per-node profile (partc.cost.torch_profiler): each node's forward and
+   backward share, and which nodes have a backward at all.
+2. onnxruntime, same device, same program exported to ONNX: each node's forward kernel time.
+3. saved-for-backward bytes per node (saved-tensor hooks).
+
+Forward: ORT prices the nodes it has kernels for (the "onnxruntime" set M); their times are scaled
+by one factor per batch size so that, together with torch's share for the nodes outside M, they add
+up to T_f(b). Backward: per op kind, ratio r_k = sum(torch bwd) / sum(torch fwd) over the nodes of
+that kind that have a backward; a node's backward is its forward x r_k ("torch"-priced nodes keep
+their own torch backward share), scaled per batch size so that the sum is T_b(b) (this spreads
+AccumulateGrad and the autograd engine's own time). Nodes without a backward get 0.
+Each node's forward, backward and saved bytes are then fitted as fixed + per_sample * m over the
+profiled sizes.
+
+When the model has no ONNX export (or `method="torch"`), every node is priced by torch's own
+per-node shares of T_f and T_b; the profile records which method priced which node.
+"""
+from __future__ import annotations
+
+
+import gc
+import platform
+from dataclasses import dataclass, replace
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.export import ExportedProgram
+
+from partc.cost.activations import buffers_restored, saved_activation_bytes
+from partc.frontend.export import export_program
+from partc.cost.table import CostSource, CostTable, Linear, NodeCost, needs_backward
+from partc.errors import PartcError
+from partc.frontend.model_file import inputs_to_meta
+from partc.frontend.onnx_export import OnnxExport, export_onnx
+from partc.graph.opgraph import OpGraph
+from partc.cost.ort_profiler import OrtTiming, ProfileError, onnx_feeds, time_onnx
+from partc.frontend.capture import CaptureResult, capture_graph
+from partc.progress import Progress
+from partc.cost.torch_profiler import (
+    TorchTiming,
+    flat_inputs,
+    inputs_on,
+    node_owner,
+    program_module,
+    time_nodes,
+    to_device,
+)
+
+METHODS = ("auto", "onnxruntime", "torch")
+
+
+@dataclass(frozen=True)
+class ProfileOptions:
+    """What `partc profile` measures and how."""
+
+    device: str = "cpu"  # "cpu" | "cuda" | "cuda:N"
+    batch_sizes: tuple[int, ...] = ()  # empty: the capture's B and 2B
+    method: str = "auto"  # "auto" (onnxruntime when the export worked, else torch) | ...
+    threads: int = 1  # intra-op threads (CPU): one per partc CPU "device"
+    warmup: int = 3
+    runs: int = 10
+
+
+def parse_device(text: str) -> torch.device:
+    """A profiling device: 'cpu', 'cuda' or 'cuda:N', checked to exist here."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise ProfileError(f"unknown device {text!r}", hint="use --device cpu or cuda[:N]") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ProfileError(f"device {text} requested but torch sees no CUDA device here",
+                               hint="profile on the GPU machine, or use --device cpu")
+        index = device.index or 0
+        if index >= torch.cuda.device_count():
+            raise ProfileError(f"device {text} does not exist ({torch.cuda.device_count()} GPU(s))",
+                               hint=f"use cuda:0 .. cuda:{torch.cuda.device_count() - 1}")
+        return torch.device("cuda", index)
+    if device.type != "cpu":
+        raise ProfileError(f"cannot profile on {text}", hint="use --device cpu or cuda[:N]")
+    return device
+
+
+def device_label(device: torch.device) -> str:
+    """A human name for the profiled device, recorded in the profile."""
+    if device.type == "cuda":
+        return f"cuda:{device.index or 0} ({torch.cuda.get_device_name(device)})"
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"cpu ({cpu})"
+
+
+def _versions() -> dict[str, str]:
+    out = {"torch": str(torch.__version__)}
+    for pkg in ("onnxruntime", "onnx", "partc"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = "unknown"
+    return out
+
+
+def _program_at(result: CaptureResult, b: int) -> ExportedProgram:
+    cap = result.capture
+    if b == cap.batch_size:
+        return cap.exported
+    if b == cap.scaled_batch_size and cap.scaled is not None:
+        return cap.scaled
+    inputs = cap.model_file.inputs(b)
+    if cap.on_meta:
+        inputs = inputs_to_meta(inputs)
+    return export_program(cap.model, inputs, f"{cap.model_file.name} (batch size {b})")
+
+
+def _onnx_at(result: CaptureResult, b: int, program: ExportedProgram,
+             progress: Progress) -> OnnxExport | None:
+    if b == result.capture.batch_size:
+        return result.onnx
+    export = export_onnx(replace(result.capture, exported=program, batch_size=b), progress)
+    return export if export.status == "ok" else None
+
+
+@dataclass
+class _Measurement:
+    batch_size: int
+    torch: TorchTiming
+    ort: OrtTiming | None
+    saved: dict[str, int]
+
+
+def _measure(result: CaptureResult, b: int, device: torch.device, use_ort: bool,
+             options: ProfileOptions, progress: Progress) -> _Measurement:
+    cap = result.capture
+    program = _program_at(result, b)
+    module = program_module(program)
+    where = "materialising the model (random weights)" if cap.on_meta else "moving the model"
+    with progress.step(f"{where} to {device} at batch {b}"):
+        to_device(module, device)
+    inputs = inputs_on(cap.model_file.inputs(b), device)
+    with progress.step(f"torch: saved activations, fwd/bwd per node at batch {b}"):
+        with buffers_restored(module):
+            saved = saved_activation_bytes(module, inputs)
+            timing = time_nodes(module, inputs, b, device, warmup=options.warmup,
+                                runs=max(3, options.runs // 2))
+    ort_timing = None
+    if use_ort:
+        export = _onnx_at(result, b, program, progress)
+        if export is None:
+            progress.warn(f"no ONNX export at batch {b}: priced in torch")
+        else:
+            owner = node_owner(module)
+            onnx_to_node = {o: owner.get(fx, fx) for o, fx in export.node_to_fx.items()}
+            named: dict[str, torch.Tensor] = dict(module.state_dict(keep_vars=True))
+            for fqn, names in cap.tied.items():
+                for alias in names:
+                    if fqn in named:
+                        named.setdefault(alias, named[fqn])
+            for placeholder, value in zip(
+                    program.graph_signature.user_inputs,
+                    flat_inputs(module, inputs)):
+                named[placeholder] = value
+            with progress.step(f"onnxruntime ({device.type}): forward per node at batch {b}"):
+                feeds = onnx_feeds(export.model, {k: v for k, v in named.items()
+                                                  if isinstance(v, torch.Tensor)})
+                del named
+                ort_timing = time_onnx(export.model, feeds, onnx_to_node, b, device,
+                                       threads=options.threads, warmup=options.warmup,
+                                       runs=options.runs)
+                del feeds
+    del module, inputs
+    gc.collect()
+    return _Measurement(batch_size=b, torch=timing, ort=ort_timing, saved=saved)
+
+
+def profile_model(model_path: str | Path, batch_size: int, options: ProfileOptions | None = None,
+                  progress: Progress | None = None) -> CostTable:
+    """Capture the model at `batch_size` and measure its CostTable on `options.device`."""
+    options = options or ProfileOptions()
+    progress = progress or Progress()
+    if options.method not in METHODS:
+        raise PartcError(f"unknown profiling method {options.method!r}",
+                         hint=f"use one of {', '.join(METHODS)}")
+    device = parse_device(options.device)
+    threads_before = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(options.threads)
+    try:
+        result = capture_graph(model_path, batch_size, onnx=options.method != "torch",
+                               progress=progress)
+        return measure_costs(result, device, options, progress)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def measure_costs(result: CaptureResult, device: torch.device, options: ProfileOptions,
+                  progress: Progress) -> CostTable:
+    """The measured CostTable of a capture (see the module docstring for the method)."""
+    graph = result.graph
+    sizes = options.batch_sizes or (graph.batch_size, 2 * graph.batch_size)
+    sizes = tuple(sorted(set(sizes)))
+    if len(sizes) < 2:
+        raise PartcError(f"profiling needs two or more batch sizes, got {list(sizes)}",
+                         hint="pass --batch-sizes with at least two values, e.g. 2,4")
+    use_ort = options.method != "torch" and result.onnx is not None and result.onnx.status == "ok"
+    if options.method == "onnxruntime" and not use_ort:
+        raise ProfileError("the model has no ONNX export, so onnxruntime cannot profile it",
+                           hint="use --method torch (or auto)")
+    if not use_ort and options.method == "auto" and result.onnx is not None:
+        progress.warn("pricing every node in torch (no ONNX export)")
+    measurements = [_measure(result, b, device, use_ort, options, progress) for b in sizes]
+    return combine(graph, measurements, device, options, use_ort)
+
+
+def combine(graph: OpGraph, measurements: list[_Measurement], device: torch.device,
+            options: ProfileOptions, use_ort: bool) -> CostTable:
+    """Join torch and onnxruntime measurements into per-node Linear costs."""
+    kinds = {n.name: n.kind for n in graph.nodes}
+    names = [n.name for n in graph.nodes]
+    differentiable = set().union(*(m.torch.differentiable for m in measurements)) & set(names)
+    if not differentiable:
+        differentiable = needs_backward(graph)
+
+    # Backward / forward ratio per op kind, from torch's per-node profile at every batch size.
+    kind_fwd: dict[str, float] = {}
+    kind_bwd: dict[str, float] = {}
+    for m in measurements:
+        for n in differentiable:
+            f = m.torch.node_forward_s.get(n, 0.0)
+            if f > 0:
+                kind_fwd[kinds[n]] = kind_fwd.get(kinds[n], 0.0) + f
+                kind_bwd[kinds[n]] = kind_bwd.get(kinds[n], 0.0) + m.torch.node_backward_s.get(n, 0.0)
+    ratios = {k: kind_bwd[k] / kind_fwd[k] for k in sorted(kind_fwd)}
+
+    per_node: dict[str, dict[str, list[tuple[float, float]]]] = {
+        n: {"forward": [], "backward": [], "saved": []} for n in names}
+    method: dict[str, str] = {}
+    validation: dict[str, Any] = {}
+    for m in measurements:
+        b = float(m.batch_size)
+        t = m.torch
+        torch_fwd_total = sum(t.node_forward_s.get(n, 0.0) for n in names) or 1.0
+        torch_fwd = {n: t.node_forward_s.get(n, 0.0) * t.model_forward_s / torch_fwd_total
+                     for n in names}
+        ort_nodes = set(m.ort.node_forward_s) & set(names) if m.ort is not None else set()
+        fwd = dict(torch_fwd)
+        if ort_nodes:
+            assert m.ort is not None
+            ort_total = sum(m.ort.node_forward_s[n] for n in ort_nodes)
+            share = sum(torch_fwd[n] for n in ort_nodes)
+            scale = share / ort_total if ort_total else 0.0
+            for n in ort_nodes:
+                fwd[n] = m.ort.node_forward_s[n] * scale
+        raw_bwd = {}
+        for n in names:
+            if n not in differentiable:
+                raw_bwd[n] = 0.0
+            elif n in ort_nodes:
+                raw_bwd[n] = fwd[n] * ratios.get(kinds[n], 1.0)
+            else:
+                raw_bwd[n] = t.node_backward_s.get(n, 0.0)
+        raw_total = sum(raw_bwd.values()) or 1.0
+        bwd = {n: v * t.model_backward_s / raw_total for n, v in raw_bwd.items()}
+        for n in names:
+            per_node[n]["forward"].append((b, fwd[n]))
+            per_node[n]["backward"].append((b, bwd[n]))
+            per_node[n]["saved"].append((b, float(m.saved.get(n, 0))))
+            if n in ort_nodes:
+                method[n] = "onnxruntime"
+            elif fwd[n] > 0 or bwd[n] > 0:
+                method.setdefault(n, "torch")
+        validation[str(m.batch_size)] = {
+            "torch_forward_s": _r(t.model_forward_s),
+            "torch_backward_s": _r(t.model_backward_s),
+            "ort_forward_s": _r(m.ort.model_run_s) if m.ort is not None else None,
+            "ort_kernels_s": _r(sum(m.ort.node_forward_s.values()) + m.ort.unmapped_s)
+            if m.ort is not None else None,
+        }
+    nodes = {}
+    for n in names:
+        p = per_node[n]
+        nodes[n] = NodeCost(forward=Linear.fit(p["forward"]), backward=Linear.fit(p["backward"]),
+                            saved=Linear.fit(p["saved"]), method=method.get(n, "none"))
+    provider = next((m.ort.provider for m in measurements if m.ort is not None), "")
+    source = CostSource(
+        kind="measured", device=device_label(device), device_kind=device.type, provider=provider,
+        threads=options.threads if device.type == "cpu" else 0, graph_hash=graph.content_hash(),
+        model=graph.model_name, batch_sizes=tuple(m.batch_size for m in measurements),
+        versions=_versions(),
+        calibration={"backward_ratios": {k: _r(v) for k, v in ratios.items()},
+                     "measured": validation, "warmup": options.warmup, "runs": options.runs})
+    return CostTable(graph=graph, source=source, nodes=nodes)
+
+
+def _r(x: float) -> float:
+    return float(f"{x:.6g}")

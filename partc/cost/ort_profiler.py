@@ -1,0 +1,171 @@
+"""Per-node forward time from onnxruntime's profiler on a target execution provider.
+
+The weightless ONNX model (weights are graph inputs, see partc.frontend.onnx_export) runs in an
+InferenceSession with profiling on and `ORT_DISABLE_ALL` graph optimisation, so every profiled
+kernel is one ONNX node of the exported graph, and every ONNX node maps to one OpGraph node
+(`OpNode.onnx_nodes`). ORT's fused kernels (ORT_ENABLE_ALL) would be faster, but their names do not
+map back, and what partc prices is the work of each OpGraph node in torch, not ORT's fusion of it;
+the absolute scale is calibrated against torch anyway (partc.cost.measured).
+
+Each node's time is the sum of its ONNX nodes' `*_kernel_time` events in a run; the reported value
+is the median over the timed runs after warm-up runs.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import torch
+
+from partc.errors import PartcError
+
+_KERNEL_SUFFIX = "_kernel_time"
+
+# ONNX TensorProto element types -> numpy dtypes partc feeds.
+_NUMPY_TYPES: dict[int, Any] = {
+    onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.DOUBLE: np.float64,
+    onnx.TensorProto.FLOAT16: np.float16, onnx.TensorProto.INT64: np.int64,
+    onnx.TensorProto.INT32: np.int32, onnx.TensorProto.INT16: np.int16,
+    onnx.TensorProto.INT8: np.int8, onnx.TensorProto.UINT8: np.uint8,
+    onnx.TensorProto.BOOL: np.bool_,
+}
+
+
+class ProfileError(PartcError):
+    """The device or runtime cannot profile this model."""
+
+
+def execution_provider(device: torch.device) -> tuple[str, dict[str, Any]]:
+    """onnxruntime execution provider (and its options) for a torch device."""
+    import onnxruntime as ort
+
+    available = ort.get_available_providers()
+    if device.type == "cpu":
+        return "CPUExecutionProvider", {}
+    if device.type == "cuda":
+        if "CUDAExecutionProvider" not in available:
+            raise ProfileError(
+                f"onnxruntime here has no CUDAExecutionProvider (available: {', '.join(available)})",
+                hint="install onnxruntime-gpu matching your CUDA, or profile with --device cpu")
+        return "CUDAExecutionProvider", {"device_id": device.index or 0}
+    raise ProfileError(f"cannot profile on device {device}", hint="use --device cpu or cuda[:N]")
+
+
+def _to_numpy(t: torch.Tensor) -> np.ndarray:
+    t = t.detach().cpu()
+    if t.dtype == torch.bfloat16:  # numpy has no bfloat16; ORT inputs would be declared float
+        t = t.float()
+    return t.contiguous().numpy()
+
+
+def onnx_feeds(model: onnx.ModelProto, named: dict[str, torch.Tensor],
+               seed: int = 0) -> dict[str, np.ndarray]:
+    """Values for every graph input: from `named` (user inputs by placeholder name, weights by FQN
+    or alias) when present, otherwise random values of the declared type and shape."""
+    rng = np.random.default_rng(seed)
+    feeds: dict[str, np.ndarray] = {}
+    for value in model.graph.input:
+        tensor_type = value.type.tensor_type
+        if value.name in named:
+            feeds[value.name] = _to_numpy(named[value.name])
+            continue
+        dtype = _NUMPY_TYPES.get(tensor_type.elem_type)
+        shape = [d.dim_value if d.HasField("dim_value") else 1 for d in tensor_type.shape.dim]
+        if dtype is None:
+            raise ProfileError(f"ONNX input {value.name!r} has an element type partc cannot feed "
+                               f"({onnx.TensorProto.DataType.Name(tensor_type.elem_type)})",
+                               hint="profile in torch instead (partc profile --method torch)")
+        if np.issubdtype(dtype, np.floating):
+            feeds[value.name] = (rng.standard_normal(shape) * 0.02).astype(dtype)
+        elif dtype is np.bool_:
+            feeds[value.name] = np.ones(shape, dtype=dtype)
+        else:
+            feeds[value.name] = np.zeros(shape, dtype=dtype)
+    return feeds
+
+
+@dataclass(frozen=True)
+class OrtTiming:
+    """onnxruntime forward timing of one exported model at one batch size."""
+
+    batch_size: int
+    provider: str
+    model_run_s: float  # median wall time of InferenceSession.run
+    node_forward_s: dict[str, float]  # OpGraph node -> median summed kernel time
+    unmapped_s: float  # kernels of ONNX nodes that map to no OpGraph node
+    runs: int
+
+
+def time_onnx(model: onnx.ModelProto, feeds: dict[str, np.ndarray], onnx_to_node: dict[str, str],
+              batch_size: int, device: torch.device, threads: int = 1, warmup: int = 3,
+              runs: int = 10) -> OrtTiming:
+    """Profile `model` on the execution provider of `device` and attribute kernel time to
+    OpGraph nodes through `onnx_to_node` (ONNX node name -> OpGraph node name)."""
+    import onnxruntime as ort
+
+    provider, options = execution_provider(device)
+    with tempfile.TemporaryDirectory(prefix="partc-ort-") as tmp:
+        path = Path(tmp) / "model.onnx"
+        onnx.save_model(model, str(path))
+        opts = ort.SessionOptions()
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        opts.intra_op_num_threads = threads
+        opts.inter_op_num_threads = 1
+        opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        opts.log_severity_level = 3  # errors only: ORT warns about unfoldable constants
+        # One profiled session: the trace's model_run spans tell warm-up runs from timed ones.
+        opts.enable_profiling = True
+        opts.profile_file_prefix = str(Path(tmp) / "ort_profile")
+        try:
+            session = ort.InferenceSession(str(path), opts, providers=[(provider, options)])
+        except Exception as exc:
+            raise ProfileError(f"onnxruntime cannot load the exported model: {str(exc).splitlines()[0]}",
+                               hint="profile in torch instead (partc profile --method torch)") from exc
+        for _ in range(warmup):
+            session.run(None, feeds)
+        walls: list[float] = []
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            session.run(None, feeds)
+            walls.append(time.perf_counter() - t0)
+        trace = session.end_profiling()
+        events = json.loads(Path(trace).read_text())
+        os.unlink(trace)
+    return _attribute(events, onnx_to_node, batch_size, provider, walls, warmup, runs)
+
+
+def _attribute(events: list[dict[str, Any]], onnx_to_node: dict[str, str], batch_size: int,
+               provider: str, walls: list[float], warmup: int, runs: int) -> OrtTiming:
+    """Per-run, per-node kernel time from a Chrome-trace event list (runs after warm-up only)."""
+    run_spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                       if e.get("cat") == "Session" and e.get("name") == "model_run")
+    timed = run_spans[warmup:warmup + runs]
+    per_run: list[dict[str, float]] = [dict() for _ in timed]
+    unmapped: list[float] = [0.0 for _ in timed]
+    for e in events:
+        if e.get("cat") != "Node" or not e.get("name", "").endswith(_KERNEL_SUFFIX):
+            continue
+        ts = e["ts"]
+        run = next((i for i, (a, b) in enumerate(timed) if a <= ts <= b), None)
+        if run is None:
+            continue
+        onnx_name = e["name"][:-len(_KERNEL_SUFFIX)]
+        node = onnx_to_node.get(onnx_name)
+        seconds = e["dur"] * 1e-6
+        if node is None:
+            unmapped[run] += seconds
+        else:
+            per_run[run][node] = per_run[run].get(node, 0.0) + seconds
+    names = sorted({n for r in per_run for n in r})
+    node_fwd = {n: statistics.median([r.get(n, 0.0) for r in per_run]) for n in names}
+    return OrtTiming(batch_size=batch_size, provider=provider, model_run_s=statistics.median(walls),
+                     node_forward_s={n: v for n, v in node_fwd.items() if v > 0},
+                     unmapped_s=statistics.median(unmapped) if unmapped else 0.0, runs=runs)

@@ -1,0 +1,329 @@
+"""CostTable: what every OpGraph node costs on a target device, at any micro-batch size.
+
+For each node the table holds forward time, backward time and bytes saved for backward, each as a
+`Linear` function of the micro-batch size m (value = fixed + per_sample * m), so the solver prices
+any micro-batch without re-profiling. Parameter bytes and boundary-tensor bytes come from the
+OpGraph the table belongs to (`CostTable.graph`).
+
+Two ways to fill it (docs/cost-model.md):
+- measured (`partc.cost.measured`): onnxruntime per-node forward times on the target execution
+  provider, backward from torch per op kind, calibrated against torch's whole-model times;
+- analytic (`partc.cost.roofline`): a roofline per node from the device's peak FLOP/s and memory
+  bandwidth (configs/devices/*.yaml), with per-op-class efficiencies and backward/forward ratios.
+
+A table saved to disk (a "profile", YAML) carries the graph hash of the model it was taken on;
+loading it against a different graph is refused.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import yaml
+
+from partc.errors import PartcError
+from partc.graph.opgraph import INTEGER_DTYPES, OpGraph
+
+PROFILE_FORMAT = "partc-profile"
+PROFILE_VERSION = 1
+
+
+class ProfileFileError(PartcError):
+    """A profile file that cannot be used: missing, malformed, or for another model."""
+
+
+@dataclass(frozen=True)
+class Linear:
+    """A cost as a function of the micro-batch size m: max(0, fixed + per_sample * m)."""
+
+    fixed: float
+    per_sample: float
+
+    def at(self, m: float) -> float:
+        return max(0.0, self.fixed + self.per_sample * m)
+
+    @classmethod
+    def fit(cls, points: Sequence[tuple[float, float]]) -> "Linear":
+        """Least-squares line through (m, value) points, kept non-decreasing and non-negative
+        at m >= 0: a negative slope (noise) becomes a constant, a negative intercept a line
+        through the origin."""
+        if not points:
+            return cls(0.0, 0.0)
+        if len(points) == 1 or len({m for m, _ in points}) == 1:
+            m, v = points[0]
+            return cls(0.0, v / m if m else 0.0)
+        n = len(points)
+        mx = sum(m for m, _ in points) / n
+        my = sum(v for _, v in points) / n
+        sxx = sum((m - mx) ** 2 for m, _ in points)
+        slope = sum((m - mx) * (v - my) for m, v in points) / sxx
+        intercept = my - slope * mx
+        if slope < 0:
+            return cls(max(0.0, my), 0.0)
+        if intercept < 0:
+            through_origin = sum(m * v for m, v in points) / sum(m * m for m, _ in points)
+            return cls(0.0, max(0.0, through_origin))
+        return cls(intercept, slope)
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    """One node's costs: seconds forward and backward, bytes saved for backward; and what priced
+    it ("onnxruntime", "torch", "analytic", or "none" for nodes with nothing to run)."""
+
+    forward: Linear
+    backward: Linear
+    saved: Linear
+    method: str
+
+
+@dataclass(frozen=True)
+class CostSource:
+    """Where a CostTable's numbers come from: recorded in every profile file."""
+
+    kind: str  # "measured" | "analytic"
+    device: str  # device name: "cpu", "cuda:0 (NVIDIA H100 80GB HBM3)", "a100-80gb", ...
+    device_kind: str  # "cpu" | "cuda"
+    provider: str  # onnxruntime execution provider ("" for analytic)
+    threads: int  # intra-op threads the measurement used (0: not applicable)
+    graph_hash: str
+    model: str
+    batch_sizes: tuple[int, ...]  # micro-batch sizes measured (or evaluated, for analytic)
+    versions: dict[str, str] = field(default_factory=dict)  # torch, onnxruntime, onnx, partc
+    calibration: dict[str, Any] = field(default_factory=dict)  # scales, ratios, validation
+
+
+@dataclass
+class CostTable:
+    """Per-node costs of an OpGraph on one device (see module docstring)."""
+
+    graph: OpGraph
+    source: CostSource
+    nodes: dict[str, NodeCost]
+
+    # ---- per node ------------------------------------------------------------------------------
+    def cost(self, node: str) -> NodeCost:
+        return self.nodes.get(node, _ZERO)
+
+    def forward_s(self, node: str, m: float) -> float:
+        return self.cost(node).forward.at(m)
+
+    def backward_s(self, node: str, m: float) -> float:
+        return self.cost(node).backward.at(m)
+
+    def saved_bytes(self, node: str, m: float) -> float:
+        return self.cost(node).saved.at(m)
+
+    # ---- sums over node sets (stages, blocks) --------------------------------------------------
+    def sum_forward_s(self, nodes: Iterable[str], m: float) -> float:
+        return sum(self.forward_s(n, m) for n in nodes)
+
+    def sum_backward_s(self, nodes: Iterable[str], m: float) -> float:
+        return sum(self.backward_s(n, m) for n in nodes)
+
+    def sum_saved_bytes(self, nodes: Iterable[str], m: float) -> float:
+        return sum(self.saved_bytes(n, m) for n in nodes)
+
+    def param_bytes(self, nodes: Iterable[str], trainable_only: bool = False) -> int:
+        """Bytes of the distinct parameters (kind 'parameter') the nodes use; tied ones once."""
+        seen: dict[str, int] = {}
+        for n in nodes:
+            for name in self.graph.node(n).params:
+                p = self.graph.param(name)
+                if p.kind == "parameter" and (p.trainable or not trainable_only):
+                    seen[p.name] = p.nbytes
+        return sum(seen.values())
+
+    def buffer_bytes(self, nodes: Iterable[str]) -> int:
+        """Bytes of the distinct buffers and constants the nodes use."""
+        seen: dict[str, int] = {}
+        for n in nodes:
+            for name in self.graph.node(n).params:
+                p = self.graph.param(name)
+                if p.kind != "parameter":
+                    seen[p.name] = p.nbytes
+        return sum(seen.values())
+
+    def tensor_bytes(self, tensor: str, m: float) -> float:
+        """Size of a tensor (a node output or graph input) at micro-batch m: what a stage boundary
+        carrying it sends per micro-batch."""
+        spec = self.graph.tensor(tensor)
+        if spec.batch_dim is None:
+            return float(spec.nbytes)
+        return spec.nbytes * m / self.graph.batch_size
+
+    def total_forward_s(self, m: float) -> float:
+        return self.sum_forward_s(self.nodes, m)
+
+    def total_backward_s(self, m: float) -> float:
+        return self.sum_backward_s(self.nodes, m)
+
+    def total_saved_bytes(self, m: float) -> float:
+        return self.sum_saved_bytes(self.nodes, m)
+
+    def methods(self) -> dict[str, int]:
+        """How many nodes each method priced."""
+        counts: dict[str, int] = {}
+        for c in self.nodes.values():
+            counts[c.method] = counts.get(c.method, 0) + 1
+        return dict(sorted(counts.items()))
+
+    # ---- files ---------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        src = asdict(self.source)
+        src["batch_sizes"] = list(self.source.batch_sizes)
+        # Totals are summed from the rounded rows the file holds, so a loaded profile saves back
+        # to the same bytes (summing unrounded values could differ in the last digit).
+        written = CostTable(self.graph, self.source, {
+            name: NodeCost(*(Linear(_round(x.fixed), _round(x.per_sample))
+                             for x in (c.forward, c.backward, c.saved)), c.method)
+            for name, c in sorted(self.nodes.items())})  # sorted: the file's order, same sums
+        return {
+            "format": PROFILE_FORMAT,
+            "format_version": PROFILE_VERSION,
+            **src,
+            "methods": self.methods(),
+            "totals_at_batch_sizes": {
+                str(b): {"forward_s": _round(written.total_forward_s(b)),
+                         "backward_s": _round(written.total_backward_s(b)),
+                         "saved_bytes": int(written.total_saved_bytes(b))}
+                for b in self.source.batch_sizes},
+            "nodes": {name: [c.method, c.forward.fixed, c.forward.per_sample, c.backward.fixed,
+                             c.backward.per_sample, c.saved.fixed, c.saved.per_sample]
+                      for name, c in written.nodes.items()},
+        }
+
+    def save(self, path: str | Path) -> Path:
+        """Write the table as a profile YAML (nodes one per line: method, then forward, backward
+        and saved-bytes as fixed/per-sample pairs)."""
+        path = Path(path)
+        d = self.to_dict()
+        nodes = d.pop("nodes")
+        header = ("# partc profile: per-node costs of one model on one device.\n"
+                  "# nodes: name: [method, fwd_fixed_s, fwd_per_sample_s, bwd_fixed_s, "
+                  "bwd_per_sample_s, saved_fixed_bytes, saved_per_sample_bytes]\n")
+        body = yaml.safe_dump(d, sort_keys=True, default_flow_style=False, width=100)
+        lines = [header, body, "nodes:\n"]
+        for name, row in nodes.items():
+            # JSON is YAML's flow syntax: one quoted name and one list per line.
+            lines.append(f"  {json.dumps(name)}: {json.dumps(row)}\n")
+        if not nodes:
+            lines[-1] = "nodes: {}\n"
+        path.write_text("".join(lines))
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path, graph: OpGraph) -> "CostTable":
+        """Read a profile for `graph`; refuse one taken on a different model (graph hash)."""
+        path = Path(path)
+        try:
+            d = yaml.load(path.read_text(), Loader=_yaml_loader())
+        except FileNotFoundError:
+            raise ProfileFileError(f"profile not found: {path}",
+                                   hint="create one with: partc profile MODEL -o profile.yaml") from None
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+            raise ProfileFileError(f"cannot read profile {path}: {str(exc).splitlines()[0]}",
+                                   hint="re-create it with partc profile") from exc
+        if not isinstance(d, dict) or d.get("format") != PROFILE_FORMAT:
+            raise ProfileFileError(f"{path} is not a partc profile",
+                                   hint="pass a file written by partc profile")
+        if d.get("format_version") != PROFILE_VERSION:
+            raise ProfileFileError(
+                f"{path} has profile format_version {d.get('format_version')!r}; this partc reads "
+                f"{PROFILE_VERSION}", hint="re-create it with this partc version (partc profile)")
+        if d.get("graph_hash") != graph.content_hash():
+            raise ProfileFileError(
+                f"profile {path} was taken on a different model (graph hash {str(d.get('graph_hash'))[:19]}, "
+                f"this model has {graph.content_hash()[:19]})",
+                hint="the model changed since profiling: re-run partc profile on it")
+        try:
+            source = CostSource(
+                kind=str(d["kind"]), device=str(d["device"]), device_kind=str(d["device_kind"]),
+                provider=str(d["provider"]), threads=int(d["threads"]), graph_hash=str(d["graph_hash"]),
+                model=str(d["model"]), batch_sizes=tuple(int(b) for b in d["batch_sizes"]),
+                versions=dict(d.get("versions") or {}), calibration=dict(d.get("calibration") or {}))
+            nodes = {}
+            for name, row in (d.get("nodes") or {}).items():
+                method, ff, fp, bf, bp, sf, sp = row
+                nodes[str(name)] = NodeCost(Linear(float(ff), float(fp)), Linear(float(bf), float(bp)),
+                                            Linear(float(sf), float(sp)), str(method))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ProfileFileError(f"malformed profile {path}: {exc!r}",
+                                   hint="re-create it with partc profile") from exc
+        unknown = sorted(set(nodes) - {n.name for n in graph.nodes})
+        if unknown:
+            raise ProfileFileError(f"profile {path} prices nodes the model does not have: "
+                                   f"{', '.join(unknown[:3])}", hint="re-create it with partc profile")
+        return cls(graph=graph, source=source, nodes=nodes)
+
+
+_ZERO = NodeCost(Linear(0.0, 0.0), Linear(0.0, 0.0), Linear(0.0, 0.0), "none")
+
+
+def _round(x: float) -> float:
+    """12 significant digits: stable text without losing anything a timer can tell."""
+    return float(f"{x:.12g}")
+
+
+def _yaml_loader() -> type:
+    return getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+
+
+def needs_backward(graph: OpGraph) -> set[str]:
+    """Nodes autograd will run backward for: those with an input that requires grad (a trainable
+    parameter, or a floating tensor downstream of one). Graph inputs do not require grad."""
+    requires: set[str] = set()  # tensor names
+    result: set[str] = set()
+    for n in graph.nodes:
+        trainable = any(graph.param(p).trainable for p in n.params)
+        if trainable or any(t in requires for t in n.inputs):
+            result.add(n.name)
+            for t in n.outputs:
+                if t.dtype not in INTEGER_DTYPES:
+                    requires.add(t.name)
+    return result
+
+
+def format_cost_summary(table: CostTable, top: int = 8) -> str:
+    """A terminal summary: totals per batch size, methods, and the most expensive op kinds."""
+    from partc.graph.module_summary import human_bytes
+
+    src = table.source
+    lines = [f"{src.kind} costs of {src.model} on {src.device}"
+             + (f" [{src.provider}, {src.threads} thread(s)]" if src.provider else ""),
+             f"graph hash: {src.graph_hash}",
+             "priced by: " + ", ".join(f"{k} {v}" for k, v in table.methods().items())]
+    lines.append(f"{'micro-batch':>11}  {'forward':>10}  {'backward':>10}  {'saved for bwd':>13}")
+    for b in src.batch_sizes:
+        lines.append(f"{b:>11}  {_ms(table.total_forward_s(b)):>10}  "
+                     f"{_ms(table.total_backward_s(b)):>10}  "
+                     f"{human_bytes(int(table.total_saved_bytes(b))):>13}")
+    b = src.batch_sizes[-1]
+    by_kind: dict[str, float] = {}
+    for node in table.graph.nodes:
+        by_kind[node.kind] = by_kind.get(node.kind, 0.0) + (
+            table.forward_s(node.name, b) + table.backward_s(node.name, b))
+    total = sum(by_kind.values()) or 1.0
+    ranked = sorted(by_kind.items(), key=lambda kv: (-kv[1], kv[0]))[:top]
+    lines.append(f"fwd+bwd by op kind at micro-batch {b}: " + ", ".join(
+        f"{k} {100 * v / total:.0f}%" for k, v in ranked if v > 0))
+    measured = src.calibration.get("measured") or {}
+    for size, m in sorted(measured.items(), key=lambda kv: int(kv[0])):
+        if m.get("ort_forward_s") is not None:
+            lines.append(f"batch {size}: torch fwd {_ms(m['torch_forward_s'])}, bwd "
+                         f"{_ms(m['torch_backward_s'])}; onnxruntime fwd {_ms(m['ort_forward_s'])}")
+    return "\n".join(lines)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f} ms"
+
+
+def relative_error(predicted: float, measured: float) -> float:
+    """(predicted - measured) / measured; inf when nothing was measured."""
+    return (predicted - measured) / measured if measured else math.inf

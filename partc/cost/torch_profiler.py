@@ -1,0 +1,379 @@
+"""Per-node measurements in torch: forward and backward time of every OpGraph node.
+
+The captured program is run node by node (`NodeRunner`, a torch.fx.Interpreter over
+`ep.module()`), so every measurement lands on an OpGraph node by name (partc.cost.activations
+measures saved bytes the same way).
+
+torch.profiler with one `record_function` range per node gives its forward time. The autograd nodes
+a forward node creates are found by walking `grad_fn` from its outputs to the autograd nodes
+already claimed by earlier nodes; the profiler's `autograd::engine::evaluate_function` events carry
+the same sequence numbers, which gives each node its backward time. Profiling inflates small ops,
+so the per-node figures are used as shares and rescaled to whole-model fwd/bwd times measured
+without the profiler (median of runs).
+"""
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+from torch.export import ExportedProgram
+
+from partc.frontend.export import quiet_torch
+from partc.frontend.model_file import Inputs
+
+_NODE_RANGE = "partc::"
+_BACKWARD_EVENT = "autograd::engine::evaluate_function: "
+
+
+def program_module(program: ExportedProgram) -> torch.fx.GraphModule:
+    """The program as a runnable GraphModule (guards off: they break tracing/scripting later and
+    the inputs are the captured ones anyway)."""
+    with quiet_torch():
+        return program.module(check_guards=False)
+
+
+def flat_inputs(module: torch.fx.GraphModule, inputs: Inputs) -> list[Any]:
+    """The (args, kwargs) of the model as the flat placeholder values the graph takes."""
+    from torch.export._tree_utils import reorder_kwargs
+
+    args, kwargs = inputs
+    in_spec = getattr(module, "_in_spec", None)
+    if in_spec is not None and kwargs:
+        kwargs = reorder_kwargs(kwargs, in_spec)
+    return pytree.tree_flatten((tuple(args), dict(kwargs)))[0]
+
+
+def retarget_devices(module: torch.fx.GraphModule, device: torch.device) -> None:
+    """Rewrite the devices the exported graph names (`to(device=cpu)`, `_assert_tensor_metadata(
+    device=meta)`, factory calls) to `device`, in place: export bakes the capture's device into
+    the program, so a model captured on meta or cpu could not run elsewhere otherwise."""
+
+    def swap(value: Any) -> Any:
+        return device if isinstance(value, torch.device) else value
+
+    changed = False
+    for node in module.graph.nodes:
+        if node.op != "call_function":
+            continue
+        args, kwargs = pytree.tree_map(swap, (node.args, node.kwargs))
+        if args != node.args or kwargs != node.kwargs:
+            node.args, node.kwargs = args, kwargs
+            changed = True
+    if changed:
+        module.recompile()
+
+
+def to_device(module: torch.fx.GraphModule, device: torch.device, seed: int = 0) -> None:
+    """Move a program to `device`, in place. A meta-device program gets real storage: floating
+    tensors small random values, integer tensors zeros (safe as indices), booleans True; timing and
+    memory depend on shapes, not values."""
+    retarget_devices(module, device)
+    on_meta = any(t.is_meta for t in [*module.parameters(), *module.buffers()])
+    if not on_meta:
+        module.to(device)
+        return
+    module.to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for t in [*module.parameters(), *module.buffers()]:
+            if t.is_floating_point():
+                t.normal_(0.0, 0.02, generator=gen)
+            elif t.dtype == torch.bool:
+                t.fill_(True)
+            else:
+                t.zero_()
+
+
+def inputs_on(inputs: Inputs, device: torch.device) -> Inputs:
+    """The model inputs moved to `device` (meta inputs become zeros / small random values)."""
+
+    def move(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        if t.is_meta:
+            real = torch.zeros(t.shape, dtype=t.dtype, device=device)
+            return real.normal_(0.0, 1.0) if real.is_floating_point() else real
+        return t.to(device)
+
+    args, kwargs = inputs
+    return tuple(pytree.tree_map(move, list(args))), pytree.tree_map(move, kwargs)
+
+
+class NodeRunner(torch.fx.Interpreter):
+    """Runs a GraphModule node by node, wrapping each call_function node in `around(node)` and
+    reporting its result to `after(node, result)`."""
+
+    def __init__(self, module: torch.fx.GraphModule,
+                 around: Callable[[torch.fx.Node], contextlib.AbstractContextManager[Any]],
+                 after: Callable[[torch.fx.Node, Any], None] | None = None) -> None:
+        super().__init__(module)
+        self._around = around
+        self._after = after
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        if n.op != "call_function":
+            return super().run_node(n)
+        with self._around(n):
+            result = super().run_node(n)
+        if self._after is not None:
+            self._after(n, result)
+        return result
+
+
+def node_owner(module: torch.fx.GraphModule) -> dict[str, str]:
+    """FX node name -> the OpGraph node it belongs to (tuple getitems fold into their producer,
+    as in partc.frontend.graph_builder)."""
+    import operator
+
+    owner: dict[str, str] = {}
+    for n in module.graph.nodes:
+        if n.op != "call_function":
+            continue
+        if (n.target is operator.getitem and isinstance(n.args[0], torch.fx.Node)
+                and isinstance(n.args[1], int) and n.args[0].name in owner):
+            owner[n.name] = owner[n.args[0].name]
+        else:
+            owner[n.name] = n.name
+    return owner
+
+
+@dataclass(frozen=True)
+class TorchTiming:
+    """Forward/backward time of a program in torch at one batch size.
+
+    `node_forward_s`/`node_backward_s` are the profiler's per-node figures (medians over runs);
+    `model_forward_s`/`model_backward_s` are whole-model wall times without the profiler
+    (medians); the per-node figures are shares of those.
+    """
+
+    batch_size: int
+    model_forward_s: float
+    model_backward_s: float
+    node_forward_s: dict[str, float]
+    node_backward_s: dict[str, float]
+    unattributed_backward_s: float  # profiler backward time on no node (AccumulateGrad, ...)
+    differentiable: frozenset[str]  # nodes that created autograd nodes
+    runs: int
+
+
+def _output_grads(outputs: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    tensors = [t for t in pytree.tree_leaves(outputs)
+               if isinstance(t, torch.Tensor) and t.requires_grad]
+    return tensors, [torch.ones_like(t) for t in tensors]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _zero_grads(module: torch.nn.Module) -> None:
+    for p in module.parameters():
+        p.grad = None
+
+
+def time_model(module: torch.fx.GraphModule, inputs: Inputs, device: torch.device,
+               warmup: int = 2, runs: int = 5) -> tuple[float, float]:
+    """Median (forward, backward) wall time of a whole training step of the program, without the
+    loss: backward starts from all-ones output gradients, so only the model is timed."""
+    args, kwargs = inputs
+    fwd: list[float] = []
+    bwd: list[float] = []
+    for i in range(warmup + runs):
+        _zero_grads(module)
+        _sync(device)
+        t0 = time.perf_counter()
+        out = module(*args, **kwargs)
+        _sync(device)
+        t1 = time.perf_counter()
+        tensors, grads = _output_grads(out)
+        if tensors:
+            torch.autograd.backward(tensors, grads)
+        _sync(device)
+        t2 = time.perf_counter()
+        del out, tensors, grads
+        if i >= warmup:
+            fwd.append(t1 - t0)
+            bwd.append(t2 - t1)
+    _zero_grads(module)
+    return statistics.median(fwd), statistics.median(bwd)
+
+
+def _event_time_us(event: Any, device: torch.device) -> float:
+    return float(event.device_time_total if device.type == "cuda" else event.cpu_time_total)
+
+
+def _profile_once(module: torch.fx.GraphModule, flat: list[Any],
+                  device: torch.device) -> tuple[dict[str, float], dict[str, float], float, set[str]]:
+    """One profiled fwd+bwd: per-node forward and backward microseconds, unattributed backward
+    microseconds, and the nodes that created autograd nodes (have a backward)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    owner = node_owner(module)
+    claimed: set[Any] = set()
+    seq_owner: dict[int, str] = {}
+
+    def after(n: torch.fx.Node, result: Any) -> None:
+        name = owner.get(n.name, n.name)
+        stack = [t.grad_fn for t in pytree.tree_leaves(result)
+                 if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        while stack:
+            fn = stack.pop()
+            if fn is None or fn in claimed:
+                continue
+            claimed.add(fn)
+            if type(fn).__name__ == "AccumulateGrad":
+                continue
+            seq_owner[fn._sequence_nr()] = name
+            stack.extend(g for g, _ in fn.next_functions)
+
+    def around(n: torch.fx.Node) -> contextlib.AbstractContextManager[Any]:
+        return record_function(_NODE_RANGE + owner.get(n.name, n.name))
+
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    _zero_grads(module)
+    with quiet_torch(), profile(activities=activities) as prof:
+        out = NodeRunner(module, around, after).run(*flat)
+        tensors, grads = _output_grads(out)
+        if tensors:
+            torch.autograd.backward(tensors, grads)
+        _sync(device)
+    fwd: dict[str, float] = {}
+    bwd: dict[str, float] = {}
+    unattributed = 0.0
+    for event in prof.events():
+        name = event.name
+        if name.startswith(_NODE_RANGE):
+            node = name[len(_NODE_RANGE):]
+            fwd[node] = fwd.get(node, 0.0) + _event_time_us(event, device)
+        elif name.startswith(_BACKWARD_EVENT):
+            node = seq_owner.get(event.sequence_nr) if event.sequence_nr >= 0 else None
+            if node is None:
+                unattributed += _event_time_us(event, device)
+            else:
+                bwd[node] = bwd.get(node, 0.0) + _event_time_us(event, device)
+    _zero_grads(module)
+    return fwd, bwd, unattributed, set(seq_owner.values())
+
+
+def time_nodes(module: torch.fx.GraphModule, inputs: Inputs, batch_size: int,
+               device: torch.device, warmup: int = 3, runs: int = 5) -> TorchTiming:
+    """Whole-model and per-node forward/backward times of the program on `device`."""
+    model_fwd, model_bwd = time_model(module, inputs, device, warmup, runs)
+    flat = flat_inputs(module, inputs)
+    per_run: list[tuple[dict[str, float], dict[str, float], float]] = []
+    differentiable: set[str] = set()
+    # Profiled runs need their own warm-up: the first few are slow again (allocator and
+    # interpreter paths), measured up to 3x on backward.
+    for i in range(warmup + runs):
+        fwd, bwd, unattributed, with_backward = _profile_once(module, flat, device)
+        differentiable |= with_backward
+        if i >= warmup:
+            per_run.append((fwd, bwd, unattributed))
+    names = sorted({n for f, b, _ in per_run for n in (*f, *b)})
+    median = lambda vals: statistics.median(vals) * 1e-6  # noqa: E731  (us -> s)
+    node_fwd = {n: median([f.get(n, 0.0) for f, _, _ in per_run]) for n in names}
+    node_bwd = {n: median([b.get(n, 0.0) for _, b, _ in per_run]) for n in names}
+    return TorchTiming(batch_size=batch_size, model_forward_s=model_fwd, model_backward_s=model_bwd,
+                       node_forward_s={n: v for n, v in node_fwd.items() if v > 0},
+                       node_backward_s={n: v for n, v in node_bwd.items() if v > 0},
+                       unattributed_backward_s=median([u for _, _, u in per_run]),
+                       differentiable=frozenset(differentiable), runs=runs)
+
+
+# ---- peak memory of a real training step (the memory model's ground truth) ---------------------
+def make_optimizer(name: str, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    # foreach=True: the implementation torch picks by default on CUDA, which the model prices.
+    if name == "adam":
+        return torch.optim.Adam(params, foreach=True)
+    if name == "adamw":
+        return torch.optim.AdamW(params, foreach=True)
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9 if name == "sgd-momentum" else 0.0,
+                           foreach=True)
+
+
+def storage_bytes(tensors: list[Any]) -> int:
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in tensors if isinstance(t, torch.Tensor)}
+    return sum(storages.values())
+
+
+def split_microbatches(value: Any, parts: int) -> list[Any]:
+    """`value`'s tensors cut into `parts` micro-batches along dim 0 (views, as the pipeline
+    schedules' default chunking does)."""
+    def piece(i: int) -> Callable[[Any], Any]:
+        return lambda t: t.tensor_split(parts)[i] if isinstance(t, torch.Tensor) and t.dim() else t
+    return [pytree.tree_map(piece(i), value) for i in range(parts)]
+
+
+def peak_above_start(prof: torch.profiler.profile) -> int:
+    """Highest running sum of the allocations and frees the profiler saw."""
+    from torch._C._profiler import _EventType
+
+    events: list[tuple[int, int]] = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        if node.tag == _EventType.Allocation:
+            events.append((node.start_time_ns, node.extra_fields.alloc_size))
+        stack.extend(node.children)
+    live = peak = 0
+    for _, size in sorted(events):
+        live += size
+        peak = max(peak, live)
+    return peak
+
+
+def measure_training_peak(capture: Any, microbatch_size: int, num_microbatches: int,
+                          optimizer: str, checkpointing: bool = False) -> int:
+    """Peak bytes of one GPipe-ordered training step of the captured program on CPU: all
+    micro-batches' forwards (and losses), then their backwards, then the optimizer step.
+
+    It is the second step (optimizer state and gradients exist, as in steady training; gradients
+    are zeroed in place, not freed: they stay resident as under DDP). Peak = bytes live before the
+    step (parameters, buffers, gradients, optimizer state, the batch) + the profiler's peak above
+    that.
+    """
+    model_file = capture.model_file
+    module = program_module(capture.exported)
+    params = [p for p in module.parameters() if p.requires_grad]
+    opt = make_optimizer(optimizer, params)
+    loss_fn = model_file.loss()
+    (args, kwargs), target = next(model_file.data(microbatch_size * num_microbatches))
+    microbatches = split_microbatches((args, kwargs, target), num_microbatches)
+
+    def forward(a: tuple[Any, ...], k: dict[str, Any]) -> Any:
+        if checkpointing:
+            return torch.utils.checkpoint.checkpoint(module, *a, use_reentrant=False, **k)
+        return module(*a, **k)
+
+    def step() -> None:
+        outputs: list[Any] = []
+        losses: list[Any] = []
+        for a, k, t in microbatches:
+            outputs.append(forward(a, k))
+            losses.append(loss_fn(outputs[-1], t))
+        for i in range(num_microbatches):
+            losses[i].backward()
+            # The pipeline drops a micro-batch's outputs once its backward ran.
+            losses[i] = outputs[i] = None
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+
+    step()
+    live = storage_bytes([*module.parameters(), *module.buffers(),
+                           *(p.grad for p in params),
+                           *(v for state in opt.state.values() for v in state.values()),
+                           *pytree.tree_leaves((args, kwargs, target))])
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                profile_memory=True) as prof:
+        step()
+    return live + peak_above_start(prof)

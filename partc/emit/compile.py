@@ -1,0 +1,341 @@
+"""`partc compile`: model file -> plan directory (plan.yaml + one TorchScript file per stage).
+
+load -> capture -> OpGraph -> CostTable -> coarsen -> solve (search + simulate) -> emit. The first
+five steps are the passes of the earlier modules; `emit_plan` is this module's own step: re-export
+the model at the chosen micro-batch size, cut it into stage graphs (partc.emit.stage_graph), trace and
+save each stage (partc.emit.stage_code), and write plan.yaml (partc.plans.plan).
+"""
+from __future__ import annotations
+
+import hashlib
+import operator
+import os
+import time
+from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from partc.frontend.export import export_program
+from partc.solve.coarsen import coarsen
+from partc.errors import PartcError
+from partc.hardware.specs import ClusterSpec
+from partc.solve.memory import TrainingConfig
+from partc.frontend.model_file import inputs_to_meta
+from partc.solve.partition import Partition, round_seconds
+from partc.cost.plan_costs import plan_costs
+from partc.frontend.capture import CaptureResult, capture_graph
+from partc.plans.plan import (LOSS, MODEL_INPUT, PLAN_FILE, WEIGHTS_AT_LAUNCH, WEIGHTS_IN_STAGE_FILES,
+                        ModelInfo, Plan, PlanStage, TensorRef, TiedParameter, stage_file_name,
+                        validate_plan_dict, write_timings)
+from partc.progress import Progress
+from partc.solve.search import SearchOptions, search
+from partc.emit.stage_code import stage_bytes, trace_stage
+from partc.emit.stage_graph import MODEL_INPUT as SOURCE_INPUT
+from partc.emit.stage_graph import SplitProgram, flatten_inputs, split_program
+from partc.emit.stage_weights import set_stage_tensors, stage_tensors
+
+
+class CompileError(PartcError):
+    """The plan cannot be written (output directory, re-export at the micro-batch size)."""
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """Everything `partc compile` takes besides the model file, the cluster and the output."""
+
+    batch_size: int
+    search: SearchOptions = field(default_factory=SearchOptions)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    profile: Path | None = None
+    capture_batch: int = 2
+
+
+@dataclass
+class CompileResult:
+    plan: Plan
+    partition: Partition
+    directory: Path
+    timings: dict[str, float]
+
+
+def partc_version() -> str:
+    try:
+        return version("partc")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def compile_model(model_path: str | Path, cluster: ClusterSpec, output_dir: str | Path,
+                  options: CompileOptions, progress: Progress | None = None) -> CompileResult:
+    """Run every pass and write the plan directory (module docstring)."""
+    progress = progress or Progress()
+    output_dir = Path(output_dir)
+    created = not output_dir.exists()
+    _prepare_output(output_dir)
+    try:
+        return _compile(model_path, cluster, output_dir, options, progress)
+    except BaseException:
+        if created and output_dir.is_dir() and not any(output_dir.iterdir()):
+            output_dir.rmdir()  # a failed compile leaves no empty plan directory behind
+        raise
+
+
+def _compile(model_path: str | Path, cluster: ClusterSpec, output_dir: Path,
+             options: CompileOptions, progress: Progress) -> CompileResult:
+    timings: dict[str, float] = {}
+    start = time.perf_counter()
+    result = capture_graph(model_path, options.capture_batch, onnx=False, progress=progress)
+    timings["capture_s"] = time.perf_counter() - start
+    t = time.perf_counter()
+    table = plan_costs(result, cluster.device, options.profile, progress)
+    timings["costs_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    with progress.step(f"coarsen to at most {options.search.max_blocks} blocks"):
+        blocks = coarsen(table, options.search.max_blocks)
+    timings["coarsen_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    partition = search(table, cluster, options.batch_size, options.training, options.search,
+                       blocks=blocks, progress=progress)
+    timings["solve_s"] = time.perf_counter() - t
+    timings["solver_wall_s"] = partition.solver.wall_s
+    t = time.perf_counter()
+    costs = recorded_costs(options, output_dir)
+    plan = emit_plan(result, partition, cluster, output_dir, costs, progress)
+    timings["emit_s"] = time.perf_counter() - t
+    timings["total_s"] = time.perf_counter() - start
+    write_timings(output_dir, timings)
+    return CompileResult(plan=plan, partition=partition, directory=output_dir, timings=timings)
+
+
+def recorded_costs(options: CompileOptions, output_dir: Path) -> dict[str, Any]:
+    """plan.yaml's `costs`: every solve input besides the model, cluster and training settings,
+    so that `partc check` can re-solve exactly as compile did."""
+    return {"source": "profile" if options.profile else "analytic",
+            "profile": _relative(options.profile, output_dir) if options.profile else None,
+            "capture_batch_size": options.capture_batch,
+            "max_blocks": options.search.max_blocks, "strategy": options.search.strategy,
+            "time_limit_s": options.search.time_limit_s, "refine": options.search.refine,
+            "pinned": _pinned(options.search)}
+
+
+def _pinned(options: SearchOptions) -> dict[str, Any]:
+    pinned = {"stages": options.stages, "replicas": options.replicas,
+              "num_microbatches": options.num_microbatches, "schedule": options.schedule,
+              "activation_checkpointing": options.activation_checkpointing}
+    return {k: v for k, v in pinned.items() if v is not None}
+
+
+def _prepare_output(directory: Path) -> None:
+    if directory.exists() and not directory.is_dir():
+        raise CompileError(f"output {directory} exists and is not a directory",
+                           hint="pass -o with a directory for the plan")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / ".partc-write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise CompileError(f"cannot write to {directory}: {exc.strerror}",
+                           hint="pass -o with a writable directory") from exc
+
+
+def _relative(path: str | Path, directory: Path) -> str:
+    """`path` relative to the plan directory: plans hold no absolute paths, and they stay valid
+    when the repository is cloned elsewhere."""
+    return Path(os.path.relpath(Path(path).resolve(), directory.resolve())).as_posix()
+
+
+def _exported_at(result: CaptureResult, batch: int,
+                 progress: Progress) -> tuple[torch.export.ExportedProgram, dict[str, int] | None]:
+    """The program at the micro-batch size, and (when its operators differ from the captured
+    graph's) how its nodes map to OpGraph nodes; None when the names match one to one."""
+    cap = result.capture
+    if batch == cap.batch_size:
+        return cap.exported, None
+    inputs = cap.model_file.inputs(batch)
+    if cap.on_meta:
+        inputs = inputs_to_meta(inputs)
+    with progress.step(f"capturing at the micro-batch size {batch}"):
+        exported = export_program(cap.model, inputs, f"{cap.model_file.name} (batch size {batch})")
+    fresh = [n for n in exported.graph.nodes if n.op == "call_function"]
+    known = {n.name for n in result.graph.nodes}
+    if [(n.name, str(n.target)) for n in fresh if n.name in known] == \
+            [(n.name, n.target) for n in result.graph.nodes] and \
+            all(n.name in known or n.target is operator.getitem for n in fresh):
+        return exported, None
+    # Some operators exist at one batch size only (an expand that is a no-op at batch 1), and
+    # export numbers nodes per operator, so names after them shift: match by (module, operator,
+    # occurrence) instead.
+    seen: dict[tuple[str, str], list[str]] = {}
+    for node in result.graph.nodes:
+        seen.setdefault((node.module, node.target), []).append(node.name)
+    counts: dict[tuple[str, str], int] = {}
+    matched: dict[str, str] = {}
+    for node in fresh:
+        stack = node.meta.get("nn_module_stack") or {}
+        module = str(list(stack.values())[-1][0]) if stack else ""
+        key = (module, str(node.target))
+        i = counts.get(key, 0)
+        counts[key] = i + 1
+        if i < len(seen.get(key, ())):
+            matched[node.name] = seen[key][i]
+    unmatched = len(fresh) - len(matched)
+    progress.warn(f"the graph at micro-batch size {batch} differs from the one captured at batch "
+                  f"size {cap.batch_size}; {len(matched)} operators matched by module, "
+                  f"{unmatched} placed after their inputs")
+    return exported, matched
+
+
+def _spec_text(spec: pytree.TreeSpec) -> str:
+    try:
+        return pytree.treespec_dumps(spec)
+    except Exception:  # a type registered without a serialised name: launch re-derives it
+        return ""
+
+
+def emit_plan(result: CaptureResult, partition: Partition, cluster: ClusterSpec,
+              output_dir: str | Path, costs: dict[str, Any],
+              progress: Progress | None = None) -> Plan:
+    """Write the stage files and plan.yaml of `partition` into `output_dir`; return the Plan."""
+    progress = progress or Progress()
+    output_dir = Path(output_dir)
+    cap = result.capture
+    m = partition.shape.microbatch_size
+    exported, matched = _exported_at(result, m, progress)
+    stage_of = {node: st.index for st in partition.stages for node in st.nodes}
+    if matched is not None:
+        stage_of = {fresh: stage_of[old] for fresh, old in matched.items() if old in stage_of}
+    num_stages = len(partition.stages)
+    with progress.step(f"splitting the program into {num_stages} stages"):
+        split = split_program(exported, stage_of, num_stages, clamp=matched is not None)
+    inputs = cap.model_file.inputs(m)
+    if cap.on_meta:
+        inputs = inputs_to_meta(inputs)
+    flat = flatten_inputs(inputs, split.in_spec)
+
+    written: list[Path] = []  # stage files under temporary names until the plan is complete
+    try:
+        plan = _emit(result, partition, cluster, output_dir, costs, split, flat, written, progress)
+        validate_plan_dict(plan.to_dict(), "the plan being written")
+        # Never leave a plan.yaml next to stage files it does not describe: drop the old one,
+        # move the new stage files in, then write the new plan.yaml (atomically).
+        had_plan = (output_dir / PLAN_FILE).is_file()
+        (output_dir / PLAN_FILE).unlink(missing_ok=True)
+        for tmp in written:
+            os.replace(tmp, output_dir / tmp.name.removeprefix(".").removesuffix(".tmp"))
+        written.clear()
+        if had_plan:  # then stage files there were an earlier plan's, not the user's
+            _remove_stale_stages(output_dir, len(plan.stages))
+        with progress.step("writing plan.yaml"):
+            plan.save(output_dir)
+    finally:
+        for tmp in written:
+            tmp.unlink(missing_ok=True)
+    return plan
+
+
+def _emit(result: CaptureResult, partition: Partition, cluster: ClusterSpec, output_dir: Path,
+          costs: dict[str, Any], split: SplitProgram, flat: list[torch.Tensor],
+          written: list[Path], progress: Progress) -> Plan:
+    """Trace and write every stage (to temporary files listed in `written`); the Plan."""
+    cap = result.capture
+    graph = result.graph
+    entries: list[PlanStage] = []
+    holders: dict[str, list[int]] = {}
+    current = flat
+    # Tracing runs each stage forward in training mode, which updates buffers in place (batch-norm
+    # statistics): the files must hold the buffers as build_model() made them.
+    pristine = [{n: b.detach().clone() for n, b in sg.module.named_buffers()}
+                for sg in split.stages]
+    for sg, st, timing in zip(split.stages, partition.stages, partition.pipeline.stages):
+        with progress.step(f"tracing stage {sg.index} ({len(sg.nodes)} operators) to TorchScript"):
+            traced = trace_stage(sg, current)
+            with torch.no_grad():
+                current = list(traced(*current))
+            set_stage_tensors(traced, pristine[sg.index])
+            data = stage_bytes(traced)
+        path = output_dir / stage_file_name(sg.index)
+        tmp = path.with_name(f".{path.name}.tmp")
+        written.append(tmp)
+        tmp.write_bytes(data)
+        tensors = stage_tensors(traced)
+        for name in sg.parameters:
+            holders.setdefault(name, []).append(sg.index)
+        entries.append(PlanStage(
+            index=sg.index, rank=st.rank, file=path.name, sha256=hashlib.sha256(data).hexdigest(),
+            replicas=len(st.devices), devices=st.devices,
+            parameters=sum(tensors[n].numel() for n in sg.parameters),
+            parameter_names=sg.parameters, buffer_names=sg.buffers,
+            constant_names=sg.constants, modules=st.modules,
+            num_nodes=len(sg.nodes),
+            inputs=tuple(_ref(split, name, sg.index, "in") for name in sg.inputs),
+            outputs=tuple(_ref(split, name, sg.index, "out", relay=name in sg.relayed)
+                          for name in sg.outputs),
+            forward_s=st.forward_s, backward_s=st.backward_s,
+            peak_memory_bytes=partition.memory[st.rank].total,
+            send_forward_s=timing.send_forward_s, send_backward_s=timing.send_backward_s,
+            activation_bytes=int(timing.activation_bytes), static_bytes=int(timing.static_bytes)))
+
+    names_of: dict[str, tuple[str, ...]] = {}  # any FQN of a tensor -> all its FQNs
+    for p in graph.params:
+        for n in (p.name, *p.aliases):
+            names_of[n] = (p.name, *p.aliases)
+    tied = tuple(TiedParameter(name=n, aliases=tuple(sorted(set(names_of.get(n, (n,))) - {n})),
+                               stages=tuple(s)) for n, s in sorted(holders.items()) if len(s) > 1)
+    model = ModelInfo(
+        file=_relative(cap.model_file.path, output_dir), name=graph.model_name,
+        graph_hash=graph.content_hash(), on_meta=cap.on_meta,
+        parameters=sum(p.numel for p in graph.params if p.kind == "parameter"),
+        weights=WEIGHTS_AT_LAUNCH if cap.on_meta else WEIGHTS_IN_STAGE_FILES,
+        inputs=tuple(TensorRef(name=n, shape=split.tensors[n].shape, dtype=split.tensors[n].dtype,
+                               path=p) for n, p in zip(split.inputs, split.input_paths)),
+        outputs=tuple(TensorRef(name=n, shape=split.tensors[n].shape,
+                                dtype=split.tensors[n].dtype, path=p)
+                      for n, p in zip(split.outputs, split.output_paths)),
+        input_spec=_spec_text(split.in_spec), output_spec=_spec_text(split.out_spec),
+        tied_weights=tuple(sorted((p.name, *p.aliases) for p in graph.params if p.aliases)),
+        module_fingerprints=graph.module_fingerprints(),
+        parameter_signatures=graph.parameter_signatures())
+    s = partition.shape
+    predicted = plan_predictions(partition)
+    plan = Plan(partc_version=partc_version(), model=model,
+                cluster={**cluster.to_dict(), "num_devices": cluster.num_devices,
+                         "devices_used": s.num_devices},
+                training=partition.training_dict(), costs=costs, stages=tuple(entries), tied_parameters=tied,
+                solver=partition.solver.to_dict(include_time=False), predicted=predicted,
+                directory=output_dir)
+    return plan
+
+
+
+def plan_predictions(partition: Partition) -> dict[str, Any]:
+    """plan.yaml's `predicted`: the simulated iteration, memory per rank and the per-rank sync
+    times the simulation used."""
+    return {**partition.predicted_dict(),
+            "usable_memory_bytes": int(partition.usable_memory_bytes),
+            "memory": [mem.to_dict() for mem in partition.memory],
+            "allreduce_s": [round_seconds(x) for x in partition.pipeline.allreduce_s],
+            "optimizer_s": [round_seconds(x) for x in partition.pipeline.optimizer_s]}
+
+
+def _ref(split: SplitProgram, name: str, stage: int, side: str, relay: bool = False) -> TensorRef:
+    t = split.tensors[name]
+    if side == "in":
+        peer: tuple[int | str, ...] = (MODEL_INPUT if t.source == SOURCE_INPUT else t.source,)
+    else:
+        last = len(split.stages)
+        peer = tuple(LOSS if c == last else c for c in t.consumers if c > stage)
+    return TensorRef(name=name, shape=t.shape, dtype=t.dtype, peer=peer, relay=relay)
+
+
+def _remove_stale_stages(directory: Path, num_stages: int) -> None:
+    """Stage files of an earlier compile with more stages would look like part of this plan."""
+    for path in directory.glob("stage_*.pt"):
+        suffix = path.stem.split("_", 1)[1]
+        if suffix.isdigit() and int(suffix) >= num_stages:
+            path.unlink()
+

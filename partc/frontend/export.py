@@ -1,0 +1,166 @@
+"""Capture: a model file's nn.Module -> torch.export ExportedProgram at a batch size.
+
+The model is captured in training mode (dropout and batch-norm statistics updates are part of what
+gets partitioned). A model whose parameters or buffers are on the meta device is captured on the
+meta device, never materialised: export only needs shapes, so a 1.3B-parameter GPT-2 captures in a
+few hundred MB.
+
+The program is exported twice, at the batch size B and at 2B. The second capture is only read for
+shapes and FLOPs: comparing them tells exactly which tensor dimension is the batch and how each
+node's FLOPs grow with it, so later passes can price any micro-batch size (see partc.graph.opgraph).
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import warnings
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.utils._pytree as pytree
+from torch.export import ExportedProgram
+
+from partc.errors import CaptureError, summarize_exception
+from partc.frontend.model_file import Inputs, ModelFile, inputs_to_meta, is_on_meta
+from partc.progress import Progress
+
+
+@dataclass
+class Capture:
+    """The exported program of a model at one batch size, plus what the program does not say."""
+
+    model_file: ModelFile
+    model: torch.nn.Module
+    batch_size: int
+    on_meta: bool
+    inputs: Inputs
+    exported: ExportedProgram
+    scaled: ExportedProgram | None  # the same model at `scaled_batch_size`, for batch dims/FLOPs
+    scaled_batch_size: int
+    tied: dict[str, tuple[str, ...]]  # every FQN of a tied tensor -> all FQNs of that tensor
+    trainable: dict[str, bool]  # parameter FQN -> requires_grad
+
+
+def tied_groups(model: torch.nn.Module) -> dict[str, tuple[str, ...]]:
+    """Names that refer to one tensor (tied weights), from the module tree itself."""
+    by_id: dict[int, list[str]] = {}
+    named = list(model.named_parameters(remove_duplicate=False))
+    named += list(model.named_buffers(remove_duplicate=False))
+    for name, tensor in named:
+        by_id.setdefault(id(tensor), []).append(name)
+    groups: dict[str, tuple[str, ...]] = {}
+    for names in by_id.values():
+        if len(names) > 1:
+            for name in names:
+                groups[name] = tuple(names)
+    return groups
+
+
+@contextlib.contextmanager
+def quiet_torch() -> Iterator[None]:
+    """Silence export/ONNX chatter (progress prints, graph dumps logged on failure, torchvision and
+    deprecation notices) that would bury partc's own one-line output; real errors still raise."""
+    previous = logging.root.manager.disable
+    logging.disable(logging.CRITICAL)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                yield
+    finally:
+        logging.disable(previous)
+
+
+_EXPORT_HINTS: tuple[tuple[str, str], ...] = (
+    ("Cache", "the model returns a KV cache (e.g. HF DynamicCache): build it with use_cache=False"),
+    ("data-dependent", "forward() branches on tensor values, which torch.export cannot capture: "
+                       "use tensor ops or torch.cond instead of Python if/loops on tensor data"),
+    ("DataDependent", "forward() branches on tensor values, which torch.export cannot capture: "
+                      "use tensor ops or torch.cond instead of Python if/loops on tensor data"),
+    ("not a known type", "forward() returns or takes a custom type: use tensors, or tuples, lists, "
+                         "dicts or dataclasses of tensors (or register the type with "
+                         "torch.utils._pytree)"),
+    ("same device", "the model mixes devices; build it on one device (or entirely on meta)"),
+)
+
+
+def export_program(model: torch.nn.Module, inputs: Inputs, where: str) -> ExportedProgram:
+    """torch.export.export with user-facing errors: one line naming the cause, with a hint."""
+    args, kwargs = inputs
+    try:
+        with quiet_torch():
+            return torch.export.export(model, args, kwargs)
+    except Exception as exc:
+        reason = summarize_exception(exc)
+        full = f"{exc} {exc.__cause__ or ''}"
+        hint = next((h for key, h in _EXPORT_HINTS if key in full),
+                    "make forward() capturable by torch.export "
+                    "(https://pytorch.org/docs/stable/export.html); pass --debug for the traceback")
+        raise CaptureError(f"torch.export failed on {where}: {reason}", hint=hint) from exc
+
+
+def output_paths(exported: ExportedProgram) -> list[str]:
+    """Where each flat output sits in the model's output structure, as pytree key strings:
+    "['logits']" for dicts and HF ModelOutputs, '[0]' for tuples, '<output>' for a lone tensor."""
+    out_spec = exported.call_spec.out_spec
+    if out_spec is None:
+        return [f"[{i}]" for i in range(len(exported.graph_signature.user_outputs))]
+    placeholder = pytree.tree_unflatten(list(range(out_spec.num_leaves)), out_spec)
+    leaves, _ = pytree.tree_flatten_with_path(placeholder)
+    return [pytree.keystr(path) or "<output>" for path, _ in leaves]
+
+
+def _check_outputs(exported: ExportedProgram, where: str) -> None:
+    from torch.export.graph_signature import OutputKind, TensorArgument
+
+    paths = output_paths(exported)
+    user = [s for s in exported.graph_signature.output_specs if s.kind == OutputKind.USER_OUTPUT]
+    if not user:
+        raise CaptureError(f"{where} returns no tensors",
+                           hint="forward() must return the tensors the loss is computed from")
+    for path, spec in zip(paths, user):
+        if not isinstance(spec.arg, TensorArgument):
+            value = getattr(spec.arg, "value", spec.arg)
+            raise CaptureError(
+                f"{where} returns a non-tensor output at {path}: {type(value).__name__} {value!r}",
+                hint="return only tensors (tuples/dicts/dataclasses of tensors); drop other values")
+
+
+def capture(model_file: ModelFile, batch_size: int, progress: Progress | None = None) -> Capture:
+    """Build the model file's model and export it at `batch_size` (and at 2x for batch scaling)."""
+    progress = progress or Progress()
+    if batch_size < 1:
+        raise CaptureError(f"batch size must be >= 1, got {batch_size}", hint="pass --batch-size 1 or more")
+    with progress.step(f"building the model from {model_file.path}"):
+        model = model_file.build()
+        on_meta = is_on_meta(model)
+        if on_meta:
+            # A partly-meta model cannot run; moving it whole to meta costs nothing and keeps
+            # the shapes, which is all that capture needs.
+            model = model.to("meta")
+        model.train()
+        inputs = model_file.inputs(batch_size)
+        if on_meta:
+            inputs = inputs_to_meta(inputs)
+        tied = tied_groups(model)
+        trainable = {n: p.requires_grad for n, p in model.named_parameters(remove_duplicate=False)}
+    where = f"{model_file.name} (batch size {batch_size})"
+    with progress.step(f"capturing with torch.export at batch size {batch_size}"):
+        exported = export_program(model, inputs, where)
+        _check_outputs(exported, where)
+    scaled_batch = 2 * batch_size
+    scaled: ExportedProgram | None = None
+    with progress.step(f"capturing at batch size {scaled_batch} to find batch dimensions"):
+        scaled_inputs = model_file.inputs(scaled_batch)
+        if on_meta:
+            scaled_inputs = inputs_to_meta(scaled_inputs)
+        try:
+            scaled = export_program(model, scaled_inputs, f"{model_file.name} (batch size {scaled_batch})")
+        except CaptureError as exc:
+            # Not fatal: batch dims then fall back to a shape heuristic (noted in the OpGraph).
+            progress.warn(f"second capture failed, batch dimensions are guessed: {exc.message}")
+    return Capture(model_file=model_file, model=model, batch_size=batch_size, on_meta=on_meta,
+                   inputs=inputs, exported=exported, scaled=scaled, scaled_batch_size=scaled_batch,
+                   tied=tied, trainable=trainable)

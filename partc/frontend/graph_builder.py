@@ -1,0 +1,351 @@
+"""Build the OpGraph from a Capture (and, when there is one, its ONNX export).
+
+The FX graph of the captured ExportedProgram is the source of truth:
+- shapes and dtypes come from each node's `meta['val']` (fake tensors, so meta models work);
+- FLOPs come from torch.utils.flop_counter: each node's operator is re-run on its fake inputs under
+  FlopCounterMode (plus the formulas in partc.frontend.flop_count), so composite ops (linear,
+  scaled_dot_product_attention, conv2d) are counted by torch's own formulas for the kernels they
+  dispatch to, not by hand-written ones;
+- batch dimensions and FLOPs-per-sample come from comparing with the capture at twice the batch;
+- parameters keep their original FQNs, tied ones merged into one Param with aliases;
+- module paths come from `nn_module_stack`.
+"""
+from __future__ import annotations
+
+import contextlib
+import operator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+import torch.fx
+from torch._guards import detect_fake_mode
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind, OutputKind
+
+from partc.frontend.export import Capture, output_paths, quiet_torch
+from partc.frontend.flop_count import flop_counter_mode
+from partc.frontend.model_file import ModelFile
+from partc.frontend.onnx_export import OnnxExport
+from partc.graph.opgraph import GraphOutput, OnnxInfo, OpGraph, OpNode, Param, TensorSpec
+from partc.progress import Progress
+
+# Ops that read only the rows they return from their (parameter) table, not the whole table.
+GATHER_KINDS = frozenset({"embedding", "embedding_bag", "_embedding_bag", "index_select", "gather",
+                          "index", "take"})
+
+_PARAM_KINDS = {
+    InputKind.PARAMETER: "parameter",
+    InputKind.BUFFER: "buffer",
+    InputKind.CONSTANT_TENSOR: "constant",
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _tensor_leaves(value: Any) -> list[torch.Tensor | None] | None:
+    """A node value's tensors: [t] for a tensor, per-element for a flat tuple/list (None where an
+    element is not a tensor), None when the value holds no tensor at all."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in value):
+        return [v if isinstance(v, torch.Tensor) else None for v in value]
+    return None
+
+
+def op_kind(target: Any) -> str:
+    """Short operator kind: the overload packet name for aten ops ('linear'), else the name."""
+    if isinstance(target, torch._ops.OpOverload):
+        return target.overloadpacket.__name__
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        return target.name()
+    return getattr(target, "__name__", str(target))
+
+
+def is_view_op(target: Any) -> bool:
+    """True when the op's result aliases its input without writing (view, reshape-as-view,
+    transpose, expand, ...): such ops move no bytes."""
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    returns = target._schema.returns
+    return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write
+                                 for r in returns)
+
+
+def count_flops(exported: ExportedProgram) -> tuple[dict[str, int], list[str]]:
+    """FLOPs of every call_function node, by re-running its op on fake inputs under
+    FlopCounterMode. Returns (flops by node name, names of nodes that could not be run)."""
+    graph_module = exported.graph_module
+    vals = [n.meta.get("val") for n in exported.graph.nodes if n.op == "placeholder"]
+    fake_mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+    flops: dict[str, int] = {}
+    failed: list[str] = []
+
+    def value(n: torch.fx.Node) -> Any:
+        if n.op == "get_attr":
+            return getattr(graph_module, str(n.target))
+        return n.meta.get("val")
+
+    with quiet_torch():
+        for node in exported.graph.nodes:
+            if node.op != "call_function" or node.target is operator.getitem:
+                continue
+            args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), value)
+            mutable = isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable
+            try:
+                with fake_mode if fake_mode is not None else contextlib.nullcontext():
+                    if mutable:
+                        # In-place ops would write into the graph's own meta values.
+                        args, kwargs = torch.utils._pytree.tree_map_only(
+                            torch.Tensor, lambda t: t.clone(), (args, kwargs))
+                    with flop_counter_mode() as counter:
+                        node.target(*args, **kwargs)
+                flops[node.name] = int(counter.get_total_flops())
+            except Exception:  # an op that cannot re-run on fake inputs: priced by time alone later
+                flops[node.name] = 0
+                failed.append(node.name)
+    return flops, failed
+
+
+def _shapes(exported: ExportedProgram) -> dict[str, tuple[str, list[tuple[int, ...] | None]]]:
+    """name -> (target, shapes of its tensor leaves) for every node, to compare two captures."""
+    out: dict[str, tuple[str, list[tuple[int, ...] | None]]] = {}
+    for n in exported.graph.nodes:
+        leaves = _tensor_leaves(n.meta.get("val"))
+        if leaves is not None:
+            out[n.name] = (str(n.target), [tuple(int(d) for d in t.shape) if t is not None else None
+                                           for t in leaves])
+    return out
+
+
+@dataclass
+class _BatchDims:
+    """Finds the batch dimension of each tensor by comparing the two captures."""
+
+    batch: int
+    scaled_batch: int
+    scaled: dict[str, tuple[str, list[tuple[int, ...] | None]]] | None
+    guessed: list[str] = field(default_factory=list)
+    irregular: list[str] = field(default_factory=list)
+
+    def find(self, node: torch.fx.Node, index: int, shape: tuple[int, ...]) -> int | None:
+        if self.scaled is not None:
+            entry = self.scaled.get(node.name)
+            if entry is not None and entry[0] == str(node.target) and index < len(entry[1]):
+                other = entry[1][index]
+                if other is not None and len(other) == len(shape):
+                    changed = [d for d, (a, b) in enumerate(zip(shape, other)) if a != b]
+                    if not changed:
+                        return None
+                    if len(changed) > 1 or other[changed[0]] * self.batch != shape[changed[0]] * self.scaled_batch:
+                        self.irregular.append(node.name)
+                    return changed[0]
+        # No counterpart in the second capture: assume the batch is the leading dimension when it
+        # has the batch size (the common layout) and note that this was a guess.
+        self.guessed.append(node.name)
+        return 0 if shape and shape[0] == self.batch else None
+
+
+def _qualified(cls: Any) -> str:
+    return cls if isinstance(cls, str) else f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _module_stack(node: torch.fx.Node, model_file: ModelFile) -> list[tuple[str, str]]:
+    """(module path, class name) from the root module down to the innermost one calling `node`."""
+    stack = node.meta.get("nn_module_stack") or {}
+    return [(str(path), model_file.display_class(_qualified(cls))) for path, cls in stack.values()]
+
+
+def build_opgraph(capture: Capture, onnx_export: OnnxExport | None = None,
+                  progress: Progress | None = None) -> OpGraph:
+    """The OpGraph of a capture; `onnx_export` adds the ONNX node mapping when the export worked."""
+    progress = progress or Progress()
+    with progress.step("building the OpGraph (shapes, FLOPs, parameters)"):
+        return _build(capture, onnx_export)
+
+
+def _build(capture: Capture, onnx_export: OnnxExport | None) -> OpGraph:
+    ep = capture.exported
+    sig = ep.graph_signature
+    batch = capture.batch_size
+    notes: list[str] = []
+    dims = _BatchDims(batch=batch, scaled_batch=capture.scaled_batch_size,
+                      scaled=_shapes(capture.scaled) if capture.scaled is not None else None)
+
+    # ---- placeholders: parameters, buffers, constants, user inputs -----------------------------
+    param_of: dict[str, str] = {}  # placeholder name -> canonical FQN
+    params: list[Param] = []
+    seen_params: dict[str, str] = {}  # any FQN -> canonical FQN, to merge tied placeholders
+    inputs: list[TensorSpec] = []
+    input_names: set[str] = set()
+    for spec, node in zip(sig.input_specs, (n for n in ep.graph.nodes if n.op == "placeholder")):
+        val = node.meta.get("val")
+        if spec.kind in _PARAM_KINDS and isinstance(val, torch.Tensor):
+            fqn = str(spec.target)
+            group = capture.tied.get(fqn, (fqn,))
+            canonical = next((seen_params[g] for g in group if g in seen_params), None)
+            if canonical is None:
+                canonical = fqn
+                kind = _PARAM_KINDS[spec.kind]
+                params.append(Param(
+                    name=fqn, shape=tuple(int(d) for d in val.shape), dtype=dtype_name(val.dtype),
+                    kind=kind,
+                    trainable=kind == "parameter" and capture.trainable.get(fqn, True),
+                    aliases=tuple(sorted(g for g in group if g != fqn))))
+                for g in group:
+                    seen_params[g] = fqn
+            param_of[node.name] = canonical
+        elif spec.kind == InputKind.USER_INPUT and isinstance(val, torch.Tensor):
+            shape = tuple(int(d) for d in val.shape)
+            inputs.append(TensorSpec(name=node.name, shape=shape, dtype=dtype_name(val.dtype),
+                                     batch_dim=dims.find(node, 0, shape)))
+            input_names.add(node.name)
+
+    # ---- nodes ---------------------------------------------------------------------------------
+    param_nbytes = {p.name: p.nbytes for p in params}
+    flops, failed = count_flops(ep)
+    if capture.scaled is not None:
+        scaled_flops, _ = count_flops(capture.scaled)
+    else:
+        scaled_flops = {}
+    onnx_by_fx: dict[str, list[str]] = {}
+    if onnx_export is not None and onnx_export.model is not None:
+        for onnx_node in onnx_export.model.graph.node:
+            fx_name = onnx_export.node_to_fx.get(onnx_node.name)
+            if fx_name is not None:
+                onnx_by_fx.setdefault(fx_name, []).append(onnx_node.name)
+
+    outputs_of: dict[str, tuple[str, ...]] = {}  # FX node name -> tensor names it stands for
+    owner: dict[str, str] = {}  # FX node name (incl. folded getitems) -> OpGraph node name
+    specs: dict[str, TensorSpec] = {t.name: t for t in inputs}
+    nodes: list[OpNode] = []
+    modules: dict[str, str] = {}  # path -> class, in order of first use
+    model_file = capture.model_file
+    for node in ep.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is operator.getitem:
+            src, index = node.args
+            if isinstance(src, torch.fx.Node) and src.name in owner and isinstance(index, int):
+                src_tensors = outputs_of.get(src.name, ())
+                name = f"{src.name}.{index}"
+                if name in src_tensors:
+                    outputs_of[node.name] = (name,)
+                    owner[node.name] = owner[src.name]
+                    continue
+            # a getitem that is not a plain tuple index becomes a node of its own (below)
+        leaves = _tensor_leaves(node.meta.get("val"))
+        outs: list[TensorSpec] = []
+        if leaves is not None:
+            single = isinstance(node.meta.get("val"), torch.Tensor)
+            for i, t in enumerate(leaves):
+                if t is None:
+                    continue
+                shape = tuple(int(d) for d in t.shape)
+                outs.append(TensorSpec(name=node.name if single else f"{node.name}.{i}", shape=shape,
+                                       dtype=dtype_name(t.dtype), batch_dim=dims.find(node, i, shape)))
+        outputs_of[node.name] = tuple(t.name for t in outs)
+        owner[node.name] = node.name
+        for t in outs:
+            specs[t.name] = t
+
+        in_tensors: list[str] = []
+        in_params: list[str] = []
+
+        def collect(arg: torch.fx.Node) -> torch.fx.Node:
+            if arg.name in param_of:
+                if param_of[arg.name] not in in_params:
+                    in_params.append(param_of[arg.name])
+            elif arg.name in input_names:
+                if arg.name not in in_tensors:
+                    in_tensors.append(arg.name)
+            else:
+                for t in outputs_of.get(arg.name, ()):
+                    if t not in in_tensors:
+                        in_tensors.append(t)
+            return arg
+
+        torch.fx.node.map_arg((node.args, node.kwargs), collect)
+        view = is_view_op(node.target)
+        param_bytes = sum(param_nbytes[p] for p in in_params)
+        out_bytes = sum(t.nbytes for t in outs)
+        if op_kind(node.target) in GATHER_KINDS:
+            param_bytes = min(param_bytes, out_bytes)
+        f1 = flops.get(node.name, 0)
+        f2 = scaled_flops.get(node.name)
+        if f2 is not None:
+            per_sample = max(0, round((f2 - f1) / (capture.scaled_batch_size - batch)))
+        else:
+            per_sample = f1 // batch if any(t.batch_dim is not None for t in outs) else 0
+        stack = _module_stack(node, model_file)
+        for path, cls in stack:
+            modules.setdefault(path, cls)
+        module, module_type = stack[-1] if stack else ("", "")
+        nodes.append(OpNode(
+            name=node.name,
+            target=str(node.target),
+            kind=op_kind(node.target),
+            module=module,
+            module_type=module_type,
+            inputs=tuple(in_tensors),
+            params=tuple(in_params),
+            outputs=tuple(outs),
+            flops=f1,
+            flops_per_sample=per_sample,
+            bytes_read=0 if view else sum(specs[t].nbytes for t in in_tensors) + param_bytes,
+            bytes_written=0 if view else out_bytes,
+            is_view=view,
+            onnx_nodes=tuple(onnx_by_fx.get(node.name, ())),
+        ))
+
+    # ONNX nodes of folded getitems belong to their producer.
+    extra: dict[str, list[str]] = {}
+    for fx_name, onnx_nodes in onnx_by_fx.items():
+        target = owner.get(fx_name)
+        if target is not None and target != fx_name:
+            extra.setdefault(target, []).extend(onnx_nodes)
+    if extra:
+        nodes = [_with_onnx(n, extra[n.name]) if n.name in extra else n for n in nodes]
+
+    # Containers never called themselves (ModuleList, ModuleDict) are not on any module stack.
+    for path, mod in capture.model.named_modules():
+        modules.setdefault(path, model_file.display_class(_qualified(type(mod))))
+
+    # ---- outputs -------------------------------------------------------------------------------
+    outputs: list[GraphOutput] = []
+    user_specs = [s for s in sig.output_specs if s.kind == OutputKind.USER_OUTPUT]
+    for path, spec in zip(output_paths(ep), user_specs):
+        for t in outputs_of.get(spec.arg.name, ()) or ((spec.arg.name,) if spec.arg.name in specs else ()):
+            outputs.append(GraphOutput(tensor=t, path=path))
+
+    if capture.scaled is not None and not any(
+            t.batch_dim is not None for t in (*inputs, *(o for n in nodes for o in n.outputs))):
+        notes.append("no tensor changes size with the batch: does example_inputs(batch_size) "
+                     "use its batch_size argument?")
+    if failed:
+        notes.append(f"FLOPs not counted for {len(failed)} node(s) that cannot re-run on fake "
+                     f"tensors: {', '.join(failed[:5])}")
+    if dims.guessed:
+        notes.append(f"batch dimension guessed (no counterpart at batch {capture.scaled_batch_size}) "
+                     f"for {len(dims.guessed)} tensor(s): {', '.join(sorted(set(dims.guessed))[:5])}")
+    if dims.irregular:
+        notes.append(f"{len(dims.irregular)} tensor(s) do not scale linearly with the batch: "
+                     f"{', '.join(sorted(set(dims.irregular))[:5])}")
+
+    onnx_info = OnnxInfo(status="skipped")
+    if onnx_export is not None:
+        onnx_info = OnnxInfo(status=onnx_export.status, error=onnx_export.error, opset=onnx_export.opset,
+                             num_nodes=onnx_export.num_nodes,
+                             mapped_nodes=len(onnx_export.node_to_fx),
+                             static_shape_outputs=onnx_export.static_shape_outputs,
+                             num_outputs=onnx_export.num_outputs)
+    return OpGraph(model_name=model_file.name, batch_size=batch, on_meta=capture.on_meta,
+                   inputs=tuple(inputs), outputs=tuple(outputs), params=tuple(params),
+                   nodes=tuple(nodes), modules=tuple(modules.items()), onnx=onnx_info,
+                   notes=tuple(notes))
+
+
+def _with_onnx(node: OpNode, more: list[str]) -> OpNode:
+    return replace(node, onnx_nodes=tuple(node.onnx_nodes) + tuple(more))

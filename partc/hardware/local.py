@@ -1,0 +1,112 @@
+"""This machine as a cluster (`--cluster local`, the default of `partc compile`), and the facts
+about it other passes need (physical cores, RAM, CPU model)."""
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from partc.hardware.configs import (ConfigError, config_dir, list_clusters, list_devices,
+                                    load_cluster, load_device)
+from partc.hardware.specs import ClusterSpec, DeviceSpec
+
+LOCAL_CLUSTER = "local"
+
+
+def local_cluster() -> ClusterSpec:
+    """This machine as a cluster (what `--cluster local`, the default, means).
+
+    With CUDA GPUs: one device per GPU, the device config whose name matches the GPU's (e.g. an
+    "NVIDIA H100 80GB HBM3" is h100-80gb) with the GPU's real memory, NCCL, and the intra-node
+    link of a shipped cluster config of that device. Without: the CPU as one gloo process per
+    physical core, priced with the calibrated cpu device (configs/devices/cpu.yaml), each device
+    getting an equal share of the RAM, and the loopback link measured in configs/clusters/cpu.yaml.
+    """
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        return _local_gpus(torch.cuda.device_count(), torch.cuda.get_device_properties(0))
+    cores = physical_cores()
+    base = load_cluster("cpu")
+    device = replace(base.device, memory_bytes=ram_bytes() // cores,
+                     description=f"{cpu_model()}: 1 of {cores} physical core(s), "
+                                 f"{ram_bytes() / 2**30:.1f} GiB RAM shared equally")
+    return replace(base, name=LOCAL_CLUSTER, device=device, devices_per_node=cores, num_nodes=1,
+                   description=f"this machine: {cores} gloo process(es), one per physical core",
+                   source="detected: /proc/cpuinfo, /proc/meminfo; costs of configs/devices/cpu.yaml")
+
+
+def _local_gpus(count: int, props: Any) -> ClusterSpec:
+    gpu = str(props.name)
+    memory = int(props.total_memory)
+    best: DeviceSpec | None = None
+    for name in list_devices():
+        spec = load_device(name)
+        family = name.split("-")[0].upper()  # a100-80gb -> A100
+        if spec.kind == "cuda" and family in gpu.upper().replace(" ", "") and \
+                (best is None or abs(spec.memory_bytes - memory) < abs(best.memory_bytes - memory)):
+            best = spec
+    if best is None:
+        raise ConfigError(f"no device config matches this machine's GPU ({gpu})",
+                          hint=f"pass --cluster with a cluster config (configs/clusters/), or add "
+                               f"a device to {config_dir() / 'devices'}")
+    link = next((c.intra_node for c in (load_cluster(n) for n in list_clusters())
+                 if c.device.name == best.name), None)
+    if link is None:
+        raise ConfigError(f"no cluster config describes the links between {best.name} devices",
+                          hint="pass --cluster with a cluster config")
+    device = replace(best, memory_bytes=memory, description=f"{gpu} (config {best.name})")
+    return ClusterSpec(name=LOCAL_CLUSTER, device=device, devices_per_node=count, num_nodes=1,
+                       intra_node=link, inter_node=link, backend="nccl",
+                       description=f"this machine: {count} x {gpu}",
+                       source=f"detected by torch.cuda; costs of configs/devices/{best.name}.yaml")
+
+
+def resolve_cluster(name_or_path: str | Path) -> ClusterSpec:
+    """`local` (this machine, see local_cluster) or a cluster config name or path."""
+    if str(name_or_path) == LOCAL_CLUSTER:
+        return local_cluster()
+    return load_cluster(name_or_path)
+
+
+
+def cpu_model() -> str:
+    """This machine's CPU model name from /proc/cpuinfo (or platform.processor())."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return " ".join(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    import platform
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def physical_cores() -> int:
+    """Physical cores available to this process (hyper-threads of one core count once)."""
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    cores: set[tuple[str, str]] = set()
+    try:
+        block: dict[str, str] = {}
+        for line in Path("/proc/cpuinfo").read_text().splitlines() + [""]:
+            if ":" in line:
+                k, v = line.split(":", 1)
+                block[k.strip()] = v.strip()
+            elif block:
+                cpu = int(block.get("processor", "-1"))
+                if allowed is None or cpu in allowed:
+                    cores.add((block.get("physical id", "0"), block.get("core id", str(cpu))))
+                block = {}
+    except (OSError, ValueError):
+        pass
+    return len(cores) or len(allowed or ()) or os.cpu_count() or 1
+
+
+def ram_bytes() -> int:
+    """Physical RAM (MemTotal of /proc/meminfo)."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            return int(line.split()[1]) * 1024
+    raise OSError("MemTotal not found in /proc/meminfo")
+

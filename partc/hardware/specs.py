@@ -1,0 +1,220 @@
+"""Hardware descriptions for the analytic cost model: devices, links and clusters.
+
+A device says how fast one accelerator computes and streams memory and how much memory it has; a
+cluster says how many such devices there are per node, how many nodes, and how fast the links
+between them are. Both are frozen dataclasses of plain numbers in base units (bytes, bytes/s,
+FLOP/s, seconds) so the cost model and the solver never deal with units. They are read from
+configs/ by partc.hardware.configs (format: docs/hardware.md).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+# Operator classes the cost model prices differently. Every device gives an efficiency for each.
+OP_CLASSES = ("matmul", "conv", "attention", "norm", "elementwise", "reduction", "gather", "copy",
+              "other")
+
+# Classes that run on matrix units (tensor cores, AMX, oneDNN GEMM kernels): only these reach the
+# dtype's matrix peak. Everything else runs on vector units, which are no faster than float32.
+MATRIX_CLASSES = ("matmul", "conv", "attention")
+
+# Keys allowed in `peak_flops`. "tf32" is float32 matrix math on tensor cores (used only when the
+# device sets allow_tf32); "float8" covers every float8 variant torch has.
+DTYPES = ("float64", "float32", "tf32", "bfloat16", "float16", "float8")
+
+
+BACKENDS = ("nccl", "gloo")
+DEVICE_KINDS = ("cuda", "cpu")
+
+
+def _dtype_key(dtype: str) -> str:
+    """torch dtype names ("torch.float32", "float8_e4m3fn", "half") -> a `peak_flops` key."""
+    name = str(dtype).removeprefix("torch.")
+    if name.startswith("float8"):
+        return "float8"
+    return {"half": "float16", "float": "float32", "double": "float64"}.get(name, name)
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One device: compute peaks, memory bandwidth and capacity, and how much of it is reached.
+
+    Time of an operator in the analytic model is `op_overhead_s + max(flops / flops_per_s(dtype,
+    class), bytes / bytes_per_s())`. Numbers are in base units (bytes, bytes/s, FLOP/s, seconds).
+    """
+
+    name: str
+    kind: str  # "cuda" | "cpu"
+    memory_bytes: int  # usable memory per device
+    peak_flops: dict[str, float]  # dtype -> dense peak FLOP/s; "float32" always present
+    memory_bandwidth: float  # bytes/s, peak
+    efficiency: dict[str, float]  # op class (every one of OP_CLASSES) -> fraction of peak reached
+    bandwidth_efficiency: float  # fraction of memory_bandwidth reached by streaming ops
+    op_overhead_s: float  # fixed time per executed (non-view) operator: launch / dispatch
+    description: str = ""
+    source: str = ""
+    allow_tf32: bool = False  # float32 matrix ops run at the "tf32" peak (when it is given)
+
+    def __post_init__(self) -> None:
+        problems = _device_problems(self)
+        if problems:
+            raise ValueError(f"invalid DeviceSpec {self.name!r}: {problems[0]}")
+
+    def flops_per_s(self, dtype: str, op_class: str) -> float:
+        """FLOP/s an operator of `op_class` reaches on `dtype` operands.
+
+        Matrix classes (matmul, conv, attention) get the dtype's peak (float32 with allow_tf32: the
+        tf32 peak); a dtype the device does not list falls back to float32. Other classes run on
+        vector units, which tensor cores do not speed up, so they get at most the float32 peak.
+        Torch dtype names are accepted ("float8_e4m3fn" -> float8; integer dtypes -> float32).
+        """
+        if op_class not in self.efficiency:
+            raise ValueError(f"unknown op class {op_class!r}; expected one of {OP_CLASSES}")
+        key = _dtype_key(dtype)
+        fp32 = self.peak_flops["float32"]
+        if op_class in MATRIX_CLASSES:
+            if key == "float32" and self.allow_tf32 and "tf32" in self.peak_flops:
+                key = "tf32"
+            peak = self.peak_flops.get(key, fp32)
+        else:
+            peak = min(self.peak_flops.get(key, fp32), fp32)
+        return peak * self.efficiency[op_class]
+
+    def bytes_per_s(self) -> float:
+        """Memory bandwidth that streaming operators reach (bytes/s)."""
+        return self.memory_bandwidth * self.bandwidth_efficiency
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data in base units; `device_from_dict` reads it back to an equal spec."""
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "description": self.description,
+            "source": self.source,
+            "memory_bytes": self.memory_bytes,
+            "peak_flops": {k: self.peak_flops[k] for k in sorted(self.peak_flops)},
+            "allow_tf32": self.allow_tf32,
+            "memory_bandwidth": self.memory_bandwidth,
+            "bandwidth_efficiency": self.bandwidth_efficiency,
+            "efficiency": {k: self.efficiency[k] for k in OP_CLASSES},
+            "op_overhead_s": self.op_overhead_s,
+        }
+
+
+def _device_problems(d: DeviceSpec) -> list[str]:
+    problems = []
+    if d.kind not in DEVICE_KINDS:
+        problems.append(f"kind {d.kind!r} is not one of {DEVICE_KINDS}")
+    if "float32" not in d.peak_flops:
+        problems.append("peak_flops has no 'float32'")
+    problems += [f"unknown dtype {k!r} in peak_flops" for k in d.peak_flops if k not in DTYPES]
+    problems += [f"peak_flops[{k!r}] must be > 0" for k, v in d.peak_flops.items() if not v > 0]
+    if set(d.efficiency) != set(OP_CLASSES):
+        problems.append(f"efficiency must give exactly the op classes {OP_CLASSES}")
+    problems += [f"efficiency[{k!r}] must be in (0, 1]" for k, v in d.efficiency.items()
+                 if not 0 < v <= 1]
+    if not 0 < d.bandwidth_efficiency <= 1:
+        problems.append("bandwidth_efficiency must be in (0, 1]")
+    if not d.memory_bytes > 0:
+        problems.append("memory_bytes must be > 0")
+    if not d.memory_bandwidth > 0:
+        problems.append("memory_bandwidth must be > 0")
+    if not d.op_overhead_s >= 0:
+        problems.append("op_overhead_s must be >= 0")
+    return problems
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """A point-to-point link: bandwidth per direction (bytes/s) and per-message latency (s)."""
+
+    bandwidth: float
+    latency_s: float
+
+    def __post_init__(self) -> None:
+        if not self.bandwidth > 0 or not self.latency_s >= 0:
+            raise ValueError(f"invalid LinkSpec: bandwidth must be > 0 and latency_s >= 0, "
+                             f"got {self.bandwidth}, {self.latency_s}")
+
+    def transfer_s(self, nbytes: int) -> float:
+        """Time to send `nbytes` over this link: latency + nbytes / bandwidth (0 for no bytes)."""
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        return 0.0 if nbytes == 0 else self.latency_s + nbytes / self.bandwidth
+
+    def to_dict(self) -> dict[str, float]:
+        return {"bandwidth": self.bandwidth, "latency_s": self.latency_s}
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """`num_nodes` nodes of `devices_per_node` identical devices. Device i lives on node
+    i // devices_per_node; devices of one node talk over `intra_node`, others over `inter_node`
+    (bandwidth per device: a node's NICs shared by its devices)."""
+
+    name: str
+    device: DeviceSpec
+    devices_per_node: int
+    num_nodes: int
+    intra_node: LinkSpec
+    inter_node: LinkSpec
+    backend: str  # "nccl" | "gloo"
+    description: str = ""
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if self.devices_per_node < 1 or self.num_nodes < 1:
+            raise ValueError("devices_per_node and num_nodes must be >= 1")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend {self.backend!r} is not one of {BACKENDS}")
+
+    @property
+    def num_devices(self) -> int:
+        return self.devices_per_node * self.num_nodes
+
+    def node_of(self, device_index: int) -> int:
+        """The node that device `device_index` (0 .. num_devices-1) belongs to."""
+        if not 0 <= device_index < self.num_devices:
+            raise ValueError(f"device index {device_index} out of range 0..{self.num_devices - 1}")
+        return device_index // self.devices_per_node
+
+    def link(self, a: int, b: int) -> LinkSpec:
+        """The link between devices a and b: intra-node when they share a node, else inter-node."""
+        return self.intra_node if self.node_of(a) == self.node_of(b) else self.inter_node
+
+    def allreduce_s(self, nbytes: int, group: Sequence[int]) -> float:
+        """Ring all-reduce of `nbytes` over the devices in `group`.
+
+        2(n-1)/n * nbytes / B + 2(n-1) * L, where B and L are the bandwidth and latency of the
+        slowest link the ring uses (inter-node as soon as the group spans nodes). 0 when the group
+        has at most one device or there is nothing to reduce.
+        """
+        n = len(group)
+        if len(set(group)) != n:
+            raise ValueError(f"group has repeated devices: {list(group)}")
+        nodes = [self.node_of(i) for i in group]
+        if n <= 1 or nbytes == 0:
+            return 0.0
+        links = []
+        if len(set(nodes)) < n:  # some two devices share a node: the ring uses an intra link
+            links.append(self.intra_node)
+        if len(set(nodes)) > 1:
+            links.append(self.inter_node)
+        slowest = min(links, key=lambda link: link.bandwidth)
+        return 2 * (n - 1) / n * nbytes / slowest.bandwidth + 2 * (n - 1) * slowest.latency_s
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data in base units, the device inline; `cluster_from_dict` reads it back."""
+        return {
+            "name": self.name,
+            "description": self.description,
+            "source": self.source,
+            "device": self.device.to_dict(),
+            "devices_per_node": self.devices_per_node,
+            "num_nodes": self.num_nodes,
+            "backend": self.backend,
+            "intra_node": self.intra_node.to_dict(),
+            "inter_node": self.inter_node.to_dict(),
+        }
+

@@ -1,0 +1,305 @@
+"""`partc check`: is a checked-in plan still what `partc compile` would write for the model?
+
+The check re-captures the model (on the meta device when it is built there), compares its graph
+hash with the plan's, and re-solves with the plan's recorded inputs: the cluster as recorded in
+plan.yaml (not today's configs/ or this machine, so the check gives the same answer on any CI
+runner), the training settings, and `costs` (cost source, a checked-in profile, capture batch,
+blocks, strategy, time limit, pinned choices). The solver is deterministic, so a current plan
+re-solves to an equal `Layout` (partc.plans.diff). Stage files are checked against their hashes
+but never loaded.
+
+Outcomes: `current` (exit 0), `stale` with reasons (exit 1): the model changed (which modules and
+parameters, from the plan's fingerprint), the profile no longer matches the model, the plan no
+longer fits in memory, or the re-solved plan differs (which modules move between stages, old vs
+new predicted throughput). Bad input (no plan, broken plan, missing model file, a model that no
+longer exports) raises a PartcError (exit 2).
+"""
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from partc.errors import ModelFileError, PartcError
+from partc.graph.opgraph import OpGraph
+from partc.plans.plan import PLAN_FILE, Plan, PlanError, load_plan
+from partc.plans.diff import (Layout, LayoutDiff, collapse_modules, diff_layouts, format_diff,
+                              layout_of_partition, layout_of_plan)
+from partc.progress import Progress
+
+_MAX_ITEMS = 12  # names listed per kind of model change before "... and N more"
+
+
+@dataclass(frozen=True)
+class ModelChanges:
+    """How a model's graph differs from the one a plan was made from."""
+
+    old_hash: str
+    new_hash: str
+    parameters_added: tuple[tuple[str, str], ...] = ()  # (FQN, "dtype[shape]")
+    parameters_removed: tuple[tuple[str, str], ...] = ()
+    parameters_changed: tuple[tuple[str, str, str], ...] = ()  # (FQN, old, new)
+    modules_added: tuple[str, ...] = ()
+    modules_removed: tuple[str, ...] = ()
+    modules_changed: tuple[str, ...] = ()  # modules whose own operators changed
+
+    @property
+    def changed(self) -> bool:
+        return self.old_hash != self.new_hash
+
+
+def model_changes(plan: Plan, graph: OpGraph) -> ModelChanges:
+    """Compare the plan's recorded fingerprint with a fresh capture's."""
+    old_p, new_p = plan.model.parameter_signatures, graph.parameter_signatures()
+    old_m, new_m = plan.model.module_fingerprints, graph.module_fingerprints()
+    added = sorted(set(new_m) - set(old_m))
+    removed = sorted(set(old_m) - set(new_m))
+    return ModelChanges(
+        old_hash=plan.model.graph_hash, new_hash=graph.content_hash(),
+        parameters_added=tuple((n, new_p[n]) for n in sorted(set(new_p) - set(old_p))),
+        parameters_removed=tuple((n, old_p[n]) for n in sorted(set(old_p) - set(new_p))),
+        parameters_changed=tuple((n, old_p[n], new_p[n]) for n in sorted(set(old_p) & set(new_p))
+                                 if old_p[n] != new_p[n]),
+        modules_added=tuple(collapse_modules(added, set(new_m))),
+        modules_removed=tuple(collapse_modules(removed, set(old_m))),
+        modules_changed=tuple(m or "(root)" for m in sorted(set(old_m) & set(new_m))
+                              if old_m[m] != new_m[m]))
+
+
+@dataclass
+class CheckReport:
+    """The outcome of `check_plan`."""
+
+    plan_path: Path
+    plan: Plan
+    model_path: Path
+    current: bool
+    reasons: list[str] = field(default_factory=list)  # one line each, why it is stale
+    changes: ModelChanges | None = None
+    diff: LayoutDiff | None = None
+    notes: list[str] = field(default_factory=list)  # worth knowing, not staleness
+    new_layout: Layout | None = None
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.current else 1
+
+
+def find_plans(paths: tuple[Path, ...] | list[Path]) -> list[Path]:
+    """The plan files named by `paths`: a plan.yaml, or a directory holding one, or a directory
+    searched for every plan.yaml under it (sorted). Raises PlanError for a path that names none."""
+    found: list[Path] = []
+    for path in paths:
+        if path.is_dir() and not (path / PLAN_FILE).is_file():
+            below = sorted(path.rglob(PLAN_FILE))
+            if not below:
+                raise PlanError(f"no {PLAN_FILE} in {path} or below it",
+                                hint="pass a plan.yaml written by partc compile, or its directory")
+            found += below
+        else:
+            found.append(path / PLAN_FILE if path.is_dir() else path)
+    return list(dict.fromkeys(found))
+
+
+def check_plan(plan_path: str | Path, model: str | Path | None = None,
+               progress: Progress | None = None) -> CheckReport:
+    """Check a plan against its model (module docstring); `model` overrides the plan's path."""
+    from partc.solve.coarsen import coarsen
+    from partc.emit.compile import partc_version
+    from partc.cost.plan_costs import plan_costs
+    from partc.frontend.capture import capture_graph
+    from partc.solve.search import InfeasibleMemoryError, search
+
+    progress = progress or Progress()
+    plan = load_plan(plan_path)
+    path = Path(plan_path)
+    path = path / "plan.yaml" if path.is_dir() else path
+    with progress.step("checking stage file hashes"):
+        plan.check_stage_files()
+    model_path = Path(model) if model is not None else plan.model_path
+    if model is not None and not model_path.is_file():
+        raise ModelFileError(f"--model {model_path} is not a file",
+                             hint="pass the model file the plan was compiled from")
+    if not model_path.is_file():
+        raise ModelFileError(f"model file {plan.model.file} recorded in {path} (resolved to "
+                             f"{model_path}) not found",
+                             hint="pass --model PATH to the model file the plan was compiled from")
+    report = CheckReport(plan_path=path, plan=plan, model_path=model_path, current=True)
+    if plan.partc_version != partc_version():
+        report.notes.append(f"plan written by partc {plan.partc_version}, checked with "
+                            f"{partc_version()}")
+    _note_cluster_config(plan, report)
+
+    costs = plan.costs
+    result = capture_graph(model_path, int(costs["capture_batch_size"]), onnx=False,
+                           progress=progress)
+    changes = model_changes(plan, result.graph)
+    report.changes = changes
+    if changes.changed:
+        report.current = False
+        report.reasons.append(f"the model changed since the plan was compiled (graph "
+                              f"{changes.old_hash[:19]}.. -> {changes.new_hash[:19]}..)")
+    profile = None
+    if costs["source"] == "profile":
+        profile = (plan.directory or Path(".")) / str(costs["profile"])
+        if not profile.is_file():
+            raise PlanError(f"the profile {costs['profile']} recorded in {path} is missing "
+                            f"({profile})", hint="check the profile in next to the plan, or "
+                                                 "recompile without --profile")
+        if changes.changed:
+            report.reasons.append(f"profile {costs['profile']} was measured on the old model: "
+                                  "re-run partc profile before recompiling")
+            return report
+    cluster = _recorded_cluster(plan)
+    training, options = _recorded_search(plan)
+    table = plan_costs(result, cluster.device, profile, progress)
+    with progress.step(f"coarsen to at most {options.max_blocks} blocks"):
+        blocks = coarsen(table, options.max_blocks)
+    try:
+        partition = search(table, cluster, int(plan.training["global_batch_size"]), training,
+                           options, blocks=blocks, progress=progress)
+    except InfeasibleMemoryError as exc:
+        report.current = False
+        report.reasons.append(f"no plan fits any more: {exc.one_line()}")
+        return report
+    new = layout_of_partition(partition, result.graph.module_fingerprints())
+    report.new_layout = new
+    old = layout_of_plan(plan)
+    if old != new:
+        report.current = False
+        report.diff = diff_layouts(old, new)
+        report.reasons.append("re-solving with the plan's recorded inputs gives a different plan"
+                              if not changes.changed else "and the re-solved plan differs:")
+    return report
+
+
+def _recorded_cluster(plan: Plan) -> Any:
+    from partc.hardware.configs import cluster_from_dict
+
+    data = {k: v for k, v in plan.cluster.items() if k not in ("num_devices", "devices_used")}
+    return cluster_from_dict(data, f"the cluster recorded in {plan.directory or 'the plan'}")
+
+
+def _recorded_search(plan: Plan) -> tuple[Any, Any]:
+    from partc.solve.memory import TrainingConfig
+    from partc.solve.search import SearchOptions
+
+    t, c = plan.training, plan.costs
+    pinned = c.get("pinned") or {}
+    training = TrainingConfig(optimizer=t["optimizer"], precision=t["precision"],
+                              memory_margin=float(t["memory_margin"]))
+    options = SearchOptions(strategy=c["strategy"], stages=pinned.get("stages"),
+                            replicas=pinned.get("replicas"),
+                            num_microbatches=pinned.get("num_microbatches"),
+                            schedule=pinned.get("schedule"),
+                            activation_checkpointing=pinned.get("activation_checkpointing"),
+                            max_blocks=int(c["max_blocks"]), time_limit_s=float(c["time_limit_s"]),
+                            refine=int(c["refine"]))
+    return training, options
+
+
+def _note_cluster_config(plan: Plan, report: CheckReport) -> None:
+    """A named cluster config that now says something else than the plan recorded is worth a
+    note: the check uses the recorded cluster, a recompile would use the config."""
+    from partc.hardware.configs import load_cluster
+
+    name = str(plan.cluster.get("name", ""))
+    if name == "local":  # this machine: differs between machines by design
+        return
+    try:
+        current = load_cluster(name).to_dict()
+    except PartcError:
+        return
+    recorded = {k: v for k, v in plan.cluster.items() if k not in ("num_devices", "devices_used")}
+    if current != recorded:
+        report.notes.append(f"configs/clusters/{name}.yaml differs from the cluster recorded in "
+                            "the plan; the check used the recorded one (recompile to adopt it)")
+
+
+def compile_command(plan: Plan, plan_path: Path, model_path: Path | None = None) -> str:
+    """The `partc compile` command line that reproduces `plan` (for the stale hint)."""
+    t, c = plan.training, plan.costs
+    directory = plan_path.parent
+    model = model_path if model_path is not None else plan.model_path
+    args = ["partc", "compile", _shown(model), "-b", str(t["global_batch_size"]),
+            "--cluster", str(plan.cluster["name"])]
+    pinned = c.get("pinned") or {}
+    for key, flag in (("stages", "--stages"), ("replicas", "--replicas"),
+                      ("num_microbatches", "--microbatches"), ("schedule", "--schedule")):
+        if key in pinned:
+            args += [flag, str(pinned[key])]
+    if "activation_checkpointing" in pinned:
+        args.append("--checkpointing" if pinned["activation_checkpointing"] else
+                    "--no-checkpointing")
+    if c["source"] == "profile":
+        args += ["--profile", _shown((directory / str(c["profile"])))]
+    defaults = {"strategy": "cpsat", "max_blocks": 128, "time_limit_s": 10.0, "refine": 1,
+                "capture_batch_size": 2}
+    flags = {"strategy": "--strategy", "max_blocks": "--max-blocks",
+             "time_limit_s": "--time-limit", "refine": "--refine",
+             "capture_batch_size": "--capture-batch"}
+    for key, flag in flags.items():
+        if c[key] != defaults[key]:
+            args += [flag, str(c[key])]
+    for key, flag, default in (("optimizer", "--optimizer", "adamw"),
+                               ("precision", "--precision", "fp32"),
+                               ("memory_margin", "--memory-margin", 0.1)):
+        if t[key] != default:
+            args += [flag, str(t[key])]
+    args += ["-o", _shown(directory)]
+    return " ".join(shlex.quote(a) for a in args)
+
+
+def _shown(path: Path) -> str:
+    """A path as the user would type it: relative to the working directory when inside it."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+def format_check(report: CheckReport) -> str:
+    """The check's output: one status line, then (when stale) why, what moved and the fix."""
+    plan = report.plan
+    p = plan.predicted
+    t = plan.training
+    head = (f"{report.plan_path}: {'current' if report.current else 'STALE'} "
+            f"({plan.model.name}, {t['stages']} stage(s) x {t['replicas']} replica(s) on "
+            f"{plan.cluster['name']}, {p['samples_per_s']:,.1f} samples/s predicted)")
+    lines = [head]
+    lines += [f"  note: {n}" for n in report.notes]
+    if report.current:
+        return "\n".join(lines)
+    ch = report.changes
+    for reason in report.reasons:
+        lines.append(f"  {reason}")
+        if ch is not None and ch.changed and reason.startswith("the model changed"):
+            lines += _format_changes(ch)
+    if report.diff is not None:
+        lines.append(format_diff(report.diff, "plan", "now", indent="    "))
+    lines.append(f"  fix: {compile_command(plan, report.plan_path, report.model_path)}")
+    return "\n".join(lines)
+
+
+def _format_changes(ch: ModelChanges) -> list[str]:
+    out: list[str] = []
+
+    def listing(title: str, items: list[str]) -> None:
+        if not items:
+            return
+        out.append(f"    {title} ({len(items)}):")
+        out.extend(f"      {x}" for x in items[:_MAX_ITEMS])
+        if len(items) > _MAX_ITEMS:
+            out.append(f"      ... and {len(items) - _MAX_ITEMS} more")
+
+    listing("parameters changed", [f"{n}: {a} -> {b}" for n, a, b in ch.parameters_changed])
+    listing("parameters added", [f"{n}: {s}" for n, s in ch.parameters_added])
+    listing("parameters removed", [f"{n}: {s}" for n, s in ch.parameters_removed])
+    listing("modules added", list(ch.modules_added))
+    listing("modules removed", list(ch.modules_removed))
+    listing("modules whose operators changed", list(ch.modules_changed))
+    if not out:
+        out.append("    (no module or parameter differs: the inputs, outputs or the order of "
+                   "operators changed)")
+    return out

@@ -1,0 +1,312 @@
+"""What differs between two plans of a model: `partc diff`, and the "what moved" half of
+`partc check`.
+
+Both sides are reduced to a `Layout`: the pipeline shape, each stage's place, modules and
+predicted costs, the predicted iteration and the solver's report, rounded exactly as plan.yaml
+rounds them. A Layout comes from a plan (`layout_of_plan`) or straight from a solver result
+(`layout_of_partition`, which `partc check` uses without writing stage files), so "the re-solved
+plan equals the checked-in plan" is plain equality of two Layouts.
+
+Stage boundaries are compared by module path at the granularity of the model's fingerprint
+(every module that calls operators itself): each such module is attributed to the stages whose
+module lists name it or an ancestor of it, so two plans that list modules at different depths
+("bert.encoder.layer.1" vs its "attention" and "output") still compare module by module.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from partc.solve.partition import round_seconds
+
+if TYPE_CHECKING:
+    from partc.solve.partition import Partition
+    from partc.plans.plan import Plan
+
+ROOT_MODULE = "(root)"  # how stage module lists name the root module ("" in fingerprints)
+_MAX_LINES = 24  # moved-module lines shown before "... and N more"
+
+
+@dataclass(frozen=True)
+class LayoutStage:
+    """One (virtual) stage: where it runs, what it holds, what it is predicted to cost."""
+
+    index: int
+    rank: int
+    devices: tuple[int, ...]
+    modules: tuple[str, ...]
+    parameters: int
+    forward_s: float
+    backward_s: float
+    peak_memory_bytes: int
+    send_forward_s: float
+    send_backward_s: float
+    activation_bytes: int
+    static_bytes: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The comparable content of a plan (module docstring). Fingerprints ride along for
+    explanations and are not compared (the graph hash stands for them)."""
+
+    model: str
+    graph_hash: str
+    cluster: str
+    devices_used: int
+    training: dict[str, Any]
+    stages: tuple[LayoutStage, ...]
+    predicted: dict[str, Any]
+    solver: dict[str, Any]
+    module_fingerprints: dict[str, str] = field(default_factory=dict, compare=False)
+
+    @property
+    def samples_per_s(self) -> float:
+        return float(self.predicted["samples_per_s"])
+
+    @property
+    def iteration_s(self) -> float:
+        return float(self.predicted["iteration_s"])
+
+
+def layout_of_plan(plan: "Plan") -> Layout:
+    """A plan's Layout."""
+    stages = tuple(LayoutStage(
+        index=s.index, rank=s.rank, devices=tuple(s.devices), modules=tuple(s.modules),
+        parameters=s.parameters, forward_s=s.forward_s, backward_s=s.backward_s,
+        peak_memory_bytes=s.peak_memory_bytes, send_forward_s=s.send_forward_s,
+        send_backward_s=s.send_backward_s, activation_bytes=s.activation_bytes,
+        static_bytes=s.static_bytes) for s in plan.stages)
+    return Layout(model=plan.model.name, graph_hash=plan.model.graph_hash,
+                  cluster=str(plan.cluster["name"]), devices_used=int(plan.cluster["devices_used"]),
+                  training=dict(plan.training), stages=stages, predicted=dict(plan.predicted),
+                  solver=dict(plan.solver),
+                  module_fingerprints=dict(plan.model.module_fingerprints))
+
+
+def layout_of_partition(partition: "Partition", module_fingerprints: dict[str, str]) -> Layout:
+    """The Layout `partc compile` would write for `partition` (same fields, same rounding)."""
+    from partc.emit.compile import plan_predictions
+
+    stages = tuple(LayoutStage(
+        index=st.index, rank=st.rank, devices=tuple(st.devices), modules=tuple(st.modules),
+        parameters=st.parameter_count, forward_s=round_seconds(st.forward_s),
+        backward_s=round_seconds(st.backward_s),
+        peak_memory_bytes=partition.memory[st.rank].total,
+        send_forward_s=round_seconds(t.send_forward_s),
+        send_backward_s=round_seconds(t.send_backward_s),
+        activation_bytes=int(t.activation_bytes), static_bytes=int(t.static_bytes))
+        for st, t in zip(partition.stages, partition.pipeline.stages))
+    return Layout(model=partition.model, graph_hash=partition.graph_hash,
+                  cluster=partition.cluster, devices_used=partition.shape.num_devices,
+                  training=partition.training_dict(), stages=stages,
+                  predicted=plan_predictions(partition),
+                  solver=partition.solver.to_dict(include_time=False),
+                  module_fingerprints=dict(module_fingerprints))
+
+
+# ---- module attribution ----------------------------------------------------------------------
+
+def module_stages(layout: Layout, modules: list[str]) -> dict[str, tuple[int, ...]]:
+    """Each of `modules` (fingerprint paths, "" = root) -> the stages holding its own operators.
+
+    A stage lists a module either because it holds the whole module (then it names the outermost
+    such ancestor) or because it holds some of the module's own operators (then it names the
+    module itself); either way the stages holding a module's operators are exactly those listing
+    its nearest listed ancestor-or-self."""
+    listing: dict[str, list[int]] = {}
+    for s in layout.stages:
+        for m in s.modules:
+            listing.setdefault("" if m == ROOT_MODULE else m, []).append(s.index)
+    out: dict[str, tuple[int, ...]] = {}
+    for module in modules:
+        path = module
+        while path not in listing and path:
+            path = path.rpartition(".")[0]
+        out[module] = tuple(sorted(set(listing.get(path, ()))))
+    return out
+
+
+def _module_order(a: Layout, b: Layout) -> list[str]:
+    """Fingerprint modules both layouts have, in the order stages hold them (then by name)."""
+    # Modules only one side has (an added layer) have no stage to move from: partc check lists
+    # them as model changes instead.
+    names = set(a.module_fingerprints) & set(b.module_fingerprints)
+    if not names:  # layouts without fingerprints: compare the listed paths themselves
+        names = {("" if m == ROOT_MODULE else m) for lay in (a, b) for s in lay.stages
+                 for m in s.modules}
+    first = module_stages(a, sorted(names))
+    return sorted(names, key=lambda m: (first[m][0] if first[m] else 1 << 30, m))
+
+
+def collapse_modules(paths: list[str], universe: set[str]) -> list[str]:
+    """Shortest description of `paths`: a module whose whole subtree (within `universe`) is in
+    `paths` is named once instead of listing its submodules."""
+    chosen = set(paths)
+    out: list[str] = []
+    covered: set[str] = set()
+    for path in paths:
+        if path in covered:
+            continue
+        parts = path.split(".") if path else []
+        name = path
+        for depth in range(1, len(parts)):
+            prefix = ".".join(parts[:depth])
+            subtree = {u for u in universe if u == prefix or u.startswith(prefix + ".")}
+            if subtree and subtree <= chosen:
+                name = prefix
+                covered |= subtree
+                break
+        covered.add(path)
+        if name not in out:
+            out.append(name)
+    return out
+
+
+# ---- the diff ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ModuleMove:
+    modules: tuple[str, ...]  # collapsed module paths
+    old: tuple[int, ...]
+    new: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class LayoutDiff:
+    """Everything that differs between layouts `old` and `new` (empty lists: nothing)."""
+
+    old: Layout
+    new: Layout
+    shape: list[tuple[str, Any, Any]]  # (what, old, new) for training settings that differ
+    moves: list[ModuleMove]
+    stages_changed: bool  # any stage's place, modules or predicted costs differ
+    predicted_changed: bool
+    solver_changed: bool
+
+    @property
+    def same(self) -> bool:
+        return self.old == self.new
+
+
+_SHAPE_KEYS = (("stages", "pipeline stages"), ("replicas", "replicas"),
+               ("virtual_stages_per_rank", "virtual stages per rank"),
+               ("num_microbatches", "micro-batches"), ("microbatch_size", "micro-batch size"),
+               ("global_batch_size", "global batch"), ("schedule", "schedule"),
+               ("activation_checkpointing", "activation checkpointing"),
+               ("placement", "placement"), ("optimizer", "optimizer"),
+               ("precision", "precision"), ("memory_margin", "memory margin"))
+
+
+def diff_layouts(old: Layout, new: Layout) -> LayoutDiff:
+    """Compare two layouts (module docstring)."""
+    shape = [(label, old.training.get(key), new.training.get(key)) for key, label in _SHAPE_KEYS
+             if old.training.get(key) != new.training.get(key)]
+    if old.cluster != new.cluster:
+        shape.insert(0, ("cluster", old.cluster, new.cluster))
+    if old.devices_used != new.devices_used:
+        shape.insert(0, ("devices used", old.devices_used, new.devices_used))
+    order = _module_order(old, new)
+    before, after = module_stages(old, order), module_stages(new, order)
+    groups: dict[tuple[tuple[int, ...], tuple[int, ...]], list[str]] = {}
+    for m in order:
+        if before[m] != after[m]:
+            groups.setdefault((before[m], after[m]), []).append(m)
+    universe = set(order)
+    moves = [ModuleMove(modules=tuple(ROOT_MODULE if p == "" else p
+                                      for p in collapse_modules(paths, universe)), old=o, new=n)
+             for (o, n), paths in groups.items()]
+    return LayoutDiff(old=old, new=new, shape=shape, moves=moves,
+                      stages_changed=old.stages != new.stages,
+                      predicted_changed=old.predicted != new.predicted,
+                      solver_changed=old.solver != new.solver)
+
+
+def _stages_text(stages: tuple[int, ...]) -> str:
+    if not stages:
+        return "nowhere"
+    return ("stage " if len(stages) == 1 else "stages ") + ", ".join(map(str, stages))
+
+
+def _ms(x: float) -> str:
+    return f"{x * 1e3:.3f}"
+
+
+def _gib(x: float) -> str:
+    return f"{x / 2**30:.3f}"
+
+
+def _change(old: float, new: float) -> str:
+    if old == new:
+        return "="
+    if old == 0:
+        return "new"
+    return f"{(new - old) / old:+.1%}"
+
+
+def _span(stage: LayoutStage) -> str:
+    if not stage.modules:
+        return "(no modules)"
+    if len(stage.modules) == 1:
+        return stage.modules[0]
+    return f"{stage.modules[0]} .. {stage.modules[-1]}"
+
+
+def format_diff(diff: LayoutDiff, old_name: str = "a", new_name: str = "b",
+                indent: str = "") -> str:
+    """The human-readable diff: shape changes, modules that change stage, a per-stage table of
+    devices, predicted times and memory, and old vs new throughput."""
+    old, new = diff.old, diff.new
+    lines: list[str] = []
+    if diff.same:
+        return indent + "no differences"
+    if old.graph_hash != new.graph_hash:
+        lines.append(f"model graph: {old.graph_hash[:19]}.. ({old_name}) vs "
+                     f"{new.graph_hash[:19]}.. ({new_name})")
+    for what, a, b in diff.shape:
+        lines.append(f"{what}: {a} -> {b}")
+    if diff.moves:
+        count = sum(len(m.modules) for m in diff.moves)
+        lines.append(f"modules that change stage ({count}):")
+        shown = 0
+        for move in diff.moves:
+            for module in move.modules:
+                if shown < _MAX_LINES:
+                    lines.append(f"  {module}: {_stages_text(move.old)} -> {_stages_text(move.new)}")
+                shown += 1
+        if shown > _MAX_LINES:
+            lines.append(f"  ... and {shown - _MAX_LINES} more")
+    if diff.stages_changed or diff.moves:
+        lines.append(f"{'stage':>5}  {'devices':<17} {'fwd ms':<19} {'bwd ms':<19} "
+                     f"{'memory GiB':<17}  modules ({old_name} -> {new_name})")
+        for k in range(max(len(old.stages), len(new.stages))):
+            a = old.stages[k] if k < len(old.stages) else None
+            b = new.stages[k] if k < len(new.stages) else None
+            lines.append(_stage_row(k, a, b))
+    lines.append(f"predicted: {_ms(old.iteration_s)} -> {_ms(new.iteration_s)} ms/iteration, "
+                 f"{old.samples_per_s:,.1f} -> {new.samples_per_s:,.1f} samples/s "
+                 f"({_change(old.samples_per_s, new.samples_per_s)}), bubble "
+                 f"{old.predicted['bubble_fraction']:.1%} -> {new.predicted['bubble_fraction']:.1%}")
+    a, b = old.solver, new.solver
+    gap = lambda r: "-" if r.get("gap") is None else f"{r['gap']:.2%}"  # noqa: E731
+    if (a.get("strategy"), a.get("status"), gap(a)) != (b.get("strategy"), b.get("status"), gap(b)):
+        lines.append(f"solver: {a.get('strategy')} {a.get('status')} (gap {gap(a)}) -> "
+                     f"{b.get('strategy')} {b.get('status')} (gap {gap(b)})")
+    return "\n".join(indent + line for line in lines)
+
+
+def _stage_row(k: int, a: LayoutStage | None, b: LayoutStage | None) -> str:
+    def pair(f: Any, getter: Any) -> str:
+        if a is None:
+            return f"- -> {f(getter(b))}"
+        if b is None:
+            return f"{f(getter(a))} -> -"
+        x, y = f(getter(a)), f(getter(b))
+        return x if x == y else f"{x} -> {y}"
+
+    devices = pair(lambda d: ",".join(map(str, d)), lambda s: s.devices)
+    fwd = pair(_ms, lambda s: s.forward_s)
+    bwd = pair(_ms, lambda s: s.backward_s)
+    mem = pair(_gib, lambda s: s.peak_memory_bytes)
+    span = pair(lambda x: x, _span)
+    return f"{k:>5}  {devices:<17} {fwd:<19} {bwd:<19} {mem:<17}  {span}"

@@ -1,0 +1,415 @@
+"""The plan artifact: plan.yaml (schema v1) and its stage files, as typed data.
+
+A plan directory holds `plan.yaml`, one `stage_<k>.pt` per (virtual) stage and `timings.yaml`
+(wall-clock times of the compile; not part of the plan, never compared). `Plan.save` writes
+plan.yaml deterministically (sorted keys, rounded floats, no timestamps, no absolute paths: the
+model file is recorded relative to the plan directory), so the same inputs give the same bytes.
+`load_plan` validates the file against the JSON Schema shipped in partc/schema/ before anything
+reads it, and `Plan.check_stage_files` checks every stage file's SHA-256 before anything loads one.
+The format is documented in docs/plan-format.md.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import yaml
+
+from partc.errors import PartcError
+from partc.solve.partition import round_seconds
+
+if TYPE_CHECKING:
+    from partc.solve.simulator import PipelineSpec
+
+SCHEMA_VERSION = 1
+PLAN_FILE = "plan.yaml"
+TIMINGS_FILE = "timings.yaml"
+SCHEMA_FILE = Path(__file__).parent / "schema" / "plan-v1.schema.json"
+WEIGHTS_IN_STAGE_FILES = "stage-files"
+WEIGHTS_AT_LAUNCH = "initialise-at-launch"
+MODEL_INPUT = "input"  # `TensorRef.peer` of a stage-0 input that is a model input
+LOSS = "loss"  # `TensorRef.peer` of a last-stage output that goes to the loss
+
+
+class PlanError(PartcError):
+    """A plan file that is missing, malformed, from another schema version, or tampered with."""
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """A tensor at a stage boundary (or a model input/output) at the micro-batch size.
+
+    For a stage input `peer` is the stage it comes from (or "input"); for a stage output, the
+    stages that read it (or "loss"). `relay` marks an output the stage passes on unchanged.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    peer: tuple[int | str, ...] = ()
+    path: str = ""  # for model inputs/outputs: where it sits in the structure (pytree key string)
+    relay: bool = False
+
+    def to_dict(self, peer_key: str | None) -> dict[str, Any]:
+        d: dict[str, Any] = {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
+        if peer_key == "from":
+            d["from"] = self.peer[0]
+        elif peer_key == "to":
+            d["to"] = list(self.peer)
+        if self.path:
+            d["path"] = self.path
+        if self.relay:
+            d["relay"] = True
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "TensorRef":
+        peer: tuple[int | str, ...] = ()
+        if "from" in d:
+            peer = (d["from"],)
+        elif "to" in d:
+            peer = tuple(d["to"])
+        return cls(name=d["name"], shape=tuple(d["shape"]), dtype=d["dtype"], peer=peer,
+                   path=d.get("path", ""), relay=bool(d.get("relay", False)))
+
+
+@dataclass(frozen=True)
+class PlanStage:
+    """One (virtual) stage of the plan: its file, where it runs, what it holds and costs."""
+
+    index: int
+    rank: int
+    file: str
+    sha256: str
+    replicas: int
+    devices: tuple[int, ...]
+    parameters: int  # element count of the parameters it holds
+    parameter_names: tuple[str, ...]
+    buffer_names: tuple[str, ...]  # buffers in the model's state_dict
+    constant_names: tuple[str, ...]  # tensors not in a state_dict (non-persistent buffers, ...)
+    modules: tuple[str, ...]
+    num_nodes: int
+    inputs: tuple[TensorRef, ...]
+    outputs: tuple[TensorRef, ...]
+    forward_s: float
+    backward_s: float
+    peak_memory_bytes: int
+    # What the schedule simulation took for this stage (partc.solve.simulator.StageTiming), so `partc
+    # show` can replay the schedule from plan.yaml alone.
+    send_forward_s: float = 0.0
+    send_backward_s: float = 0.0
+    activation_bytes: int = 0
+    static_bytes: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"index": self.index, "rank": self.rank, "file": self.file, "sha256": self.sha256,
+                "replicas": self.replicas, "devices": list(self.devices),
+                "parameters": self.parameters, "parameter_names": list(self.parameter_names),
+                "buffer_names": list(self.buffer_names),
+                "constant_names": list(self.constant_names), "modules": list(self.modules),
+                "num_nodes": self.num_nodes,
+                "inputs": [t.to_dict("from") for t in self.inputs],
+                "outputs": [t.to_dict("to") for t in self.outputs],
+                "predicted": {"forward_s": round_seconds(self.forward_s),
+                              "backward_s": round_seconds(self.backward_s),
+                              "peak_memory_bytes": self.peak_memory_bytes,
+                              "send_forward_s": round_seconds(self.send_forward_s),
+                              "send_backward_s": round_seconds(self.send_backward_s),
+                              "activation_bytes": self.activation_bytes,
+                              "static_bytes": self.static_bytes}}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "PlanStage":
+        p = d["predicted"]
+        return cls(index=d["index"], rank=d["rank"], file=d["file"], sha256=d["sha256"],
+                   replicas=d["replicas"], devices=tuple(d["devices"]),
+                   parameters=d["parameters"], parameter_names=tuple(d["parameter_names"]),
+                   buffer_names=tuple(d["buffer_names"]),
+                   constant_names=tuple(d["constant_names"]), modules=tuple(d["modules"]),
+                   num_nodes=d["num_nodes"],
+                   inputs=tuple(TensorRef.from_dict(t) for t in d["inputs"]),
+                   outputs=tuple(TensorRef.from_dict(t) for t in d["outputs"]),
+                   forward_s=p["forward_s"], backward_s=p["backward_s"],
+                   peak_memory_bytes=p["peak_memory_bytes"],
+                   send_forward_s=p["send_forward_s"], send_backward_s=p["send_backward_s"],
+                   activation_bytes=p["activation_bytes"], static_bytes=p["static_bytes"])
+
+
+@dataclass(frozen=True)
+class TiedParameter:
+    """A parameter that more than one stage holds (a tied embedding): its gradient is the sum of
+    the stages' gradients, and launch keeps the copies equal."""
+
+    name: str  # the FQN the stages hold it under
+    aliases: tuple[str, ...]  # the model's other FQNs for the same tensor
+    stages: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    file: str  # relative to the plan directory
+    name: str
+    graph_hash: str
+    on_meta: bool
+    parameters: int
+    weights: str  # WEIGHTS_IN_STAGE_FILES or WEIGHTS_AT_LAUNCH
+    inputs: tuple[TensorRef, ...]
+    outputs: tuple[TensorRef, ...]
+    input_spec: str  # torch.utils._pytree.treespec_dumps of (args, kwargs); "" if not serialisable
+    output_spec: str  # the same for the model's output structure
+    tied_weights: tuple[tuple[str, ...], ...] = ()  # FQNs naming one tensor (any stage count)
+    # What `partc check` explains changes with: module path -> hash of its own operators, and
+    # parameter/buffer FQN -> "dtype[shape]" (OpGraph.module_fingerprints/parameter_signatures).
+    module_fingerprints: dict[str, str] = field(default_factory=dict)
+    parameter_signatures: dict[str, str] = field(default_factory=dict)
+
+    def aliases(self) -> dict[str, tuple[str, ...]]:
+        """Every FQN of a tied tensor -> its other FQNs."""
+        return {n: tuple(a for a in group if a != n) for group in self.tied_weights for n in group}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"file": self.file, "name": self.name, "graph_hash": self.graph_hash,
+                "on_meta": self.on_meta, "parameters": self.parameters, "weights": self.weights,
+                "inputs": [t.to_dict(None) for t in self.inputs],
+                "outputs": [t.to_dict(None) for t in self.outputs],
+                "input_spec": self.input_spec, "output_spec": self.output_spec,
+                "tied_weights": [list(g) for g in self.tied_weights],
+                "fingerprint": {"modules": dict(self.module_fingerprints),
+                                "parameters": dict(self.parameter_signatures)}}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelInfo":
+        return cls(file=d["file"], name=d["name"], graph_hash=d["graph_hash"],
+                   on_meta=d["on_meta"], parameters=d["parameters"], weights=d["weights"],
+                   inputs=tuple(TensorRef.from_dict(t) for t in d["inputs"]),
+                   outputs=tuple(TensorRef.from_dict(t) for t in d["outputs"]),
+                   input_spec=d["input_spec"], output_spec=d["output_spec"],
+                   tied_weights=tuple(tuple(g) for g in d["tied_weights"]),
+                   module_fingerprints=dict(d["fingerprint"]["modules"]),
+                   parameter_signatures=dict(d["fingerprint"]["parameters"]))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """plan.yaml, schema v1 (docs/plan-format.md). `directory` is where it was loaded from or
+    saved to; it is not part of the file."""
+
+    partc_version: str
+    model: ModelInfo
+    cluster: dict[str, Any]  # ClusterSpec.to_dict() plus num_devices and devices_used
+    training: dict[str, Any]
+    costs: dict[str, Any]  # what the plan was solved with (for `partc check`)
+    stages: tuple[PlanStage, ...]
+    tied_parameters: tuple[TiedParameter, ...]
+    solver: dict[str, Any]  # SolverReport.to_dict(include_time=False)
+    predicted: dict[str, Any]
+    directory: Path | None = field(default=None, compare=False)
+
+    # ---- reading ---------------------------------------------------------------------------
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def microbatch_size(self) -> int:
+        return int(self.training["microbatch_size"])
+
+    @property
+    def model_path(self) -> Path:
+        """The model file, resolved against the plan's directory."""
+        base = self.directory if self.directory is not None else Path(".")
+        return (base / self.model.file).resolve()
+
+    def stage_path(self, stage: PlanStage) -> Path:
+        base = self.directory if self.directory is not None else Path(".")
+        return base / stage.file
+
+    def pipeline_spec(self) -> "PipelineSpec":
+        """The schedule simulation's input, rebuilt from plan.yaml (`simulate` of it replays the
+        predicted iteration: partc show draws it)."""
+        from partc.solve.simulator import PipelineSpec, StageTiming
+
+        p = self.predicted
+        return PipelineSpec(
+            schedule=self.training["schedule"], num_ranks=int(self.training["stages"]),
+            num_microbatches=int(self.training["num_microbatches"]),
+            stages=tuple(StageTiming(forward_s=s.forward_s, backward_s=s.backward_s,
+                                     send_forward_s=s.send_forward_s,
+                                     send_backward_s=s.send_backward_s,
+                                     activation_bytes=float(s.activation_bytes),
+                                     static_bytes=float(s.static_bytes)) for s in self.stages),
+            allreduce_s=tuple(p["allreduce_s"]), optimizer_s=tuple(p["optimizer_s"]))
+
+    def check_stage_files(self) -> None:
+        """Raise PlanError unless every stage file exists and has the recorded SHA-256. Nothing
+        from a plan directory is loaded before this passes."""
+        from partc.emit.stage_code import sha256_file
+
+        for stage in self.stages:
+            path = self.stage_path(stage)
+            if not path.is_file():
+                raise PlanError(f"stage file {path} of stage {stage.index} is missing",
+                                hint="re-run partc compile to regenerate the plan directory")
+            actual = sha256_file(path)
+            if actual != stage.sha256:
+                raise PlanError(f"stage file {path} does not match plan.yaml (sha256 {actual[:12]}.., "
+                                f"expected {stage.sha256[:12]}..): modified or corrupted",
+                                hint="re-run partc compile; never edit stage files by hand")
+
+    # ---- writing ---------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "partc_version": self.partc_version,
+            "model": self.model.to_dict(),
+            "cluster": self.cluster,
+            "training": self.training,
+            "costs": self.costs,
+            "stages": [s.to_dict() for s in self.stages],
+            "tied_parameters": [{"name": t.name, "aliases": list(t.aliases),
+                                 "stages": list(t.stages)} for t in self.tied_parameters],
+            "solver": self.solver,
+            "predicted": self.predicted,
+        }
+
+    def dumps(self) -> str:
+        """plan.yaml's text: sorted keys, block style except lists of numbers (shapes, devices)
+        on one line; byte-identical for equal plans."""
+        return yaml.dump(self.to_dict(), Dumper=_PlanDumper, sort_keys=True,
+                         default_flow_style=False, width=100)
+
+    def save(self, directory: str | Path) -> Path:
+        """Write plan.yaml into `directory` (validated against the schema first)."""
+        data = self.to_dict()
+        validate_plan_dict(data, "the plan being written")
+        path = Path(directory) / PLAN_FILE
+        _atomic_write(path, self.dumps())
+        return path
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], directory: Path | None = None) -> "Plan":
+        return cls(partc_version=d["partc_version"], model=ModelInfo.from_dict(d["model"]),
+                   cluster=d["cluster"], training=d["training"], costs=d["costs"],
+                   stages=tuple(PlanStage.from_dict(s) for s in d["stages"]),
+                   tied_parameters=tuple(TiedParameter(name=t["name"], aliases=tuple(t["aliases"]),
+                                                       stages=tuple(t["stages"]))
+                                         for t in d["tied_parameters"]),
+                   solver=d["solver"], predicted=d["predicted"], directory=directory)
+
+
+class _PlanDumper(yaml.SafeDumper):
+    """SafeDumper writing lists of numbers in flow style: `shape: [1, 32, 256]`."""
+
+
+def _represent_list(dumper: yaml.SafeDumper, data: list[Any]) -> yaml.Node:
+    numbers = bool(data) and all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                 for x in data)
+    return dumper.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=numbers)
+
+
+_PlanDumper.add_representer(list, _represent_list)
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+
+@lru_cache(maxsize=1)
+def plan_schema() -> dict[str, Any]:
+    """The JSON Schema of plan.yaml v1 (partc/schema/plan-v1.schema.json)."""
+    return json.loads(SCHEMA_FILE.read_text())
+
+
+def validate_plan_dict(data: Any, where: str) -> None:
+    """Raise PlanError naming the first schema violation of `data` (plan.yaml's content)."""
+    import jsonschema
+
+    if isinstance(data, dict) and data.get("schema_version") not in (None, SCHEMA_VERSION):
+        raise PlanError(f"{where} has schema_version {data.get('schema_version')!r}; this partc "
+                        f"reads version {SCHEMA_VERSION}",
+                        hint="re-run partc compile with this partc, or use the partc that wrote it")
+    validator = jsonschema.Draft202012Validator(plan_schema())
+    errors = sorted(validator.iter_errors(data), key=lambda e: list(e.absolute_path))
+    if errors:
+        first = errors[0]
+        at = "/".join(str(p) for p in first.absolute_path) or "(top level)"
+        raise PlanError(f"{where} is not a valid plan: at {at}: {first.message}"
+                        + (f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""),
+                        hint="re-run partc compile; see docs/plan-format.md for the format")
+
+
+def load_plan(path: str | Path) -> Plan:
+    """Read and validate plan.yaml (a file, or a plan directory containing one)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / PLAN_FILE
+    if not path.is_file():
+        raise PlanError(f"plan file {path} not found",
+                        hint="pass the plan.yaml that partc compile wrote (or its directory)")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise PlanError(f"plan file {path} is not valid YAML: {' '.join(str(exc).split())[:200]}",
+                        hint="re-run partc compile to regenerate it") from exc
+    except OSError as exc:
+        raise PlanError(f"cannot read plan file {path}: {exc.strerror}",
+                        hint="check the path and its permissions") from exc
+    validate_plan_dict(data, str(path))
+    return Plan.from_dict(data, directory=path.parent)
+
+
+def write_timings(directory: str | Path, timings: dict[str, float]) -> Path:
+    """timings.yaml: wall-clock seconds of each compile step and of the solver. Kept out of
+    plan.yaml so that the plan is byte-identical across runs."""
+    path = Path(directory) / TIMINGS_FILE
+    _atomic_write(path, yaml.safe_dump({k: round(v, 3) for k, v in timings.items()},
+                                       sort_keys=True))
+    return path
+
+
+def stage_file_name(index: int) -> str:
+    return f"stage_{index}.pt"
+
+
+def format_plan(plan: Plan, solver_wall_s: float | None = None) -> str:
+    """The summary table `partc compile` prints: one row per stage (devices, parameters, predicted
+    times and memory), then throughput, bubble and the solver's report."""
+    t = plan.training
+    c = plan.cluster
+    lines = [f"{plan.model.name}: {t['stages']} stage(s) x {t['replicas']} replica(s)"
+             + (f" x {t['virtual_stages_per_rank']} virtual" if t["virtual_stages_per_rank"] > 1
+                else "")
+             + f", {t['schedule']}, {t['num_microbatches']} micro-batches of {t['microbatch_size']}"
+             + (", activation checkpointing" if t["activation_checkpointing"] else "")
+             + f" on {c['devices_used']}/{c['num_devices']} {c['device']['name']} devices of "
+               f"{c['name']}; global batch {t['global_batch_size']}"]
+    usable = plan.predicted["usable_memory_bytes"]
+    lines.append(f"{'stage':>5} {'rank':>4} {'devices':<12} {'params':>12} {'fwd ms':>9} "
+                 f"{'bwd ms':>9} {'memory GiB':>11} {'of usable':>9}  modules")
+    for st in plan.stages:
+        devices = ",".join(str(d) for d in st.devices)
+        modules = ", ".join(st.modules[:3]) + (f" ... ({len(st.modules)})"
+                                               if len(st.modules) > 3 else "")
+        share = st.peak_memory_bytes / usable if usable else 0.0
+        lines.append(f"{st.index:>5} {st.rank:>4} {devices:<12.12} {st.parameters:>12,} "
+                     f"{st.forward_s * 1e3:>9.3f} {st.backward_s * 1e3:>9.3f} "
+                     f"{st.peak_memory_bytes / 2**30:>11.3f} {share:>9.1%}  {modules}")
+    p = plan.predicted
+    lines.append(f"predicted: {p['iteration_s'] * 1e3:.3f} ms/iteration, "
+                 f"{p['samples_per_s']:,.1f} samples/s, bubble {p['bubble_fraction']:.1%}")
+    if plan.tied_parameters:
+        lines.append("tied: " + "; ".join(f"{x.name} in stages {', '.join(map(str, x.stages))}"
+                                          for x in plan.tied_parameters))
+    r = plan.solver
+    gap = "-" if r.get("gap") is None else f"{r['gap']:.2%}"
+    lines.append(f"solver: {r['strategy']} {r['status']}, gap {gap}, search gap "
+                 f"{r.get('search_gap', 0.0):.2%}"
+                 + (f", {solver_wall_s:.1f} s" if solver_wall_s is not None else ""))
+    return "\n".join(lines)

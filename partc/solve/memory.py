@@ -1,0 +1,544 @@
+"""The memory model: peak bytes per device of one pipeline stage during training.
+
+A stage is a set of OpGraph nodes run on one device (one data-parallel replica of it). Its peak is
+the sum of the terms of `StageMemory`, each a formula of the CostTable's per-node numbers, the
+stage's boundary tensors, the micro-batch size and count, the schedule and the `TrainingConfig`
+(optimizer, precision, activation checkpointing). docs/memory-model.md writes every formula down
+and compares the total with torch's measured peak on the example models.
+
+The model follows what torch actually allocates: torch.optim's foreach implementations (the CUDA
+default) for the optimizer step, and torch.distributed.pipelining's PipelineStage and schedules for
+the buffers between stages (it preallocates one receive buffer per micro-batch, not per in-flight
+one). It assumes gradients stay allocated for the whole step (DDP with gradient_as_bucket_view, or
+zero_grad(set_to_none=False)) and that the last stage's outputs are not returned to the caller
+(schedule.step(..., return_outputs=False)). It uses no torch itself, so the solver can call it in
+its inner loop (about 2 ms per call on a 1000-node graph).
+"""
+from __future__ import annotations
+
+import difflib
+import math
+from dataclasses import asdict, dataclass
+from typing import Collection
+
+from partc.cost.op_classes import FREE_KINDS
+from partc.cost.table import CostTable, needs_backward
+from partc.errors import PartcError
+from partc.graph.opgraph import OpGraph, OpNode, Param, dtype_bytes
+
+OPTIMIZERS = ("sgd", "sgd-momentum", "adam", "adamw")
+# bf16-mixed: bf16 params, activations and boundary tensors for compute, fp32 master weights,
+# fp32 gradient accumulation and fp32 optimizer states (Megatron-LM's recipe).
+PRECISIONS = ("fp32", "bf16-mixed")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+
+FLOATING_DTYPES = _FLOATING = frozenset({"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",
+                       "float8_e4m3fnuz", "float8_e5m2fnuz"})
+_BF16 = 2
+_FP32 = 4
+# Ops whose saved tensors are not floating point whatever the compute dtype: dropout keeps a bool
+# mask. (Ops with no floating input, such as embedding lookups, keep integer indices; see
+# `_keeps_integers`.)
+_MASK_KINDS = frozenset({"dropout", "native_dropout", "feature_dropout", "alpha_dropout",
+                         "feature_alpha_dropout"})
+
+
+class MemoryConfigError(PartcError):
+    """A training configuration or schedule parameter the memory model cannot price."""
+
+
+def _choice(what: str, value: object, choices: tuple[str, ...]) -> None:
+    if value in choices:
+        return
+    close = difflib.get_close_matches(str(value), choices, n=1)
+    hint = f"did you mean {close[0]!r}?" if close else f"use one of {', '.join(choices)}"
+    raise MemoryConfigError(f"unknown {what} {value!r} (expected one of {', '.join(choices)})",
+                            hint=hint)
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """How a stage is trained, as far as memory is concerned.
+
+    `activation_checkpointing`: each in-flight micro-batch keeps only its stage inputs; the stage's
+    forward is recomputed right before its backward. `memory_margin`: fraction of device memory
+    kept free for allocator fragmentation, the CUDA context and communication libraries.
+    """
+
+    optimizer: str = "adamw"
+    precision: str = "fp32"
+    schedule: str = "1f1b"
+    activation_checkpointing: bool = False
+    memory_margin: float = 0.1
+
+    def __post_init__(self) -> None:
+        _choice("optimizer", self.optimizer, OPTIMIZERS)
+        _choice("precision", self.precision, PRECISIONS)
+        _choice("schedule", self.schedule, SCHEDULES)
+        if not isinstance(self.activation_checkpointing, bool):
+            raise MemoryConfigError(
+                f"activation_checkpointing must be true or false, got "
+                f"{self.activation_checkpointing!r}", hint="pass a boolean")
+        margin = self.memory_margin
+        if (isinstance(margin, bool) or not isinstance(margin, (int, float))
+                or not math.isfinite(margin) or not 0 <= margin < 1):
+            raise MemoryConfigError(
+                f"memory_margin must be a fraction in [0, 1), got {margin!r}",
+                hint="e.g. 0.1 keeps 10% of device memory free")
+
+
+def in_flight_microbatches(schedule: str, stage_index: int, num_stages: int, num_microbatches: int,
+                           chunks: int = 1) -> int:
+    """Micro-batches whose activations a stage holds at its peak.
+
+    gpipe: all M forwards run before any backward, so M. 1f1b: stage i runs num_stages - i
+    warm-up forwards before its first backward (torch's Schedule1F1B), then one forward per
+    backward, so min(num_stages - i, M). interleaved-1f1b: `stage_index` is the device's rank in
+    the pipeline, `num_stages` the number of ranks and `chunks` the virtual stages per rank; the
+    count is in (micro-batch, virtual stage) pairs, each holding about 1/chunks of the device's
+    activations. torch's ScheduleInterleaved1F1B runs
+    warmup = (chunks - 1) * per_round + 2 * (num_stages - 1 - rank) forwards before its first
+    backward, with rounds = max(1, M // num_stages) and per_round = M // rounds, then alternates;
+    so the peak is min(warmup + 1, M * chunks).
+    """
+    _choice("schedule", schedule, SCHEDULES)
+    for name, value, low in (("num_stages", num_stages, 1),
+                             ("num_microbatches", num_microbatches, 1),
+                             ("chunks", chunks, 1), ("stage_index", stage_index, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise MemoryConfigError(f"{name} must be an integer >= {low}, got {value!r}",
+                                    hint="check the pipeline shape passed to the memory model")
+    if stage_index >= num_stages:
+        raise MemoryConfigError(f"stage_index {stage_index} is out of range for {num_stages} "
+                                "stages", hint=f"stages are numbered 0 .. {num_stages - 1}")
+    if schedule != "interleaved-1f1b" and chunks != 1:
+        raise MemoryConfigError(f"schedule {schedule} has one stage per device, got "
+                                f"chunks={chunks}",
+                                hint="use chunks > 1 only with interleaved-1f1b")
+    m = num_microbatches
+    if schedule == "gpipe":
+        return m
+    if schedule == "1f1b":
+        return min(num_stages - stage_index, m)
+    rounds = max(1, m // num_stages)
+    if m % rounds:
+        raise MemoryConfigError(
+            f"interleaved-1f1b needs the micro-batch count to be a multiple of its rounds "
+            f"({rounds}), got {m}", hint=f"use a multiple of {num_stages} micro-batches")
+    per_round = m // rounds
+    warmup = (chunks - 1) * per_round + 2 * (num_stages - 1 - stage_index)
+    return min(warmup + 1, m * chunks)
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Peak bytes per device of one stage, by what holds them; `total` is the peak.
+
+    parameters: weights (and buffers) the stage owns; gradients: their gradients; optimizer_state:
+    optimizer states (and fp32 master weights under bf16-mixed); activations: tensors saved for
+    backward by the in-flight micro-batches; recompute: one micro-batch's recomputed activations
+    under checkpointing; communication: the pipeline runtime's receive/send buffers and the input
+    micro-batches; workspace: the transient peak on top of all that (backward gradient buffers or
+    the optimizer step's temporaries, whichever is larger).
+    """
+
+    parameters: int
+    gradients: int
+    optimizer_state: int
+    activations: int
+    recompute: int
+    communication: int
+    workspace: int
+
+    @property
+    def total(self) -> int:
+        return (self.parameters + self.gradients + self.optimizer_state + self.activations
+                + self.recompute + self.communication + self.workspace)
+
+    def to_dict(self) -> dict[str, int]:
+        """The terms and the total, in bytes (for plan.yaml and reports)."""
+        return {**asdict(self), "total": self.total}
+
+
+def stage_boundary(graph: OpGraph, nodes: Collection[str]) -> tuple[list[str], list[str]]:
+    """Tensors a stage receives and sends.
+
+    Receives: every input of a node in `nodes` that is produced outside it (graph inputs
+    included), in order of first use. Sends: every output of a node in `nodes` that a node outside
+    it consumes or that is a graph output, in graph order. Run-time metadata checks
+    (`_assert_tensor_metadata` and the like, which cost nothing) neither send nor receive: a stage
+    does not ship a tensor only to check its shape.
+    """
+    receives, sends, _ = _boundary(graph, set(nodes))
+    return receives, sends
+
+
+def _has_node(graph: OpGraph, name: str) -> bool:
+    try:
+        graph.node(name)
+    except KeyError:
+        return False
+    return True
+
+
+def _boundary(graph: OpGraph, inside: set[str]) -> tuple[list[str], list[str], set[str]]:
+    """stage_boundary's lists, and the stage's outputs that other stages consume."""
+    unknown = [name for name in inside if not _has_node(graph, name)]
+    if unknown:
+        raise MemoryConfigError(f"stage names nodes the graph does not have: "
+                                f"{', '.join(sorted(unknown)[:3])}",
+                                hint="pass OpGraph node names of this model")
+    to_stages: set[str] = set()
+    receives: list[str] = []
+    seen: set[str] = set()
+    for n in graph.nodes:
+        if n.kind in FREE_KINDS:
+            continue
+        if n.name in inside:
+            for t in n.inputs:
+                if t not in seen and graph.producer(t) not in inside:
+                    seen.add(t)
+                    receives.append(t)
+        else:
+            to_stages.update(t for t in n.inputs if graph.producer(t) in inside)
+    outputs = {o.tensor for o in graph.outputs}
+    sends = [t.name for n in graph.nodes if n.name in inside for t in n.outputs
+             if t.name in to_stages or t.name in outputs]
+    return receives, sends, to_stages
+
+
+def usable_memory(device_memory_bytes: int, config: TrainingConfig) -> int:
+    """Device memory a stage may plan to fill: the device's bytes minus the config's margin."""
+    if isinstance(device_memory_bytes, bool) or not isinstance(device_memory_bytes, int) \
+            or device_memory_bytes <= 0:
+        raise MemoryConfigError(f"device memory must be a positive number of bytes, got "
+                                f"{device_memory_bytes!r}", hint="see the device's memory_bytes")
+    return int(device_memory_bytes * (1.0 - config.memory_margin))
+
+
+# ---- what autograd keeps ----------------------------------------------------------------------
+# Ops whose backward keeps their result (derivatives.yaml uses `result`), and ops whose backward
+# keeps their floating inputs. Used only to tell whether a boundary tensor's storage is already
+# among a stage's saved bytes (the measurement counts each storage once, at its first saver).
+# Kinds in neither set are assumed to keep nothing of the tensor: the conservative side, since
+# a boundary tensor not found saved is counted as held by the pipeline runtime instead.
+_SAVES_RESULT = frozenset({
+    "relu", "relu_", "sigmoid", "sigmoid_", "tanh", "tanh_", "exp", "exp_", "exp2", "expm1",
+    "sqrt", "rsqrt", "reciprocal", "softmax", "_softmax", "log_softmax", "_log_softmax"})
+_SAVES_INPUTS = frozenset({
+    "linear", "addmm", "mm", "bmm", "baddbmm", "addbmm", "matmul", "einsum", "mul", "mul_", "div",
+    "div_", "layer_norm", "native_layer_norm", "batch_norm", "native_batch_norm",
+    "_native_batch_norm_legit", "_native_batch_norm_legit_functional", "group_norm",
+    "native_group_norm", "instance_norm", "rms_norm", "_fused_rms_norm", "gelu", "silu", "mish",
+    "softplus", "leaky_relu", "hardtanh", "hardswish", "hardsigmoid", "elu", "selu", "celu",
+    "conv1d", "conv2d", "conv3d", "convolution", "_convolution", "conv_transpose1d",
+    "conv_transpose2d", "conv_transpose3d", "pow", "max_pool1d", "max_pool2d", "max_pool3d",
+    "max_pool2d_with_indices", "avg_pool1d", "avg_pool2d", "avg_pool3d", "adaptive_avg_pool1d",
+    "adaptive_avg_pool2d", "adaptive_avg_pool3d", "scaled_dot_product_attention", "embedding",
+    "log", "sin", "cos", "abs", "clamp", "erf", "square"})
+
+
+def _graph_cache(graph: OpGraph) -> dict[str, object]:
+    """This module's per-graph lookups, stored on the (frozen) graph the way OpGraph caches its
+    own indexes."""
+    cache = graph.__dict__.get("_memory_cache")
+    if cache is None:
+        cache = {}
+        graph.__dict__["_memory_cache"] = cache
+    return cache
+
+
+def differentiable_tensors(graph: OpGraph) -> frozenset[str]:
+    """Names of the floating tensors autograd tracks (outputs of nodes that have a backward): the
+    ones whose gradient crosses a stage boundary backwards."""
+    return _requires_grad(graph)
+
+
+def _requires_grad(graph: OpGraph) -> frozenset[str]:
+    """Floating tensors autograd tracks: outputs of nodes that have a backward."""
+    cache = _graph_cache(graph)
+    if "requires" not in cache:
+        differentiable = needs_backward(graph)
+        cache["differentiable"] = frozenset(differentiable)
+        cache["requires"] = frozenset(t.name for n in graph.nodes if n.name in differentiable
+                                      for t in n.outputs if t.dtype in _FLOATING)
+    return cache["requires"]  # type: ignore[return-value]
+
+
+def _first_saver(graph: OpGraph, tensor: str) -> str | None:
+    """The node whose saved bytes hold `tensor`'s storage: the first in execution order among its
+    producer (if that keeps its result) and its consumers, through views, that keep their inputs;
+    None if nothing keeps it for backward."""
+    cache = _graph_cache(graph)
+    if "consumers" not in cache:
+        _requires_grad(graph)
+        consumers: dict[str, list[str]] = {}
+        for n in graph.nodes:
+            for t in dict.fromkeys(n.inputs):
+                consumers.setdefault(t, []).append(n.name)
+        cache["consumers"] = consumers
+        cache["position"] = {n.name: i for i, n in enumerate(graph.nodes)}
+        cache["savers"] = {}
+    savers: dict[str, str | None] = cache["savers"]  # type: ignore[assignment]
+    if tensor in savers:
+        return savers[tensor]
+    consumers = cache["consumers"]  # type: ignore[assignment]
+    position: dict[str, int] = cache["position"]  # type: ignore[assignment]
+    differentiable: frozenset[str] = cache["differentiable"]  # type: ignore[assignment]
+    found: list[str] = []
+    producer = graph.producer(tensor)
+    if producer is not None and producer in differentiable \
+            and graph.node(producer).kind in _SAVES_RESULT:
+        found.append(producer)
+    stack = [tensor]
+    while stack:
+        for name in consumers.get(stack.pop(), ()):
+            node = graph.node(name)
+            if node.is_view:
+                stack.extend(t.name for t in node.outputs)
+            elif node.kind in _SAVES_INPUTS and name in differentiable:
+                found.append(name)
+    saver = min(found, key=position.__getitem__) if found else None
+    savers[tensor] = saver
+    return saver
+
+
+# ---- the terms ---------------------------------------------------------------------------------
+def _keeps_integers(node: OpNode, graph: OpGraph) -> bool:
+    """Whether what the node saves stays the same size under bf16 compute: masks and indices."""
+    if node.kind in _MASK_KINDS:
+        return True
+    return not any(graph.tensor(t).dtype in _FLOATING for t in node.inputs)
+
+
+def _saved_bytes(table: CostTable, nodes: Collection[str], m: float, bf16: bool) -> float:
+    """Bytes saved for backward by one micro-batch. Measured at the model's own (fp32) dtype; under
+    bf16 compute the floating ones halve."""
+    if not bf16:
+        return table.sum_saved_bytes(nodes, m)
+    graph = table.graph
+    total = 0.0
+    for name in nodes:
+        saved = table.saved_bytes(name, m)
+        if saved:
+            total += saved if _keeps_integers(graph.node(name), graph) else saved * 0.5
+    return total
+
+
+def _tensor_bytes(table: CostTable, tensor: str, m: float, bf16: bool) -> float:
+    """Bytes of a tensor at micro-batch m: floating activations are bf16 under bf16 compute;
+    graph inputs (the data) keep their dtype."""
+    nbytes = table.tensor_bytes(tensor, m)
+    spec = table.graph.tensor(tensor)
+    if bf16 and spec.dtype in _FLOATING and table.graph.producer(tensor) is not None:
+        return nbytes * _BF16 / dtype_bytes(spec.dtype)
+    return nbytes
+
+
+def _static_bytes(table: CostTable, nodes: Collection[str],
+                  config: TrainingConfig) -> tuple[int, int, int, int]:
+    """(parameters, gradients, optimizer state, optimizer-step temporaries) of the stage's
+    distinct parameters (tied ones once) and buffers."""
+    graph = table.graph
+    params = {}
+    for n in nodes:
+        for name in graph.node(n).params:
+            p = graph.param(name)
+            params[p.name] = p
+    weights = grads = state = temps = 0
+    for p in params.values():
+        w, g, s, t = param_memory(p, config)
+        weights, grads, state, temps = weights + w, grads + g, state + s, temps + t
+    return weights, grads, state, temps
+
+
+def param_memory(p: Param, config: TrainingConfig) -> tuple[int, int, int, int]:
+    """(weights, gradients, optimizer state, optimizer-step temporaries) bytes of one parameter,
+    buffer or constant under `config`."""
+    bf16 = config.precision == "bf16-mixed"
+    opt = config.optimizer
+    states = {"sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2}[opt]
+    if p.kind != "parameter":
+        return p.nbytes, 0, 0, 0  # buffers and constants: static, no gradient
+    if not p.trainable:
+        return (p.numel * _BF16 if bf16 else p.nbytes), 0, 0, 0
+    # fp32: everything in the parameter's own dtype. bf16-mixed: a bf16 copy for compute, the
+    # fp32 master weights (counted as optimizer state, as ZeRO does), fp32 gradients.
+    elem = _FP32 if bf16 else dtype_bytes(p.dtype)
+    weights = p.numel * (_BF16 if bf16 else elem)
+    grads = p.numel * elem
+    state = p.numel * elem * (states + (1 if bf16 else 0))
+    # torch's foreach Adam allocates sqrt(exp_avg_sq) for every parameter at once.
+    temps = p.numel * elem if opt in ("adam", "adamw") else 0
+    return weights, grads, state, temps
+
+
+def _backward_transient(table: CostTable, nodes: list[str], m: float, bf16: bool,
+                        requires: frozenset[str], pinned: dict[str, float],
+                        preallocated: set[str]) -> float:
+    """Peak of one micro-batch's backward above its saved activations.
+
+    While node n's backward runs, the micro-batch still holds what the nodes before n saved (the
+    later ones have freed theirs), plus the gradient arriving for n's outputs, the ones n makes for
+    its inputs and its parameters (a fresh gradient is added into the resident one afterwards), and
+    the gradients autograd is summing for every tensor and parameter used both after n and at or
+    before n (residual streams, tied or reused weights). `pinned`: saved bytes (by saving node)
+    that the pipeline runtime keeps referenced until the micro-batch's backward ends (its sent
+    outputs), so they are not freed on the way; `preallocated`: outputs whose gradient arrives in a
+    receive buffer that already exists. The largest such sum, minus the micro-batch's saved bytes,
+    is what the backward adds on top.
+    """
+    graph = table.graph
+    position = {n.name: i for i, n in enumerate(graph.nodes)}
+    ordered = sorted(nodes, key=position.__getitem__)
+    # Fresh parameter gradients per node, and each parameter's first and last use in the stage.
+    own: list[float] = []
+    first: dict[str, int] = {}
+    last: dict[str, int] = {}
+    grad_size: dict[str, float] = {}
+    for i, name in enumerate(ordered):
+        total = 0.0
+        for pname in dict.fromkeys(graph.param(p).name for p in graph.node(name).params):
+            p = graph.param(pname)
+            if p.kind != "parameter" or not p.trainable:
+                continue
+            grad_size[pname] = p.numel * (_BF16 if bf16 else dtype_bytes(p.dtype))
+            total += grad_size[pname]
+            first.setdefault(pname, i)
+            last[pname] = i
+        own.append(total)
+    # A tensor used by several nodes of the stage (a residual stream, a reused weight) has its
+    # gradient summed in an autograd buffer from its last use's backward to its first use's.
+    uses: dict[str, list[int]] = {}
+    for i, name in enumerate(ordered):
+        for t in dict.fromkeys(graph.node(name).inputs):
+            if t in requires:
+                uses.setdefault(t, []).append(i)
+    spans = [(lo, last[p], grad_size[p]) for p, lo in first.items()]
+    spans += [(u[0], u[-1], _tensor_bytes(table, t, m, bf16)) for t, u in uses.items()
+              if len(u) > 1]
+    pending = [0.0] * (len(ordered) + 1)  # difference array over [first use, last use)
+    for lo, hi, nbytes in spans:
+        if hi > lo:
+            pending[lo] += nbytes
+            pending[hi] -= nbytes
+    prefix = held = peak = 0.0
+    still_pinned = sum(pinned.values())
+    for i, name in enumerate(ordered):
+        node = graph.node(name)
+        held += pending[i]
+        still_pinned -= pinned.get(name, 0.0)
+        saved = table.saved_bytes(name, m)
+        if saved:
+            prefix += saved if not bf16 or _keeps_integers(node, graph) else saved * 0.5
+        if node.is_view:
+            continue  # a view's gradient is a view of the incoming one
+        grads = sum(_tensor_bytes(table, t.name, m, bf16) for t in node.outputs
+                    if t.name in requires and t.name not in preallocated)
+        grads += sum(_tensor_bytes(table, t, m, bf16) for t in set(node.inputs) if t in requires)
+        peak = max(peak, prefix + still_pinned + grads + own[i] + held)
+    return max(0.0, peak - prefix)
+
+
+def stage_memory(table: CostTable, nodes: Collection[str], *, microbatch_size: int,
+                 num_microbatches: int, stage_index: int, num_stages: int, config: TrainingConfig,
+                 chunks: int = 1) -> StageMemory:
+    """Peak memory per device of the stage `nodes` (docs/memory-model.md has every formula).
+
+    `stage_index`/`num_stages`: the device's position in the pipeline; with interleaved-1f1b,
+    `nodes` are all the nodes the device runs (its `chunks` virtual stages together) and
+    `num_stages` is the number of devices in the pipeline.
+    """
+    if isinstance(microbatch_size, bool) or not isinstance(microbatch_size, int) \
+            or microbatch_size < 1:
+        raise MemoryConfigError(f"microbatch_size must be an integer >= 1, got {microbatch_size!r}",
+                                hint="the micro-batch size is the global batch / (replicas x M)")
+    in_flight = in_flight_microbatches(config.schedule, stage_index, num_stages, num_microbatches,
+                                       chunks)
+    graph = table.graph
+    nodes = list(dict.fromkeys(nodes))
+    inside = set(nodes)
+    m = microbatch_size
+    M = num_microbatches
+    bf16 = config.precision == "bf16-mixed"
+    ckpt = config.activation_checkpointing
+    weights, grads, state, step_temps = _static_bytes(table, nodes, config)
+    requires = _requires_grad(graph)
+
+    def size(tensor: str) -> float:
+        return _tensor_bytes(table, tensor, m, bf16)
+
+    receives, sends, sent_on = _boundary(graph, inside)
+    graph_outputs = {o.tensor for o in graph.outputs}
+    to_stages = [t for t in sends if t in sent_on]
+    from_stages = [t for t in receives if graph.producer(t) is not None]
+
+    # -- communication: what torch.distributed.pipelining's PipelineStage holds --------------------
+    # One receive buffer per micro-batch for every input (M of them, allocated once, not per
+    # in-flight micro-batch); on the first stage the M input micro-batches are the data itself.
+    communication = M * sum(size(t) for t in receives)
+    # One buffer per micro-batch for the gradient of every output sent to another stage.
+    communication += M * sum(size(t) for t in to_stages if t in requires)
+    # Outputs stay referenced (fwd_cache, send works) until their micro-batch's backward; those the
+    # stage also saves for backward are among its activations already (not under checkpointing,
+    # which frees them after the forward).
+    kept = [t for t in sends if ckpt or _first_saver(graph, t) not in inside]
+    communication += in_flight * sum(size(t) for t in kept) / chunks
+    if config.schedule == "1f1b" and M > in_flight >= 2:
+        # Schedule1F1B keeps the works of its last early warm-up send, and so that micro-batch's
+        # outputs, to the end of the step.
+        communication += sum(size(t) for t in to_stages)
+
+    # -- activations -------------------------------------------------------------------------------
+    # Received tensors the stage saves for backward are the receive buffers above: not twice.
+    resaved = sum(size(t) for t in receives if _first_saver(graph, t) in inside)
+    saved = max(0.0, _saved_bytes(table, nodes, m, bf16) - resaved)
+    # A stage that produces graph outputs computes the loss: cross-entropy keeps the log-softmax of
+    # the logits, MSE the difference, i.e. one fp32 copy of the floating outputs per micro-batch.
+    loss = sum(table.tensor_bytes(t, m) for t in sends
+               if t in graph_outputs and graph.tensor(t).dtype in _FLOATING)
+    if ckpt:
+        # Checkpointing keeps the stage inputs, which are the receive buffers above, and recomputes
+        # one micro-batch's activations at a time.
+        per_microbatch = loss / chunks
+        recompute = saved / chunks
+    else:
+        per_microbatch = (saved + loss) / chunks
+        recompute = 0.0
+    activations = in_flight * per_microbatch
+
+    # Input gradients a backward sends to the previous stage stay referenced by the send. 1F1B:
+    # the latest one, through the next forward (steady state) or the next backward (cool-down).
+    # GPipe: all of them to the end, in place of the activations the backwards free; they add
+    # only where they are larger, as under checkpointing.
+    input_grads = sum(size(t) for t in from_stages if t in requires)
+    if config.schedule == "gpipe":
+        communication += (M - 1) * max(0.0, input_grads - per_microbatch)
+    elif M > in_flight:
+        communication += input_grads
+    else:
+        communication += max(0.0, input_grads - per_microbatch)
+
+    # -- workspace ---------------------------------------------------------------------------------
+    # One micro-batch's backward at a time. Through the stage's nodes its loss tensors are already
+    # freed; the loss's own backward holds two output-sized gradients (of the log-softmax and of
+    # the outputs) while all the micro-batch's activations are still there, or, under
+    # checkpointing, before the recompute brings them back.
+    pinned: dict[str, float] = {}  # saved outputs that stay referenced through the backward
+    for t in sends:
+        saver = _first_saver(graph, t)
+        if saver in inside and not ckpt:
+            pinned[saver] = pinned.get(saver, 0.0) + size(t)
+    preallocated = {t for t in to_stages if t in requires}
+    through_nodes = _backward_transient(table, nodes, m, bf16, requires, pinned,
+                                        preallocated) - loss
+    through_loss = 2.0 * loss - (recompute if ckpt else 0.0)
+    # The optimizer step runs after the last backward, when activations are gone.
+    workspace = max(through_nodes, through_loss, step_temps - activations - recompute)
+    return StageMemory(parameters=weights, gradients=grads, optimizer_state=state,
+                       activations=_ceil(activations), recompute=_ceil(recompute),
+                       communication=_ceil(communication), workspace=_ceil(workspace))
+
+
+def _ceil(x: float) -> int:
+    return int(math.ceil(x)) if x > 0 else 0

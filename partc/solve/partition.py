@@ -1,0 +1,213 @@
+"""Partition: the solver's decision, as plain data (what plan.yaml will record).
+
+A Partition names the pipeline shape (stages, replicas, micro-batches, schedule, checkpointing,
+placement), every virtual stage's blocks, OpGraph nodes, modules, parameters, devices, boundary
+tensors and predicted times, every rank's memory (partc.solve.memory), the solver's report (strategy,
+status, objective, bound, gap, time) and the simulated iteration. `to_dict` is deterministic
+(sorted keys, rounded floats); wall-clock solve times are kept apart in `SolverReport.wall_s`
+so callers can leave them out of hashed content.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from partc.solve.memory import StageMemory, TrainingConfig
+from partc.solve.simulator import PipelineSpec, Simulation
+from partc.solve.stage_problem import PipelineShape
+
+PARTITION_FORMAT = "partc-partition"
+PARTITION_VERSION = 1
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One virtual stage: what it runs, where, and what it costs per micro-batch."""
+
+    index: int
+    rank: int  # pipeline rank (device position in a pipeline) running it
+    devices: tuple[int, ...]  # cluster device per replica
+    blocks: tuple[int, ...]
+    nodes: tuple[str, ...]
+    modules: tuple[str, ...]  # outermost module paths fully or partly in the stage, in order
+    parameters: tuple[str, ...]  # canonical FQNs of the parameters it uses
+    parameter_count: int
+    forward_s: float
+    backward_s: float  # includes the recomputed forward under checkpointing
+    receives: tuple[str, ...]  # tensors from earlier stages (or the inputs)
+    sends: tuple[str, ...]  # tensors to later stages (or the loss)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"index": self.index, "rank": self.rank, "devices": list(self.devices),
+                "blocks": [self.blocks[0], self.blocks[-1]] if self.blocks else [],
+                "num_nodes": len(self.nodes), "modules": list(self.modules),
+                "parameters": list(self.parameters), "parameter_count": self.parameter_count,
+                "forward_s": round_seconds(self.forward_s), "backward_s": round_seconds(self.backward_s),
+                "receives": list(self.receives), "sends": list(self.sends)}
+
+
+@dataclass(frozen=True)
+class SolverReport:
+    """How the partition was found and how good it provably is.
+
+    objective_s: the solver's iteration-time estimate (partc.solve.stage_problem) of the chosen
+    assignment. bound_s: a proven lower bound of that estimate over every assignment of the block
+    graph for the chosen shape (CP-SAT's best bound; None for heuristics). search_bound_s: a lower
+    bound over every shape the search enumerated (CP-SAT bounds where it ran, analytic bounds
+    elsewhere), so search_gap says how far any other shape could possibly be better.
+    """
+
+    strategy: str
+    status: str
+    objective_s: float
+    bound_s: float | None
+    gap: float | None
+    search_bound_s: float
+    search_gap: float
+    shapes_enumerated: int
+    shapes_evaluated: int
+    shapes_pruned: int
+    blocks: int
+    time_limit_s: float
+    wall_s: float
+
+    def to_dict(self, include_time: bool = True) -> dict[str, Any]:
+        d = {"strategy": self.strategy, "status": self.status,
+             "objective_s": round_seconds(self.objective_s),
+             "bound_s": None if self.bound_s is None else round_seconds(self.bound_s),
+             "gap": None if self.gap is None else round(self.gap, 6),
+             "search_bound_s": round_seconds(self.search_bound_s),
+             "search_gap": round(self.search_gap, 6),
+             "shapes": {"enumerated": self.shapes_enumerated, "evaluated": self.shapes_evaluated,
+                        "pruned_by_bound": self.shapes_pruned},
+             "blocks": self.blocks, "time_limit_s": self.time_limit_s}
+        if include_time:
+            d["wall_s"] = round(self.wall_s, 3)
+        return d
+
+
+@dataclass(frozen=True)
+class Partition:
+    """The chosen hybrid-parallel layout of one model on one cluster (module docstring)."""
+
+    model: str
+    graph_hash: str
+    cluster: str
+    num_devices: int  # devices the cluster has
+    global_batch_size: int
+    shape: PipelineShape
+    training: TrainingConfig
+    stages: tuple[StagePlan, ...]
+    memory: tuple[StageMemory, ...]  # per rank
+    usable_memory_bytes: int
+    solver: SolverReport
+    pipeline: PipelineSpec  # what was simulated: per-stage times and transfers, per-rank sync
+    simulation: Simulation
+
+    @property
+    def iteration_s(self) -> float:
+        return self.simulation.iteration_s
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.global_batch_size / self.iteration_s if self.iteration_s > 0 else 0.0
+
+    def training_dict(self) -> dict[str, Any]:
+        """The training shape and settings (plan.yaml's `training`)."""
+        s = self.shape
+        return {"global_batch_size": self.global_batch_size, "stages": s.stages,
+                "replicas": s.replicas, "num_microbatches": s.num_microbatches,
+                "microbatch_size": s.microbatch_size, "schedule": s.schedule,
+                "virtual_stages_per_rank": s.chunks,
+                "activation_checkpointing": s.activation_checkpointing,
+                "placement": s.placement, "optimizer": self.training.optimizer,
+                "precision": self.training.precision,
+                "memory_margin": self.training.memory_margin}
+
+    def predicted_dict(self) -> dict[str, Any]:
+        """The simulated iteration: time, throughput, bubble, peak memory per rank."""
+        return {"iteration_s": round_seconds(self.iteration_s),
+                "samples_per_s": round(self.samples_per_s, 3),
+                "bubble_fraction": round(self.simulation.bubble_fraction, 6),
+                "peak_memory_bytes": [int(x) for x in self.simulation.peak_memory_bytes]}
+
+    def to_dict(self, include_time: bool = True, include_timeline: bool = False) -> dict[str, Any]:
+        """Plain data, deterministic for the same inputs (without `include_time`)."""
+        s = self.shape
+        d: dict[str, Any] = {
+            "format": PARTITION_FORMAT, "format_version": PARTITION_VERSION,
+            "model": self.model, "graph_hash": self.graph_hash,
+            "cluster": {"name": self.cluster, "num_devices": self.num_devices,
+                        "devices_used": s.num_devices},
+            "training": self.training_dict(),
+            "stages": [st.to_dict() for st in self.stages],
+            "memory": {"usable_bytes_per_device": self.usable_memory_bytes,
+                       "ranks": [m.to_dict() for m in self.memory]},
+            "solver": self.solver.to_dict(include_time),
+            "predicted": self.predicted_dict(),
+        }
+        if include_timeline:
+            d["simulation"] = self.simulation.to_dict()
+        return d
+
+    def save(self, path: str | Path, include_time: bool = False) -> Path:
+        """Write as YAML (sorted keys; byte-identical for the same inputs)."""
+        path = Path(path)
+        path.write_text(yaml.safe_dump(self.to_dict(include_time=include_time), sort_keys=True,
+                                       default_flow_style=False, width=100))
+        return path
+
+
+def round_seconds(x: float) -> float:
+    """Seconds to 1 ns: stable text, more precision than any estimate has."""
+    return float(f"{x:.9g}") if x else 0.0
+
+
+def format_partition(p: Partition) -> str:
+    """A terminal table: one row per stage, then the prediction and the solver's report."""
+    s = p.shape
+    lines = [f"{p.model}: {s.label()} on {s.num_devices}/{p.num_devices} devices of {p.cluster}, "
+             f"global batch {p.global_batch_size}"]
+    header = f"{'stage':>5} {'rank':>4} {'devices':<12} {'params':>10} {'fwd ms':>9} " \
+             f"{'bwd ms':>9} {'memory':>10}  modules"
+    lines.append(header)
+    for st in p.stages:
+        mem = p.memory[st.rank].total if st.rank < len(p.memory) else 0
+        devices = ",".join(str(d) for d in st.devices)
+        modules = ", ".join(st.modules[:3]) + (f" ... ({len(st.modules)})"
+                                               if len(st.modules) > 3 else "")
+        lines.append(f"{st.index:>5} {st.rank:>4} {devices:<12.12} {st.parameter_count:>10,} "
+                     f"{st.forward_s * 1e3:>9.3f} {st.backward_s * 1e3:>9.3f} "
+                     f"{_gib(mem):>10}  {modules}")
+    r = p.solver
+    gap = "-" if r.gap is None else f"{r.gap:.2%}"
+    lines.append(f"predicted: {p.iteration_s * 1e3:.3f} ms/iteration, {p.samples_per_s:,.1f} "
+                 f"samples/s, bubble {p.simulation.bubble_fraction:.1%}; usable memory "
+                 f"{_gib(p.usable_memory_bytes)} per device")
+    lines.append(f"solver: {r.strategy} {r.status}, objective {r.objective_s * 1e3:.3f} ms, "
+                 f"gap {gap}, search gap {r.search_gap:.2%} ({r.shapes_evaluated} of "
+                 f"{r.shapes_enumerated} shapes evaluated, {r.shapes_pruned} pruned by bound), "
+                 f"{r.blocks} blocks, {r.wall_s:.1f} s")
+    return "\n".join(lines)
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.2f} GiB"
+
+
+def format_comparison(results: dict[str, "Partition | Exception"]) -> str:
+    """One row per strategy: shape, predicted iteration, objective, gap, solve time."""
+    lines = [f"{'strategy':<9} {'shape':<40} {'iteration ms':>13} {'objective ms':>13} "
+             f"{'gap':>7} {'solve s':>8}"]
+    for name, p in results.items():
+        if not isinstance(p, Partition):
+            message = getattr(p, "message", str(p))
+            lines.append(f"{name:<9} {'no plan: ' + message:<.100}")
+            continue
+        gap = "-" if p.solver.gap is None else f"{p.solver.gap:.2%}"
+        lines.append(f"{name:<9} {p.shape.label():<40} {p.iteration_s * 1e3:>13.3f} "
+                     f"{p.solver.objective_s * 1e3:>13.3f} {gap:>7} {p.solver.wall_s:>8.2f}")
+    return "\n".join(lines)

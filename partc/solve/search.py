@@ -1,0 +1,613 @@
+"""The hybrid-parallel search: CostTable + cluster + global batch -> Partition.
+
+Outer search over pipeline shapes (stages S, replicas R with S*R <= devices, micro-batches M,
+schedule, activation checkpointing, placement), inner stage assignment per shape by the chosen
+strategy. Every strategy gets the same outer search, cost model, memory model and simulator, so
+their plans compare like for like:
+
+1. Enumerate the shapes the options allow (docs/solver.md lists the rules: torch's schedule
+   constraints, M dividing the per-replica batch, interleaving only when M is a multiple of S).
+2. Give each an analytic lower bound of its objective (perfect balance, no communication, the
+   average rank's all-reduce) and drop shapes whose parameters alone cannot fit.
+3. Evaluate shapes in order of their bound, stopping once the next bound is no better than the
+   best plan found (branch and bound): `uniform`/`params` place their cut, `chain-dp` and `cpsat`
+   run the exact contiguous DP. Each assignment is checked with the exact memory model; when the
+   linear model inside the solvers was too optimistic for a rank, that rank's capacity is
+   tightened and the shape re-solved.
+4. `cpsat` then optimises the best `refine` shapes with CP-SAT over the block DAG, seeded with the
+   DP's and baselines' cuts, and reports its bound and gap.
+5. The winner is simulated (partc.solve.simulator) for the predicted iteration time and bubble.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Sequence
+
+from partc.solve.strategies.baselines import params_assignment, uniform_assignment
+from partc.solve.strategies.chain_dp import solve_chain_dp
+from partc.solve.coarsen import DEFAULT_MAX_BLOCKS, BlockGraph, coarsen
+from partc.cost.table import CostTable
+from partc.solve.strategies.cpsat import solve_cpsat
+from partc.errors import PartcError
+from partc.hardware.specs import ClusterSpec
+from partc.hardware.units import format_quantity
+from partc.solve.memory import (SCHEDULES, TrainingConfig, in_flight_microbatches, param_memory,
+                          stage_boundary,
+                          usable_memory)
+from partc.solve.partition import Partition, SolverReport, StagePlan
+from partc.progress import Progress
+from partc.solve.simulator import PipelineSpec, StageTiming, simulate
+from partc.solve.stage_problem import PipelineShape, StageProblem, sync_bytes, wire_bytes
+
+STRATEGIES = ("cpsat", "chain-dp", "uniform", "params")
+DEFAULT_TIME_LIMIT_S = 10.0
+_MAX_CORRECTION_ROUNDS = 4
+
+
+class SearchError(PartcError):
+    """Options the search cannot honour (a pinned shape that does not exist on the cluster)."""
+
+
+class InfeasibleMemoryError(PartcError):
+    """No shape fits the devices' memory however the model is cut."""
+
+
+@dataclass(frozen=True)
+class SearchOptions:
+    """What the user pins (None: searched) and how hard the solver works."""
+
+    strategy: str = "cpsat"
+    stages: int | None = None
+    replicas: int | None = None
+    num_microbatches: int | None = None
+    schedule: str | None = None
+    activation_checkpointing: bool | None = None
+    max_blocks: int = DEFAULT_MAX_BLOCKS
+    time_limit_s: float = DEFAULT_TIME_LIMIT_S  # CP-SAT deterministic seconds per shape
+    workers: int = 2
+    refine: int = 1  # shapes CP-SAT optimises
+    max_microbatches: int = 64
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise SearchError(f"unknown strategy {self.strategy!r}",
+                              hint=f"use one of {', '.join(STRATEGIES)}")
+        if self.schedule is not None and self.schedule not in SCHEDULES:
+            raise SearchError(f"unknown schedule {self.schedule!r}",
+                              hint=f"use one of {', '.join(SCHEDULES)}")
+        for name in ("stages", "replicas", "num_microbatches"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
+                raise SearchError(f"{name} must be an integer >= 1, got {value!r}",
+                                  hint="leave it out to let partc search it")
+        if not self.time_limit_s > 0:
+            raise SearchError(f"time limit must be > 0 s, got {self.time_limit_s}",
+                              hint="e.g. --time-limit 10")
+        for name in ("refine", "workers", "max_microbatches", "max_blocks"):
+            if getattr(self, name) < 1:
+                raise SearchError(f"{name} must be >= 1, got {getattr(self, name)}",
+                                  hint="use a positive number")
+
+
+@dataclass
+class _Candidate:
+    shape: PipelineShape
+    lower_bound_s: float
+    problem: StageProblem | None = None
+    assignment: tuple[int, ...] | None = None
+    objective_s: float = math.inf
+    status: str = ""
+    bound_s: float | None = None  # proven lower bound for this shape (CP-SAT / exact DP)
+    hints: tuple[tuple[int, ...], ...] = ()
+
+
+# ---- shapes ----------------------------------------------------------------------------------
+def enumerate_shapes(cluster: ClusterSpec, global_batch: int, num_blocks: int,
+                     options: SearchOptions) -> list[PipelineShape]:
+    """Every shape the options allow on the cluster (module docstring, step 1)."""
+    N = cluster.num_devices
+    if options.stages is not None and options.stages > N:
+        raise SearchError(f"--stages {options.stages} needs more devices than the cluster's {N}",
+                          hint=f"use at most {N} stages or a larger cluster")
+    if options.stages is not None and options.stages > num_blocks:
+        raise SearchError(f"--stages {options.stages} is more than the model's {num_blocks} "
+                          "blocks", hint="use fewer stages or raise --max-blocks")
+    if options.replicas is not None and global_batch % options.replicas:
+        raise SearchError(f"global batch {global_batch} is not divisible by --replicas "
+                          f"{options.replicas}", hint="pick a batch size that splits evenly")
+    stage_counts = [options.stages] if options.stages else range(1, min(N, num_blocks) + 1)
+    shapes: list[PipelineShape] = []
+    for S in stage_counts:
+        replica_counts = [options.replicas] if options.replicas else range(1, N // S + 1)
+        for R in replica_counts:
+            if S * R > N or global_batch % R:
+                continue
+            per_replica = global_batch // R
+            if options.num_microbatches:
+                counts = [options.num_microbatches] if per_replica % options.num_microbatches \
+                    == 0 else []
+            else:
+                counts = [M for M in range(1, min(per_replica, options.max_microbatches) + 1)
+                          if per_replica % M == 0]
+            for M in counts:
+                for schedule, chunks in _schedules(S, M, num_blocks, options.schedule):
+                    for ckpt in ((options.activation_checkpointing,)
+                                 if options.activation_checkpointing is not None
+                                 else (False, True)):
+                        placements = ["stage-major"]
+                        if cluster.num_nodes > 1 and S > 1 and R > 1:
+                            placements.append("pipeline-major")
+                        for placement in placements:
+                            shapes.append(PipelineShape(
+                                stages=S, replicas=R, num_microbatches=M,
+                                microbatch_size=per_replica // M, schedule=schedule,
+                                chunks=chunks, activation_checkpointing=ckpt,
+                                placement=placement))
+    if not shapes:
+        pinned = _pinned(options)
+        raise SearchError(f"no pipeline shape fits global batch {global_batch} on {N} devices"
+                          + (f" with {pinned}" if pinned else ""),
+                          hint="the per-replica batch must split into the micro-batches; 1F1B "
+                               "needs at least as many micro-batches as stages")
+    return shapes
+
+
+def _schedules(S: int, M: int, num_blocks: int,
+               pinned: str | None) -> list[tuple[str, int]]:
+    """(schedule, virtual stages per rank) pairs torch can run for S ranks and M micro-batches.
+    One rank: 1F1B only (GPipe holds every micro-batch for nothing). torch's Schedule1F1B needs
+    M >= S; interleaving runs when M is a multiple of S. Interleaved 1F1B is searched only when
+    pinned: the objective assumes balanced virtual stages, and CP-SAT exploits that with cuts the
+    simulator finds up to 28% slower (docs/solver.md, limits)."""
+    options: list[tuple[str, int]] = []
+    if S == 1:
+        options = [("1f1b", 1)]
+    else:
+        options.append(("gpipe", 1))
+        if M >= S:
+            options.append(("1f1b", 1))
+        if pinned == "interleaved-1f1b" and M % S == 0 and num_blocks >= 2 * S:
+            options.append(("interleaved-1f1b", 2))
+    if pinned is not None:
+        if pinned == "gpipe" and S == 1:
+            return [("gpipe", 1)]
+        options = [o for o in options if o[0] == pinned]
+    return options
+
+
+def _pinned(options: SearchOptions) -> str:
+    parts = []
+    for name, flag in (("stages", "--stages"), ("replicas", "--replicas"),
+                       ("num_microbatches", "--microbatches"), ("schedule", "--schedule")):
+        value = getattr(options, name)
+        if value is not None:
+            parts.append(f"{flag} {value}")
+    if options.activation_checkpointing is not None:
+        parts.append("--checkpointing" if options.activation_checkpointing
+                     else "--no-checkpointing")
+    return " ".join(parts)
+
+
+# ---- bounds ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ParameterTotals:
+    """What the shape bounds need from the parameters, which depends on the training settings but
+    not on the shape: computed once per search, not once per shape (with thousands of shapes on
+    64 devices and thousands of parameters, recomputing it dominated the search)."""
+
+    static_bytes: int  # weights + gradients + optimizer state of the whole model
+    block_static_bytes: tuple[int, ...]  # the same per block
+    grad_bytes: int  # gradient bytes all-reduced per iteration
+    step_bytes: int  # bytes the optimizer step moves
+
+    @classmethod
+    def of(cls, blocks: BlockGraph, table: CostTable,
+           training: TrainingConfig) -> "ParameterTotals":
+        graph = table.graph
+        per_param = {p.name: param_memory(p, training) for p in graph.params}
+        block_static = tuple(sum(sum(per_param[p][:3]) for p in b.params) for b in blocks.blocks)
+        grad_bytes = step_bytes = 0
+        for p in graph.params:
+            g_bytes, moved = sync_bytes(p, training)
+            grad_bytes += g_bytes
+            step_bytes += moved
+        return cls(static_bytes=sum(sum(m[:3]) for m in per_param.values()),
+                   block_static_bytes=block_static, grad_bytes=grad_bytes, step_bytes=step_bytes)
+
+
+def shape_lower_bound(blocks: BlockGraph, table: CostTable, cluster: ClusterSpec,
+                      training: TrainingConfig, shape: PipelineShape,
+                      totals: ParameterTotals | None = None) -> tuple[float, bool]:
+    """(lower bound of the objective in seconds, whether the parameters can fit at all).
+
+    Time: perfectly balanced ranks, no transfers, the all-reduce and step of the average rank.
+    Memory: every rank needs its parameters' static bytes, so their total over the ranks and the
+    largest single block must fit. `totals` (ParameterTotals.of the same blocks, table and
+    training) saves recomputing the parameters' sizes per shape."""
+    totals = totals or ParameterTotals.of(blocks, table, training)
+    m = shape.microbatch_size
+    ckpt = shape.activation_checkpointing
+    comp = [b.forward.at(m) * (2.0 if ckpt else 1.0) + b.backward.at(m) for b in blocks.blocks]
+    W = sum(comp)
+    S, v, M = shape.stages, shape.chunks, shape.num_microbatches
+    T = max(W / S, max(comp) if v == 1 or S == 1 else 0.0)
+    sync = 0.0
+    if shape.replicas > 1:
+        sync = min(cluster.allreduce_s(max(1, totals.grad_bytes // S), shape.rank_devices(d))
+                   for d in range(S))
+    sync += totals.step_bytes / S / cluster.device.bytes_per_s()
+    bound = (M - 1) * T + sync + T + (W - T) / v
+    usable = usable_memory(cluster.device.memory_bytes, replace(
+        training, schedule=shape.schedule, activation_checkpointing=ckpt))
+    # The fullest rank holds at least static_d + coef_d * saved_d (StageProblem.rank_memory; coef
+    # = in-flight micro-batches / chunks, 1 / chunks with checkpointing). Summing
+    # saved_d <= (X - static_d) / coef_d over ranks bounds the peak X from below; without this,
+    # large models screened every shape whose weights alone fit, all infeasible, before pruning.
+    factor = 0.5 if training.precision == "bf16-mixed" else 1.0
+    saved = factor * sum(b.saved.at(m) for b in blocks.blocks)
+    coef = [(1.0 if ckpt else in_flight_microbatches(shape.schedule, d, S, M, v)) / v
+            for d in range(S)]
+    peak = max(totals.static_bytes / S,
+               (saved + totals.static_bytes / max(coef)) / sum(1.0 / c for c in coef))
+    slack = usable * 1e-6 + 1.0  # float rounding must never exclude a feasible shape
+    fits = peak <= usable + slack and max(totals.block_static_bytes, default=0) <= usable
+    return bound, fits
+
+
+# ---- the search ------------------------------------------------------------------------------
+def search(table: CostTable, cluster: ClusterSpec, global_batch: int,
+           training: TrainingConfig | None = None, options: SearchOptions | None = None,
+           blocks: BlockGraph | None = None, progress: Progress | None = None) -> Partition:
+    """Find the partition with the best predicted iteration time (module docstring)."""
+    training = training or TrainingConfig()
+    options = options or SearchOptions()
+    progress = progress or Progress()
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+        raise SearchError(f"global batch size must be an integer >= 1, got {global_batch!r}",
+                          hint="pass --batch-size")
+    start = time.perf_counter()
+    if blocks is None:
+        with progress.step(f"coarsen to at most {options.max_blocks} blocks"):
+            blocks = coarsen(table, options.max_blocks)
+    shapes = enumerate_shapes(cluster, global_batch, len(blocks.blocks), options)
+    candidates = []
+    totals = ParameterTotals.of(blocks, table, training)
+    memo: dict[tuple, Any] = {}  # StageProblem.build's shape-independent pieces
+    for shape in shapes:
+        bound, fits = shape_lower_bound(blocks, table, cluster, training, shape, totals)
+        if fits:
+            candidates.append(_Candidate(shape, bound))
+    candidates.sort(key=lambda c: (c.lower_bound_s, c.shape.label()))
+    strategy = options.strategy
+    best: _Candidate | None = None
+    evaluated: list[_Candidate] = []
+    pruned = 0
+    with progress.step(f"{strategy}: search {len(shapes)} shapes"):
+        for i, cand in enumerate(candidates):
+            if best is not None and cand.lower_bound_s >= best.objective_s:
+                pruned = len(candidates) - i
+                break
+            _screen(cand, blocks, table, cluster, training, strategy, memo)
+            evaluated.append(cand)
+            if cand.assignment is not None and (best is None
+                                                or cand.objective_s < best.objective_s):
+                best = cand
+    if best is None:
+        raise _infeasible(blocks, table, cluster, training, global_batch, options)
+    if strategy == "cpsat":
+        ranked = sorted((c for c in evaluated if c.assignment is not None),
+                        key=lambda c: (c.objective_s, c.shape.label()))
+        for cand in ranked[:options.refine]:
+            with progress.step(f"cpsat: {cand.shape.label()} ({len(blocks.blocks)} blocks)"):
+                _refine(cand, options)
+        best = min((c for c in evaluated if c.assignment is not None),
+                   key=lambda c: (c.objective_s, c.shape.label()))
+    # Lower bound over every shape: proven per-shape bounds where a solver gave one, the
+    # analytic bound elsewhere; pruned shapes have bounds no better than the best objective.
+    bounds = [c.bound_s if c.bound_s is not None else c.lower_bound_s for c in evaluated]
+    search_bound = min(bounds + [best.objective_s])
+    wall = time.perf_counter() - start
+    report = SolverReport(
+        strategy=strategy, status=best.status, objective_s=best.objective_s,
+        # chain-dp has a bound only where it is exact (a chain block graph, one stage per rank)
+        bound_s=best.bound_s if strategy in ("cpsat", "chain-dp") else None,
+        gap=_gap(best.objective_s, best.bound_s) if best.bound_s is not None else None,
+        search_bound_s=search_bound, search_gap=_gap(best.objective_s, search_bound) or 0.0,
+        shapes_enumerated=len(shapes), shapes_evaluated=len(evaluated), shapes_pruned=pruned,
+        blocks=len(blocks.blocks), time_limit_s=options.time_limit_s, wall_s=wall)
+    if report.bound_s is None:
+        report = replace(report, gap=None)
+    assert best.problem is not None and best.assignment is not None
+    return build_partition(best.problem, best.assignment, global_batch, report)
+
+
+def _gap(objective: float, bound: float | None) -> float | None:
+    if bound is None:
+        return None
+    return max(0.0, (objective - bound) / objective) if objective > 0 else 0.0
+
+
+def _screen(cand: _Candidate, blocks: BlockGraph, table: CostTable, cluster: ClusterSpec,
+            training: TrainingConfig, strategy: str, memo: dict[tuple, Any]) -> None:
+    """First assignment of a shape: the strategy's own cut, or the exact DP for dp/cpsat."""
+    problem = StageProblem.build(blocks, table, cluster, training, cand.shape, memo)
+    cand.problem = problem
+    V = cand.shape.virtual_stages
+    unit = problem.time_unit_s / cand.shape.chunks
+    hints: list[tuple[int, ...]] = []
+    if strategy in ("uniform", "params"):
+        fn = uniform_assignment if strategy == "uniform" else params_assignment
+        a = fn(blocks, V)
+        if a is not None and problem.valid(a) and _exact_fits(problem, a):
+            cand.assignment, cand.status = a, "heuristic"
+            cand.objective_s = problem.objective(a) * unit
+        else:
+            cand.status = "does not fit"
+        return
+    for rounds in range(_MAX_CORRECTION_ROUNDS):
+        result = solve_chain_dp(problem)
+        if result.assignment is None:
+            cand.status = "infeasible"
+            if blocks.is_chain and cand.shape.chunks == 1:
+                cand.bound_s = math.inf  # proven: no contiguous cut fits the linear model
+            break
+        if _exact_fits(problem, result.assignment):
+            cand.assignment = result.assignment
+            cand.objective_s = problem.objective(result.assignment) * unit
+            exact = cand.shape.chunks == 1 and rounds == 0
+            cand.status = "optimal" if exact and blocks.is_chain else "screened"
+            if strategy == "chain-dp":
+                cand.status = "optimal-contiguous" if cand.shape.chunks == 1 else "heuristic"
+            if exact and blocks.is_chain:
+                cand.bound_s = cand.objective_s
+            break
+        _tighten(problem, result.assignment)
+    if strategy == "cpsat":
+        for fn in (uniform_assignment, params_assignment):
+            a = fn(blocks, V)
+            if a is not None and problem.valid(a):
+                hints.append(a)
+        if cand.assignment is not None:
+            hints.insert(0, cand.assignment)
+        cand.hints = tuple(hints)
+        for a in hints[1:]:
+            # A baseline cut can beat the DP's on interleaved shapes (the DP balances virtual
+            # stages there) and on DAGs never; keep whichever is better as the screen value.
+            if problem.fits(a) and _exact_fits(problem, a):
+                value = problem.objective(a) * unit
+                if value < cand.objective_s:
+                    cand.assignment, cand.objective_s, cand.status = a, value, "screened"
+
+
+def _refine(cand: _Candidate, options: SearchOptions) -> None:
+    """CP-SAT over the block DAG for one shape, checked against the exact memory model."""
+    problem = cand.problem
+    assert problem is not None
+    unit = problem.time_unit_s / cand.shape.chunks
+    hints = list(cand.hints)
+    for _ in range(_MAX_CORRECTION_ROUNDS):
+        result = solve_cpsat(problem, time_limit_s=options.time_limit_s, workers=options.workers,
+                             hints=hints)
+        if result.assignment is None:
+            cand.status = result.status.lower()
+            if result.status == "INFEASIBLE":
+                cand.bound_s = math.inf
+            cand.assignment = None
+            cand.objective_s = math.inf
+            return
+        if _exact_fits(problem, result.assignment):
+            cand.assignment = result.assignment
+            cand.objective_s = result.objective * unit
+            cand.status = result.status.lower()
+            cand.bound_s = None if result.bound is None else result.bound * unit
+            return
+        _tighten(problem, result.assignment)
+        hints = [h for h in hints if problem.fits(h)]
+    cand.status, cand.assignment, cand.objective_s = "memory model did not converge", None, \
+        math.inf
+
+
+def _exact_fits(problem: StageProblem, assignment: Sequence[int]) -> bool:
+    usable = problem.usable_bytes()
+    return all(m.total <= usable for m in problem.exact_memory(assignment))
+
+
+def _tighten(problem: StageProblem, assignment: Sequence[int]) -> None:
+    """Raise the corrections of the ranks the exact model finds over capacity, so the linear
+    model is at least the exact one for this assignment (which becomes infeasible)."""
+    usable = problem.usable_bytes()
+    linear = problem.rank_memory(assignment)
+    for d, mem in enumerate(problem.exact_memory(assignment)):
+        if mem.total > usable:
+            exact_units = math.ceil(mem.total / problem.memory_unit)
+            problem.corrections[d] += max(1, exact_units - linear[d] + 1)
+
+
+def _infeasible(blocks: BlockGraph, table: CostTable, cluster: ClusterSpec,
+                training: TrainingConfig, global_batch: int,
+                options: SearchOptions) -> InfeasibleMemoryError:
+    """The error for a model that fits no shape: the least memory any cut needs per device."""
+    N = cluster.num_devices
+    S = min(options.stages or N, len(blocks.blocks), N)
+    R = options.replicas or 1
+    per_replica = global_batch // R if global_batch % R == 0 else global_batch
+    # The most micro-batches the search tries (the smallest micro-batch it could use): a message
+    # about a shape the search never considered could claim a need below the usable memory.
+    M = options.num_microbatches or max(
+        k for k in range(1, min(per_replica, options.max_microbatches) + 1) if per_replica % k == 0)
+    m = max(1, per_replica // M)
+    schedule = options.schedule or ("1f1b" if M >= S else "gpipe")
+    ckpt = options.activation_checkpointing if options.activation_checkpointing is not None \
+        else True
+    shape = PipelineShape(stages=S, replicas=1, num_microbatches=M, microbatch_size=m,
+                          schedule=schedule if schedule != "interleaved-1f1b" else "1f1b",
+                          activation_checkpointing=ckpt)
+    problem = StageProblem.build(blocks, table, cluster, training, shape)
+    need = _least_peak(problem)
+    usable = problem.usable_bytes()
+    dev = cluster.device
+    pinned = _pinned(options)
+    return InfeasibleMemoryError(
+        f"the model does not fit: even cut into {S} stage(s) with micro-batch {m}"
+        f"{' and activation checkpointing' if ckpt else ''}"
+        f"{f' ({pinned})' if pinned else ''}, the fullest device needs at least "
+        f"{format_quantity(need, 'B')} but a {dev.name} has {format_quantity(usable, 'B')} usable "
+        f"({format_quantity(dev.memory_bytes, 'B')} minus the {training.memory_margin:.0%} "
+        "margin)",
+        hint="use more or larger devices (--cluster), --precision bf16-mixed or a lighter "
+             "--optimizer, a smaller batch, or leave stages/micro-batches/checkpointing to the "
+             "search")
+
+
+def _least_peak(problem: StageProblem) -> int:
+    """Smallest possible largest rank memory (bytes) over contiguous cuts, exact model."""
+    n = problem.num_blocks
+    V = problem.shape.virtual_stages
+    # Balance the linear model with the DP on a memory-only objective: binary search the limit.
+    lo, hi = 0, sum(problem.static) + sum(problem.saved) * problem.shape.num_microbatches \
+        + sum(p.static for p in problem.shared) + problem.capacity * 4 + 1
+    saved_cap = problem.capacity
+    found: tuple[int, ...] | None = None
+    while lo < hi:
+        mid = (lo + hi) // 2
+        problem.capacity = mid
+        result = solve_chain_dp(problem)
+        if result.assignment is not None:
+            hi, found = mid, result.assignment
+        else:
+            lo = mid + 1
+    problem.capacity = saved_cap
+    if found is None:
+        found = tuple(i * V // n for i in range(n))
+    return int(max(m.total for m in problem.exact_memory(found)))
+
+
+# ---- the result --------------------------------------------------------------------------------
+def build_partition(problem: StageProblem, assignment: Sequence[int], global_batch: int,
+                    report: SolverReport) -> Partition:
+    """Turn a shape's assignment into a Partition: stages, exact memory, simulation."""
+    shape = problem.shape
+    blocks = problem.blocks
+    table = problem.table
+    graph = table.graph
+    cluster = problem.cluster
+    m = shape.microbatch_size
+    S, V = shape.stages, shape.virtual_stages
+    ckpt = shape.activation_checkpointing
+    bf16 = problem.training.precision == "bf16-mixed"
+    members: list[list[int]] = [[] for _ in range(V)]
+    for b, k in enumerate(assignment):
+        members[k].append(b)
+    stages: list[StagePlan] = []
+    timings: list[StageTiming] = []
+    memory = problem.exact_memory(assignment)
+    links = shape.boundary_links(cluster)
+    sends_fwd = [0.0] * (V + 1)
+    sends_bwd = [0.0] * (V + 1)
+    for t in blocks.tensors:
+        lo = 0 if t.producer is None else assignment[t.producer]
+        hi = V - 1 if t.is_output else max((assignment[c] for c in t.consumers), default=lo)
+        nbytes = wire_bytes(graph, t.name, t.nbytes.at(m), bf16)
+        for k in range(lo + 1, hi + 1):
+            sends_fwd[k - 1] += links[k].transfer_s(int(nbytes))
+            if t.requires_grad:
+                sends_bwd[k] += links[k].transfer_s(int(nbytes))
+    for k in range(V):
+        nodes = tuple(n for b in members[k] for n in blocks.blocks[b].nodes)
+        fwd = sum(blocks.blocks[b].forward.at(m) for b in members[k])
+        bwd = sum(blocks.blocks[b].backward.at(m) for b in members[k]) + (fwd if ckpt else 0.0)
+        params = tuple(dict.fromkeys(p for b in members[k] for p in blocks.blocks[b].params
+                                     if graph.param(p).kind == "parameter"))
+        receives, sends = stage_boundary(graph, nodes)
+        rank = k % S
+        stages.append(StagePlan(
+            index=k, rank=rank, devices=shape.rank_devices(rank),
+            blocks=tuple(members[k]), nodes=nodes, modules=_outer_modules(blocks, members[k]),
+            parameters=params, parameter_count=sum(graph.param(p).numel for p in params),
+            forward_s=fwd, backward_s=bwd, receives=tuple(receives), sends=tuple(sends)))
+        saved = sum(blocks.blocks[b].saved.at(m) for b in members[k]) * (0.5 if bf16 else 1.0)
+        rank_mem = memory[rank]
+        static = (rank_mem.parameters + rank_mem.gradients + rank_mem.optimizer_state) \
+            if k < S else 0.0
+        timings.append(StageTiming(
+            forward_s=fwd, backward_s=bwd, send_forward_s=sends_fwd[k] if k < V - 1 else 0.0,
+            send_backward_s=sends_bwd[k] if k > 0 else 0.0,
+            activation_bytes=saved if not ckpt else 0.0, static_bytes=float(static)))
+    allreduce, step = _sync_times(problem, assignment)
+    pipeline = PipelineSpec(schedule=shape.schedule, num_ranks=S,
+                            num_microbatches=shape.num_microbatches, stages=tuple(timings),
+                            allreduce_s=tuple(allreduce), optimizer_s=tuple(step))
+    simulation = simulate(pipeline)
+    return Partition(model=graph.model_name, graph_hash=graph.content_hash(), cluster=cluster.name,
+                     num_devices=cluster.num_devices, global_batch_size=global_batch,
+                     shape=shape, training=problem.training, stages=tuple(stages),
+                     memory=tuple(memory), usable_memory_bytes=problem.usable_bytes(),
+                     solver=report, pipeline=pipeline, simulation=simulation)
+
+
+def _sync_times(problem: StageProblem, assignment: Sequence[int]) -> tuple[list[float],
+                                                                          list[float]]:
+    """Per rank: gradient all-reduce over its replicas and the optimizer step, in seconds."""
+    shape = problem.shape
+    graph = problem.table.graph
+    S = shape.stages
+    held: list[set[str]] = [set() for _ in range(S)]  # a tied parameter once per rank
+    for b, k in enumerate(assignment):
+        held[k % S].update(problem.blocks.blocks[b].params)
+    allreduce, step = [], []
+    for d in range(S):
+        sizes = [sync_bytes(graph.param(p), problem.training) for p in held[d]]
+        grad_bytes = sum(g for g, _ in sizes)
+        allreduce.append(problem.cluster.allreduce_s(grad_bytes, shape.rank_devices(d))
+                         if shape.replicas > 1 else 0.0)
+        step.append(sum(moved for _, moved in sizes) / problem.cluster.device.bytes_per_s())
+    return allreduce, step
+
+
+def _outer_modules(blocks: BlockGraph, members: list[int]) -> tuple[str, ...]:
+    """The stage's modules, each named at the outermost level the stage holds entirely
+    ('bert.encoder.layer.3' rather than its 20 submodules), in order."""
+    inside = [m for b in members for m in blocks.blocks[b].modules]
+    outside = {m for i, b in enumerate(blocks.blocks) if i not in set(members) for m in b.modules}
+    names: list[str] = []
+    for path in dict.fromkeys(inside):
+        parts = path.split(".") if path else []
+        chosen = path
+        for depth in range(1, len(parts) + 1):
+            prefix = ".".join(parts[:depth])
+            if not any(o == prefix or o.startswith(prefix + ".") for o in outside):
+                chosen = prefix
+                break
+        chosen = chosen or "(root)"
+        if chosen not in names:
+            names.append(chosen)
+    return tuple(names)
+
+
+def compare_strategies(table: CostTable, cluster: ClusterSpec, global_batch: int,
+                       training: TrainingConfig | None = None,
+                       options: SearchOptions | None = None,
+                       strategies: Sequence[str] = STRATEGIES,
+                       blocks: BlockGraph | None = None,
+                       progress: Progress | None = None) -> dict[str, Partition | PartcError]:
+    """Run the search once per strategy on the same block graph: strategy -> Partition (or the
+    error it ended with, e.g. a baseline that fits no shape)."""
+    options = options or SearchOptions()
+    blocks = blocks or coarsen(table, options.max_blocks)
+    out: dict[str, Partition | PartcError] = {}
+    for strategy in strategies:
+        try:
+            out[strategy] = search(table, cluster, global_batch, training,
+                                   replace(options, strategy=strategy), blocks=blocks,
+                                   progress=progress)
+        except PartcError as exc:
+            out[strategy] = exc
+    return out
+
+
+__all__ = ["STRATEGIES", "SearchOptions", "SearchError", "InfeasibleMemoryError", "search",
+           "compare_strategies", "enumerate_shapes", "shape_lower_bound", "ParameterTotals",
+           "build_partition"]

@@ -1,0 +1,505 @@
+"""The stage-assignment problem for one pipeline shape, in the integers every strategy shares.
+
+A `PipelineShape` fixes everything but the cut: pipeline ranks S, data-parallel replicas R, micro-
+batch count M and size m, schedule, virtual stages per rank (interleaved 1F1B), activation
+checkpointing and how ranks map onto the cluster's devices. `StageProblem.build` prices every block
+of a BlockGraph for that shape as integers (time in units of `time_unit_s`, bytes in units of
+`memory_unit`), so the exact chain DP (partc.solve.strategies.chain_dp) and CP-SAT (partc.solve.strategies.cpsat) optimise the
+same objective over the same numbers and their optima can be compared exactly.
+
+Objective (docs/solver.md derives it), with V = S*v virtual stages, virtual stage k on rank k % S:
+
+    t_k  = compute of its blocks (forward + backward [+ forward again under checkpointing])
+           + transfer time of what it receives: activations crossing boundary k (forward) and
+             gradients crossing boundary k+1 (backward)
+    T_d  = sum of t_k over the virtual stages of rank d
+    g_d  = (M - 1) * T_d + allreduce_d + optimizer_d
+    J    = max_d g_d + (max_d T_d * (v - 1) + sum_k t_k) / v
+
+For v = 1 that is the classic (M - 1) * bottleneck + fill-and-drain estimate plus the slowest
+rank's gradient all-reduce and optimizer step. A tensor produced on stage p and last needed on
+stage c crosses every boundary in (p, c] (torch.distributed.pipelining stages only talk to their
+neighbours, so intermediate stages relay it); graph inputs enter at stage 0, graph outputs leave
+at the last stage (the loss).
+
+Memory per rank is linear in the assignment (parameters, gradients, optimizer state, in-flight
+activations, pipeline buffers, the largest backward transient of its blocks), an approximation of
+partc.solve.memory.stage_memory; `corrections` tighten a rank's capacity where the exact model found the
+linear one too low (the search's check-and-resolve loop).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Sequence
+
+from partc.solve.coarsen import BlockGraph
+from partc.cost.table import CostTable
+from partc.errors import PartcError
+from partc.hardware.specs import ClusterSpec, LinkSpec
+from partc.solve.memory import (FLOATING_DTYPES as _FLOATING, SCHEDULES, StageMemory, TrainingConfig,
+                          differentiable_tensors, in_flight_microbatches, param_memory,
+                          stage_memory, usable_memory)
+from partc.graph.opgraph import OpGraph, Param, dtype_bytes
+
+PLACEMENTS = ("stage-major", "pipeline-major")
+# Bytes the optimizer step reads and writes per parameter element, per optimizer, fp32 states:
+# SGD reads p and g and writes p; momentum adds the buffer (read+write); Adam(W) two states.
+_STEP_ACCESSES = {"sgd": 3, "sgd-momentum": 5, "adam": 7, "adamw": 7}
+
+
+class ShapeError(PartcError):
+    """A pipeline shape that cannot run: too many devices, batch not divisible, bad schedule."""
+
+
+@dataclass(frozen=True)
+class PipelineShape:
+    """Everything about a hybrid-parallel layout except where the cuts fall."""
+
+    stages: int  # S: pipeline ranks (devices per pipeline)
+    replicas: int  # R: data-parallel copies of the pipeline
+    num_microbatches: int  # M per replica per iteration
+    microbatch_size: int  # m
+    schedule: str = "1f1b"
+    chunks: int = 1  # virtual stages per rank (interleaved-1f1b only)
+    activation_checkpointing: bool = False
+    placement: str = "stage-major"
+
+    def __post_init__(self) -> None:
+        for name in ("stages", "replicas", "num_microbatches", "microbatch_size", "chunks"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ShapeError(f"{name} must be an integer >= 1, got {value!r}",
+                                 hint="check the pipeline options")
+        if self.schedule not in SCHEDULES:
+            raise ShapeError(f"unknown schedule {self.schedule!r}",
+                             hint=f"use one of {', '.join(SCHEDULES)}")
+        if (self.chunks > 1) != (self.schedule == "interleaved-1f1b"):
+            raise ShapeError(f"schedule {self.schedule} with {self.chunks} virtual stages per rank",
+                             hint="interleaved-1f1b needs chunks >= 2; the others use 1")
+        if self.placement not in PLACEMENTS:
+            raise ShapeError(f"unknown placement {self.placement!r}",
+                             hint=f"use one of {', '.join(PLACEMENTS)}")
+
+    @property
+    def virtual_stages(self) -> int:
+        return self.stages * self.chunks
+
+    @property
+    def num_devices(self) -> int:
+        return self.stages * self.replicas
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.replicas * self.num_microbatches * self.microbatch_size
+
+    def device(self, rank: int, replica: int) -> int:
+        """Cluster device index of pipeline rank `rank` in replica `replica`.
+
+        stage-major: a rank's replicas sit on neighbouring devices (its all-reduce stays inside a
+        node); pipeline-major: a pipeline's ranks sit on neighbouring devices (its point-to-point
+        transfers stay inside a node)."""
+        if self.placement == "stage-major":
+            return rank * self.replicas + replica
+        return replica * self.stages + rank
+
+    def rank_devices(self, rank: int) -> tuple[int, ...]:
+        """The devices running pipeline rank `rank`, one per replica."""
+        return tuple(self.device(rank, r) for r in range(self.replicas))
+
+    def boundary_links(self, cluster: ClusterSpec) -> list[LinkSpec | None]:
+        """Per boundary k (1..V-1; index 0 is None): the link between the ranks of virtual
+        stages k-1 and k, in replica 0 (every replica has the same layout)."""
+        S = self.stages
+        return [None] + [cluster.link(self.device((k - 1) % S, 0), self.device(k % S, 0))
+                         for k in range(1, self.virtual_stages)]
+
+    def label(self) -> str:
+        parts = [f"S{self.stages}xR{self.replicas}", f"M{self.num_microbatches}",
+                 f"m{self.microbatch_size}", self.schedule + (f"x{self.chunks}" if self.chunks > 1
+                                                             else "")]
+        if self.activation_checkpointing:
+            parts.append("ckpt")
+        if self.replicas > 1 and self.stages > 1:
+            parts.append(self.placement)
+        return " ".join(parts)
+
+
+@dataclass(frozen=True)
+class CrossingTensor:
+    """A block-level tensor as the problem sees it (block positions; -1: a graph input)."""
+
+    name: str
+    producer: int
+    consumers: tuple[int, ...]
+    is_output: bool
+    forward: tuple[int, ...]  # per boundary k (index 0 unused): activation transfer time
+    backward: tuple[int, ...]  # per boundary k (index 0 unused): gradient transfer time
+    size: int  # memory units per micro-batch
+    grad_size: int  # memory units of its gradient per micro-batch (0: no gradient)
+
+    def last_block(self, num_blocks: int) -> int:
+        """Position of the last block that needs it (num_blocks: the loss, after every block)."""
+        return num_blocks if self.is_output else max(self.consumers, default=self.producer)
+
+
+@dataclass(frozen=True)
+class SharedParam:
+    """A parameter used by several blocks: a rank holding any of them holds it once."""
+
+    name: str
+    blocks: tuple[int, ...]
+    static: int  # memory units: weights + gradients + optimizer state
+    temps: int  # optimizer-step temporaries
+    sync: tuple[int, ...]  # per rank: time units its all-reduce and optimizer step add
+
+
+@dataclass
+class StageProblem:
+    """One shape's assignment problem in integers (see the module docstring)."""
+
+    blocks: BlockGraph
+    table: CostTable
+    cluster: ClusterSpec
+    training: TrainingConfig  # schedule/checkpointing are the shape's
+    shape: PipelineShape
+    time_unit_s: float
+    memory_unit: int
+    compute: list[int]  # per block: time units per micro-batch
+    static: list[int]  # per block: units of its own (unshared) weights, grads, optimizer state
+    temps: list[int]  # per block: units of optimizer-step temporaries of its own parameters
+    saved: list[int]  # per block: units saved for backward per micro-batch
+    transient: list[int]  # per block: units of its largest backward transient
+    sync: list[list[int]]  # [block][rank]: time units of all-reduce + step for its own params
+    has_trainable: list[bool]  # per block: owns a trainable parameter
+    tensors: list[CrossingTensor]
+    shared: list[SharedParam]
+    sync_latency: list[int]  # per rank: all-reduce latency term when it has trainable params
+    activation_coef: list[float]  # per rank: saved bytes multiplier (in-flight / chunks)
+    keep_coef: list[float]  # per rank: sent outputs kept per micro-batch (in-flight / chunks)
+    loss: int  # units the loss keeps per in-flight micro-batch on the last stage
+    inputs: int  # units of the input micro-batches the first rank holds
+    capacity: int  # usable memory units per device
+    corrections: list[int] = field(default_factory=list)  # per rank, memory units
+
+    # ---- construction ----------------------------------------------------------------------
+    @classmethod
+    def build(cls, blocks: BlockGraph, table: CostTable, cluster: ClusterSpec,
+              training: TrainingConfig, shape: PipelineShape,
+              memo: dict[tuple, Any] | None = None) -> "StageProblem":
+        """Price every block for `shape` (see the module docstring). `memo`, shared by the builds
+        of one search (same blocks and table), keeps the shape-independent pieces: per-parameter
+        bytes and per-block transients at a micro-batch size; a search over thousands of shapes
+        of a 100B-parameter model spent most of its time recomputing them."""
+        memo = {} if memo is None else memo
+        if shape.num_devices > cluster.num_devices:
+            raise ShapeError(f"{shape.label()} needs {shape.num_devices} devices, the cluster "
+                             f"has {cluster.num_devices}", hint="use fewer stages or replicas")
+        training = replace(training, schedule=shape.schedule,
+                           activation_checkpointing=shape.activation_checkpointing)
+        graph = table.graph
+        m = shape.microbatch_size
+        M = shape.num_microbatches
+        S = shape.stages
+        V = shape.virtual_stages
+        v = shape.chunks
+        ckpt = shape.activation_checkpointing
+        bf16 = training.precision == "bf16-mixed"
+
+        compute_s = [b.forward.at(m) * (2.0 if ckpt else 1.0) + b.backward.at(m)
+                     for b in blocks.blocks]
+        total = sum(compute_s)
+        # ~2^20 units for the whole model's compute: fine enough to balance, small enough that
+        # (M - 1) * time stays far inside int64.
+        unit = max(total / float(1 << 20), 1e-12)
+        usable = usable_memory(cluster.device.memory_bytes, training)
+        memory_unit = max(1, usable >> 24)
+
+        def t_units(seconds: float) -> int:
+            return int(round(seconds / unit))
+
+        def m_units(nbytes: float) -> int:
+            return int(math.ceil(nbytes / memory_unit - 1e-9)) if nbytes > 0 else 0
+
+        # Parameters: per-parameter static bytes, temporaries and step traffic.
+        users: dict[str, list[int]] = {}
+        for b in blocks.blocks:
+            for p in b.params:
+                users.setdefault(p, []).append(b.index)
+        param_info = {p: _memo(memo, ("param", p, training),
+                               lambda p=p: _param_bytes(graph.param(p), training)) for p in users}
+
+        # Per rank: all-reduce of gradients over its replicas, then the optimizer step.
+        groups = [shape.rank_devices(d) for d in range(S)]
+        step_bps = cluster.device.bytes_per_s()
+        sync_per_byte: list[float] = []
+        sync_latency: list[int] = []
+        for d in range(S):
+            if shape.replicas > 1:
+                # allreduce_s is latency + bytes * slope: recover both from two sizes.
+                small, large = 1 << 20, 1 << 30
+                per_byte = ((cluster.allreduce_s(large, groups[d])
+                             - cluster.allreduce_s(small, groups[d])) / (large - small))
+                latency = cluster.allreduce_s(small, groups[d]) - per_byte * small
+            else:
+                per_byte, latency = 0.0, 0.0
+            sync_per_byte.append(per_byte)
+            sync_latency.append(t_units(latency))
+
+        def sync_units(name: str) -> tuple[int, ...]:
+            gbytes, moved = _memo(memo, ("sync", name, training),
+                                  lambda: sync_bytes(graph.param(name), training))
+            return tuple(t_units(gbytes * sync_per_byte[d] + moved / step_bps) for d in range(S))
+
+        shared_names = sorted(p for p, bs in users.items() if len(set(bs)) > 1)
+        shared = [SharedParam(name=p, blocks=tuple(sorted(set(users[p]))),
+                              static=m_units(param_info[p][0]), temps=m_units(param_info[p][1]),
+                              sync=sync_units(p)) for p in shared_names]
+        shared_set = set(shared_names)
+
+        requires = _memo(memo, ("requires",), lambda: differentiable_tensors(graph))
+        static, temps, sync, has_trainable, saved, transient = [], [], [], [], [], []
+        for b in blocks.blocks:
+            own = [p for p in b.params if p not in shared_set]
+            static.append(m_units(sum(param_info[p][0] for p in own)))
+            temps.append(m_units(sum(param_info[p][1] for p in own)))
+            per_rank = [0] * S
+            for p in own:
+                for d, u in enumerate(sync_units(p)):
+                    per_rank[d] += u
+            sync.append(per_rank)
+            has_trainable.append(any(graph.param(p).kind == "parameter"
+                                     and graph.param(p).trainable for p in b.params))
+            factor = 0.5 if bf16 else 1.0
+            saved.append(m_units(b.saved.at(m) * factor))
+            transient.append(m_units(_memo(
+                memo, ("transient", b.index, m, bf16),
+                lambda b=b: _block_transient(table, b.nodes, m, requires, bf16))))
+
+        # Crossing tensors: transfer time per boundary k on the link between ranks (k-1)%S, k%S.
+        links = shape.boundary_links(cluster)
+        tensors: list[CrossingTensor] = []
+        for t in blocks.tensors:
+            nbytes = wire_bytes(graph, t.name, t.nbytes.at(m), bf16)
+            grad = nbytes if t.requires_grad else 0.0
+            forward = tuple([0] + [t_units(links[k].transfer_s(int(nbytes)))
+                                   for k in range(1, V)])
+            backward = tuple([0] + [t_units(links[k].transfer_s(int(grad)))
+                                    for k in range(1, V)])
+            tensors.append(CrossingTensor(
+                name=t.name, producer=-1 if t.producer is None else t.producer,
+                consumers=t.consumers, is_output=t.is_output, forward=forward, backward=backward,
+                size=m_units(nbytes), grad_size=m_units(grad)))
+
+        tensors = _merge_parallel(tensors)
+        in_flight = [in_flight_microbatches(shape.schedule, d, S, M, v) for d in range(S)]
+        activation_coef = [(1.0 if ckpt else in_flight[d]) / v for d in range(S)]
+        keep_coef = [in_flight[d] / v for d in range(S)]
+        outputs = {o.tensor for o in graph.outputs}
+        loss = m_units(sum(table.tensor_bytes(t, m) for t in outputs
+                           if graph.tensor(t).dtype in _FLOATING))
+        inputs = m_units(M * sum(table.tensor_bytes(t.name, m) for t in graph.inputs))
+        return cls(blocks=blocks, table=table, cluster=cluster, training=training, shape=shape,
+                   time_unit_s=unit, memory_unit=memory_unit,
+                   compute=[t_units(x) for x in compute_s], static=static, temps=temps,
+                   saved=saved, transient=transient, sync=sync, has_trainable=has_trainable,
+                   tensors=tensors, shared=shared, sync_latency=sync_latency,
+                   activation_coef=activation_coef, keep_coef=keep_coef, loss=loss,
+                   inputs=inputs, capacity=usable // memory_unit, corrections=[0] * S)
+
+    # ---- evaluation of an assignment ---------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return len(self.compute)
+
+    def rank_of(self, stage: int) -> int:
+        return stage % self.shape.stages
+
+    def crossings(self, assignment: Sequence[int], tensor: CrossingTensor) -> range:
+        """The boundaries k (1..V-1) the tensor crosses under `assignment` (stage per block)."""
+        V = self.shape.virtual_stages
+        lo = 0 if tensor.producer < 0 else assignment[tensor.producer]
+        hi = V - 1 if tensor.is_output else max((assignment[c] for c in tensor.consumers),
+                                                  default=lo)
+        return range(lo + 1, hi + 1)
+
+    def stage_times(self, assignment: Sequence[int]) -> list[int]:
+        """t_k in time units for every virtual stage."""
+        V = self.shape.virtual_stages
+        t = [0] * V
+        for b, k in enumerate(assignment):
+            t[k] += self.compute[b]
+        for tensor in self.tensors:
+            for k in self.crossings(assignment, tensor):
+                # Counted once, on the receiver: torch's isend does not block the sender, the
+                # receiver waits for the data.
+                t[k] += tensor.forward[k]
+                t[k - 1] += tensor.backward[k]
+        return t
+
+    def rank_sync(self, assignment: Sequence[int]) -> list[int]:
+        """All-reduce + optimizer time units per rank."""
+        S = self.shape.stages
+        sync = [0] * S
+        has = [False] * S
+        held: list[set[str]] = [set() for _ in range(S)]
+        for b, k in enumerate(assignment):
+            d = self.rank_of(k)
+            sync[d] += self.sync[b][d]
+            has[d] = has[d] or self.has_trainable[b]
+        for p in self.shared:
+            for b in p.blocks:
+                d = self.rank_of(assignment[b])
+                if p.name not in held[d]:
+                    held[d].add(p.name)
+                    sync[d] += p.sync[d]
+        return [s + (self.sync_latency[d] if has[d] else 0) for d, s in enumerate(sync)]
+
+    def objective(self, assignment: Sequence[int]) -> int:
+        """v * J in time units (an integer; J = objective / chunks)."""
+        S, v, M = self.shape.stages, self.shape.chunks, self.shape.num_microbatches
+        t = self.stage_times(assignment)
+        per_rank = [0] * S
+        for k, x in enumerate(t):
+            per_rank[self.rank_of(k)] += x
+        sync = self.rank_sync(assignment)
+        g = max((M - 1) * per_rank[d] + sync[d] for d in range(S))
+        return v * g + (v - 1) * max(per_rank) + sum(t)
+
+    def rank_memory(self, assignment: Sequence[int]) -> list[int]:
+        """The linear memory model per rank in memory units, corrections included."""
+        S, V, M = self.shape.stages, self.shape.virtual_stages, self.shape.num_microbatches
+        static = [0] * S
+        temps = [0] * S
+        saved = [0] * S
+        peak = [0] * S
+        comm = [0] * S
+        for b, k in enumerate(assignment):
+            d = self.rank_of(k)
+            static[d] += self.static[b]
+            temps[d] += self.temps[b]
+            saved[d] += self.saved[b]
+            peak[d] = max(peak[d], self.transient[b])
+        for p in self.shared:
+            for d in sorted({self.rank_of(assignment[b]) for b in p.blocks}):
+                static[d] += p.static
+                temps[d] += p.temps
+        for tensor in self.tensors:
+            for k in self.crossings(assignment, tensor):
+                comm[self.rank_of(k)] += M * tensor.size
+                comm[self.rank_of(k - 1)] += self.send_units(tensor, self.rank_of(k - 1))
+        comm[self.rank_of(0)] += self.inputs
+        last = self.rank_of(V - 1)
+        out = []
+        for d in range(S):
+            act = self.activation_units(d, saved[d]) + (self.loss_units(d) if d == last else 0)
+            out.append(static[d] + comm[d] + max(act + peak[d], temps[d]) + self.corrections[d])
+        return out
+
+    def activation_units(self, rank: int, saved: int) -> int:
+        return int(math.ceil(self.activation_coef[rank] * saved))
+
+    def loss_units(self, rank: int) -> int:
+        return int(math.ceil(self.keep_coef[rank] * self.loss))
+
+    def send_units(self, tensor: CrossingTensor, rank: int) -> int:
+        """Memory a rank spends on a tensor it sends: kept outputs and gradient buffers."""
+        return int(math.ceil(self.keep_coef[rank] * tensor.size)) \
+            + self.shape.num_microbatches * tensor.grad_size
+
+    def fits(self, assignment: Sequence[int]) -> bool:
+        return all(x <= self.capacity for x in self.rank_memory(assignment))
+
+    def exact_memory(self, assignment: Sequence[int]) -> list[StageMemory]:
+        """partc.solve.memory.stage_memory of every rank (its virtual stages together)."""
+        S = self.shape.stages
+        nodes: list[list[str]] = [[] for _ in range(S)]
+        for b, k in enumerate(assignment):
+            nodes[self.rank_of(k)].extend(self.blocks.blocks[b].nodes)
+        return [stage_memory(self.table, nodes[d], microbatch_size=self.shape.microbatch_size,
+                             num_microbatches=self.shape.num_microbatches, stage_index=d,
+                             num_stages=S, config=self.training, chunks=self.shape.chunks)
+                for d in range(S)]
+
+    def usable_bytes(self) -> int:
+        return usable_memory(self.cluster.device.memory_bytes, self.training)
+
+    def valid(self, assignment: Sequence[int]) -> bool:
+        """Every block placed, every stage non-empty, every edge forward (stage(u) <= stage(v))."""
+        V = self.shape.virtual_stages
+        if len(assignment) != self.num_blocks or any(not 0 <= k < V for k in assignment):
+            return False
+        if len(set(assignment)) != V:
+            return False
+        return all(assignment[u] <= assignment[v] for u, v in self.blocks.edges)
+
+
+def wire_bytes(graph: OpGraph, tensor: str, nbytes: float, bf16: bool) -> float:
+    """Bytes a boundary tensor occupies when sent: floating activations travel in bf16 under
+    bf16-mixed; graph inputs (the data) keep their dtype."""
+    spec = graph.tensor(tensor)
+    if bf16 and graph.producer(tensor) is not None and spec.dtype in _FLOATING:
+        return nbytes / dtype_bytes(spec.dtype) * 2
+    return nbytes
+
+
+def _merge_parallel(tensors: list[CrossingTensor]) -> list[CrossingTensor]:
+    """Tensors with the same producer block, consumer blocks and output flag cross the same
+    boundaries under every assignment: one crossing variable serves them all."""
+    merged: dict[tuple, CrossingTensor] = {}
+    for t in tensors:
+        key = (t.producer, t.consumers, t.is_output)
+        other = merged.get(key)
+        if other is None:
+            merged[key] = t
+        else:
+            merged[key] = CrossingTensor(
+                name=other.name, producer=t.producer, consumers=t.consumers,
+                is_output=t.is_output,
+                forward=tuple(a + b for a, b in zip(other.forward, t.forward)),
+                backward=tuple(a + b for a, b in zip(other.backward, t.backward)),
+                size=other.size + t.size, grad_size=other.grad_size + t.grad_size)
+    return list(merged.values())
+
+
+def _memo(memo: dict[tuple, Any], key: tuple, compute: Callable[[], Any]) -> Any:
+    if key not in memo:
+        memo[key] = compute()
+    return memo[key]
+
+
+def _param_bytes(p: Param, training: TrainingConfig) -> tuple[float, float]:
+    """(static, step temporaries) bytes of one parameter/buffer; partc.solve.memory's rules."""
+    weights, grads, state, temps = param_memory(p, training)
+    return float(weights + grads + state), float(temps)
+
+
+def sync_bytes(p: Param, training: TrainingConfig) -> tuple[int, int]:
+    """(gradient bytes a data-parallel all-reduce moves, bytes the optimizer step reads and
+    writes) for one parameter; (0, 0) for buffers and frozen parameters."""
+    grads = param_memory(p, training)[1]
+    if not grads:
+        return 0, 0
+    return grads, p.numel * _STEP_ACCESSES[training.optimizer] * 4
+
+
+def _block_transient(table: CostTable, nodes: Sequence[str], m: float,
+                     requires: frozenset[str], bf16: bool) -> float:
+    """Largest backward transient of one node of the block: gradients of its outputs, of its
+    inputs and of its parameters, alive together while its backward runs."""
+    graph = table.graph
+    factor = 0.5 if bf16 else 1.0
+    peak = 0.0
+    for name in nodes:
+        node = graph.node(name)
+        if node.is_view:
+            continue
+        total = sum(table.tensor_bytes(t.name, m) for t in node.outputs if t.name in requires)
+        total += sum(table.tensor_bytes(t, m) for t in set(node.inputs) if t in requires)
+        total *= factor
+        for p in dict.fromkeys(graph.param(q).name for q in node.params):
+            param = graph.param(p)
+            if param.kind == "parameter" and param.trainable:
+                total += param.numel * (2 if bf16 else dtype_bytes(param.dtype))
+        peak = max(peak, total)
+    return peak
