@@ -33,8 +33,10 @@ from partc.cost.activations import saved_activations  # noqa: E402
 from partc.cost.measured import ProfileOptions, measure_costs
 from partc.frontend.capture import capture_graph  # noqa: E402
 from partc.progress import Progress  # noqa: E402
-from partc.solve.memory import TrainingConfig, stage_memory  # noqa: E402
-from partc.cost.torch_profiler import measure_training_peak, program_module, time_model  # noqa: E402
+from partc.options import TrainingConfig  # noqa: E402
+from partc.solve.memory import stage_memory
+from partc.cost.torch_profiler import program_module, time_model  # noqa: E402
+from partc.run.reference import measure_training_peak
 
 EXAMPLES = ("mlp", "transformer", "bert", "gpt2", "resnet")
 HELD_OUT = (3, 8)

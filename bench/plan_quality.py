@@ -44,11 +44,12 @@ sys.path.insert(0, str(ROOT))
 from partc.solve.coarsen import coarsen  # noqa: E402
 from partc.errors import PartcError  # noqa: E402
 from partc.hardware.configs import load_cluster  # noqa: E402
-from partc.solve.memory import TrainingConfig  # noqa: E402
+from partc.options import TrainingConfig  # noqa: E402
 from partc.solve.partition import Partition  # noqa: E402
 from partc.cost.plan_costs import plan_costs  # noqa: E402
 from partc.frontend.capture import capture_graph
-from partc.solve.search import STRATEGIES, SearchOptions, compare_strategies  # noqa: E402
+from partc.options import STRATEGIES, SearchOptions  # noqa: E402
+from partc.solve.search import compare_strategies
 
 # name -> (model file, global batch on GPU clusters). The small examples' batches scale with the
 # cluster instead (`global_batch()`).

@@ -6,27 +6,37 @@ one line and exits 3. `partc --debug ...` (or PARTC_DEBUG=1) shows the traceback
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import sys
 import traceback
-from importlib.metadata import PackageNotFoundError, version
+import typing
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 import click
 
-from partc.solve.coarsen import DEFAULT_MAX_BLOCKS
 from partc.errors import PartcError
+from partc.files import write_atomic
+from partc.options import (
+    DEFAULT_CAPTURE_BATCH,
+    STRATEGIES,
+    ElasticOptions,
+    Flag,
+    SearchOptions,
+    TrainingConfig,
+    TrainOptions,
+    base_type,
+    field_types,
+    flag_of,
+    from_flags,
+)
+from partc.version import __version__
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 INTERNAL_ERROR_EXIT = 3
-
-
-def _version() -> str:
-    try:
-        return version("partc")
-    except PackageNotFoundError:
-        return "unknown"
 
 
 class PartcGroup(click.Group):
@@ -80,7 +90,7 @@ def writing_to(path: Path) -> Iterator[None]:
 
 @click.group(cls=PartcGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @debug_option
-@click.version_option(_version(), prog_name="partc")
+@click.version_option(__version__, prog_name="partc")
 def cli() -> None:
     """partc: ahead-of-time partition compiler for training PyTorch models across devices."""
 
@@ -100,8 +110,8 @@ def cli() -> None:
 def inspect(model: Path, batch_size: int, depth: int, json_out: Path | None,
             save_dir: Path | None, no_onnx: bool) -> None:
     """Capture MODEL (a model file) and print parameters, FLOPs and activations per module."""
-    from partc.graph.module_summary import format_table, summarize_modules
     from partc.frontend.capture import capture_graph
+    from partc.graph.module_summary import format_table, summarize_modules
     from partc.progress import TerminalProgress
 
     progress = TerminalProgress()
@@ -116,7 +126,7 @@ def inspect(model: Path, batch_size: int, depth: int, json_out: Path | None,
     if json_out is not None:
         with writing_to(json_out):
             json_out.parent.mkdir(parents=True, exist_ok=True)
-            json_out.write_text(json.dumps(summary.to_dict(), indent=2, sort_keys=True) + "\n")
+            write_atomic(json_out, json.dumps(summary.to_dict(), indent=2, sort_keys=True) + "\n")
         click.echo(f"wrote {json_out}", err=True)
 
 
@@ -164,10 +174,10 @@ def profile(model: Path, device: str, batch_size: int, batch_sizes: tuple[int, .
 
     progress = TerminalProgress()
     if analytic_device is not None:
-        from partc.cost.roofline import analytic_cost_table
-        from partc.hardware.configs import load_device
         from partc.cost.activations import saved_activations
+        from partc.cost.roofline import analytic_cost_table
         from partc.frontend.capture import capture_graph
+        from partc.hardware.configs import load_device
 
         spec = load_device(analytic_device)
         result = capture_graph(model, batch_size, onnx=False, progress=progress)
@@ -186,72 +196,97 @@ def profile(model: Path, device: str, batch_size: int, batch_sizes: tuple[int, .
     click.echo(f"wrote {output}", err=True)
 
 
-def plan_options(default_cluster: str, compare: bool = False) -> Any:
-    """The options `solve` and `compile` share: cluster, batch, costs and everything the search
-    lets a user pin. `compare` adds `--strategy all`."""
+def dataclass_options(cls: type, **overrides: dict[str, Any]) -> Callable[[F], F]:
+    """click options for every flagged field of an options dataclass of partc.options: the flag,
+    help, value range, choices and default come from the field itself, the keyword argument is
+    the field's name (so `from_flags(cls, kwargs)` builds the options). `overrides` adds or
+    replaces click settings per field name (e.g. an extra choice)."""
+    hints = field_types(cls)
+    decorators = []
+    for f in dataclasses.fields(cls):
+        flag = flag_of(f)
+        if flag is None:
+            continue
+        kind, optional = base_type(hints[f.name])
+        default = None if f.default is dataclasses.MISSING else f.default
+        settings: dict[str, Any] = {"help": flag.help}
+        names: tuple[str, ...] = (flag.name, f.name)
+        if kind is bool and optional:
+            names = (f"{flag.name}/--no-{flag.name.removeprefix('--')}", f.name)
+            settings["default"] = None
+        elif kind is bool:
+            settings["is_flag"] = True
+        else:
+            settings["default"] = default
+            settings["show_default"] = default not in (None, "")
+            settings["type"] = _click_type(kind, flag)
+        settings.update(overrides.get(f.name, {}))
+        decorators.append(click.option(*names, **settings))
+
+    def apply(function: F) -> F:
+        for decorator in reversed(decorators):
+            function = decorator(function)
+        return function
+    return apply
+
+
+def _click_type(kind: Any, flag: Flag) -> Any:
+    ranged = flag.min is not None or flag.max is not None
+    if typing.get_origin(kind) is typing.Literal:
+        return click.Choice(typing.get_args(kind))
+    if kind is int:
+        return click.IntRange(min=flag.min, max=flag.max, min_open=flag.min_open,
+                              max_open=flag.max_open) if ranged else int
+    if kind is float:
+        return click.FloatRange(min=flag.min, max=flag.max, min_open=flag.min_open,
+                                max_open=flag.max_open) if ranged else float
+    if kind is Path:
+        return click.Path(readable=False, path_type=Path, dir_okay=flag.path != "file",
+                          file_okay=flag.path != "dir")
+    return kind
+
+
+def plan_options(default_cluster: str, compare: bool = False) -> Callable[[F], F]:
+    """The options `solve` and `compile` share: cluster, batch, costs, the training settings
+    (TrainingConfig) and everything the search lets a user pin (SearchOptions). `compare` adds
+    `--strategy all`."""
+    strategy: dict[str, dict[str, Any]] = {}
+    if compare:
+        strategy = {"strategy": {
+            "type": click.Choice([*STRATEGIES, "all"]),
+            "help": "How stages are cut; 'all' compares every strategy on the same search."}}
     options = [
         click.option("--cluster", "-c", "cluster_name", default=default_cluster, show_default=True,
                      help="Cluster config: 'local' (this machine: its GPUs, or its CPU cores as "
                           "gloo processes), a name from configs/clusters/, or a YAML path."),
         click.option("--batch-size", "-b", type=click.IntRange(min=1), required=True,
                      help="Global batch size (samples per training iteration over all replicas)."),
-        click.option("--profile", "profile_path", type=click.Path(readable=False, dir_okay=False, path_type=Path),
+        click.option("--profile", "profile_path",
+                     type=click.Path(readable=False, dir_okay=False, path_type=Path),
                      help="Measured costs from `partc profile` (default: analytic, from the "
                           "cluster's device config)."),
-        click.option("--strategy", type=click.Choice(["cpsat", "chain-dp", "uniform", "params"]
-                                                      + (["all"] if compare else [])),
-                     default="cpsat", show_default=True,
-                     help="How stages are cut" + ("; 'all' compares every strategy on the same "
-                                                  "search." if compare else ".")),
-        click.option("--stages", type=click.IntRange(min=1), help="Pin the pipeline stages."),
-        click.option("--replicas", type=click.IntRange(min=1),
-                     help="Pin the data-parallel replicas."),
-        click.option("--microbatches", type=click.IntRange(min=1),
-                     help="Pin the micro-batch count."),
-        click.option("--schedule", type=click.Choice(["gpipe", "1f1b", "interleaved-1f1b"]),
-                     help="Pin the pipeline schedule."),
-        click.option("--checkpointing/--no-checkpointing", default=None,
-                     help="Pin activation checkpointing on or off (default: searched)."),
-        click.option("--optimizer", type=click.Choice(["sgd", "sgd-momentum", "adam", "adamw"]),
-                     default="adamw", show_default=True),
-        click.option("--precision", type=click.Choice(["fp32", "bf16-mixed"]), default="fp32",
-                     show_default=True),
-        click.option("--memory-margin", type=click.FloatRange(min=0, max=1, max_open=True),
-                     default=0.1, show_default=True, help="Fraction of device memory kept free."),
-        click.option("--max-blocks", type=click.IntRange(min=1), default=DEFAULT_MAX_BLOCKS,
-                     show_default=True, help="Blocks the graph is coarsened to before solving."),
-        click.option("--time-limit", type=click.FloatRange(min=0, min_open=True), default=10.0,
-                     show_default=True, help="CP-SAT deterministic seconds per refined shape."),
-        click.option("--refine", type=click.IntRange(min=1), default=1, show_default=True,
-                     help="Best shapes CP-SAT optimises after the DP screen."),
-        click.option("--capture-batch", type=click.IntRange(min=1), default=2, show_default=True,
+        dataclass_options(SearchOptions, **strategy),
+        dataclass_options(TrainingConfig),
+        click.option("--capture-batch", type=click.IntRange(min=1), default=DEFAULT_CAPTURE_BATCH,
+                     show_default=True,
                      help="Batch size the model is captured at (costs scale to any micro-batch)."),
     ]
 
-    def apply(f: Any) -> Any:
+    def apply(function: F) -> F:
         for option in reversed(options):
-            f = option(f)
-        return f
+            function = option(function)
+        return function
     return apply
 
 
-def _search_inputs(kw: dict[str, Any]) -> tuple[Any, Any, Any]:
+def _search_inputs(kw: dict[str, Any]) -> tuple[Any, TrainingConfig, SearchOptions]:
     """(cluster, TrainingConfig, SearchOptions) from the plan options."""
     from partc.hardware.local import resolve_cluster
-    from partc.solve.memory import TrainingConfig
-    from partc.solve.search import SearchOptions
 
     cluster = resolve_cluster(kw["cluster_name"])
-    training = TrainingConfig(optimizer=kw["optimizer"], precision=kw["precision"],
-                              memory_margin=kw["memory_margin"])
-    strategy = kw["strategy"]
-    options = SearchOptions(strategy="cpsat" if strategy == "all" else strategy,
-                            stages=kw["stages"], replicas=kw["replicas"],
-                            num_microbatches=kw["microbatches"], schedule=kw["schedule"],
-                            activation_checkpointing=kw["checkpointing"],
-                            max_blocks=kw["max_blocks"], time_limit_s=kw["time_limit"],
-                            refine=kw["refine"])
-    return cluster, training, options
+    compare = kw["strategy"] == "all"
+    options = from_flags(SearchOptions, {**kw, "strategy": "cpsat"} if compare else kw)
+    return cluster, from_flags(TrainingConfig, kw), options
 
 
 @cli.command()
@@ -265,11 +300,11 @@ def _search_inputs(kw: dict[str, Any]) -> tuple[Any, Any, Any]:
 def solve(model: Path, output: Path | None, timeline: Path | None, **kw: Any) -> None:
     """Find the best pipeline x data-parallel partition of MODEL for a cluster and global batch:
     coarsen, search shapes, cut stages (CP-SAT by default), simulate; print the plan."""
-    from partc.solve.coarsen import coarsen
-    from partc.solve.partition import format_partition, format_comparison
     from partc.cost.plan_costs import plan_costs
     from partc.frontend.capture import capture_graph
     from partc.progress import TerminalProgress
+    from partc.solve.coarsen import coarsen
+    from partc.solve.partition import format_comparison, format_partition
     from partc.solve.search import compare_strategies, search
 
     progress = TerminalProgress()
@@ -298,7 +333,8 @@ def solve(model: Path, output: Path | None, timeline: Path | None, **kw: Any) ->
     if timeline is not None:
         with writing_to(timeline):
             timeline.parent.mkdir(parents=True, exist_ok=True)
-            timeline.write_text(json.dumps(partition.simulation.to_dict(), sort_keys=True) + "\n")
+            write_atomic(timeline, json.dumps(partition.simulation.to_dict(), sort_keys=True)
+                         + "\n")
         click.echo(f"wrote {timeline}", err=True)
 
 
@@ -357,60 +393,15 @@ def verify(plan: Path, rtol: float, atol: float, seed: int, device: str,
 
 @cli.command()
 @click.argument("plan", type=click.Path(readable=False, path_type=Path))
-@click.option("--steps", type=click.IntRange(min=1), default=10, show_default=True,
-              help="Training steps (global batches) to run, counted from step 0; a resumed run "
-                   "continues up to this step.")
-@click.option("--checkpoint-dir", type=click.Path(readable=False, file_okay=False, path_type=Path),
-              help="Write per-stage checkpoints (model + optimizer, by parameter name) and a "
-                   "manifest here; an elastic restart resumes from the newest complete one.")
-@click.option("--checkpoint-every", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Checkpoint every K steps (0: only after the last step).")
-@click.option("--keep-checkpoints", type=click.IntRange(min=1), default=2, show_default=True,
-              help="Complete checkpoints kept; older ones are deleted.")
-@click.option("--resume", is_flag=True,
-              help="Continue from the newest complete checkpoint in --checkpoint-dir.")
-@click.option("--init-from", type=click.Path(readable=False, dir_okay=False, path_type=Path),
-              help="A torch.save'd state_dict of the model (or a partc checkpoint's stage file): "
-                   "initial weights by FQN, instead of the stage files' or a meta model's own "
-                   "initialisation.")
-@click.option("--lr", type=float, help="Learning rate [default: 1e-3 for adam/adamw, 0.01 sgd].")
-@click.option("--weight-decay", type=float,
-              help="Weight decay [default: 0.01 for adamw, else 0].")
-@click.option("--seed", type=int, default=0, show_default=True,
-              help="Seed of dropout (per step and rank) and of a meta model's initialisation.")
-@click.option("--metrics", type=click.Path(readable=False, dir_okay=False, path_type=Path),
-              help="Append one JSON line per step (loss, samples/s, per-stage times) here.")
-@click.option("--log-every", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Print a progress line every N steps (when stderr is not a terminal).")
-@click.option("--nnodes", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Nodes (as torchrun); the plan's processes are split evenly over them.")
-@click.option("--node-rank", type=click.IntRange(min=0), default=0, show_default=True,
-              help="This node's rank (as torchrun).")
-@click.option("--rdzv-endpoint", default="", help="HOST:PORT of the rendezvous (as torchrun); "
-              "required with --nnodes > 1.")
-@click.option("--rdzv-backend", default="c10d", show_default=True, help="As torchrun.")
-@click.option("--rdzv-id", default="partc", show_default=True, help="Job id (as torchrun).")
-@click.option("--max-restarts", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Restart all workers up to N times when one fails (as torchrun); they resume "
-                   "from the newest checkpoint.")
+@dataclass_options(TrainOptions)
+@dataclass_options(ElasticOptions)
 @debug_option
-def launch(plan: Path, steps: int, checkpoint_dir: Path | None, checkpoint_every: int,
-           keep_checkpoints: int, resume: bool, init_from: Path | None, lr: float | None,
-           weight_decay: float | None, seed: int, metrics: Path | None, log_every: int,
-           nnodes: int, node_rank: int, rdzv_endpoint: str, rdzv_backend: str, rdzv_id: str,
-           max_restarts: int) -> None:
+def launch(plan: Path, **kw: Any) -> None:
     """Train a plan on torch.distributed: one process per device, pipeline x data parallel,
     started by torch's elastic launcher (torchrun's flags and semantics)."""
-    from partc.run.launch import ElasticOptions, launch as run_plan
-    from partc.run.training import TrainOptions
+    from partc.run.launch import launch as run_plan
 
-    options = TrainOptions(steps=steps, seed=seed, lr=lr, weight_decay=weight_decay,
-                           checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
-                           keep_checkpoints=keep_checkpoints, resume=resume, init_from=init_from,
-                           metrics=metrics, log_every=log_every)
-    elastic = ElasticOptions(nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
-                             rdzv_backend=rdzv_backend, rdzv_id=rdzv_id, max_restarts=max_restarts)
-    run_plan(plan, options, elastic)
+    run_plan(plan, from_flags(TrainOptions, kw), from_flags(ElasticOptions, kw))
 
 
 @cli.command()
@@ -453,8 +444,8 @@ def check(plans: tuple[Path, ...], model: Path | None) -> None:
 def diff(old: Path, new: Path) -> None:
     """Show how plan NEW differs from plan OLD: shape, modules that change stage, per-stage
     devices, predicted times and memory, throughput. Exit 0 either way."""
-    from partc.plans.plan import load_plan
     from partc.plans.diff import diff_layouts, format_diff, layout_of_plan
+    from partc.plans.plan import load_plan
 
     a, b = load_plan(old), load_plan(new)
     click.echo(f"--- {old}\n+++ {new}")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from partc.version import __version__
 
 # Public name -> the module that defines it.
 _EXPORTS: dict[str, str] = {
@@ -73,9 +73,7 @@ if TYPE_CHECKING:
     from partc.graph.opgraph import Edge, GraphOutput, OpGraph, OpNode, Param, TensorSpec
     from partc.hardware.configs import load_cluster, load_device
     from partc.hardware.specs import ClusterSpec, DeviceSpec
-    from partc.run.training import TrainOptions
-    from partc.solve.memory import TrainingConfig
-    from partc.solve.search import SearchOptions
+    from partc.options import SearchOptions, TrainingConfig, TrainOptions
     from partc.plans.plan import Plan, load_plan
     from partc.solve.coarsen import BlockGraph, coarsen
     from partc.solve.partition import Partition

@@ -33,6 +33,18 @@ class GraphFileError(PartcError):
     """An OpGraph file is missing, malformed, or from another format version."""
 
 
+class MemoryConfigError(PartcError):
+    """A training configuration or schedule parameter the memory model cannot price."""
+
+
+class SearchError(PartcError):
+    """Options the search cannot honour (a pinned shape that does not exist on the cluster)."""
+
+
+class LaunchError(PartcError):
+    """A launch that cannot start or continue: bad options, world size, environment."""
+
+
 def summarize_exception(exc: BaseException, limit: int = 300) -> str:
     """The most useful single line of an exception: the innermost cause's first non-empty line.
 

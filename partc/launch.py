@@ -17,8 +17,9 @@ import time
 from pathlib import Path
 
 from partc.errors import PartcError
+from partc.files import write_atomic
+from partc.options import TrainOptions, add_arguments, from_namespace
 from partc.run.launch import launch
-from partc.run.training import add_train_arguments, train_options_from
 
 
 def _record_user_error(line: str) -> None:
@@ -31,8 +32,7 @@ def _record_user_error(line: str) -> None:
     data = {"message": {"message": line, "extraInfo": {
         "py_callstack": f"(a partc user error, no traceback) {line}",
         "timestamp": str(int(time.time()))}}}
-    with open(path, "w") as f:
-        json.dump(data, f)
+    write_atomic(path, json.dumps(data))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,15 +42,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m partc.launch",
                                      description="Run a partc plan (one process per device).")
     parser.add_argument("plan", type=Path)
-    add_train_arguments(parser)
+    add_arguments(parser, TrainOptions)
     ns = parser.parse_args(argv)
+    plan = ns.plan
+    del ns.plan
 
     @record
     def worker() -> None:
         from partc.run.runtime import run_rank
 
         try:
-            run_rank(ns.plan, train_options_from(ns))
+            run_rank(plan, from_namespace(TrainOptions, ns))
         except PartcError as exc:
             line = exc.one_line()
             print(f"partc launch: rank {os.environ.get('RANK', '?')}: error: {line}",
@@ -62,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         if "TORCHELASTIC_RUN_ID" in os.environ or "RANK" in os.environ:
             worker()
         else:
-            launch(ns.plan, train_options_from(ns))
+            launch(plan, from_namespace(TrainOptions, ns))
     except PartcError as exc:
         print(f"partc launch: error: {exc.one_line()}", file=sys.stderr)
         return exc.exit_code

@@ -18,7 +18,7 @@ from partc.emit.compile import CompileOptions, compile_model
 from partc.hardware.configs import load_cluster
 from partc.hardware.local import local_cluster
 from partc.plans.plan import PlanError, load_plan, plan_schema, validate_plan_dict
-from partc.solve.search import SearchOptions
+from partc.options import SearchOptions
 from partc.emit.stage_code import load_stage
 from partc.emit.verify import verify_plan
 
@@ -229,7 +229,7 @@ def test_compile_works_out_of_the_box_on_this_machine(tmp_path: Path) -> None:
     assert "samples/s" in proc.stdout and "stage" in proc.stdout.splitlines()[1]
     assert "wrote" in proc.stderr
     plan = load_plan(tmp_path / "mlp")
-    assert plan.cluster["name"] == "local"
+    assert plan.cluster.name == "local"
     proc = run("verify", str(tmp_path / "mlp" / "plan.yaml"))
     assert proc.returncode == 0 and "verify: ok" in proc.stdout, proc.stdout + proc.stderr
 

@@ -67,7 +67,8 @@ start = time.perf_counter()
 from partc.hardware.configs import load_cluster
 from partc.cost.plan_costs import plan_costs
 from partc.frontend.capture import capture_graph
-from partc.solve.search import SearchOptions, search
+from partc.options import SearchOptions
+from partc.solve.search import search
 cluster = load_cluster("8xa100-80gb")
 r = capture_graph(sys.argv[1], 1, onnx=False)
 table = plan_costs(r, cluster.device)
@@ -98,7 +99,7 @@ import json, resource, sys, time
 from partc.emit.compile import CompileOptions, compile_model
 from partc.hardware.configs import load_cluster
 from partc.plans.plan import load_plan
-from partc.solve.search import SearchOptions
+from partc.options import SearchOptions
 start = time.perf_counter()
 r = compile_model(sys.argv[1], load_cluster("8xa100-80gb"), sys.argv[2],
                   CompileOptions(batch_size=512, search=SearchOptions(stages=8)))
@@ -108,7 +109,7 @@ print(json.dumps({"rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss 
                   "wall_s": wall, "stages": plan.num_stages, "weights": plan.model.weights,
                   "tied": [list(t.stages) for t in plan.tied_parameters],
                   "params": sum(s.parameters for s in plan.stages),
-                  "gap": plan.solver["gap"]}))
+                  "gap": plan.solver.gap}))
 """
 
 

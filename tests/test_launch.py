@@ -18,11 +18,12 @@ from conftest import EXAMPLES, ROOT, TEST_MODELS
 from partc.run.checkpoint import latest_checkpoint
 from partc.emit.compile import CompileOptions, compile_model
 from partc.hardware.configs import load_cluster
-from partc.solve.memory import TrainingConfig
+from partc.options import TrainingConfig
 from partc.plans.plan import PlanError, load_plan
 from partc.run.rank_layout import rank_layout
-from partc.solve.search import SearchOptions
-from partc.run.training import TrainOptions, train_single_process
+from partc.options import SearchOptions
+from partc.options import TrainOptions
+from partc.run.reference import train_single_process
 
 PARTC = str(Path(sys.executable).parent / "partc")
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
@@ -106,7 +107,7 @@ def test_two_by_two_cnn_with_batch_norm(tmp_path: Path) -> None:
     so the reference is single-process gradient accumulation over the same micro-batches."""
     plan = compile_plan(tmp_path, EXAMPLES / "resnet.py", 2, 2)
     p = load_plan(plan)
-    chunks = p.training["replicas"] * p.training["num_microbatches"]
+    chunks = p.training.shape.replicas * p.training.shape.num_microbatches
     train_and_compare(plan, tmp_path, chunks=chunks)
 
 
@@ -115,7 +116,7 @@ def test_interleaved_schedule_with_activation_checkpointing(tmp_path: Path) -> N
     plan = compile_plan(tmp_path, EXAMPLES / "transformer.py", 2, 1,
                         schedule="interleaved-1f1b", activation_checkpointing=True)
     p = load_plan(plan)
-    assert p.num_stages == 4 and p.training["activation_checkpointing"]
+    assert p.num_stages == 4 and p.training.shape.activation_checkpointing
     train_and_compare(plan, tmp_path, steps=3)
 
 

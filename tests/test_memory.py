@@ -28,18 +28,19 @@ from partc.cost.table import CostTable
 from partc.hardware.configs import ConfigError, load_device  # noqa: E402
 from partc.hardware.specs import OP_CLASSES, DeviceSpec
 from partc.cost.activations import saved_activations  # noqa: E402
-from partc.solve.memory import (  # noqa: E402
-    OPTIMIZERS, PRECISIONS, SCHEDULES, MemoryConfigError, StageMemory, TrainingConfig,
-    in_flight_microbatches, stage_boundary, stage_memory, usable_memory,
+from partc.errors import MemoryConfigError
+from partc.options import OPTIMIZERS, PRECISIONS, SCHEDULES, TrainingConfig
+from partc.solve.memory import (
+    StageMemory,
+    in_flight_microbatches,
+    stage_boundary,
+    stage_memory,
+    usable_memory,
 )
 from partc.graph.opgraph import GraphOutput, OpGraph, OpNode, Param, TensorSpec  # noqa: E402
 from partc.frontend.capture import CaptureResult, capture_graph  # noqa: E402
-from partc.cost.torch_profiler import (
-    make_optimizer,
-    measure_training_peak,
-    peak_above_start,
-    storage_bytes,
-)
+from partc.run.reference import measure_training_peak, peak_above_start, storage_bytes
+from partc.run.training import build_optimizer
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -227,7 +228,7 @@ def _pipeline_rank(rank: int, init_file: str) -> None:
             stage, x, y, loss_fn = _pipeline_stage(run, rank)
             schedule = schedule_class(stage, n_microbatches=PIPE_MICROBATCHES, loss_fn=loss_fn)
             params = list(stage.submod.parameters())
-            opt = make_optimizer("adamw", params)
+            opt = build_optimizer("adamw", params)
             live = storage_bytes([*params, *stage.submod.buffers(), x if rank == 0 else None,
                                    y if rank == 1 else None])
 

@@ -233,16 +233,16 @@ def test_replayed_schedule_is_the_predicted_iteration(bert2: Path) -> None:
 
     plan = load_plan(bert2)
     sim = replay(plan)
-    assert sim.iteration_s == pytest.approx(plan.predicted["iteration_s"], rel=1e-6)
-    assert sim.bubble_fraction == pytest.approx(plan.predicted["bubble_fraction"], abs=1e-6)
+    assert sim.iteration_s == pytest.approx(plan.predicted.iteration_s, rel=1e-6)
+    assert sim.bubble_fraction == pytest.approx(plan.predicted.bubble_fraction, abs=1e-6)
     assert [int(x) for x in sim.peak_memory_bytes] == pytest.approx(
-        plan.predicted["peak_memory_bytes"], abs=2)
+        plan.predicted.peak_memory_bytes, abs=2)
 
 
 # ---- module attribution (pure) -----------------------------------------------------------------
 
 def test_modules_are_attributed_by_nearest_listed_ancestor() -> None:
-    from partc.plans.diff import Layout, LayoutStage, collapse_modules, module_stages
+    from partc.plans.diff import LayoutStage, collapse_modules, module_stages
 
     def stage(index: int, modules: tuple[str, ...]) -> LayoutStage:
         return LayoutStage(index=index, rank=index, devices=(index,), modules=modules,
@@ -251,10 +251,8 @@ def test_modules_are_attributed_by_nearest_listed_ancestor() -> None:
                            static_bytes=0)
 
     # "m" is listed by both stages (its own operators are split); "m.a" is wholly in stage 0.
-    layout = Layout(model="x", graph_hash="h", cluster="c", devices_used=2, training={},
-                    stages=(stage(0, ("(root)", "m", "m.a")), stage(1, ("m", "m.b.c"))),
-                    predicted={}, solver={})
-    got = module_stages(layout, ["", "m", "m.a", "m.a.x", "m.b.c", "m.b.c.d", "m.z"])
+    stages = (stage(0, ("(root)", "m", "m.a")), stage(1, ("m", "m.b.c")))
+    got = module_stages(stages, ["", "m", "m.a", "m.a.x", "m.b.c", "m.b.c.d", "m.z"])
     assert got == {"": (0,), "m": (0, 1), "m.a": (0,), "m.a.x": (0,), "m.b.c": (1,),
                    "m.b.c.d": (1,), "m.z": (0, 1)}
     universe = {"m", "m.a", "m.a.x", "m.b", "m.b.c"}

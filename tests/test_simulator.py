@@ -16,8 +16,14 @@ from typing import Any
 import pytest
 
 from partc.solve.memory import in_flight_microbatches
+from partc.options import SCHEDULES
 from partc.solve.simulator import (
-    SCHEDULES, Event, PipelineSpec, Simulation, StageTiming, action_order, simulate,
+    Event,
+    PipelineSpec,
+    Simulation,
+    StageTiming,
+    action_order,
+    simulate,
 )
 
 schedules = pytest.importorskip("torch.distributed.pipelining.schedules")

@@ -20,10 +20,19 @@ from partc.cost.table import CostTable
 from partc.solve.strategies.cpsat import solve_cpsat
 from partc.hardware.configs import load_cluster
 from partc.hardware.specs import ClusterSpec
-from partc.solve.memory import TrainingConfig, in_flight_microbatches
+from partc.options import TrainingConfig
+from partc.solve.memory import in_flight_microbatches
 from partc.frontend.capture import capture_graph
-from partc.solve.search import (InfeasibleMemoryError, ParameterTotals, SearchError, SearchOptions,
-                          compare_strategies, enumerate_shapes, search, shape_lower_bound)
+from partc.errors import SearchError
+from partc.options import SearchOptions
+from partc.solve.search import (
+    InfeasibleMemoryError,
+    ParameterTotals,
+    compare_strategies,
+    enumerate_shapes,
+    search,
+    shape_lower_bound,
+)
 from partc.solve.stage_problem import PipelineShape, ShapeError, StageProblem
 
 ROOT = Path(__file__).resolve().parent.parent

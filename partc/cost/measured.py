@@ -22,7 +22,6 @@ per-node shares of T_f and T_b; the profile records which method priced which no
 """
 from __future__ import annotations
 
-
 import gc
 import platform
 from dataclasses import dataclass, replace
@@ -34,15 +33,8 @@ import torch
 from torch.export import ExportedProgram
 
 from partc.cost.activations import buffers_restored, saved_activation_bytes
-from partc.frontend.export import export_program
-from partc.cost.table import CostSource, CostTable, Linear, NodeCost, needs_backward
-from partc.errors import PartcError
-from partc.frontend.model_file import inputs_to_meta
-from partc.frontend.onnx_export import OnnxExport, export_onnx
-from partc.graph.opgraph import OpGraph
 from partc.cost.ort_profiler import OrtTiming, ProfileError, onnx_feeds, time_onnx
-from partc.frontend.capture import CaptureResult, capture_graph
-from partc.progress import Progress
+from partc.cost.table import CostSource, CostTable, Linear, NodeCost, needs_backward
 from partc.cost.torch_profiler import (
     TorchTiming,
     flat_inputs,
@@ -52,6 +44,14 @@ from partc.cost.torch_profiler import (
     time_nodes,
     to_device,
 )
+from partc.errors import PartcError
+from partc.frontend.capture import CaptureResult, capture_graph
+from partc.frontend.export import export_program
+from partc.frontend.model_file import inputs_to_meta
+from partc.frontend.onnx_export import OnnxExport, export_onnx
+from partc.graph.opgraph import OpGraph
+from partc.progress import Progress
+from partc.version import __version__
 
 METHODS = ("auto", "onnxruntime", "torch")
 
@@ -104,13 +104,13 @@ def device_label(device: torch.device) -> str:
 
 
 def _versions() -> dict[str, str]:
-    out = {"torch": str(torch.__version__)}
-    for pkg in ("onnxruntime", "onnx", "partc"):
+    out = {"torch": str(torch.__version__), "partc": __version__}
+    for pkg in ("onnxruntime", "onnx"):
         try:
             out[pkg] = version(pkg)
         except PackageNotFoundError:
             out[pkg] = "unknown"
-    return out
+    return dict(sorted(out.items()))
 
 
 def _program_at(result: CaptureResult, b: int) -> ExportedProgram:

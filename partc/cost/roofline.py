@@ -12,7 +12,6 @@ from partc.cost.table import CostSource, CostTable, Linear, NodeCost, needs_back
 from partc.graph.opgraph import INTEGER_DTYPES, OpGraph, OpNode
 from partc.hardware.specs import DeviceSpec
 
-
 # Backward time / forward time by op class, for nodes that need a backward. Matmuls and convs
 # compute two products (input and weight gradients); the other classes are memory-bound and read
 # about twice what their forward read. The measured CPU profiles of the examples (docs/cost-model.md)

@@ -25,6 +25,7 @@ from typing import Any, Iterable, Sequence
 import yaml
 
 from partc.errors import PartcError
+from partc.files import write_atomic
 from partc.graph.opgraph import INTEGER_DTYPES, OpGraph
 
 PROFILE_FORMAT = "partc-profile"
@@ -212,8 +213,7 @@ class CostTable:
             lines.append(f"  {json.dumps(name)}: {json.dumps(row)}\n")
         if not nodes:
             lines[-1] = "nodes: {}\n"
-        path.write_text("".join(lines))
-        return path
+        return write_atomic(path, "".join(lines))
 
     @classmethod
     def load(cls, path: str | Path, graph: OpGraph) -> "CostTable":

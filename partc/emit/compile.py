@@ -12,31 +12,44 @@ import operator
 import os
 import time
 from dataclasses import dataclass, field
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 
-from partc.frontend.export import export_program
-from partc.solve.coarsen import coarsen
-from partc.errors import PartcError
-from partc.hardware.specs import ClusterSpec
-from partc.solve.memory import TrainingConfig
-from partc.frontend.model_file import inputs_to_meta
-from partc.solve.partition import Partition, round_seconds
 from partc.cost.plan_costs import plan_costs
-from partc.frontend.capture import CaptureResult, capture_graph
-from partc.plans.plan import (LOSS, MODEL_INPUT, PLAN_FILE, WEIGHTS_AT_LAUNCH, WEIGHTS_IN_STAGE_FILES,
-                        ModelInfo, Plan, PlanStage, TensorRef, TiedParameter, stage_file_name,
-                        validate_plan_dict, write_timings)
-from partc.progress import Progress
-from partc.solve.search import SearchOptions, search
 from partc.emit.stage_code import stage_bytes, trace_stage
 from partc.emit.stage_graph import MODEL_INPUT as SOURCE_INPUT
 from partc.emit.stage_graph import SplitProgram, flatten_inputs, split_program
 from partc.emit.stage_weights import set_stage_tensors, stage_tensors
+from partc.errors import PartcError
+from partc.files import write_atomic
+from partc.frontend.capture import CaptureResult, capture_graph
+from partc.frontend.export import export_program
+from partc.frontend.model_file import inputs_to_meta
+from partc.hardware.specs import ClusterSpec
+from partc.options import DEFAULT_CAPTURE_BATCH, SearchOptions, TrainingConfig
+from partc.plans.plan import (
+    LOSS,
+    MODEL_INPUT,
+    PLAN_FILE,
+    WEIGHTS_AT_LAUNCH,
+    WEIGHTS_IN_STAGE_FILES,
+    ModelInfo,
+    Plan,
+    PlanCosts,
+    PlanStage,
+    TensorRef,
+    TiedParameter,
+    stage_file_name,
+    validate_plan_dict,
+    write_timings,
+)
+from partc.progress import Progress
+from partc.solve.coarsen import coarsen
+from partc.solve.partition import Partition
+from partc.solve.search import search
+from partc.version import __version__
 
 
 class CompileError(PartcError):
@@ -51,7 +64,7 @@ class CompileOptions:
     search: SearchOptions = field(default_factory=SearchOptions)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     profile: Path | None = None
-    capture_batch: int = 2
+    capture_batch: int = DEFAULT_CAPTURE_BATCH
 
 
 @dataclass
@@ -60,13 +73,6 @@ class CompileResult:
     partition: Partition
     directory: Path
     timings: dict[str, float]
-
-
-def partc_version() -> str:
-    try:
-        return version("partc")
-    except PackageNotFoundError:
-        return "unknown"
 
 
 def compile_model(model_path: str | Path, cluster: ClusterSpec, output_dir: str | Path,
@@ -111,22 +117,12 @@ def _compile(model_path: str | Path, cluster: ClusterSpec, output_dir: Path,
     return CompileResult(plan=plan, partition=partition, directory=output_dir, timings=timings)
 
 
-def recorded_costs(options: CompileOptions, output_dir: Path) -> dict[str, Any]:
+def recorded_costs(options: CompileOptions, output_dir: Path) -> PlanCosts:
     """plan.yaml's `costs`: every solve input besides the model, cluster and training settings,
     so that `partc check` can re-solve exactly as compile did."""
-    return {"source": "profile" if options.profile else "analytic",
-            "profile": _relative(options.profile, output_dir) if options.profile else None,
-            "capture_batch_size": options.capture_batch,
-            "max_blocks": options.search.max_blocks, "strategy": options.search.strategy,
-            "time_limit_s": options.search.time_limit_s, "refine": options.search.refine,
-            "pinned": _pinned(options.search)}
-
-
-def _pinned(options: SearchOptions) -> dict[str, Any]:
-    pinned = {"stages": options.stages, "replicas": options.replicas,
-              "num_microbatches": options.num_microbatches, "schedule": options.schedule,
-              "activation_checkpointing": options.activation_checkpointing}
-    return {k: v for k, v in pinned.items() if v is not None}
+    return PlanCosts(source="profile" if options.profile else "analytic",
+                     profile=_relative(options.profile, output_dir) if options.profile else None,
+                     capture_batch_size=options.capture_batch, search=options.search)
 
 
 def _prepare_output(directory: Path) -> None:
@@ -198,7 +194,7 @@ def _spec_text(spec: pytree.TreeSpec) -> str:
 
 
 def emit_plan(result: CaptureResult, partition: Partition, cluster: ClusterSpec,
-              output_dir: str | Path, costs: dict[str, Any],
+              output_dir: str | Path, costs: PlanCosts,
               progress: Progress | None = None) -> Plan:
     """Write the stage files and plan.yaml of `partition` into `output_dir`; return the Plan."""
     progress = progress or Progress()
@@ -217,31 +213,31 @@ def emit_plan(result: CaptureResult, partition: Partition, cluster: ClusterSpec,
         inputs = inputs_to_meta(inputs)
     flat = flatten_inputs(inputs, split.in_spec)
 
-    written: list[Path] = []  # stage files under temporary names until the plan is complete
+    staged: dict[Path, Path] = {}  # stage file -> its staging name until the plan is complete
     try:
-        plan = _emit(result, partition, cluster, output_dir, costs, split, flat, written, progress)
+        plan = _emit(result, partition, cluster, output_dir, costs, split, flat, staged, progress)
         validate_plan_dict(plan.to_dict(), "the plan being written")
         # Never leave a plan.yaml next to stage files it does not describe: drop the old one,
         # move the new stage files in, then write the new plan.yaml (atomically).
         had_plan = (output_dir / PLAN_FILE).is_file()
         (output_dir / PLAN_FILE).unlink(missing_ok=True)
-        for tmp in written:
-            os.replace(tmp, output_dir / tmp.name.removeprefix(".").removesuffix(".tmp"))
-        written.clear()
+        while staged:
+            final, staging = staged.popitem()
+            os.replace(staging, final)
         if had_plan:  # then stage files there were an earlier plan's, not the user's
             _remove_stale_stages(output_dir, len(plan.stages))
         with progress.step("writing plan.yaml"):
             plan.save(output_dir)
     finally:
-        for tmp in written:
-            tmp.unlink(missing_ok=True)
+        for staging in staged.values():
+            staging.unlink(missing_ok=True)
     return plan
 
 
 def _emit(result: CaptureResult, partition: Partition, cluster: ClusterSpec, output_dir: Path,
-          costs: dict[str, Any], split: SplitProgram, flat: list[torch.Tensor],
-          written: list[Path], progress: Progress) -> Plan:
-    """Trace and write every stage (to temporary files listed in `written`); the Plan."""
+          costs: PlanCosts, split: SplitProgram, flat: list[torch.Tensor],
+          staged: dict[Path, Path], progress: Progress) -> Plan:
+    """Trace and write every stage (to staging names, recorded in `staged`); the Plan."""
     cap = result.capture
     graph = result.graph
     entries: list[PlanStage] = []
@@ -259,9 +255,7 @@ def _emit(result: CaptureResult, partition: Partition, cluster: ClusterSpec, out
             set_stage_tensors(traced, pristine[sg.index])
             data = stage_bytes(traced)
         path = output_dir / stage_file_name(sg.index)
-        tmp = path.with_name(f".{path.name}.tmp")
-        written.append(tmp)
-        tmp.write_bytes(data)
+        staged[path] = write_atomic(path.with_name(f".{path.name}.staged"), data)
         tensors = stage_tensors(traced)
         for name in sg.parameters:
             holders.setdefault(name, []).append(sg.index)
@@ -300,26 +294,10 @@ def _emit(result: CaptureResult, partition: Partition, cluster: ClusterSpec, out
         tied_weights=tuple(sorted((p.name, *p.aliases) for p in graph.params if p.aliases)),
         module_fingerprints=graph.module_fingerprints(),
         parameter_signatures=graph.parameter_signatures())
-    s = partition.shape
-    predicted = plan_predictions(partition)
-    plan = Plan(partc_version=partc_version(), model=model,
-                cluster={**cluster.to_dict(), "num_devices": cluster.num_devices,
-                         "devices_used": s.num_devices},
-                training=partition.training_dict(), costs=costs, stages=tuple(entries), tied_parameters=tied,
-                solver=partition.solver.to_dict(include_time=False), predicted=predicted,
-                directory=output_dir)
-    return plan
-
-
-
-def plan_predictions(partition: Partition) -> dict[str, Any]:
-    """plan.yaml's `predicted`: the simulated iteration, memory per rank and the per-rank sync
-    times the simulation used."""
-    return {**partition.predicted_dict(),
-            "usable_memory_bytes": int(partition.usable_memory_bytes),
-            "memory": [mem.to_dict() for mem in partition.memory],
-            "allreduce_s": [round_seconds(x) for x in partition.pipeline.allreduce_s],
-            "optimizer_s": [round_seconds(x) for x in partition.pipeline.optimizer_s]}
+    return Plan(partc_version=__version__, model=model, cluster=cluster,
+                training=partition.training_setup, costs=costs, stages=tuple(entries),
+                tied_parameters=tied, solver=partition.solver.recorded(),
+                predicted=partition.prediction, directory=output_dir)
 
 
 def _ref(split: SplitProgram, name: str, stage: int, side: str, relay: bool = False) -> TensorRef:

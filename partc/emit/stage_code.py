@@ -94,15 +94,6 @@ def _normalise_archive(data: bytes) -> bytes:
     return out.getvalue()
 
 
-def sha256_file(path: str | Path) -> str:
-    """Hex SHA-256 of a file, read in chunks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def load_stage(source: str | Path | bytes,
                map_location: str | torch.device | None = None) -> torch.jit.ScriptModule:
     """torch.jit.load of a stage file or of its bytes (the caller checks the hash first)."""

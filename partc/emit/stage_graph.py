@@ -27,8 +27,8 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
 
-from partc.frontend.export import output_paths
 from partc.errors import PartcError
+from partc.frontend.export import output_paths
 from partc.frontend.graph_builder import dtype_name
 from partc.frontend.model_file import Inputs
 

@@ -22,8 +22,8 @@ from typing import Iterable, Mapping
 
 import torch
 
-from partc.frontend.export import tied_groups
 from partc.errors import PartcError
+from partc.frontend.export import tied_groups
 from partc.frontend.model_file import ModelFile
 
 

@@ -25,12 +25,16 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from partc.plans.plan import Plan, PlanError, load_plan
 from partc.emit.stage_code import load_stage
 from partc.emit.stage_graph import flatten_inputs
-from partc.run.training import model_file_of
-from partc.emit.stage_weights import (load_state_dict_file, set_stage_tensors, stage_state,
-                                 stage_tensors, whole_model_weights)
+from partc.emit.stage_weights import (
+    load_state_dict_file,
+    set_stage_tensors,
+    stage_state,
+    stage_tensors,
+    whole_model_weights,
+)
+from partc.plans.plan import Plan, PlanError, load_plan
 
 DEFAULT_RTOL = 1e-4
 DEFAULT_ATOL = 1e-5
@@ -84,7 +88,7 @@ def verify_plan(path: str | Path, *, rtol: float = DEFAULT_RTOL, atol: float = D
             raise PlanError(f"stage {st.index} holds tensors {sorted(names ^ expected)[:3]} that "
                             "plan.yaml does not list (or the reverse)",
                             hint="the stage file does not belong to this plan; re-run partc compile")
-    model_file = model_file_of(plan)
+    model_file = plan.load_model_file()
     model = model_file.build().train()
     aliases = plan.model.aliases()
     report = VerifyReport(plan=plan)

@@ -24,8 +24,9 @@ import onnx
 import torch
 from torch.export import ExportedProgram
 
-from partc.frontend.export import Capture, quiet_torch
 from partc.errors import summarize_exception
+from partc.files import write_atomic
+from partc.frontend.export import Capture, quiet_torch
 from partc.progress import Progress
 
 _FX_NODE_NAME = re.compile(r"^%([^\s:]+)\s*:")
@@ -53,9 +54,7 @@ class OnnxExport:
         """Write the weightless ONNX model (with inferred shapes) to `path`."""
         if self.model is None:
             raise ValueError("no ONNX model to save: the export failed")
-        path = Path(path)
-        onnx.save_model(self.model, str(path))
-        return path
+        return write_atomic(path, self.model.SerializeToString())
 
 
 def provenance_root(node: torch.fx.Node) -> str | None:

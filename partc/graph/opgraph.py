@@ -17,12 +17,13 @@ import gzip
 import hashlib
 import json
 import math
-from fractions import Fraction
 from dataclasses import asdict, dataclass, field
+from fractions import Fraction
 from pathlib import Path
 from typing import Any, Iterator
 
 from partc.errors import GraphFileError
+from partc.files import write_atomic
 
 FORMAT_VERSION = 1
 
@@ -301,12 +302,8 @@ class OpGraph:
         text = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")) + "\n"
         if path.suffix == ".gz":
             # mtime=0: the same graph gives the same bytes.
-            with open(path, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0,
-                                                        filename="") as f:
-                f.write(text.encode())
-        else:
-            path.write_text(text)
-        return path
+            return write_atomic(path, gzip.compress(text.encode(), mtime=0))
+        return write_atomic(path, text)
 
     @classmethod
     def load(cls, path: str | Path) -> "OpGraph":

@@ -16,8 +16,15 @@ from typing import Any, Mapping, NoReturn, Sequence
 import yaml
 
 from partc.errors import PartcError
-from partc.hardware.specs import (BACKENDS, DEVICE_KINDS, DTYPES, OP_CLASSES, ClusterSpec,
-                                  DeviceSpec, LinkSpec)
+from partc.hardware.specs import (
+    BACKENDS,
+    DEVICE_KINDS,
+    DTYPES,
+    OP_CLASSES,
+    ClusterSpec,
+    DeviceSpec,
+    LinkSpec,
+)
 from partc.hardware.units import UNIT_EXAMPLES, parse_quantity
 
 # Common short names, for hints only: the keys themselves are torch's names.

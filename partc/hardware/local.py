@@ -7,8 +7,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from partc.hardware.configs import (ConfigError, config_dir, list_clusters, list_devices,
-                                    load_cluster, load_device)
+from partc.hardware.configs import (
+    ConfigError,
+    config_dir,
+    list_clusters,
+    list_devices,
+    load_cluster,
+    load_device,
+)
 from partc.hardware.specs import ClusterSpec, DeviceSpec
 
 LOCAL_CLUSTER = "local"

@@ -19,14 +19,22 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from partc.errors import ModelFileError, PartcError
 from partc.graph.opgraph import OpGraph
+from partc.options import DEFAULT_CAPTURE_BATCH, to_argv
+from partc.plans.diff import (
+    Layout,
+    LayoutDiff,
+    collapse_modules,
+    diff_layouts,
+    format_diff,
+    layout_of_partition,
+    layout_of_plan,
+)
 from partc.plans.plan import PLAN_FILE, Plan, PlanError, load_plan
-from partc.plans.diff import (Layout, LayoutDiff, collapse_modules, diff_layouts, format_diff,
-                              layout_of_partition, layout_of_plan)
 from partc.progress import Progress
+from partc.version import __version__
 
 _MAX_ITEMS = 12  # names listed per kind of model change before "... and N more"
 
@@ -105,10 +113,9 @@ def find_plans(paths: tuple[Path, ...] | list[Path]) -> list[Path]:
 def check_plan(plan_path: str | Path, model: str | Path | None = None,
                progress: Progress | None = None) -> CheckReport:
     """Check a plan against its model (module docstring); `model` overrides the plan's path."""
-    from partc.solve.coarsen import coarsen
-    from partc.emit.compile import partc_version
     from partc.cost.plan_costs import plan_costs
     from partc.frontend.capture import capture_graph
+    from partc.solve.coarsen import coarsen
     from partc.solve.search import InfeasibleMemoryError, search
 
     progress = progress or Progress()
@@ -126,14 +133,13 @@ def check_plan(plan_path: str | Path, model: str | Path | None = None,
                              f"{model_path}) not found",
                              hint="pass --model PATH to the model file the plan was compiled from")
     report = CheckReport(plan_path=path, plan=plan, model_path=model_path, current=True)
-    if plan.partc_version != partc_version():
+    if plan.partc_version != __version__:
         report.notes.append(f"plan written by partc {plan.partc_version}, checked with "
-                            f"{partc_version()}")
+                            f"{__version__}")
     _note_cluster_config(plan, report)
 
     costs = plan.costs
-    result = capture_graph(model_path, int(costs["capture_batch_size"]), onnx=False,
-                           progress=progress)
+    result = capture_graph(model_path, costs.capture_batch_size, onnx=False, progress=progress)
     changes = model_changes(plan, result.graph)
     report.changes = changes
     if changes.changed:
@@ -141,23 +147,23 @@ def check_plan(plan_path: str | Path, model: str | Path | None = None,
         report.reasons.append(f"the model changed since the plan was compiled (graph "
                               f"{changes.old_hash[:19]}.. -> {changes.new_hash[:19]}..)")
     profile = None
-    if costs["source"] == "profile":
-        profile = (plan.directory or Path(".")) / str(costs["profile"])
+    if costs.source == "profile":
+        profile = (plan.directory or Path(".")) / str(costs.profile)
         if not profile.is_file():
-            raise PlanError(f"the profile {costs['profile']} recorded in {path} is missing "
+            raise PlanError(f"the profile {costs.profile} recorded in {path} is missing "
                             f"({profile})", hint="check the profile in next to the plan, or "
                                                  "recompile without --profile")
         if changes.changed:
-            report.reasons.append(f"profile {costs['profile']} was measured on the old model: "
+            report.reasons.append(f"profile {costs.profile} was measured on the old model: "
                                   "re-run partc profile before recompiling")
             return report
-    cluster = _recorded_cluster(plan)
-    training, options = _recorded_search(plan)
+    # The cluster as recorded (not today's configs/ or this machine), the recorded options.
+    cluster, training, options = plan.cluster, plan.training.config, costs.search
     table = plan_costs(result, cluster.device, profile, progress)
     with progress.step(f"coarsen to at most {options.max_blocks} blocks"):
         blocks = coarsen(table, options.max_blocks)
     try:
-        partition = search(table, cluster, int(plan.training["global_batch_size"]), training,
+        partition = search(table, cluster, plan.training.global_batch_size, training,
                            options, blocks=blocks, progress=progress)
     except InfeasibleMemoryError as exc:
         report.current = False
@@ -174,79 +180,36 @@ def check_plan(plan_path: str | Path, model: str | Path | None = None,
     return report
 
 
-def _recorded_cluster(plan: Plan) -> Any:
-    from partc.hardware.configs import cluster_from_dict
-
-    data = {k: v for k, v in plan.cluster.items() if k not in ("num_devices", "devices_used")}
-    return cluster_from_dict(data, f"the cluster recorded in {plan.directory or 'the plan'}")
-
-
-def _recorded_search(plan: Plan) -> tuple[Any, Any]:
-    from partc.solve.memory import TrainingConfig
-    from partc.solve.search import SearchOptions
-
-    t, c = plan.training, plan.costs
-    pinned = c.get("pinned") or {}
-    training = TrainingConfig(optimizer=t["optimizer"], precision=t["precision"],
-                              memory_margin=float(t["memory_margin"]))
-    options = SearchOptions(strategy=c["strategy"], stages=pinned.get("stages"),
-                            replicas=pinned.get("replicas"),
-                            num_microbatches=pinned.get("num_microbatches"),
-                            schedule=pinned.get("schedule"),
-                            activation_checkpointing=pinned.get("activation_checkpointing"),
-                            max_blocks=int(c["max_blocks"]), time_limit_s=float(c["time_limit_s"]),
-                            refine=int(c["refine"]))
-    return training, options
-
-
 def _note_cluster_config(plan: Plan, report: CheckReport) -> None:
     """A named cluster config that now says something else than the plan recorded is worth a
     note: the check uses the recorded cluster, a recompile would use the config."""
     from partc.hardware.configs import load_cluster
 
-    name = str(plan.cluster.get("name", ""))
+    name = plan.cluster.name
     if name == "local":  # this machine: differs between machines by design
         return
     try:
-        current = load_cluster(name).to_dict()
+        current = load_cluster(name)
     except PartcError:
         return
-    recorded = {k: v for k, v in plan.cluster.items() if k not in ("num_devices", "devices_used")}
-    if current != recorded:
+    if current != plan.cluster:
         report.notes.append(f"configs/clusters/{name}.yaml differs from the cluster recorded in "
                             "the plan; the check used the recorded one (recompile to adopt it)")
 
 
 def compile_command(plan: Plan, plan_path: Path, model_path: Path | None = None) -> str:
-    """The `partc compile` command line that reproduces `plan` (for the stale hint)."""
-    t, c = plan.training, plan.costs
+    """The `partc compile` command line that reproduces `plan` (for the stale hint): the flags
+    of its recorded options that differ from their defaults."""
+    costs = plan.costs
     directory = plan_path.parent
     model = model_path if model_path is not None else plan.model_path
-    args = ["partc", "compile", _shown(model), "-b", str(t["global_batch_size"]),
-            "--cluster", str(plan.cluster["name"])]
-    pinned = c.get("pinned") or {}
-    for key, flag in (("stages", "--stages"), ("replicas", "--replicas"),
-                      ("num_microbatches", "--microbatches"), ("schedule", "--schedule")):
-        if key in pinned:
-            args += [flag, str(pinned[key])]
-    if "activation_checkpointing" in pinned:
-        args.append("--checkpointing" if pinned["activation_checkpointing"] else
-                    "--no-checkpointing")
-    if c["source"] == "profile":
-        args += ["--profile", _shown((directory / str(c["profile"])))]
-    defaults = {"strategy": "cpsat", "max_blocks": 128, "time_limit_s": 10.0, "refine": 1,
-                "capture_batch_size": 2}
-    flags = {"strategy": "--strategy", "max_blocks": "--max-blocks",
-             "time_limit_s": "--time-limit", "refine": "--refine",
-             "capture_batch_size": "--capture-batch"}
-    for key, flag in flags.items():
-        if c[key] != defaults[key]:
-            args += [flag, str(c[key])]
-    for key, flag, default in (("optimizer", "--optimizer", "adamw"),
-                               ("precision", "--precision", "fp32"),
-                               ("memory_margin", "--memory-margin", 0.1)):
-        if t[key] != default:
-            args += [flag, str(t[key])]
+    args = ["partc", "compile", _shown(model), "-b", str(plan.training.global_batch_size),
+            "--cluster", plan.cluster.name, *to_argv(costs.search)]
+    if costs.source == "profile":
+        args += ["--profile", _shown(directory / str(costs.profile))]
+    if costs.capture_batch_size != DEFAULT_CAPTURE_BATCH:
+        args += ["--capture-batch", str(costs.capture_batch_size)]
+    args += to_argv(plan.training.config)
     args += ["-o", _shown(directory)]
     return " ".join(shlex.quote(a) for a in args)
 
@@ -262,11 +225,10 @@ def _shown(path: Path) -> str:
 def format_check(report: CheckReport) -> str:
     """The check's output: one status line, then (when stale) why, what moved and the fix."""
     plan = report.plan
-    p = plan.predicted
-    t = plan.training
+    shape = plan.training.shape
     head = (f"{report.plan_path}: {'current' if report.current else 'STALE'} "
-            f"({plan.model.name}, {t['stages']} stage(s) x {t['replicas']} replica(s) on "
-            f"{plan.cluster['name']}, {p['samples_per_s']:,.1f} samples/s predicted)")
+            f"({plan.model.name}, {shape.stages} stage(s) x {shape.replicas} replica(s) on "
+            f"{plan.cluster.name}, {plan.predicted.samples_per_s:,.1f} samples/s predicted)")
     lines = [head]
     lines += [f"  note: {n}" for n in report.notes]
     if report.current:

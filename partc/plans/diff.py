@@ -15,13 +15,10 @@ module lists name it or an ancestor of it, so two plans that list modules at dif
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Sequence
 
-from partc.solve.partition import round_seconds
-
-if TYPE_CHECKING:
-    from partc.solve.partition import Partition
-    from partc.plans.plan import Plan
+from partc.plans.plan import Plan
+from partc.solve.partition import Partition, Prediction, SolverReport, TrainingSetup, round_seconds
 
 ROOT_MODULE = "(root)"  # how stage module lists name the root module ("" in fingerprints)
 _MAX_LINES = 24  # moved-module lines shown before "... and N more"
@@ -53,23 +50,26 @@ class Layout:
     model: str
     graph_hash: str
     cluster: str
-    devices_used: int
-    training: dict[str, Any]
+    training: TrainingSetup
     stages: tuple[LayoutStage, ...]
-    predicted: dict[str, Any]
-    solver: dict[str, Any]
+    predicted: Prediction
+    solver: SolverReport  # as recorded: rounded, no wall time
     module_fingerprints: dict[str, str] = field(default_factory=dict, compare=False)
 
     @property
+    def devices_used(self) -> int:
+        return self.training.shape.num_devices
+
+    @property
     def samples_per_s(self) -> float:
-        return float(self.predicted["samples_per_s"])
+        return self.predicted.samples_per_s
 
     @property
     def iteration_s(self) -> float:
-        return float(self.predicted["iteration_s"])
+        return self.predicted.iteration_s
 
 
-def layout_of_plan(plan: "Plan") -> Layout:
+def layout_of_plan(plan: Plan) -> Layout:
     """A plan's Layout."""
     stages = tuple(LayoutStage(
         index=s.index, rank=s.rank, devices=tuple(s.devices), modules=tuple(s.modules),
@@ -78,16 +78,13 @@ def layout_of_plan(plan: "Plan") -> Layout:
         send_backward_s=s.send_backward_s, activation_bytes=s.activation_bytes,
         static_bytes=s.static_bytes) for s in plan.stages)
     return Layout(model=plan.model.name, graph_hash=plan.model.graph_hash,
-                  cluster=str(plan.cluster["name"]), devices_used=int(plan.cluster["devices_used"]),
-                  training=dict(plan.training), stages=stages, predicted=dict(plan.predicted),
-                  solver=dict(plan.solver),
+                  cluster=plan.cluster.name, training=plan.training, stages=stages,
+                  predicted=plan.predicted, solver=plan.solver,
                   module_fingerprints=dict(plan.model.module_fingerprints))
 
 
-def layout_of_partition(partition: "Partition", module_fingerprints: dict[str, str]) -> Layout:
+def layout_of_partition(partition: Partition, module_fingerprints: dict[str, str]) -> Layout:
     """The Layout `partc compile` would write for `partition` (same fields, same rounding)."""
-    from partc.emit.compile import plan_predictions
-
     stages = tuple(LayoutStage(
         index=st.index, rank=st.rank, devices=tuple(st.devices), modules=tuple(st.modules),
         parameters=st.parameter_count, forward_s=round_seconds(st.forward_s),
@@ -98,16 +95,14 @@ def layout_of_partition(partition: "Partition", module_fingerprints: dict[str, s
         activation_bytes=int(t.activation_bytes), static_bytes=int(t.static_bytes))
         for st, t in zip(partition.stages, partition.pipeline.stages))
     return Layout(model=partition.model, graph_hash=partition.graph_hash,
-                  cluster=partition.cluster, devices_used=partition.shape.num_devices,
-                  training=partition.training_dict(), stages=stages,
-                  predicted=plan_predictions(partition),
-                  solver=partition.solver.to_dict(include_time=False),
+                  cluster=partition.cluster, training=partition.training_setup, stages=stages,
+                  predicted=partition.prediction, solver=partition.solver.recorded(),
                   module_fingerprints=dict(module_fingerprints))
 
 
 # ---- module attribution ----------------------------------------------------------------------
 
-def module_stages(layout: Layout, modules: list[str]) -> dict[str, tuple[int, ...]]:
+def module_stages(stages: Sequence[LayoutStage], modules: list[str]) -> dict[str, tuple[int, ...]]:
     """Each of `modules` (fingerprint paths, "" = root) -> the stages holding its own operators.
 
     A stage lists a module either because it holds the whole module (then it names the outermost
@@ -115,7 +110,7 @@ def module_stages(layout: Layout, modules: list[str]) -> dict[str, tuple[int, ..
     module itself); either way the stages holding a module's operators are exactly those listing
     its nearest listed ancestor-or-self."""
     listing: dict[str, list[int]] = {}
-    for s in layout.stages:
+    for s in stages:
         for m in s.modules:
             listing.setdefault("" if m == ROOT_MODULE else m, []).append(s.index)
     out: dict[str, tuple[int, ...]] = {}
@@ -135,7 +130,7 @@ def _module_order(a: Layout, b: Layout) -> list[str]:
     if not names:  # layouts without fingerprints: compare the listed paths themselves
         names = {("" if m == ROOT_MODULE else m) for lay in (a, b) for s in lay.stages
                  for m in s.modules}
-    first = module_stages(a, sorted(names))
+    first = module_stages(a.stages, sorted(names))
     return sorted(names, key=lambda m: (first[m][0] if first[m] else 1 << 30, m))
 
 
@@ -200,18 +195,19 @@ _SHAPE_KEYS = (("stages", "pipeline stages"), ("replicas", "replicas"),
 
 def diff_layouts(old: Layout, new: Layout) -> LayoutDiff:
     """Compare two layouts (module docstring)."""
-    shape = [(label, old.training.get(key), new.training.get(key)) for key, label in _SHAPE_KEYS
-             if old.training.get(key) != new.training.get(key)]
+    before, after = old.training.to_dict(), new.training.to_dict()
+    shape = [(label, before[key], after[key]) for key, label in _SHAPE_KEYS
+             if before[key] != after[key]]
     if old.cluster != new.cluster:
         shape.insert(0, ("cluster", old.cluster, new.cluster))
     if old.devices_used != new.devices_used:
         shape.insert(0, ("devices used", old.devices_used, new.devices_used))
     order = _module_order(old, new)
-    before, after = module_stages(old, order), module_stages(new, order)
+    was, now = module_stages(old.stages, order), module_stages(new.stages, order)
     groups: dict[tuple[tuple[int, ...], tuple[int, ...]], list[str]] = {}
     for m in order:
-        if before[m] != after[m]:
-            groups.setdefault((before[m], after[m]), []).append(m)
+        if was[m] != now[m]:
+            groups.setdefault((was[m], now[m]), []).append(m)
     universe = set(order)
     moves = [ModuleMove(modules=tuple(ROOT_MODULE if p == "" else p
                                       for p in collapse_modules(paths, universe)), old=o, new=n)
@@ -286,12 +282,15 @@ def format_diff(diff: LayoutDiff, old_name: str = "a", new_name: str = "b",
     lines.append(f"predicted: {_ms(old.iteration_s)} -> {_ms(new.iteration_s)} ms/iteration, "
                  f"{old.samples_per_s:,.1f} -> {new.samples_per_s:,.1f} samples/s "
                  f"({_change(old.samples_per_s, new.samples_per_s)}), bubble "
-                 f"{old.predicted['bubble_fraction']:.1%} -> {new.predicted['bubble_fraction']:.1%}")
+                 f"{old.predicted.bubble_fraction:.1%} -> {new.predicted.bubble_fraction:.1%}")
     a, b = old.solver, new.solver
-    gap = lambda r: "-" if r.get("gap") is None else f"{r['gap']:.2%}"  # noqa: E731
-    if (a.get("strategy"), a.get("status"), gap(a)) != (b.get("strategy"), b.get("status"), gap(b)):
-        lines.append(f"solver: {a.get('strategy')} {a.get('status')} (gap {gap(a)}) -> "
-                     f"{b.get('strategy')} {b.get('status')} (gap {gap(b)})")
+
+    def gap(r: SolverReport) -> str:
+        return "-" if r.gap is None else f"{r.gap:.2%}"
+
+    if (a.strategy, a.status, gap(a)) != (b.strategy, b.status, gap(b)):
+        lines.append(f"solver: {a.strategy} {a.status} (gap {gap(a)}) -> "
+                     f"{b.strategy} {b.status} (gap {gap(b)})")
     return "\n".join(indent + line for line in lines)
 
 

@@ -11,19 +11,23 @@ The format is documented in docs/plan-format.md.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import yaml
 
 from partc.errors import PartcError
-from partc.solve.partition import round_seconds
+from partc.files import sha256_file, write_atomic
+from partc.hardware.configs import cluster_from_dict
+from partc.hardware.specs import ClusterSpec
+from partc.options import SearchOptions, from_dict, to_dict
+from partc.solve.partition import Prediction, SolverReport, TrainingSetup, round_seconds
+from partc.solve.simulator import PipelineSpec, StageTiming
 
 if TYPE_CHECKING:
-    from partc.solve.simulator import PipelineSpec
+    from partc.frontend.model_file import ModelFile
 
 SCHEMA_VERSION = 1
 PLAN_FILE = "plan.yaml"
@@ -193,6 +197,36 @@ class ModelInfo:
                    parameter_signatures=dict(d["fingerprint"]["parameters"]))
 
 
+CostSourceKind = Literal["analytic", "profile"]
+
+
+@dataclass(frozen=True)
+class PlanCosts:
+    """What the plan was solved with besides the model, the cluster and the training settings
+    (plan.yaml's `costs`), so that `partc check` can re-solve exactly as compile did."""
+
+    source: CostSourceKind  # the analytic roofline, or a measured profile
+    profile: str | None  # the profile file, relative to the plan directory
+    capture_batch_size: int
+    search: SearchOptions
+
+    # The search options a plan records; the others (workers, max_microbatches) are fixed.
+    RECORDED: ClassVar[tuple[str, ...]] = ("max_blocks", "strategy", "time_limit_s", "refine")
+
+    def to_dict(self) -> dict[str, Any]:
+        search = to_dict(self.search)
+        return {"source": self.source, "profile": self.profile,
+                "capture_batch_size": self.capture_batch_size,
+                **{k: search[k] for k in self.RECORDED}, "pinned": self.search.pinned()}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "PlanCosts":
+        search = from_dict(SearchOptions, {**{k: d[k] for k in cls.RECORDED},
+                                           **(d.get("pinned") or {})})
+        return cls(source=d["source"], profile=d["profile"],
+                   capture_batch_size=d["capture_batch_size"], search=search)
+
+
 @dataclass(frozen=True)
 class Plan:
     """plan.yaml, schema v1 (docs/plan-format.md). `directory` is where it was loaded from or
@@ -200,13 +234,13 @@ class Plan:
 
     partc_version: str
     model: ModelInfo
-    cluster: dict[str, Any]  # ClusterSpec.to_dict() plus num_devices and devices_used
-    training: dict[str, Any]
-    costs: dict[str, Any]  # what the plan was solved with (for `partc check`)
+    cluster: ClusterSpec  # written with num_devices and devices_used (the training's)
+    training: TrainingSetup
+    costs: PlanCosts
     stages: tuple[PlanStage, ...]
     tied_parameters: tuple[TiedParameter, ...]
-    solver: dict[str, Any]  # SolverReport.to_dict(include_time=False)
-    predicted: dict[str, Any]
+    solver: SolverReport  # as recorded: rounded, no wall time
+    predicted: Prediction
     directory: Path | None = field(default=None, compare=False)
 
     # ---- reading ---------------------------------------------------------------------------
@@ -216,7 +250,7 @@ class Plan:
 
     @property
     def microbatch_size(self) -> int:
-        return int(self.training["microbatch_size"])
+        return self.training.shape.microbatch_size
 
     @property
     def model_path(self) -> Path:
@@ -224,31 +258,42 @@ class Plan:
         base = self.directory if self.directory is not None else Path(".")
         return (base / self.model.file).resolve()
 
+    def existing_model_path(self) -> Path:
+        """`model_path`, or PlanError when the file is not there."""
+        path = self.model_path
+        if not path.is_file():
+            raise PlanError(f"the plan's model file {self.model.file} (resolved to {path}) is "
+                            "missing", hint="keep the plan directory where compile wrote it "
+                                            "relative to the model file, or re-run partc compile")
+        return path
+
+    def load_model_file(self) -> "ModelFile":
+        """Import the plan's model file (partc.frontend.model_file; this imports torch)."""
+        from partc.frontend.model_file import load_model_file
+
+        return load_model_file(self.existing_model_path())
+
     def stage_path(self, stage: PlanStage) -> Path:
         base = self.directory if self.directory is not None else Path(".")
         return base / stage.file
 
-    def pipeline_spec(self) -> "PipelineSpec":
+    def pipeline_spec(self) -> PipelineSpec:
         """The schedule simulation's input, rebuilt from plan.yaml (`simulate` of it replays the
         predicted iteration: partc show draws it)."""
-        from partc.solve.simulator import PipelineSpec, StageTiming
-
-        p = self.predicted
+        shape, p = self.training.shape, self.predicted
         return PipelineSpec(
-            schedule=self.training["schedule"], num_ranks=int(self.training["stages"]),
-            num_microbatches=int(self.training["num_microbatches"]),
+            schedule=shape.schedule, num_ranks=shape.stages,
+            num_microbatches=shape.num_microbatches,
             stages=tuple(StageTiming(forward_s=s.forward_s, backward_s=s.backward_s,
                                      send_forward_s=s.send_forward_s,
                                      send_backward_s=s.send_backward_s,
                                      activation_bytes=float(s.activation_bytes),
                                      static_bytes=float(s.static_bytes)) for s in self.stages),
-            allreduce_s=tuple(p["allreduce_s"]), optimizer_s=tuple(p["optimizer_s"]))
+            allreduce_s=p.allreduce_s, optimizer_s=p.optimizer_s)
 
     def check_stage_files(self) -> None:
         """Raise PlanError unless every stage file exists and has the recorded SHA-256. Nothing
         from a plan directory is loaded before this passes."""
-        from partc.emit.stage_code import sha256_file
-
         for stage in self.stages:
             path = self.stage_path(stage)
             if not path.is_file():
@@ -261,19 +306,24 @@ class Plan:
                                 hint="re-run partc compile; never edit stage files by hand")
 
     # ---- writing ---------------------------------------------------------------------------
+    def cluster_dict(self) -> dict[str, Any]:
+        """plan.yaml's `cluster`: the cluster spec, its device count and the devices used."""
+        return {**self.cluster.to_dict(), "num_devices": self.cluster.num_devices,
+                "devices_used": self.training.shape.num_devices}
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "schema_version": SCHEMA_VERSION,
             "partc_version": self.partc_version,
             "model": self.model.to_dict(),
-            "cluster": self.cluster,
-            "training": self.training,
-            "costs": self.costs,
+            "cluster": self.cluster_dict(),
+            "training": self.training.to_dict(),
+            "costs": self.costs.to_dict(),
             "stages": [s.to_dict() for s in self.stages],
             "tied_parameters": [{"name": t.name, "aliases": list(t.aliases),
                                  "stages": list(t.stages)} for t in self.tied_parameters],
-            "solver": self.solver,
-            "predicted": self.predicted,
+            "solver": self.solver.to_dict(include_time=False),
+            "predicted": self.predicted.to_dict(),
         }
 
     def dumps(self) -> str:
@@ -286,19 +336,38 @@ class Plan:
         """Write plan.yaml into `directory` (validated against the schema first)."""
         data = self.to_dict()
         validate_plan_dict(data, "the plan being written")
-        path = Path(directory) / PLAN_FILE
-        _atomic_write(path, self.dumps())
-        return path
+        return write_atomic(Path(directory) / PLAN_FILE, self.dumps())
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any], directory: Path | None = None) -> "Plan":
-        return cls(partc_version=d["partc_version"], model=ModelInfo.from_dict(d["model"]),
-                   cluster=d["cluster"], training=d["training"], costs=d["costs"],
-                   stages=tuple(PlanStage.from_dict(s) for s in d["stages"]),
-                   tied_parameters=tuple(TiedParameter(name=t["name"], aliases=tuple(t["aliases"]),
-                                                       stages=tuple(t["stages"]))
-                                         for t in d["tied_parameters"]),
-                   solver=d["solver"], predicted=d["predicted"], directory=directory)
+    def from_dict(cls, d: dict[str, Any], directory: Path | None = None,
+                  where: str = "the plan") -> "Plan":
+        """A Plan from plan.yaml's content (already valid against the schema): every section
+        typed, and what the schema cannot say checked (consistent shapes, counts and totals)."""
+        try:
+            training = TrainingSetup.from_dict(d["training"])
+            cluster_data = {k: v for k, v in d["cluster"].items()
+                            if k not in ("num_devices", "devices_used")}
+            cluster = cluster_from_dict(cluster_data, f"{where}: cluster")
+            plan = cls(partc_version=d["partc_version"], model=ModelInfo.from_dict(d["model"]),
+                       cluster=cluster, training=training, costs=PlanCosts.from_dict(d["costs"]),
+                       stages=tuple(PlanStage.from_dict(s) for s in d["stages"]),
+                       tied_parameters=tuple(TiedParameter(name=t["name"],
+                                                           aliases=tuple(t["aliases"]),
+                                                           stages=tuple(t["stages"]))
+                                             for t in d["tied_parameters"]),
+                       solver=SolverReport.from_dict(d["solver"]),
+                       predicted=Prediction.from_dict(d["predicted"]), directory=directory)
+            if plan.cluster_dict() != d["cluster"]:
+                raise ValueError("its device counts are not the cluster's and the training's")
+            if len(plan.stages) != training.shape.virtual_stages:
+                raise ValueError(f"{len(plan.stages)} stages for a {training.shape.label()} "
+                                 "shape")
+        except (PartcError, KeyError, ValueError, TypeError) as exc:
+            reason = exc.message if isinstance(exc, PartcError) else str(exc)
+            raise PlanError(f"{where} is not a valid plan: {reason}",
+                            hint="re-run partc compile; see docs/plan-format.md for the "
+                                 "format") from exc
+        return plan
 
 
 class _PlanDumper(yaml.SafeDumper):
@@ -312,13 +381,6 @@ def _represent_list(dumper: yaml.SafeDumper, data: list[Any]) -> yaml.Node:
 
 
 _PlanDumper.add_representer(list, _represent_list)
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
 
 
 @lru_cache(maxsize=1)
@@ -362,16 +424,15 @@ def load_plan(path: str | Path) -> Plan:
         raise PlanError(f"cannot read plan file {path}: {exc.strerror}",
                         hint="check the path and its permissions") from exc
     validate_plan_dict(data, str(path))
-    return Plan.from_dict(data, directory=path.parent)
+    return Plan.from_dict(data, directory=path.parent, where=str(path))
 
 
 def write_timings(directory: str | Path, timings: dict[str, float]) -> Path:
     """timings.yaml: wall-clock seconds of each compile step and of the solver. Kept out of
     plan.yaml so that the plan is byte-identical across runs."""
-    path = Path(directory) / TIMINGS_FILE
-    _atomic_write(path, yaml.safe_dump({k: round(v, 3) for k, v in timings.items()},
+    return write_atomic(Path(directory) / TIMINGS_FILE,
+                        yaml.safe_dump({k: round(v, 3) for k, v in timings.items()},
                                        sort_keys=True))
-    return path
 
 
 def stage_file_name(index: int) -> str:
@@ -381,16 +442,14 @@ def stage_file_name(index: int) -> str:
 def format_plan(plan: Plan, solver_wall_s: float | None = None) -> str:
     """The summary table `partc compile` prints: one row per stage (devices, parameters, predicted
     times and memory), then throughput, bubble and the solver's report."""
-    t = plan.training
-    c = plan.cluster
-    lines = [f"{plan.model.name}: {t['stages']} stage(s) x {t['replicas']} replica(s)"
-             + (f" x {t['virtual_stages_per_rank']} virtual" if t["virtual_stages_per_rank"] > 1
-                else "")
-             + f", {t['schedule']}, {t['num_microbatches']} micro-batches of {t['microbatch_size']}"
-             + (", activation checkpointing" if t["activation_checkpointing"] else "")
-             + f" on {c['devices_used']}/{c['num_devices']} {c['device']['name']} devices of "
-               f"{c['name']}; global batch {t['global_batch_size']}"]
-    usable = plan.predicted["usable_memory_bytes"]
+    s, c = plan.training.shape, plan.cluster
+    lines = [f"{plan.model.name}: {s.stages} stage(s) x {s.replicas} replica(s)"
+             + (f" x {s.chunks} virtual" if s.chunks > 1 else "")
+             + f", {s.schedule}, {s.num_microbatches} micro-batches of {s.microbatch_size}"
+             + (", activation checkpointing" if s.activation_checkpointing else "")
+             + f" on {s.num_devices}/{c.num_devices} {c.device.name} devices of "
+               f"{c.name}; global batch {plan.training.global_batch_size}"]
+    usable = plan.predicted.usable_memory_bytes
     lines.append(f"{'stage':>5} {'rank':>4} {'devices':<12} {'params':>12} {'fwd ms':>9} "
                  f"{'bwd ms':>9} {'memory GiB':>11} {'of usable':>9}  modules")
     for st in plan.stages:
@@ -402,14 +461,13 @@ def format_plan(plan: Plan, solver_wall_s: float | None = None) -> str:
                      f"{st.forward_s * 1e3:>9.3f} {st.backward_s * 1e3:>9.3f} "
                      f"{st.peak_memory_bytes / 2**30:>11.3f} {share:>9.1%}  {modules}")
     p = plan.predicted
-    lines.append(f"predicted: {p['iteration_s'] * 1e3:.3f} ms/iteration, "
-                 f"{p['samples_per_s']:,.1f} samples/s, bubble {p['bubble_fraction']:.1%}")
+    lines.append(f"predicted: {p.iteration_s * 1e3:.3f} ms/iteration, "
+                 f"{p.samples_per_s:,.1f} samples/s, bubble {p.bubble_fraction:.1%}")
     if plan.tied_parameters:
         lines.append("tied: " + "; ".join(f"{x.name} in stages {', '.join(map(str, x.stages))}"
                                           for x in plan.tied_parameters))
     r = plan.solver
-    gap = "-" if r.get("gap") is None else f"{r['gap']:.2%}"
-    lines.append(f"solver: {r['strategy']} {r['status']}, gap {gap}, search gap "
-                 f"{r.get('search_gap', 0.0):.2%}"
+    gap = "-" if r.gap is None else f"{r.gap:.2%}"
+    lines.append(f"solver: {r.strategy} {r.status}, gap {gap}, search gap {r.search_gap:.2%}"
                  + (f", {solver_wall_s:.1f} s" if solver_wall_s is not None else ""))
     return "\n".join(lines)

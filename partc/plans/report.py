@@ -18,6 +18,7 @@ import io
 from pathlib import Path
 from typing import Any
 
+from partc.files import write_atomic
 from partc.plans.plan import Plan, format_plan
 from partc.solve.simulator import Simulation, simulate
 
@@ -37,6 +38,12 @@ def replay(plan: Plan) -> Simulation:
     return simulate(plan.pipeline_spec())
 
 
+def _memory_unit(plan: Plan) -> tuple[str, int]:
+    """GiB when the fullest device holds a GiB or more, else MiB: (name, bytes per unit)."""
+    big = max((m.total for m in plan.predicted.memory), default=0) >= 2**30
+    return ("GiB", 2**30) if big else ("MiB", 2**20)
+
+
 def _gib(x: float) -> str:
     return f"{x / 2**30:.3f}"
 
@@ -46,22 +53,23 @@ def format_summary(plan: Plan) -> str:
     busy/idle time per rank."""
     sim = replay(plan)
     lines = [format_plan(plan)]
-    usable = plan.predicted["usable_memory_bytes"]
-    memory = plan.predicted["memory"]
-    unit, div = ("GiB", 2**30) if max(m["total"] for m in memory) >= 2**30 else ("MiB", 2**20)
+    usable = plan.predicted.usable_memory_bytes
+    memory = plan.predicted.memory
+    unit, div = _memory_unit(plan)
     lines.append("")
     lines.append(f"memory per device ({unit}; usable {usable / div:,.1f} of "
-                 f"{plan.cluster['device']['memory_bytes'] / div:,.1f}):")
+                 f"{plan.cluster.device.memory_bytes / div:,.1f}):")
     short = {"optimizer_state": "optimizer", "communication": "comm"}
     kinds = [k for k, _, _ in _MEMORY_KINDS]
     lines.append(f"{'rank':>4} " + " ".join(f"{short.get(k, k):>11}" for k in kinds)
                  + f" {'total':>9} {'of usable':>9}")
     for rank, mem in enumerate(memory):
-        lines.append(f"{rank:>4} " + " ".join(f"{mem.get(k, 0) / div:>11,.2f}" for k in kinds)
-                     + f" {mem['total'] / div:>9,.2f} {mem['total'] / usable if usable else 0:>9.1%}")
+        lines.append(f"{rank:>4} " + " ".join(f"{getattr(mem, k) / div:>11,.2f}" for k in kinds)
+                     + f" {mem.total / div:>9,.2f} {mem.total / usable if usable else 0:>9.1%}")
     lines.append("")
     span = sim.last_backward_s
-    lines.append(f"schedule ({plan.training['schedule']}, {plan.training['num_microbatches']} "
+    shape = plan.training.shape
+    lines.append(f"schedule ({shape.schedule}, {shape.num_microbatches} "
                  f"micro-batches): forward/backward span {span * 1e3:.3f} ms, iteration "
                  f"{sim.iteration_s * 1e3:.3f} ms")
     for rank, busy in enumerate(sim.busy_s):
@@ -74,15 +82,14 @@ def format_summary(plan: Plan) -> str:
 # ---- the picture ------------------------------------------------------------------------------
 
 def _title(plan: Plan) -> str:
-    t, p, c = plan.training, plan.predicted, plan.cluster
-    virtual = (f" x {t['virtual_stages_per_rank']} virtual" if t["virtual_stages_per_rank"] > 1
-               else "")
-    return (f"{plan.model.name}: {t['stages']} stages x {t['replicas']} replicas{virtual}, "
-            f"{t['schedule']}, {t['num_microbatches']} micro-batches of {t['microbatch_size']}"
-            + (", activation checkpointing" if t["activation_checkpointing"] else "")
-            + f" on {c['devices_used']} x {c['device']['name']} ({c['name']})\n"
-            f"predicted {p['iteration_s'] * 1e3:.2f} ms/iteration, "
-            f"{p['samples_per_s']:,.1f} samples/s, bubble {p['bubble_fraction']:.1%}")
+    s, p, c = plan.training.shape, plan.predicted, plan.cluster
+    virtual = f" x {s.chunks} virtual" if s.chunks > 1 else ""
+    return (f"{plan.model.name}: {s.stages} stages x {s.replicas} replicas{virtual}, "
+            f"{s.schedule}, {s.num_microbatches} micro-batches of {s.microbatch_size}"
+            + (", activation checkpointing" if s.activation_checkpointing else "")
+            + f" on {s.num_devices} x {c.device.name} ({c.name})\n"
+            f"predicted {p.iteration_s * 1e3:.2f} ms/iteration, "
+            f"{p.samples_per_s:,.1f} samples/s, bubble {p.bubble_fraction:.1%}")
 
 
 def _rank_label(plan: Plan, rank: int) -> str:
@@ -133,7 +140,7 @@ def _draw_schedule(ax: Any, plan: Plan, sim: Simulation) -> None:
     ax.set_title("simulated schedule (every replica runs the same)", fontsize=10, loc="left")
     ax.grid(axis="x", linestyle=":", linewidth=0.5)
     labels = {"forward": "forward", "backward": "backward" + (
-        " (with recompute)" if plan.training["activation_checkpointing"] else ""),
+        " (with recompute)" if plan.training.shape.activation_checkpointing else ""),
         "allreduce": "gradient all-reduce", "optimizer": "optimizer step"}
     present = {e.kind for e in sim.events if e.end_s > e.start_s}
     handles = [Patch(facecolor=_COLOURS[k][0], label=text) for k, text in labels.items()
@@ -144,14 +151,14 @@ def _draw_schedule(ax: Any, plan: Plan, sim: Simulation) -> None:
 
 
 def _draw_memory(ax: Any, plan: Plan) -> None:
-    memory = plan.predicted["memory"]
-    usable = plan.predicted["usable_memory_bytes"]
-    device = plan.cluster["device"]["memory_bytes"]
+    memory = plan.predicted.memory
+    usable = plan.predicted.usable_memory_bytes
+    device = plan.cluster.device.memory_bytes
     ranks = list(range(len(memory)))
-    unit, div = ("GiB", 2**30) if max(m["total"] for m in memory) >= 2**30 else ("MiB", 2**20)
+    unit, div = _memory_unit(plan)
     bottom = [0.0] * len(memory)
     for key, label, colour in _MEMORY_KINDS:
-        values = [m.get(key, 0) / div for m in memory]
+        values = [getattr(m, key) / div for m in memory]
         if any(values):
             ax.bar(ranks, values, bottom=bottom, color=colour, label=label, width=0.6)
             bottom = [b + v for b, v in zip(bottom, values)]
@@ -186,7 +193,8 @@ def _draw_times(ax: Any, plan: Plan) -> None:
     send = [(s.send_forward_s + s.send_backward_s) * 1e3 for s in stages]
     ax.bar(xs, fwd, color=_COLOURS["forward"][0], width=0.6, label="forward")
     ax.bar(xs, bwd, bottom=fwd, color=_COLOURS["backward"][0], width=0.6,
-           label="backward" + (" + recompute" if plan.training["activation_checkpointing"] else ""))
+           label="backward" + (" + recompute" if plan.training.shape.activation_checkpointing
+                             else ""))
     ax.bar(xs, send, bottom=[f + b for f, b in zip(fwd, bwd)], color="#BAB0AC", width=0.6,
            label="send activations + gradients")
     totals = [f + b + s for f, b, s in zip(fwd, bwd, send)]
@@ -225,7 +233,7 @@ def render_png(plan: Plan, path: str | Path | None = None, dpi: int = 110) -> by
     data = buffer.getvalue()
     if path is not None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_bytes(data)
+        write_atomic(path, data)
     return data
 
 
@@ -233,8 +241,9 @@ def render_html(plan: Plan, path: str | Path, png: bytes | None = None) -> Path:
     """A self-contained HTML page: the picture (embedded) and the plan summary as tables."""
     png = png if png is not None else render_png(plan)
     e = html.escape
-    t, p, c, r = plan.training, plan.predicted, plan.cluster, plan.solver
-    usable = p["usable_memory_bytes"]
+    setup, p, c, r = plan.training, plan.predicted, plan.cluster, plan.solver
+    shape = setup.shape
+    usable = p.usable_memory_bytes
     rows = []
     for s in plan.stages:
         mem = s.peak_memory_bytes
@@ -244,24 +253,25 @@ def render_html(plan: Plan, path: str | Path, png: bytes | None = None) -> Path:
                 f"{s.forward_s * 1e3:.3f}", f"{s.backward_s * 1e3:.3f}", _gib(mem),
                 f"{mem / usable:.1%}" if usable else "-", s.file))
             + f"<td class='modules'>{e(', '.join(s.modules))}</td></tr>")
-    gap = "-" if r.get("gap") is None else f"{r['gap']:.2%}"
+    gap = "-" if r.gap is None else f"{r.gap:.2%}"
     facts = [("model", f"{plan.model.name} ({plan.model.parameters:,} parameters, "
                        f"{plan.model.file})"),
              ("graph", plan.model.graph_hash),
-             ("cluster", f"{c['name']}: {c['devices_used']} of {c['num_devices']} "
-                         f"{c['device']['name']} devices, {c['backend']}"),
-             ("training", f"global batch {t['global_batch_size']} = {t['replicas']} replicas x "
-                          f"{t['num_microbatches']} micro-batches x {t['microbatch_size']}; "
-                          f"{t['schedule']}, {t['optimizer']}, {t['precision']}"
-                          + (", activation checkpointing" if t["activation_checkpointing"]
+             ("cluster", f"{c.name}: {shape.num_devices} of {c.num_devices} "
+                         f"{c.device.name} devices, {c.backend}"),
+             ("training", f"global batch {setup.global_batch_size} = {shape.replicas} "
+                          f"replicas x {shape.num_microbatches} micro-batches x "
+                          f"{shape.microbatch_size}; {shape.schedule}, {setup.config.optimizer}, "
+                          f"{setup.config.precision}"
+                          + (", activation checkpointing" if shape.activation_checkpointing
                              else "")),
-             ("predicted", f"{p['iteration_s'] * 1e3:.3f} ms/iteration, "
-                           f"{p['samples_per_s']:,.1f} samples/s, bubble "
-                           f"{p['bubble_fraction']:.1%}"),
-             ("solver", f"{r['strategy']} {r['status']}, gap {gap}, search gap "
-                        f"{r.get('search_gap', 0.0):.2%} over {r['shapes']['enumerated']} shapes"),
-             ("costs", f"{plan.costs['source']}"
-                       + (f" ({plan.costs['profile']})" if plan.costs.get("profile") else "")),
+             ("predicted", f"{p.iteration_s * 1e3:.3f} ms/iteration, "
+                           f"{p.samples_per_s:,.1f} samples/s, bubble "
+                           f"{p.bubble_fraction:.1%}"),
+             ("solver", f"{r.strategy} {r.status}, gap {gap}, search gap "
+                        f"{r.search_gap:.2%} over {r.shapes_enumerated} shapes"),
+             ("costs", f"{plan.costs.source}"
+                       + (f" ({plan.costs.profile})" if plan.costs.profile else "")),
              ("partc", plan.partc_version)]
     if plan.tied_parameters:
         facts.append(("tied", "; ".join(f"{x.name} in stages {', '.join(map(str, x.stages))}"
@@ -291,5 +301,4 @@ pre {{ background: #f7f7f7; padding: 1em; overflow-x: auto; }}
 """
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(page)
-    return out
+    return write_atomic(out, page)

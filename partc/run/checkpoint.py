@@ -16,16 +16,16 @@ form an ordinary state_dict (`--init-from` accepts any of them).
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Callable
+from typing import Any
 
 import torch
 
 from partc.errors import PartcError
+from partc.files import Content, write_atomic
 
 FORMAT = "partc-checkpoint"
 VERSION = 1
@@ -76,8 +76,7 @@ def write_manifest(root: Path, step: int, num_stages: int, info: dict[str, Any],
     manifest = {"format": FORMAT, "version": VERSION, "step": step, "files": files, **info}
     path = directory / MANIFEST
     text = (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode()
-    _write_atomically(path, lambda f: f.write(text))
-    _fsync_directory(directory)
+    _write_atomically(path, text)
     complete = [c.step for c in _complete(root) if c.step <= step]
     for s in _step_dirs(root):
         if s < step and (s not in complete or s not in complete[-keep:]):
@@ -186,26 +185,10 @@ def _complete(root: Path) -> list[Checkpoint]:
     return found
 
 
-def _write_atomically(path: Path, write: Callable[[BinaryIO], Any]) -> None:
-    """Write to a temporary name, flush to disk, rename: `path` is whole or absent."""
-    tmp = path.with_name(f".{path.name}.tmp")
+def _write_atomically(path: Path, content: Content) -> None:
+    """`path` whole or absent (partc.files.write_atomic); a failure is a CheckpointError."""
     try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        write_atomic(path, content)
     except OSError as exc:
         raise CheckpointError(f"cannot write checkpoint file {path}: {exc.strerror}",
                               hint="check the checkpoint directory's space and permissions") from None
-
-
-def _fsync_directory(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
-from partc.run.checkpoint import CheckpointError, choose_resume
-from partc.errors import summarize_exception
+from partc.errors import LaunchError, summarize_exception
 from partc.hardware.local import physical_cores
+from partc.options import ElasticOptions, TrainOptions, to_argv
 from partc.plans.plan import Plan, load_plan
+from partc.run.checkpoint import CheckpointError, choose_resume
 from partc.run.rank_layout import rank_layout
-from partc.run.training import LaunchError, TrainOptions
 
 
 class RunFailedError(LaunchError):
@@ -28,23 +27,11 @@ class RunFailedError(LaunchError):
     exit_code = 1
 
 
-@dataclass(frozen=True)
-class ElasticOptions:
-    """torchrun's multi-node and fault-tolerance flags, with torchrun's meaning."""
-
-    nnodes: int = 1
-    node_rank: int = 0
-    rdzv_endpoint: str = ""
-    rdzv_backend: str = "c10d"
-    rdzv_id: str = "partc"
-    max_restarts: int = 0
-    monitor_interval: float = 0.1
-
-
 def launch(plan_path: str | Path, options: TrainOptions,
-           elastic: ElasticOptions = ElasticOptions()) -> None:
+           elastic: ElasticOptions | None = None) -> None:
     """Validate, then start this node's processes and wait for them; LaunchError (one line)
-    when a worker fails for good."""
+    when a worker fails for good. `elastic` defaults to one node, no restarts."""
+    elastic = elastic or ElasticOptions()
     plan = load_plan(plan_path)
     plan.check_stage_files()
     nproc = check_launch(plan, options, elastic)
@@ -58,8 +45,8 @@ def launch(plan_path: str | Path, options: TrainOptions,
                  "--rdzv-endpoint", elastic.rdzv_endpoint, "--rdzv-id", elastic.rdzv_id]
     plan_file = Path(plan_path)
     plan_file = (plan_file / "plan.yaml" if plan_file.is_dir() else plan_file).resolve()
-    args += ["-m", "partc.launch", str(plan_file), *options.argv()]
-    if plan.cluster.get("backend") != "nccl" and "OMP_NUM_THREADS" not in os.environ:
+    args += ["-m", "partc.launch", str(plan_file), *to_argv(options)]
+    if plan.cluster.backend != "nccl" and "OMP_NUM_THREADS" not in os.environ:
         # gloo workers share the CPU: each gets its share of the cores (torchrun would set 1)
         os.environ["OMP_NUM_THREADS"] = str(max(1, physical_cores() // nproc))
     # Workers get their own TCPStore per rendezvous round: with the agent's store shared (the
@@ -97,7 +84,7 @@ def check_launch(plan: Plan, options: TrainOptions, elastic: ElasticOptions) -> 
     if elastic.nnodes < 1 or world % elastic.nnodes:
         raise LaunchError(f"the plan runs on {world} processes, which --nnodes "
                           f"{elastic.nnodes} does not divide evenly",
-                          hint=f"use --nnodes {plan.cluster.get('num_nodes', 1)} (the plan's "
+                          hint=f"use --nnodes {plan.cluster.num_nodes} (the plan's "
                                "cluster), or a divisor of the plan's device count")
     if not 0 <= elastic.node_rank < elastic.nnodes:
         raise LaunchError(f"--node-rank {elastic.node_rank} is outside 0..{elastic.nnodes - 1}",
@@ -106,7 +93,7 @@ def check_launch(plan: Plan, options: TrainOptions, elastic: ElasticOptions) -> 
         raise LaunchError("a multi-node launch needs --rdzv-endpoint HOST:PORT",
                           hint="the same endpoint on every node, e.g. the first node's host:29400")
     nproc = world // elastic.nnodes
-    if plan.cluster.get("backend") == "nccl":
+    if plan.cluster.backend == "nccl":
         import torch
 
         have = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -114,11 +101,7 @@ def check_launch(plan: Plan, options: TrainOptions, elastic: ElasticOptions) -> 
             raise LaunchError(f"the plan needs {nproc} CUDA device(s) per node, this machine has "
                               f"{have}", hint="run it on the plan's cluster, or compile for this "
                               "machine: partc compile MODEL --cluster local")
-    if not plan.model_path.is_file():
-        raise LaunchError(f"the plan's model file {plan.model.file} (resolved to "
-                          f"{plan.model_path}) is missing",
-                          hint="keep the plan directory where compile wrote it relative to the "
-                               "model file, or re-run partc compile")
+    plan.existing_model_path()
     if options.init_from is not None and not options.init_from.is_file():
         raise LaunchError(f"--init-from {options.init_from} is not a file",
                           hint="pass a torch.save'd state_dict of the model")
@@ -133,8 +116,8 @@ def check_launch(plan: Plan, options: TrainOptions, elastic: ElasticOptions) -> 
                                   f"{exc.strerror}", hint="check the path and permissions") from None
         if elastic.node_rank == 0:  # the same choice rank 0 makes, before anything starts
             choose_resume(options.checkpoint_dir, resume=options.resume, restarted=False,
-                          steps=options.steps, optimizer=plan.training["optimizer"],
-                          global_batch_size=plan.training["global_batch_size"])
+                          steps=options.steps, optimizer=plan.training.config.optimizer,
+                          global_batch_size=plan.training.global_batch_size)
     if elastic.max_restarts and options.checkpoint_dir is None:
         print("partc launch: warning: --max-restarts without --checkpoint-dir: a restarted run "
               "starts again from step 0", file=sys.stderr)

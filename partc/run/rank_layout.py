@@ -48,8 +48,7 @@ class RankLayout:
 
 def rank_layout(plan: Plan) -> RankLayout:
     """The plan's layout; PlanError when its stages' devices are not a pipeline x data grid."""
-    t = plan.training
-    S, R, V = int(t["stages"]), int(t["replicas"]), plan.num_stages
+    S, R, V = plan.training.shape.stages, plan.training.shape.replicas, plan.num_stages
     if V % S:
         raise PlanError(f"the plan has {V} stages on {S} pipeline ranks",
                         hint="re-run partc compile; the plan is inconsistent")

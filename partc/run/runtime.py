@@ -37,21 +37,40 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                          ScheduleInterleaved1F1B)
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
 from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
 from torch.nn.parallel import DistributedDataParallel
 
-from partc.run.checkpoint import (Checkpoint, CheckpointError, checkpoint_at, choose_resume,
-                              save_stage, write_manifest)
-from partc.plans.plan import Plan, PlanStage, TensorRef, TiedParameter, load_plan
-from partc.run.rank_layout import RankLayout, rank_layout
 from partc.emit.stage_code import load_stage
 from partc.emit.stage_graph import flatten_inputs
 from partc.emit.stage_weights import load_state_dict_file, set_stage_tensors, stage_state
-from partc.run.training import (LaunchError, TrainOptions, batched_flags, build_optimizer,
-                            check_inputs, global_batches, model_file_of, next_batch, output_spec,
-                            split_batch, step_seed)
+from partc.errors import LaunchError
+from partc.options import TrainOptions
+from partc.plans.plan import Plan, PlanStage, TensorRef, TiedParameter, load_plan
+from partc.run.checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    checkpoint_at,
+    choose_resume,
+    save_stage,
+    write_manifest,
+)
+from partc.run.rank_layout import RankLayout, rank_layout
+from partc.run.training import (
+    batched_flags,
+    build_optimizer,
+    check_inputs,
+    global_batches,
+    next_batch,
+    output_spec,
+    split_batch,
+    step_seed,
+)
 
 
 @dataclass(frozen=True)
@@ -171,7 +190,7 @@ def run_rank(plan_path: str | Path, options: TrainOptions, out: TextIO = sys.std
         raise LaunchError(f"the plan runs on {layout.world_size} processes, torchrun started "
                           f"{env.world_size}", hint=f"start {layout.world_size} processes in all "
                           "(--nnodes x --nproc-per-node), or use `partc launch PLAN`")
-    backend = str(plan.cluster.get("backend", "gloo"))
+    backend = str(plan.cluster.backend)
     if backend == "nccl":
         if not torch.cuda.is_available() or torch.cuda.device_count() <= env.local_rank:
             raise LaunchError(f"the plan uses NCCL but local rank {env.local_rank} has no CUDA "
@@ -204,11 +223,11 @@ def _train(plan: Plan, layout: RankLayout, env: RankEnv, device: torch.device,
                           f"pipeline group, the plan puts it at {pipeline_rank}",
                           hint="re-run partc compile (the plan's device order is inconsistent)")
     tied = _tied_groups(plan, layout, rank)  # collective: every rank creates every group
-    model_file = model_file_of(plan)
+    model_file = plan.load_model_file()
     aliases = plan.model.aliases()
     mine = layout.stages_of(rank)
     V, R = layout.num_stages, layout.replicas
-    M = int(plan.training["num_microbatches"])
+    M = plan.training.shape.num_microbatches
 
     resume = _resume_point(plan, options, env, device)
     init = None
@@ -232,15 +251,15 @@ def _train(plan: Plan, layout: RankLayout, env: RankEnv, device: torch.device,
         module.train()
         names = [n for n, p in module.named_parameters() if p.requires_grad]
         params = dict(module.named_parameters())
-        optimizer = build_optimizer(plan.training["optimizer"], [params[n] for n in names],
-                                    options)
+        optimizer = build_optimizer(plan.training.config.optimizer, [params[n] for n in names],
+                                    options.lr, options.weight_decay)
         if optimizer is not None and resume is not None:
             _load_optimizer_state(optimizer, names, opt_state, resume)
         locals_.append(_LocalStage(spec=spec, module=module, optimizer=optimizer,
                                    optimized_names=names))
 
-    bf16 = plan.training.get("precision") == "bf16-mixed"
-    checkpointing = bool(plan.training.get("activation_checkpointing"))
+    bf16 = plan.training.config.bf16
+    checkpointing = plan.training.shape.activation_checkpointing
     for local in locals_:
         runner: torch.nn.Module = local.module
         is_last = local.spec.index == V - 1
@@ -267,7 +286,7 @@ def _train(plan: Plan, layout: RankLayout, env: RankEnv, device: torch.device,
 
     start = resume.step if resume is not None else 0
     first, last = 0 in mine, V - 1 in mine
-    batch = int(plan.training["global_batch_size"])
+    batch = plan.training.global_batch_size
     data = global_batches(model_file, plan) if (first or last) else None
     pending = None
     if data is not None:
@@ -335,7 +354,7 @@ class _RankRun:
 
     @property
     def batch(self) -> int:
-        return int(self.plan.training["global_batch_size"])
+        return int(self.plan.training.global_batch_size)
 
     def next_inputs(self, step: int) -> tuple[list[torch.Tensor], Any]:
         """This rank's part of step's batch: first-stage inputs and last-stage target (the
@@ -377,7 +396,7 @@ def _flat_inputs(inputs: Any, in_spec: pytree.TreeSpec | None) -> list[Any]:
 def _loop(run: _RankRun, reporter: "_Reporter | None") -> RunSummary | None:
     plan, options = run.plan, run.options
     V, R = run.num_stages, run.replicas
-    M = int(plan.training["num_microbatches"])
+    M = plan.training.shape.num_microbatches
     start = run.start
     summary = RunSummary(resumed_from=start if run.resume is not None else None)
     for step in range(start, options.steps):
@@ -440,8 +459,8 @@ def _resume_point(plan: Plan, options: TrainOptions, env: RankEnv,
     if env.rank == 0:
         try:
             found = choose_resume(root, resume=options.resume, restarted=env.restart_count > 0,
-                                  steps=options.steps, optimizer=plan.training["optimizer"],
-                                  global_batch_size=plan.training["global_batch_size"])
+                                  steps=options.steps, optimizer=plan.training.config.optimizer,
+                                  global_batch_size=plan.training.global_batch_size)
             decision[0] = ("step", found.step) if found is not None else None
         except CheckpointError as exc:
             decision[0] = ("error", exc.message, exc.hint)
@@ -531,7 +550,7 @@ class _StageLoss:
 
 def _schedule(plan: Plan, pipes: list[_TimedStage], M: int, loss_fn: Callable[..., Any],
               chunk_spec: tuple[Any, ...] | None) -> Any:
-    name = plan.training["schedule"]
+    name = plan.training.shape.schedule
     if name == "interleaved-1f1b":
         return ScheduleInterleaved1F1B(pipes, M, loss_fn=loss_fn, args_chunk_spec=chunk_spec)
     if len(pipes) != 1:
@@ -627,9 +646,9 @@ def _save_checkpoint(plan: Plan, options: TrainOptions, step: int, locals_: list
     dist.barrier()
     if rank == 0:
         info = {"model": plan.model.name, "graph_hash": plan.model.graph_hash,
-                "stages": plan.num_stages, "optimizer": plan.training["optimizer"],
+                "stages": plan.num_stages, "optimizer": plan.training.config.optimizer,
                 "plan_stage_sha256": [s.sha256 for s in plan.stages],
-                "global_batch_size": plan.training["global_batch_size"]}
+                "global_batch_size": plan.training.global_batch_size}
         write_manifest(root, step, plan.num_stages, info, options.keep_checkpoints)
     dist.barrier()
 
@@ -648,18 +667,19 @@ class _Reporter:
         self.out = out
         self.err = err
         self.tty = bool(getattr(err, "isatty", lambda: False)())
-        self.samples = int(plan.training["global_batch_size"])
+        self.samples = plan.training.global_batch_size
         self.metrics = None
         if options.metrics is not None:
             options.metrics.parent.mkdir(parents=True, exist_ok=True)
             self.metrics = open(options.metrics, "a")
 
     def begin(self, layout: RankLayout, resume: Checkpoint | None, data_source: str) -> None:
-        t = self.plan.training
+        s = self.plan.training.shape
         self.err.write(f"partc launch: {self.plan.model.name}, {layout.num_stages} stage(s) on "
                        f"{layout.pipeline_size} pipeline rank(s) x {layout.replicas} replica(s), "
-                       f"{t['schedule']}, {t['num_microbatches']} micro-batches of "
-                       f"{t['microbatch_size']}, {t['optimizer']}, {self.plan.cluster['backend']}\n")
+                       f"{s.schedule}, {s.num_microbatches} micro-batches of "
+                       f"{s.microbatch_size}, {self.plan.training.config.optimizer}, "
+                       f"{self.plan.cluster.backend}\n")
         self.err.write(f"partc launch: data: {data_source}\n")
         if resume is not None:
             self.err.write(f"partc launch: resuming from {resume.directory} (step {resume.step})\n")
@@ -714,8 +734,8 @@ class _Reporter:
         lines = [f"trained steps {steps[0] + 1}..{steps[-1] + 1}{resumed}: loss "
                  f"{summary.losses[steps[0]]:.6g} -> {summary.losses[steps[-1]]:.6g}",
                  f"iteration {median * 1e3:.1f} ms (median), {self.samples / median:,.1f} "
-                 f"samples/s; predicted {predicted['iteration_s'] * 1e3:.1f} ms, "
-                 f"{predicted['samples_per_s']:,.1f} samples/s",
+                 f"samples/s; predicted {predicted.iteration_s * 1e3:.1f} ms, "
+                 f"{predicted.samples_per_s:,.1f} samples/s",
                  f"{'stage':>5} {'fwd ms':>9} {'predicted':>9} {'bwd ms':>9} {'predicted':>9}"]
         rows = summary.stage_forward_s[1:] or summary.stage_forward_s
         brows = summary.stage_backward_s[1:] or summary.stage_backward_s

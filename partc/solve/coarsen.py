@@ -33,8 +33,7 @@ from partc.cost.op_classes import FREE_KINDS
 from partc.cost.table import CostTable, Linear
 from partc.errors import PartcError
 from partc.graph.opgraph import OpGraph
-
-DEFAULT_MAX_BLOCKS = 128  # CP-SAT proves 8-stage cuts in seconds at 128; 256 took 10 s+ (docs/solver.md)
+from partc.options import DEFAULT_MAX_BLOCKS
 
 
 class CoarsenError(PartcError):

@@ -16,24 +16,16 @@ its inner loop (about 2 ms per call on a 1000-node graph).
 """
 from __future__ import annotations
 
-import difflib
 import math
-from dataclasses import asdict, dataclass
-from typing import Collection
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Collection
 
 from partc.cost.op_classes import FREE_KINDS
 from partc.cost.table import CostTable, needs_backward
-from partc.errors import PartcError
-from partc.graph.opgraph import OpGraph, OpNode, Param, dtype_bytes
+from partc.errors import MemoryConfigError
+from partc.graph.opgraph import FLOATING_DTYPES, OpGraph, OpNode, Param, dtype_bytes
+from partc.options import SCHEDULES, Schedule, TrainingConfig, check_choice
 
-OPTIMIZERS = ("sgd", "sgd-momentum", "adam", "adamw")
-# bf16-mixed: bf16 params, activations and boundary tensors for compute, fp32 master weights,
-# fp32 gradient accumulation and fp32 optimizer states (Megatron-LM's recipe).
-PRECISIONS = ("fp32", "bf16-mixed")
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
-
-FLOATING_DTYPES = _FLOATING = frozenset({"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",
-                       "float8_e4m3fnuz", "float8_e5m2fnuz"})
 _BF16 = 2
 _FP32 = 4
 # Ops whose saved tensors are not floating point whatever the compute dtype: dropout keeps a bool
@@ -43,51 +35,7 @@ _MASK_KINDS = frozenset({"dropout", "native_dropout", "feature_dropout", "alpha_
                          "feature_alpha_dropout"})
 
 
-class MemoryConfigError(PartcError):
-    """A training configuration or schedule parameter the memory model cannot price."""
-
-
-def _choice(what: str, value: object, choices: tuple[str, ...]) -> None:
-    if value in choices:
-        return
-    close = difflib.get_close_matches(str(value), choices, n=1)
-    hint = f"did you mean {close[0]!r}?" if close else f"use one of {', '.join(choices)}"
-    raise MemoryConfigError(f"unknown {what} {value!r} (expected one of {', '.join(choices)})",
-                            hint=hint)
-
-
-@dataclass(frozen=True)
-class TrainingConfig:
-    """How a stage is trained, as far as memory is concerned.
-
-    `activation_checkpointing`: each in-flight micro-batch keeps only its stage inputs; the stage's
-    forward is recomputed right before its backward. `memory_margin`: fraction of device memory
-    kept free for allocator fragmentation, the CUDA context and communication libraries.
-    """
-
-    optimizer: str = "adamw"
-    precision: str = "fp32"
-    schedule: str = "1f1b"
-    activation_checkpointing: bool = False
-    memory_margin: float = 0.1
-
-    def __post_init__(self) -> None:
-        _choice("optimizer", self.optimizer, OPTIMIZERS)
-        _choice("precision", self.precision, PRECISIONS)
-        _choice("schedule", self.schedule, SCHEDULES)
-        if not isinstance(self.activation_checkpointing, bool):
-            raise MemoryConfigError(
-                f"activation_checkpointing must be true or false, got "
-                f"{self.activation_checkpointing!r}", hint="pass a boolean")
-        margin = self.memory_margin
-        if (isinstance(margin, bool) or not isinstance(margin, (int, float))
-                or not math.isfinite(margin) or not 0 <= margin < 1):
-            raise MemoryConfigError(
-                f"memory_margin must be a fraction in [0, 1), got {margin!r}",
-                hint="e.g. 0.1 keeps 10% of device memory free")
-
-
-def in_flight_microbatches(schedule: str, stage_index: int, num_stages: int, num_microbatches: int,
+def in_flight_microbatches(schedule: Schedule, stage_index: int, num_stages: int, num_microbatches: int,
                            chunks: int = 1) -> int:
     """Micro-batches whose activations a stage holds at its peak.
 
@@ -101,7 +49,7 @@ def in_flight_microbatches(schedule: str, stage_index: int, num_stages: int, num
     backward, with rounds = max(1, M // num_stages) and per_round = M // rounds, then alternates;
     so the peak is min(warmup + 1, M * chunks).
     """
-    _choice("schedule", schedule, SCHEDULES)
+    check_choice("schedule", schedule, SCHEDULES, MemoryConfigError)
     for name, value, low in (("num_stages", num_stages, 1),
                              ("num_microbatches", num_microbatches, 1),
                              ("chunks", chunks, 1), ("stage_index", stage_index, 0)):
@@ -158,6 +106,20 @@ class StageMemory:
     def to_dict(self) -> dict[str, int]:
         """The terms and the total, in bytes (for plan.yaml and reports)."""
         return {**asdict(self), "total": self.total}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "StageMemory":
+        """Read `to_dict`'s output back; ValueError when its total is not the sum of its terms."""
+        memory = cls(**{f.name: int(d[f.name]) for f in fields(cls)})
+        if "total" in d and d["total"] != memory.total:
+            raise ValueError(f"memory total {d['total']} is not the sum of its terms "
+                             f"({memory.total})")
+        return memory
+
+    @property
+    def static(self) -> int:
+        """Bytes held for the whole step: weights, gradients and optimizer state."""
+        return self.parameters + self.gradients + self.optimizer_state
 
 
 def stage_boundary(graph: OpGraph, nodes: Collection[str]) -> tuple[list[str], list[str]]:
@@ -261,7 +223,7 @@ def _requires_grad(graph: OpGraph) -> frozenset[str]:
         differentiable = needs_backward(graph)
         cache["differentiable"] = frozenset(differentiable)
         cache["requires"] = frozenset(t.name for n in graph.nodes if n.name in differentiable
-                                      for t in n.outputs if t.dtype in _FLOATING)
+                                      for t in n.outputs if t.dtype in FLOATING_DTYPES)
     return cache["requires"]  # type: ignore[return-value]
 
 
@@ -308,7 +270,7 @@ def _keeps_integers(node: OpNode, graph: OpGraph) -> bool:
     """Whether what the node saves stays the same size under bf16 compute: masks and indices."""
     if node.kind in _MASK_KINDS:
         return True
-    return not any(graph.tensor(t).dtype in _FLOATING for t in node.inputs)
+    return not any(graph.tensor(t).dtype in FLOATING_DTYPES for t in node.inputs)
 
 
 def _saved_bytes(table: CostTable, nodes: Collection[str], m: float, bf16: bool) -> float:
@@ -330,7 +292,7 @@ def _tensor_bytes(table: CostTable, tensor: str, m: float, bf16: bool) -> float:
     graph inputs (the data) keep their dtype."""
     nbytes = table.tensor_bytes(tensor, m)
     spec = table.graph.tensor(tensor)
-    if bf16 and spec.dtype in _FLOATING and table.graph.producer(tensor) is not None:
+    if bf16 and spec.dtype in FLOATING_DTYPES and table.graph.producer(tensor) is not None:
         return nbytes * _BF16 / dtype_bytes(spec.dtype)
     return nbytes
 
@@ -355,9 +317,8 @@ def _static_bytes(table: CostTable, nodes: Collection[str],
 def param_memory(p: Param, config: TrainingConfig) -> tuple[int, int, int, int]:
     """(weights, gradients, optimizer state, optimizer-step temporaries) bytes of one parameter,
     buffer or constant under `config`."""
-    bf16 = config.precision == "bf16-mixed"
-    opt = config.optimizer
-    states = {"sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2}[opt]
+    bf16 = config.bf16
+    spec = config.optimizer_spec
     if p.kind != "parameter":
         return p.nbytes, 0, 0, 0  # buffers and constants: static, no gradient
     if not p.trainable:
@@ -367,9 +328,8 @@ def param_memory(p: Param, config: TrainingConfig) -> tuple[int, int, int, int]:
     elem = _FP32 if bf16 else dtype_bytes(p.dtype)
     weights = p.numel * (_BF16 if bf16 else elem)
     grads = p.numel * elem
-    state = p.numel * elem * (states + (1 if bf16 else 0))
-    # torch's foreach Adam allocates sqrt(exp_avg_sq) for every parameter at once.
-    temps = p.numel * elem if opt in ("adam", "adamw") else 0
+    state = p.numel * elem * (spec.states + (1 if bf16 else 0))
+    temps = p.numel * elem if spec.step_temporary else 0
     return weights, grads, state, temps
 
 
@@ -460,7 +420,7 @@ def stage_memory(table: CostTable, nodes: Collection[str], *, microbatch_size: i
     inside = set(nodes)
     m = microbatch_size
     M = num_microbatches
-    bf16 = config.precision == "bf16-mixed"
+    bf16 = config.bf16
     ckpt = config.activation_checkpointing
     weights, grads, state, step_temps = _static_bytes(table, nodes, config)
     requires = _requires_grad(graph)
@@ -496,7 +456,7 @@ def stage_memory(table: CostTable, nodes: Collection[str], *, microbatch_size: i
     # A stage that produces graph outputs computes the loss: cross-entropy keeps the log-softmax of
     # the logits, MSE the difference, i.e. one fp32 copy of the floating outputs per micro-batch.
     loss = sum(table.tensor_bytes(t, m) for t in sends
-               if t in graph_outputs and graph.tensor(t).dtype in _FLOATING)
+               if t in graph_outputs and graph.tensor(t).dtype in FLOATING_DTYPES)
     if ckpt:
         # Checkpointing keeps the stage inputs, which are the receive buffers above, and recomputes
         # one micro-batch's activations at a time.

@@ -15,7 +15,9 @@ from typing import Any
 
 import yaml
 
-from partc.solve.memory import StageMemory, TrainingConfig
+from partc.files import write_atomic
+from partc.options import Strategy, TrainingConfig
+from partc.solve.memory import StageMemory
 from partc.solve.simulator import PipelineSpec, Simulation
 from partc.solve.stage_problem import PipelineShape
 
@@ -51,16 +53,17 @@ class StagePlan:
 
 @dataclass(frozen=True)
 class SolverReport:
-    """How the partition was found and how good it provably is.
+    """How the partition was found and how good it provably is (plan.yaml's `solver`).
 
     objective_s: the solver's iteration-time estimate (partc.solve.stage_problem) of the chosen
     assignment. bound_s: a proven lower bound of that estimate over every assignment of the block
     graph for the chosen shape (CP-SAT's best bound; None for heuristics). search_bound_s: a lower
     bound over every shape the search enumerated (CP-SAT bounds where it ran, analytic bounds
-    elsewhere), so search_gap says how far any other shape could possibly be better.
+    elsewhere), so search_gap says how far any other shape could possibly be better. wall_s: the
+    solve's wall-clock time; None once recorded (`recorded`), since a plan holds no timings.
     """
 
-    strategy: str
+    strategy: Strategy
     status: str
     objective_s: float
     bound_s: float | None
@@ -72,7 +75,7 @@ class SolverReport:
     shapes_pruned: int
     blocks: int
     time_limit_s: float
-    wall_s: float
+    wall_s: float | None
 
     def to_dict(self, include_time: bool = True) -> dict[str, Any]:
         d = {"strategy": self.strategy, "status": self.status,
@@ -84,9 +87,114 @@ class SolverReport:
              "shapes": {"enumerated": self.shapes_enumerated, "evaluated": self.shapes_evaluated,
                         "pruned_by_bound": self.shapes_pruned},
              "blocks": self.blocks, "time_limit_s": self.time_limit_s}
-        if include_time:
+        if include_time and self.wall_s is not None:
             d["wall_s"] = round(self.wall_s, 3)
         return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "SolverReport":
+        """Read `to_dict`'s output back (wall_s None when it was left out)."""
+        shapes = d["shapes"]
+        return cls(strategy=d["strategy"], status=d["status"], objective_s=d["objective_s"],
+                   bound_s=d["bound_s"], gap=d["gap"], search_bound_s=d["search_bound_s"],
+                   search_gap=d["search_gap"], shapes_enumerated=shapes["enumerated"],
+                   shapes_evaluated=shapes["evaluated"], shapes_pruned=shapes["pruned_by_bound"],
+                   blocks=d["blocks"], time_limit_s=d["time_limit_s"], wall_s=d.get("wall_s"))
+
+    def recorded(self) -> "SolverReport":
+        """The report as a plan records it: rounded as plan.yaml writes it, without wall time."""
+        return SolverReport.from_dict(self.to_dict(include_time=False))
+
+
+@dataclass(frozen=True)
+class TrainingSetup:
+    """The training shape and settings of a plan (plan.yaml's `training`): the global batch, the
+    pipeline shape and the TrainingConfig it was solved for."""
+
+    global_batch_size: int
+    shape: PipelineShape
+    config: TrainingConfig
+
+    def __post_init__(self) -> None:
+        if self.shape.global_batch_size != self.global_batch_size:
+            raise ValueError(f"global batch {self.global_batch_size} is not replicas x "
+                             f"micro-batches x micro-batch size = {self.shape.global_batch_size}")
+        if (self.config.schedule, self.config.activation_checkpointing) != \
+                (self.shape.schedule, self.shape.activation_checkpointing):
+            raise ValueError("the training config's schedule and checkpointing differ from the "
+                             "pipeline shape's")
+
+    def to_dict(self) -> dict[str, Any]:
+        s, c = self.shape, self.config
+        return {"global_batch_size": self.global_batch_size, "stages": s.stages,
+                "replicas": s.replicas, "num_microbatches": s.num_microbatches,
+                "microbatch_size": s.microbatch_size, "schedule": s.schedule,
+                "virtual_stages_per_rank": s.chunks,
+                "activation_checkpointing": s.activation_checkpointing,
+                "placement": s.placement, "optimizer": c.optimizer, "precision": c.precision,
+                "memory_margin": c.memory_margin}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "TrainingSetup":
+        shape = PipelineShape(stages=d["stages"], replicas=d["replicas"],
+                              num_microbatches=d["num_microbatches"],
+                              microbatch_size=d["microbatch_size"], schedule=d["schedule"],
+                              chunks=d["virtual_stages_per_rank"],
+                              activation_checkpointing=d["activation_checkpointing"],
+                              placement=d["placement"])
+        config = TrainingConfig(optimizer=d["optimizer"], precision=d["precision"],
+                                schedule=shape.schedule,
+                                activation_checkpointing=shape.activation_checkpointing,
+                                memory_margin=d["memory_margin"])
+        return cls(global_batch_size=d["global_batch_size"], shape=shape, config=config)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What the plan is predicted to do (plan.yaml's `predicted`): the simulated iteration, peak
+    memory per rank by kind against the usable memory, and the per-rank sync times the
+    simulation used. Values are rounded as plan.yaml writes them."""
+
+    iteration_s: float
+    samples_per_s: float
+    bubble_fraction: float
+    peak_memory_bytes: tuple[int, ...]  # per rank, from the simulated schedule
+    usable_memory_bytes: int
+    memory: tuple[StageMemory, ...]  # per rank, the memory model's terms
+    allreduce_s: tuple[float, ...]  # per rank
+    optimizer_s: tuple[float, ...]  # per rank
+
+    @classmethod
+    def of(cls, partition: "Partition") -> "Prediction":
+        return cls(iteration_s=round_seconds(partition.iteration_s),
+                   samples_per_s=round(partition.samples_per_s, 3),
+                   bubble_fraction=round(partition.simulation.bubble_fraction, 6),
+                   peak_memory_bytes=tuple(int(x) for x in
+                                           partition.simulation.peak_memory_bytes),
+                   usable_memory_bytes=int(partition.usable_memory_bytes),
+                   memory=tuple(partition.memory),
+                   allreduce_s=tuple(round_seconds(x) for x in partition.pipeline.allreduce_s),
+                   optimizer_s=tuple(round_seconds(x) for x in partition.pipeline.optimizer_s))
+
+    def summary_dict(self) -> dict[str, Any]:
+        """Time, throughput, bubble and peak memory per rank (a partition file's `predicted`)."""
+        return {"iteration_s": self.iteration_s, "samples_per_s": self.samples_per_s,
+                "bubble_fraction": self.bubble_fraction,
+                "peak_memory_bytes": list(self.peak_memory_bytes)}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.summary_dict(), "usable_memory_bytes": self.usable_memory_bytes,
+                "memory": [m.to_dict() for m in self.memory],
+                "allreduce_s": list(self.allreduce_s), "optimizer_s": list(self.optimizer_s)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Prediction":
+        return cls(iteration_s=d["iteration_s"], samples_per_s=d["samples_per_s"],
+                   bubble_fraction=d["bubble_fraction"],
+                   peak_memory_bytes=tuple(d["peak_memory_bytes"]),
+                   usable_memory_bytes=d["usable_memory_bytes"],
+                   memory=tuple(StageMemory.from_dict(m) for m in d["memory"]),
+                   allreduce_s=tuple(d["allreduce_s"]), optimizer_s=tuple(d["optimizer_s"]))
 
 
 @dataclass(frozen=True)
@@ -115,24 +223,13 @@ class Partition:
     def samples_per_s(self) -> float:
         return self.global_batch_size / self.iteration_s if self.iteration_s > 0 else 0.0
 
-    def training_dict(self) -> dict[str, Any]:
-        """The training shape and settings (plan.yaml's `training`)."""
-        s = self.shape
-        return {"global_batch_size": self.global_batch_size, "stages": s.stages,
-                "replicas": s.replicas, "num_microbatches": s.num_microbatches,
-                "microbatch_size": s.microbatch_size, "schedule": s.schedule,
-                "virtual_stages_per_rank": s.chunks,
-                "activation_checkpointing": s.activation_checkpointing,
-                "placement": s.placement, "optimizer": self.training.optimizer,
-                "precision": self.training.precision,
-                "memory_margin": self.training.memory_margin}
+    @property
+    def training_setup(self) -> TrainingSetup:
+        return TrainingSetup(self.global_batch_size, self.shape, self.training)
 
-    def predicted_dict(self) -> dict[str, Any]:
-        """The simulated iteration: time, throughput, bubble, peak memory per rank."""
-        return {"iteration_s": round_seconds(self.iteration_s),
-                "samples_per_s": round(self.samples_per_s, 3),
-                "bubble_fraction": round(self.simulation.bubble_fraction, 6),
-                "peak_memory_bytes": [int(x) for x in self.simulation.peak_memory_bytes]}
+    @property
+    def prediction(self) -> Prediction:
+        return Prediction.of(self)
 
     def to_dict(self, include_time: bool = True, include_timeline: bool = False) -> dict[str, Any]:
         """Plain data, deterministic for the same inputs (without `include_time`)."""
@@ -142,12 +239,12 @@ class Partition:
             "model": self.model, "graph_hash": self.graph_hash,
             "cluster": {"name": self.cluster, "num_devices": self.num_devices,
                         "devices_used": s.num_devices},
-            "training": self.training_dict(),
+            "training": self.training_setup.to_dict(),
             "stages": [st.to_dict() for st in self.stages],
             "memory": {"usable_bytes_per_device": self.usable_memory_bytes,
                        "ranks": [m.to_dict() for m in self.memory]},
             "solver": self.solver.to_dict(include_time),
-            "predicted": self.predicted_dict(),
+            "predicted": self.prediction.summary_dict(),
         }
         if include_timeline:
             d["simulation"] = self.simulation.to_dict()
@@ -155,10 +252,9 @@ class Partition:
 
     def save(self, path: str | Path, include_time: bool = False) -> Path:
         """Write as YAML (sorted keys; byte-identical for the same inputs)."""
-        path = Path(path)
-        path.write_text(yaml.safe_dump(self.to_dict(include_time=include_time), sort_keys=True,
-                                       default_flow_style=False, width=100))
-        return path
+        return write_atomic(path, yaml.safe_dump(self.to_dict(include_time=include_time),
+                                                 sort_keys=True, default_flow_style=False,
+                                                 width=100))
 
 
 def round_seconds(x: float) -> float:
@@ -190,7 +286,7 @@ def format_partition(p: Partition) -> str:
     lines.append(f"solver: {r.strategy} {r.status}, objective {r.objective_s * 1e3:.3f} ms, "
                  f"gap {gap}, search gap {r.search_gap:.2%} ({r.shapes_evaluated} of "
                  f"{r.shapes_enumerated} shapes evaluated, {r.shapes_pruned} pruned by bound), "
-                 f"{r.blocks} blocks, {r.wall_s:.1f} s")
+                 f"{r.blocks} blocks" + (f", {r.wall_s:.1f} s" if r.wall_s is not None else ""))
     return "\n".join(lines)
 
 

@@ -25,71 +25,26 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
-from partc.solve.strategies.baselines import params_assignment, uniform_assignment
-from partc.solve.strategies.chain_dp import solve_chain_dp
-from partc.solve.coarsen import DEFAULT_MAX_BLOCKS, BlockGraph, coarsen
 from partc.cost.table import CostTable
-from partc.solve.strategies.cpsat import solve_cpsat
-from partc.errors import PartcError
+from partc.errors import PartcError, SearchError
 from partc.hardware.specs import ClusterSpec
 from partc.hardware.units import format_quantity
-from partc.solve.memory import (SCHEDULES, TrainingConfig, in_flight_microbatches, param_memory,
-                          stage_boundary,
-                          usable_memory)
-from partc.solve.partition import Partition, SolverReport, StagePlan
+from partc.options import STRATEGIES, Schedule, SearchOptions, Strategy, TrainingConfig
 from partc.progress import Progress
+from partc.solve.coarsen import BlockGraph, coarsen
+from partc.solve.memory import in_flight_microbatches, param_memory, stage_boundary, usable_memory
+from partc.solve.partition import Partition, SolverReport, StagePlan
 from partc.solve.simulator import PipelineSpec, StageTiming, simulate
 from partc.solve.stage_problem import PipelineShape, StageProblem, sync_bytes, wire_bytes
+from partc.solve.strategies.baselines import params_assignment, uniform_assignment
+from partc.solve.strategies.chain_dp import solve_chain_dp
+from partc.solve.strategies.cpsat import solve_cpsat
 
-STRATEGIES = ("cpsat", "chain-dp", "uniform", "params")
-DEFAULT_TIME_LIMIT_S = 10.0
 _MAX_CORRECTION_ROUNDS = 4
-
-
-class SearchError(PartcError):
-    """Options the search cannot honour (a pinned shape that does not exist on the cluster)."""
 
 
 class InfeasibleMemoryError(PartcError):
     """No shape fits the devices' memory however the model is cut."""
-
-
-@dataclass(frozen=True)
-class SearchOptions:
-    """What the user pins (None: searched) and how hard the solver works."""
-
-    strategy: str = "cpsat"
-    stages: int | None = None
-    replicas: int | None = None
-    num_microbatches: int | None = None
-    schedule: str | None = None
-    activation_checkpointing: bool | None = None
-    max_blocks: int = DEFAULT_MAX_BLOCKS
-    time_limit_s: float = DEFAULT_TIME_LIMIT_S  # CP-SAT deterministic seconds per shape
-    workers: int = 2
-    refine: int = 1  # shapes CP-SAT optimises
-    max_microbatches: int = 64
-
-    def __post_init__(self) -> None:
-        if self.strategy not in STRATEGIES:
-            raise SearchError(f"unknown strategy {self.strategy!r}",
-                              hint=f"use one of {', '.join(STRATEGIES)}")
-        if self.schedule is not None and self.schedule not in SCHEDULES:
-            raise SearchError(f"unknown schedule {self.schedule!r}",
-                              hint=f"use one of {', '.join(SCHEDULES)}")
-        for name in ("stages", "replicas", "num_microbatches"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or value < 1):
-                raise SearchError(f"{name} must be an integer >= 1, got {value!r}",
-                                  hint="leave it out to let partc search it")
-        if not self.time_limit_s > 0:
-            raise SearchError(f"time limit must be > 0 s, got {self.time_limit_s}",
-                              hint="e.g. --time-limit 10")
-        for name in ("refine", "workers", "max_microbatches", "max_blocks"):
-            if getattr(self, name) < 1:
-                raise SearchError(f"{name} must be >= 1, got {getattr(self, name)}",
-                                  hint="use a positive number")
 
 
 @dataclass
@@ -156,13 +111,13 @@ def enumerate_shapes(cluster: ClusterSpec, global_batch: int, num_blocks: int,
 
 
 def _schedules(S: int, M: int, num_blocks: int,
-               pinned: str | None) -> list[tuple[str, int]]:
+               pinned: Schedule | None) -> list[tuple[Schedule, int]]:
     """(schedule, virtual stages per rank) pairs torch can run for S ranks and M micro-batches.
     One rank: 1F1B only (GPipe holds every micro-batch for nothing). torch's Schedule1F1B needs
     M >= S; interleaving runs when M is a multiple of S. Interleaved 1F1B is searched only when
     pinned: the objective assumes balanced virtual stages, and CP-SAT exploits that with cuts the
     simulator finds up to 28% slower (docs/solver.md, limits)."""
-    options: list[tuple[str, int]] = []
+    options: list[tuple[Schedule, int]] = []
     if S == 1:
         options = [("1f1b", 1)]
     else:
@@ -331,7 +286,7 @@ def _gap(objective: float, bound: float | None) -> float | None:
 
 
 def _screen(cand: _Candidate, blocks: BlockGraph, table: CostTable, cluster: ClusterSpec,
-            training: TrainingConfig, strategy: str, memo: dict[tuple, Any]) -> None:
+            training: TrainingConfig, strategy: Strategy, memo: dict[tuple, Any]) -> None:
     """First assignment of a shape: the strategy's own cut, or the exact DP for dp/cpsat."""
     problem = StageProblem.build(blocks, table, cluster, training, cand.shape, memo)
     cand.problem = problem
@@ -590,14 +545,14 @@ def _outer_modules(blocks: BlockGraph, members: list[int]) -> tuple[str, ...]:
 def compare_strategies(table: CostTable, cluster: ClusterSpec, global_batch: int,
                        training: TrainingConfig | None = None,
                        options: SearchOptions | None = None,
-                       strategies: Sequence[str] = STRATEGIES,
+                       strategies: Sequence[Strategy] = STRATEGIES,
                        blocks: BlockGraph | None = None,
-                       progress: Progress | None = None) -> dict[str, Partition | PartcError]:
+                       progress: Progress | None = None) -> dict[Strategy, Partition | PartcError]:
     """Run the search once per strategy on the same block graph: strategy -> Partition (or the
     error it ended with, e.g. a baseline that fits no shape)."""
     options = options or SearchOptions()
     blocks = blocks or coarsen(table, options.max_blocks)
-    out: dict[str, Partition | PartcError] = {}
+    out: dict[Strategy, Partition | PartcError] = {}
     for strategy in strategies:
         try:
             out[strategy] = search(table, cluster, global_batch, training,
@@ -608,6 +563,6 @@ def compare_strategies(table: CostTable, cluster: ClusterSpec, global_batch: int
     return out
 
 
-__all__ = ["STRATEGIES", "SearchOptions", "SearchError", "InfeasibleMemoryError", "search",
+__all__ = ["InfeasibleMemoryError", "search",
            "compare_strategies", "enumerate_shapes", "shape_lower_bound", "ParameterTotals",
            "build_partition"]

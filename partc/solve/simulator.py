@@ -29,7 +29,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+from partc.options import SCHEDULES
 
 Action = tuple[str, int, int]
 """One compute action: ("F" or "B", virtual stage, micro-batch)."""

@@ -33,19 +33,20 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
-from partc.solve.coarsen import BlockGraph
 from partc.cost.table import CostTable
 from partc.errors import PartcError
+from partc.graph.opgraph import FLOATING_DTYPES, OpGraph, Param, dtype_bytes
 from partc.hardware.specs import ClusterSpec, LinkSpec
-from partc.solve.memory import (FLOATING_DTYPES as _FLOATING, SCHEDULES, StageMemory, TrainingConfig,
-                          differentiable_tensors, in_flight_microbatches, param_memory,
-                          stage_memory, usable_memory)
-from partc.graph.opgraph import OpGraph, Param, dtype_bytes
-
-PLACEMENTS = ("stage-major", "pipeline-major")
-# Bytes the optimizer step reads and writes per parameter element, per optimizer, fp32 states:
-# SGD reads p and g and writes p; momentum adds the buffer (read+write); Adam(W) two states.
-_STEP_ACCESSES = {"sgd": 3, "sgd-momentum": 5, "adam": 7, "adamw": 7}
+from partc.options import PLACEMENTS, SCHEDULES, Placement, Schedule, TrainingConfig
+from partc.solve.coarsen import BlockGraph
+from partc.solve.memory import (
+    StageMemory,
+    differentiable_tensors,
+    in_flight_microbatches,
+    param_memory,
+    stage_memory,
+    usable_memory,
+)
 
 
 class ShapeError(PartcError):
@@ -60,10 +61,10 @@ class PipelineShape:
     replicas: int  # R: data-parallel copies of the pipeline
     num_microbatches: int  # M per replica per iteration
     microbatch_size: int  # m
-    schedule: str = "1f1b"
+    schedule: Schedule = "1f1b"
     chunks: int = 1  # virtual stages per rank (interleaved-1f1b only)
     activation_checkpointing: bool = False
-    placement: str = "stage-major"
+    placement: Placement = "stage-major"
 
     def __post_init__(self) -> None:
         for name in ("stages", "replicas", "num_microbatches", "microbatch_size", "chunks"):
@@ -297,7 +298,7 @@ class StageProblem:
         keep_coef = [in_flight[d] / v for d in range(S)]
         outputs = {o.tensor for o in graph.outputs}
         loss = m_units(sum(table.tensor_bytes(t, m) for t in outputs
-                           if graph.tensor(t).dtype in _FLOATING))
+                           if graph.tensor(t).dtype in FLOATING_DTYPES))
         inputs = m_units(M * sum(table.tensor_bytes(t.name, m) for t in graph.inputs))
         return cls(blocks=blocks, table=table, cluster=cluster, training=training, shape=shape,
                    time_unit_s=unit, memory_unit=memory_unit,
@@ -438,7 +439,7 @@ def wire_bytes(graph: OpGraph, tensor: str, nbytes: float, bf16: bool) -> float:
     """Bytes a boundary tensor occupies when sent: floating activations travel in bf16 under
     bf16-mixed; graph inputs (the data) keep their dtype."""
     spec = graph.tensor(tensor)
-    if bf16 and graph.producer(tensor) is not None and spec.dtype in _FLOATING:
+    if bf16 and graph.producer(tensor) is not None and spec.dtype in FLOATING_DTYPES:
         return nbytes / dtype_bytes(spec.dtype) * 2
     return nbytes
 
@@ -480,7 +481,7 @@ def sync_bytes(p: Param, training: TrainingConfig) -> tuple[int, int]:
     grads = param_memory(p, training)[1]
     if not grads:
         return 0, 0
-    return grads, p.numel * _STEP_ACCESSES[training.optimizer] * 4
+    return grads, p.numel * training.optimizer_spec.step_accesses * 4
 
 
 def _block_transient(table: CostTable, nodes: Sequence[str], m: float,

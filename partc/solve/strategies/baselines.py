@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from partc.solve.coarsen import BlockGraph
 
+
 def layer_runs(blocks: BlockGraph) -> tuple[str, list[int]] | None:
     """The model's repeated layers: (container path, layer number of every block or -1).
 

@@ -1,0 +1,70 @@
+"""Files partc writes and checks: one atomic write, one content hash.
+
+Every file partc writes (plan.yaml, stage files, checkpoints, profiles, OpGraph files, reports)
+goes through `write_atomic`: a reader, a concurrent `partc check` or a process killed half-way
+sees the old file or the new one, never half of one.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+from pathlib import Path
+from typing import BinaryIO, Callable, Union
+
+Content = Union[str, bytes, Callable[[BinaryIO], object]]
+
+
+def write_atomic(path: str | Path, content: Content) -> Path:
+    """Write `path` whole or not at all, and return it.
+
+    `content` is text (UTF-8), bytes, or a function that writes to a binary file object (e.g.
+    `lambda f: torch.save(state, f)`). It goes to a temporary file beside `path` (the same
+    directory, so the rename is atomic; a unique name, so concurrent writers do not collide),
+    which is flushed to disk and renamed over `path`; then the directory entry is flushed, so a
+    crash right after the call cannot lose the file. On any failure, KeyboardInterrupt included,
+    the temporary file is removed and `path` is untouched; OSError (a full disk, permissions)
+    propagates for the caller to turn into a user error.
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    try:
+        # O_EXCL: never write through a file (or link) someone else put at the temporary name.
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        with os.fdopen(fd, "wb") as f:
+            if isinstance(content, str):
+                f.write(content.encode())
+            elif isinstance(content, bytes):
+                f.write(content)
+            else:
+                content(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_directory(path.parent)
+    return path
+
+
+def _fsync_directory(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # a filesystem that cannot open directories: nothing to flush
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def sha256_file(path: str | Path) -> str:
+    """Hex SHA-256 of a file, read in chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()

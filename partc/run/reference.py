@@ -1,0 +1,147 @@
+"""Single-process reference runs of a plan's training: what the distributed run is checked
+against.
+
+`train_single_process` trains the whole model in one process the way `partc launch` trains the
+plan (same initial weights, optimizer, batches, seeds and loss), so "the distributed run equals
+single-process training" is a comparison of two executions of one definition (partc.run.training).
+`measure_training_peak` measures the peak memory of one training step of the captured program on
+CPU, the ground truth the memory model (partc.solve.memory) is tested against.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from partc.cost.torch_profiler import program_module
+from partc.emit.stage_code import load_stage
+from partc.emit.stage_weights import load_state_dict_file, whole_model_weights
+from partc.frontend.export import Capture
+from partc.options import Optimizer, TrainOptions
+from partc.plans.plan import Plan
+from partc.run.training import (
+    build_optimizer,
+    global_batches,
+    next_batch,
+    split_batch,
+    step_seed,
+)
+
+
+def train_single_process(plan: Plan, options: TrainOptions, chunks: int = 1,
+                         device: str = "cpu") -> list[float]:
+    """Train the whole model in this process for options.steps steps, the way the plan's run
+    does (same initial weights, optimizer, batches, loss); returns the loss per step.
+
+    chunks > 1 runs each batch as that many equal micro-batches with gradient accumulation (the
+    mean of their losses), which is what a pipeline x data-parallel run computes; equal to one
+    whole batch for models without batch-coupled layers (batch norm)."""
+    plan.check_stage_files()
+    model_file = plan.load_model_file()
+    dev = torch.device(device)
+    model = model_file.build().train()
+    stages = [] if plan.model.on_meta else [load_stage(plan.stage_path(s), map_location=dev)
+                                            for s in plan.stages]
+    checkpoint = load_state_dict_file(options.init_from) if options.init_from else None
+    whole_model_weights(model, model_file, plan.model.on_meta, stages, plan.model.aliases(),
+                        dev, options.seed, checkpoint=checkpoint)
+    optimizer = build_optimizer(plan.training.config.optimizer, model.parameters(), options.lr,
+                                options.weight_decay)
+    loss_fn = model_file.loss()
+    batch = plan.training.global_batch_size
+    losses = []
+    data = global_batches(model_file, plan)
+    for step in range(options.steps):
+        (args, kwargs), target = next_batch(data, options.seed, step)
+        torch.manual_seed(step_seed(options.seed, step, 0))
+        if optimizer is not None:
+            optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for piece, tgt in zip(split_batch((args, kwargs), batch, chunks),
+                              split_batch(target, batch, chunks)):
+            a, k = pytree.tree_map(lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t,
+                                   piece)
+            tgt = pytree.tree_map(lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t, tgt)
+            loss = loss_fn(model(*a, **k), tgt) / chunks
+            loss.backward()
+            total += float(loss.detach())
+        if optimizer is not None:
+            optimizer.step()
+        losses.append(total)
+    return losses
+
+
+def storage_bytes(tensors: list[Any]) -> int:
+    """Bytes of the distinct storages among `tensors` (views of one storage count once)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in tensors if isinstance(t, torch.Tensor)}
+    return sum(storages.values())
+
+
+def peak_above_start(prof: torch.profiler.profile) -> int:
+    """Highest running sum of the allocations and frees the profiler saw."""
+    from torch._C._profiler import _EventType
+
+    events: list[tuple[int, int]] = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        if node.tag == _EventType.Allocation:
+            events.append((node.start_time_ns, node.extra_fields.alloc_size))
+        stack.extend(node.children)
+    live = peak = 0
+    for _, size in sorted(events):
+        live += size
+        peak = max(peak, live)
+    return peak
+
+
+def measure_training_peak(capture: Capture, microbatch_size: int, num_microbatches: int,
+                          optimizer: Optimizer, checkpointing: bool = False) -> int:
+    """Peak bytes of one GPipe-ordered training step of the captured program on CPU: all
+    micro-batches' forwards (and losses), then their backwards, then the optimizer step.
+
+    It is the second step (optimizer state and gradients exist, as in steady training; gradients
+    are zeroed in place, not freed: they stay resident as under DDP). Peak = bytes live before the
+    step (parameters, buffers, gradients, optimizer state, the batch) + the profiler's peak above
+    that.
+    """
+    model_file = capture.model_file
+    module = program_module(capture.exported)
+    params = [p for p in module.parameters() if p.requires_grad]
+    opt = build_optimizer(optimizer, params)
+    loss_fn = model_file.loss()
+    (args, kwargs), target = next(model_file.data(microbatch_size * num_microbatches))
+    microbatches = split_batch((args, kwargs, target), microbatch_size * num_microbatches,
+                               num_microbatches)
+
+    def forward(a: tuple[Any, ...], k: dict[str, Any]) -> Any:
+        if checkpointing:
+            return torch.utils.checkpoint.checkpoint(module, *a, use_reentrant=False, **k)
+        return module(*a, **k)
+
+    def step() -> None:
+        outputs: list[Any] = []
+        losses: list[Any] = []
+        for a, k, t in microbatches:
+            outputs.append(forward(a, k))
+            losses.append(loss_fn(outputs[-1], t))
+        for i in range(num_microbatches):
+            losses[i].backward()
+            # The pipeline drops a micro-batch's outputs once its backward ran.
+            losses[i] = outputs[i] = None
+        if opt is not None:
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+
+    step()
+    states = opt.state.values() if opt is not None else ()
+    live = storage_bytes([*module.parameters(), *module.buffers(),
+                           *(p.grad for p in params),
+                           *(v for state in states for v in state.values()),
+                           *pytree.tree_leaves((args, kwargs, target))])
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                profile_memory=True) as prof:
+        step()
+    return live + peak_above_start(prof)

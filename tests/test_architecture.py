@@ -1,0 +1,111 @@
+"""The layout carries the architecture: passes in subpackages whose dependencies point one way,
+a torch-free solver core and plan tools, a cheap `import partc`.
+
+Every `import` statement in partc/ and cli/ is read (module level, inside functions and under
+TYPE_CHECKING alike): a module may import only from its own layer or from a layer below it.
+"""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Lowest first. A module's layer is its subpackage's (partc/<layer>/...); the top-level modules
+# are the core vocabulary, except the package facade and the entry points, which sit on top.
+LAYERS = ("core", "graph", "frontend", "hardware", "cost", "solve", "plans", "emit", "run",
+          "entry")
+ENTRY_MODULES = {"partc", "partc.__main__", "partc.launch"}
+
+
+def _module_name(path: Path) -> str:
+    if path.is_relative_to(ROOT / "cli"):
+        parts = ("partc", "cli", *path.relative_to(ROOT / "cli").with_suffix("").parts)
+    else:
+        parts = path.relative_to(ROOT).with_suffix("").parts
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _layer(module: str) -> str:
+    parts = module.split(".")
+    if module in ENTRY_MODULES or parts[:2] == ["partc", "cli"]:
+        return "entry"
+    if len(parts) > 2 or (len(parts) == 2 and parts[1] in LAYERS):
+        return parts[1]
+    return "core"
+
+
+def _sources() -> list[Path]:
+    return sorted([*(ROOT / "partc").rglob("*.py"), *(ROOT / "cli").rglob("*.py")])
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every partc module the file imports, at any depth of the file."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names if a.name.startswith("partc")]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("partc"):
+            found.append((node.lineno, node.module))
+    return found
+
+
+def test_every_module_belongs_to_a_layer() -> None:
+    names = {_layer(_module_name(p)) for p in _sources()}
+    assert names <= set(LAYERS), names - set(LAYERS)
+    assert set(LAYERS) - {"core", "entry"} <= names
+
+
+def test_dependencies_point_one_way() -> None:
+    rank = {layer: i for i, layer in enumerate(LAYERS)}
+    upward = []
+    for path in _sources():
+        source = _module_name(path)
+        for line, target in _imports(path):
+            if rank[_layer(target)] > rank[_layer(source)]:
+                upward.append(f"{path.relative_to(ROOT)}:{line} ({_layer(source)}) imports "
+                              f"{target} ({_layer(target)})")
+    assert not upward, "imports against the layer order:\n" + "\n".join(upward)
+
+
+def _run_python(code: str) -> str:
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.strip()
+
+
+TORCH_FREE = ("partc", "partc.options", "partc.errors", "partc.files", "partc.graph.opgraph",
+              "partc.graph.module_summary", "partc.hardware.configs", "partc.cost.table",
+              "partc.cost.roofline", "partc.solve.search", "partc.solve.simulator",
+              "partc.solve.partition", "partc.plans.plan", "partc.plans.diff",
+              "partc.plans.report", "partc.cli.main")
+
+
+@pytest.mark.parametrize("module", TORCH_FREE)
+def test_torch_free_modules_import_without_torch(module: str) -> None:
+    heavy = _run_python(f"import sys, importlib; importlib.import_module({module!r}); "
+                        "print(sorted(m for m in ('torch', 'onnx', 'onnxruntime') "
+                        "if m in sys.modules))")
+    assert heavy == "[]", f"importing {module} imports {heavy}"
+
+
+def test_show_and_diff_of_a_plan_never_import_torch(tmp_path: Path) -> None:
+    plans = ROOT / "examples" / "plans"
+    code = f"""
+import sys
+from partc.cli.main import cli
+for args in (["show", {str(plans / "mlp")!r}, "--png", {str(tmp_path / "mlp.png")!r}],
+             ["diff", {str(plans / "mlp")!r}, {str(plans / "resnet")!r}]):
+    cli.main(args=args, prog_name="partc", standalone_mode=False)
+print("torch imported:", "torch" in sys.modules)
+"""
+    out = _run_python(code)
+    assert out.endswith("torch imported: False"), out
+    assert (tmp_path / "mlp.png").stat().st_size > 0
