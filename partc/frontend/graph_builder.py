@@ -166,21 +166,21 @@ def build_opgraph(capture: Capture, onnx_export: OnnxExport | None = None,
         return _build(capture, onnx_export)
 
 
-def _build(capture: Capture, onnx_export: OnnxExport | None) -> OpGraph:
-    ep = capture.exported
-    sig = ep.graph_signature
-    batch = capture.batch_size
-    notes: list[str] = []
-    dims = _BatchDims(batch=batch, scaled_batch=capture.scaled_batch_size,
-                      scaled=_shapes(capture.scaled) if capture.scaled is not None else None)
+@dataclass
+class _Placeholders:
+    """What the program's placeholders are: parameters (tied ones merged) and user inputs."""
 
-    # ---- placeholders: parameters, buffers, constants, user inputs -----------------------------
-    param_of: dict[str, str] = {}  # placeholder name -> canonical FQN
-    params: list[Param] = []
+    param_of: dict[str, str]  # placeholder name -> canonical parameter FQN
+    params: list[Param]
+    inputs: list[TensorSpec]
+
+
+def _placeholders(capture: Capture, dims: _BatchDims) -> _Placeholders:
+    ep = capture.exported
+    found = _Placeholders(param_of={}, params=[], inputs=[])
     seen_params: dict[str, str] = {}  # any FQN -> canonical FQN, to merge tied placeholders
-    inputs: list[TensorSpec] = []
-    input_names: set[str] = set()
-    for spec, node in zip(sig.input_specs, (n for n in ep.graph.nodes if n.op == "placeholder")):
+    for spec, node in zip(ep.graph_signature.input_specs,
+                          (n for n in ep.graph.nodes if n.op == "placeholder")):
         val = node.meta.get("val")
         if spec.kind in _PARAM_KINDS and isinstance(val, torch.Tensor):
             fqn = str(spec.target)
@@ -189,39 +189,79 @@ def _build(capture: Capture, onnx_export: OnnxExport | None) -> OpGraph:
             if canonical is None:
                 canonical = fqn
                 kind = _PARAM_KINDS[spec.kind]
-                params.append(Param(
+                found.params.append(Param(
                     name=fqn, shape=tuple(int(d) for d in val.shape), dtype=dtype_name(val.dtype),
                     kind=kind,
                     trainable=kind == "parameter" and capture.trainable.get(fqn, True),
                     aliases=tuple(sorted(g for g in group if g != fqn))))
                 for g in group:
                     seen_params[g] = fqn
-            param_of[node.name] = canonical
+            found.param_of[node.name] = canonical
         elif spec.kind == InputKind.USER_INPUT and isinstance(val, torch.Tensor):
             shape = tuple(int(d) for d in val.shape)
-            inputs.append(TensorSpec(name=node.name, shape=shape, dtype=dtype_name(val.dtype),
-                                     batch_dim=dims.find(node, 0, shape)))
-            input_names.add(node.name)
+            found.inputs.append(TensorSpec(name=node.name, shape=shape, dtype=dtype_name(val.dtype),
+                                           batch_dim=dims.find(node, 0, shape)))
+    return found
 
-    # ---- nodes ---------------------------------------------------------------------------------
-    param_nbytes = {p.name: p.nbytes for p in params}
-    flops, failed = count_flops(ep)
-    if capture.scaled is not None:
-        scaled_flops, _ = count_flops(capture.scaled)
-    else:
-        scaled_flops = {}
-    onnx_by_fx: dict[str, list[str]] = {}
+
+def _onnx_by_fx(onnx_export: OnnxExport | None) -> dict[str, list[str]]:
+    """FX node name -> the ONNX nodes exported from it."""
+    by_fx: dict[str, list[str]] = {}
     if onnx_export is not None and onnx_export.model is not None:
         for onnx_node in onnx_export.model.graph.node:
             fx_name = onnx_export.node_to_fx.get(onnx_node.name)
             if fx_name is not None:
-                onnx_by_fx.setdefault(fx_name, []).append(onnx_node.name)
+                by_fx.setdefault(fx_name, []).append(onnx_node.name)
+    return by_fx
 
-    outputs_of: dict[str, tuple[str, ...]] = {}  # FX node name -> tensor names it stands for
+
+def _operands(node: torch.fx.Node, param_of: dict[str, str], input_names: set[str],
+              outputs_of: dict[str, tuple[str, ...]]) -> tuple[list[str], list[str]]:
+    """(tensor names, parameter FQNs) a node reads, each once, in argument order."""
+    in_tensors: list[str] = []
+    in_params: list[str] = []
+
+    def collect(arg: torch.fx.Node) -> torch.fx.Node:
+        if arg.name in param_of:
+            if param_of[arg.name] not in in_params:
+                in_params.append(param_of[arg.name])
+        elif arg.name in input_names:
+            if arg.name not in in_tensors:
+                in_tensors.append(arg.name)
+        else:
+            for t in outputs_of.get(arg.name, ()):
+                if t not in in_tensors:
+                    in_tensors.append(t)
+        return arg
+
+    torch.fx.node.map_arg((node.args, node.kwargs), collect)
+    return in_tensors, in_params
+
+
+@dataclass
+class _Nodes:
+    """The OpGraph nodes of a program and what the output pass needs from building them."""
+
+    nodes: list[OpNode]
+    modules: dict[str, str]  # path -> class, in order of first use
+    outputs_of: dict[str, tuple[str, ...]]  # FX node name -> tensor names it stands for
+    specs: dict[str, TensorSpec]  # tensor name -> spec
+    failed_flops: list[str]
+
+
+def _nodes(capture: Capture, found: _Placeholders, dims: _BatchDims,
+           onnx_export: OnnxExport | None) -> _Nodes:
+    """One OpNode per call_function node (tuple getitems folded into their producer)."""
+    ep = capture.exported
+    batch = capture.batch_size
+    param_nbytes = {p.name: p.nbytes for p in found.params}
+    flops, failed = count_flops(ep)
+    scaled_flops = count_flops(capture.scaled)[0] if capture.scaled is not None else {}
+    onnx_by_fx = _onnx_by_fx(onnx_export)
+    input_names = {t.name for t in found.inputs}
+    out = _Nodes(nodes=[], modules={}, outputs_of={}, specs={t.name: t for t in found.inputs},
+                 failed_flops=failed)
     owner: dict[str, str] = {}  # FX node name (incl. folded getitems) -> OpGraph node name
-    specs: dict[str, TensorSpec] = {t.name: t for t in inputs}
-    nodes: list[OpNode] = []
-    modules: dict[str, str] = {}  # path -> class, in order of first use
     model_file = capture.model_file
     for node in ep.graph.nodes:
         if node.op != "call_function":
@@ -229,10 +269,9 @@ def _build(capture: Capture, onnx_export: OnnxExport | None) -> OpGraph:
         if node.target is operator.getitem:
             src, index = node.args
             if isinstance(src, torch.fx.Node) and src.name in owner and isinstance(index, int):
-                src_tensors = outputs_of.get(src.name, ())
                 name = f"{src.name}.{index}"
-                if name in src_tensors:
-                    outputs_of[node.name] = (name,)
+                if name in out.outputs_of.get(src.name, ()):
+                    out.outputs_of[node.name] = (name,)
                     owner[node.name] = owner[src.name]
                     continue
             # a getitem that is not a plain tuple index becomes a node of its own (below)
@@ -244,30 +283,14 @@ def _build(capture: Capture, onnx_export: OnnxExport | None) -> OpGraph:
                 if t is None:
                     continue
                 shape = tuple(int(d) for d in t.shape)
-                outs.append(TensorSpec(name=node.name if single else f"{node.name}.{i}", shape=shape,
-                                       dtype=dtype_name(t.dtype), batch_dim=dims.find(node, i, shape)))
-        outputs_of[node.name] = tuple(t.name for t in outs)
+                outs.append(TensorSpec(name=node.name if single else f"{node.name}.{i}",
+                                       shape=shape, dtype=dtype_name(t.dtype),
+                                       batch_dim=dims.find(node, i, shape)))
+        out.outputs_of[node.name] = tuple(t.name for t in outs)
         owner[node.name] = node.name
         for t in outs:
-            specs[t.name] = t
-
-        in_tensors: list[str] = []
-        in_params: list[str] = []
-
-        def collect(arg: torch.fx.Node) -> torch.fx.Node:
-            if arg.name in param_of:
-                if param_of[arg.name] not in in_params:
-                    in_params.append(param_of[arg.name])
-            elif arg.name in input_names:
-                if arg.name not in in_tensors:
-                    in_tensors.append(arg.name)
-            else:
-                for t in outputs_of.get(arg.name, ()):
-                    if t not in in_tensors:
-                        in_tensors.append(t)
-            return arg
-
-        torch.fx.node.map_arg((node.args, node.kwargs), collect)
+            out.specs[t.name] = t
+        in_tensors, in_params = _operands(node, found.param_of, input_names, out.outputs_of)
         view = is_view_op(node.target)
         param_bytes = sum(param_nbytes[p] for p in in_params)
         out_bytes = sum(t.nbytes for t in outs)
@@ -281,9 +304,9 @@ def _build(capture: Capture, onnx_export: OnnxExport | None) -> OpGraph:
             per_sample = f1 // batch if any(t.batch_dim is not None for t in outs) else 0
         stack = _module_stack(node, model_file)
         for path, cls in stack:
-            modules.setdefault(path, cls)
+            out.modules.setdefault(path, cls)
         module, module_type = stack[-1] if stack else ("", "")
-        nodes.append(OpNode(
+        out.nodes.append(OpNode(
             name=node.name,
             target=str(node.target),
             kind=op_kind(node.target),
@@ -294,7 +317,7 @@ def _build(capture: Capture, onnx_export: OnnxExport | None) -> OpGraph:
             outputs=tuple(outs),
             flops=f1,
             flops_per_sample=per_sample,
-            bytes_read=0 if view else sum(specs[t].nbytes for t in in_tensors) + param_bytes,
+            bytes_read=0 if view else sum(out.specs[t].nbytes for t in in_tensors) + param_bytes,
             bytes_written=0 if view else out_bytes,
             is_view=view,
             onnx_nodes=tuple(onnx_by_fx.get(node.name, ())),
@@ -307,43 +330,68 @@ def _build(capture: Capture, onnx_export: OnnxExport | None) -> OpGraph:
         if target is not None and target != fx_name:
             extra.setdefault(target, []).extend(onnx_nodes)
     if extra:
-        nodes = [_with_onnx(n, extra[n.name]) if n.name in extra else n for n in nodes]
+        out.nodes = [_with_onnx(n, extra[n.name]) if n.name in extra else n for n in out.nodes]
 
     # Containers never called themselves (ModuleList, ModuleDict) are not on any module stack.
     for path, mod in capture.model.named_modules():
-        modules.setdefault(path, model_file.display_class(_qualified(type(mod))))
+        out.modules.setdefault(path, model_file.display_class(_qualified(type(mod))))
+    return out
 
-    # ---- outputs -------------------------------------------------------------------------------
+
+def _graph_outputs(ep: ExportedProgram, built: _Nodes) -> list[GraphOutput]:
+    """The model's outputs: each tensor with its path in the output structure."""
     outputs: list[GraphOutput] = []
-    user_specs = [s for s in sig.output_specs if s.kind == OutputKind.USER_OUTPUT]
+    user_specs = [s for s in ep.graph_signature.output_specs if s.kind == OutputKind.USER_OUTPUT]
     for path, spec in zip(output_paths(ep), user_specs):
-        for t in outputs_of.get(spec.arg.name, ()) or ((spec.arg.name,) if spec.arg.name in specs else ()):
+        name = spec.arg.name
+        for t in built.outputs_of.get(name, ()) or ((name,) if name in built.specs else ()):
             outputs.append(GraphOutput(tensor=t, path=path))
+    return outputs
 
-    if capture.scaled is not None and not any(
-            t.batch_dim is not None for t in (*inputs, *(o for n in nodes for o in n.outputs))):
+
+def _build_notes(capture: Capture, found: _Placeholders, built: _Nodes,
+                 dims: _BatchDims) -> list[str]:
+    """Warnings about what the build could not establish (recorded in the OpGraph)."""
+    notes: list[str] = []
+    tensors = (*found.inputs, *(o for n in built.nodes for o in n.outputs))
+    if capture.scaled is not None and not any(t.batch_dim is not None for t in tensors):
         notes.append("no tensor changes size with the batch: does example_inputs(batch_size) "
                      "use its batch_size argument?")
+    failed = built.failed_flops
     if failed:
         notes.append(f"FLOPs not counted for {len(failed)} node(s) that cannot re-run on fake "
                      f"tensors: {', '.join(failed[:5])}")
     if dims.guessed:
-        notes.append(f"batch dimension guessed (no counterpart at batch {capture.scaled_batch_size}) "
-                     f"for {len(dims.guessed)} tensor(s): {', '.join(sorted(set(dims.guessed))[:5])}")
+        notes.append(f"batch dimension guessed (no counterpart at batch "
+                     f"{capture.scaled_batch_size}) for {len(dims.guessed)} tensor(s): "
+                     f"{', '.join(sorted(set(dims.guessed))[:5])}")
     if dims.irregular:
         notes.append(f"{len(dims.irregular)} tensor(s) do not scale linearly with the batch: "
                      f"{', '.join(sorted(set(dims.irregular))[:5])}")
+    return notes
 
-    onnx_info = OnnxInfo(status="skipped")
-    if onnx_export is not None:
-        onnx_info = OnnxInfo(status=onnx_export.status, error=onnx_export.error, opset=onnx_export.opset,
-                             num_nodes=onnx_export.num_nodes,
-                             mapped_nodes=len(onnx_export.node_to_fx),
-                             static_shape_outputs=onnx_export.static_shape_outputs,
-                             num_outputs=onnx_export.num_outputs)
-    return OpGraph(model_name=model_file.name, batch_size=batch, on_meta=capture.on_meta,
-                   inputs=tuple(inputs), outputs=tuple(outputs), params=tuple(params),
-                   nodes=tuple(nodes), modules=tuple(modules.items()), onnx=onnx_info,
+
+def _onnx_info(onnx_export: OnnxExport | None) -> OnnxInfo:
+    if onnx_export is None:
+        return OnnxInfo(status="skipped")
+    return OnnxInfo(status=onnx_export.status, error=onnx_export.error, opset=onnx_export.opset,
+                    num_nodes=onnx_export.num_nodes, mapped_nodes=len(onnx_export.node_to_fx),
+                    static_shape_outputs=onnx_export.static_shape_outputs,
+                    num_outputs=onnx_export.num_outputs)
+
+
+def _build(capture: Capture, onnx_export: OnnxExport | None) -> OpGraph:
+    """Placeholders (parameters and inputs), then operator nodes, then outputs and notes."""
+    dims = _BatchDims(batch=capture.batch_size, scaled_batch=capture.scaled_batch_size,
+                      scaled=_shapes(capture.scaled) if capture.scaled is not None else None)
+    found = _placeholders(capture, dims)
+    built = _nodes(capture, found, dims, onnx_export)
+    outputs = _graph_outputs(capture.exported, built)
+    notes = _build_notes(capture, found, built, dims)
+    return OpGraph(model_name=capture.model_file.name, batch_size=capture.batch_size,
+                   on_meta=capture.on_meta, inputs=tuple(found.inputs), outputs=tuple(outputs),
+                   params=tuple(found.params), nodes=tuple(built.nodes),
+                   modules=tuple(built.modules.items()), onnx=_onnx_info(onnx_export),
                    notes=tuple(notes))
 
 

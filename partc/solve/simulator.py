@@ -355,12 +355,24 @@ def _simulate(spec: PipelineSpec, order: Sequence[Sequence[Action]] | None) -> S
         orders = action_order(spec.schedule, s, m, spec.chunks)
     else:
         orders = _check_order(order, s, v, m)
-    stages = spec.stages
-    allreduce = spec.allreduce_s or (0.0,) * s
-    optimizer = spec.optimizer_s or (0.0,) * s
-
     # Actions are integers: forward F(k, i) is k * M + i, backward B(k, i) is V * M + k * M + i,
     # so dependencies are index arithmetic and finish times a flat list (NaN = not run yet).
+    vm = v * m
+    programs = [[(0 if kind == "F" else vm) + stage * m + mb for kind, stage, mb in ops]
+                for ops in orders]
+    start_of, finish, position = _run(spec, programs)
+    stuck = [rank for rank in range(s) if position[rank] < len(orders[rank])]
+    if stuck:
+        raise _deadlock(orders, position, stuck)
+    return _replay(spec, programs, start_of, finish)
+
+
+def _run(spec: PipelineSpec, programs: list[list[int]]
+         ) -> tuple[list[float], list[float], list[int]]:
+    """Run every rank's program as early as its dependencies allow: (start time, finish time) per
+    action (NaN for actions that never ran) and how far each rank got."""
+    s, v, m = spec.num_ranks, spec.num_stages, spec.num_microbatches
+    stages = spec.stages
     vm = v * m
     forward_s = [stage.forward_s for stage in stages]
     backward_s = [stage.backward_s for stage in stages]
@@ -370,8 +382,6 @@ def _simulate(spec: PipelineSpec, order: Sequence[Sequence[Action]] | None) -> S
                      for k, stage in enumerate(stages)]
     backward_delay = [stage.send_backward_s if k > 0 and (k - 1) % s != k % s else 0.0
                       for k, stage in enumerate(stages)]
-    programs = [[(0 if kind == "F" else vm) + stage * m + mb for kind, stage, mb in ops]
-                for ops in orders]
     finish = [math.nan] * (2 * vm)
     start_of = [math.nan] * (2 * vm)
     # Ranks blocked on an action, by its index: woken when it finishes, so every rank's next
@@ -430,17 +440,29 @@ def _simulate(spec: PipelineSpec, order: Sequence[Sequence[Action]] | None) -> S
                 ready.extend(woken)
         position[rank] = pos
         free_at[rank] = clock
+    return start_of, finish, position
 
-    stuck = [rank for rank in range(s) if position[rank] < len(orders[rank])]
-    if stuck:
-        details = []
-        for rank in stuck[:8]:
-            kind, stage, mb = orders[rank][position[rank]]
-            details.append(f"rank {rank} waits at {kind}(stage {stage}, mb {mb})")
-        more = f" and {len(stuck) - 8} more ranks" if len(stuck) > 8 else ""
-        raise ValueError("deadlock: the action order cannot complete; "
-                         + "; ".join(details) + more)
 
+def _deadlock(orders: list[list[Action]], position: list[int], stuck: list[int]) -> ValueError:
+    details = []
+    for rank in stuck[:8]:
+        kind, stage, mb = orders[rank][position[rank]]
+        details.append(f"rank {rank} waits at {kind}(stage {stage}, mb {mb})")
+    more = f" and {len(stuck) - 8} more ranks" if len(stuck) > 8 else ""
+    return ValueError("deadlock: the action order cannot complete; " + "; ".join(details) + more)
+
+
+def _replay(spec: PipelineSpec, programs: list[list[int]], start_of: list[float],
+            finish: list[float]) -> Simulation:
+    """The Simulation of a completed run: events, busy time, memory over time and the iteration
+    (each rank's all-reduce and optimizer step after its last backward)."""
+    s, v, m = spec.num_ranks, spec.num_stages, spec.num_microbatches
+    stages = spec.stages
+    vm = v * m
+    forward_s = [stage.forward_s for stage in stages]
+    backward_s = [stage.backward_s for stage in stages]
+    allreduce = spec.allreduce_s or (0.0,) * s
+    optimizer = spec.optimizer_s or (0.0,) * s
     events: list[Event] = []
     busy: list[float] = []
     peaks: list[float] = []

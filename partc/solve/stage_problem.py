@@ -199,114 +199,34 @@ class StageProblem:
         training = replace(training, schedule=shape.schedule,
                            activation_checkpointing=shape.activation_checkpointing)
         graph = table.graph
-        m = shape.microbatch_size
-        M = shape.num_microbatches
-        S = shape.stages
-        V = shape.virtual_stages
-        v = shape.chunks
+        m, M, S = shape.microbatch_size, shape.num_microbatches, shape.stages
         ckpt = shape.activation_checkpointing
-        bf16 = training.precision == "bf16-mixed"
-
         compute_s = [b.forward.at(m) * (2.0 if ckpt else 1.0) + b.backward.at(m)
                      for b in blocks.blocks]
-        total = sum(compute_s)
-        # ~2^20 units for the whole model's compute: fine enough to balance, small enough that
-        # (M - 1) * time stays far inside int64.
-        unit = max(total / float(1 << 20), 1e-12)
         usable = usable_memory(cluster.device.memory_bytes, training)
-        memory_unit = max(1, usable >> 24)
-
-        def t_units(seconds: float) -> int:
-            return int(round(seconds / unit))
-
-        def m_units(nbytes: float) -> int:
-            return int(math.ceil(nbytes / memory_unit - 1e-9)) if nbytes > 0 else 0
-
-        # Parameters: per-parameter static bytes, temporaries and step traffic.
-        users: dict[str, list[int]] = {}
-        for b in blocks.blocks:
-            for p in b.params:
-                users.setdefault(p, []).append(b.index)
-        param_info = {p: _memo(memo, ("param", p, training),
-                               lambda p=p: _param_bytes(graph.param(p), training)) for p in users}
-
-        # Per rank: all-reduce of gradients over its replicas, then the optimizer step.
-        groups = [shape.rank_devices(d) for d in range(S)]
-        step_bps = cluster.device.bytes_per_s()
-        sync_per_byte: list[float] = []
-        sync_latency: list[int] = []
-        for d in range(S):
-            if shape.replicas > 1:
-                # allreduce_s is latency + bytes * slope: recover both from two sizes.
-                small, large = 1 << 20, 1 << 30
-                per_byte = ((cluster.allreduce_s(large, groups[d])
-                             - cluster.allreduce_s(small, groups[d])) / (large - small))
-                latency = cluster.allreduce_s(small, groups[d]) - per_byte * small
-            else:
-                per_byte, latency = 0.0, 0.0
-            sync_per_byte.append(per_byte)
-            sync_latency.append(t_units(latency))
-
-        def sync_units(name: str) -> tuple[int, ...]:
-            gbytes, moved = _memo(memo, ("sync", name, training),
-                                  lambda: sync_bytes(graph.param(name), training))
-            return tuple(t_units(gbytes * sync_per_byte[d] + moved / step_bps) for d in range(S))
-
-        shared_names = sorted(p for p, bs in users.items() if len(set(bs)) > 1)
-        shared = [SharedParam(name=p, blocks=tuple(sorted(set(users[p]))),
-                              static=m_units(param_info[p][0]), temps=m_units(param_info[p][1]),
-                              sync=sync_units(p)) for p in shared_names]
-        shared_set = set(shared_names)
-
-        requires = _memo(memo, ("requires",), lambda: differentiable_tensors(graph))
-        static, temps, sync, has_trainable, saved, transient = [], [], [], [], [], []
-        for b in blocks.blocks:
-            own = [p for p in b.params if p not in shared_set]
-            static.append(m_units(sum(param_info[p][0] for p in own)))
-            temps.append(m_units(sum(param_info[p][1] for p in own)))
-            per_rank = [0] * S
-            for p in own:
-                for d, u in enumerate(sync_units(p)):
-                    per_rank[d] += u
-            sync.append(per_rank)
-            has_trainable.append(any(graph.param(p).kind == "parameter"
-                                     and graph.param(p).trainable for p in b.params))
-            factor = 0.5 if bf16 else 1.0
-            saved.append(m_units(b.saved.at(m) * factor))
-            transient.append(m_units(_memo(
-                memo, ("transient", b.index, m, bf16),
-                lambda b=b: _block_transient(table, b.nodes, m, requires, bf16))))
-
-        # Crossing tensors: transfer time per boundary k on the link between ranks (k-1)%S, k%S.
-        links = shape.boundary_links(cluster)
-        tensors: list[CrossingTensor] = []
-        for t in blocks.tensors:
-            nbytes = wire_bytes(graph, t.name, t.nbytes.at(m), bf16)
-            grad = nbytes if t.requires_grad else 0.0
-            forward = tuple([0] + [t_units(links[k].transfer_s(int(nbytes)))
-                                   for k in range(1, V)])
-            backward = tuple([0] + [t_units(links[k].transfer_s(int(grad)))
-                                    for k in range(1, V)])
-            tensors.append(CrossingTensor(
-                name=t.name, producer=-1 if t.producer is None else t.producer,
-                consumers=t.consumers, is_output=t.is_output, forward=forward, backward=backward,
-                size=m_units(nbytes), grad_size=m_units(grad)))
-
-        tensors = _merge_parallel(tensors)
-        in_flight = [in_flight_microbatches(shape.schedule, d, S, M, v) for d in range(S)]
-        activation_coef = [(1.0 if ckpt else in_flight[d]) / v for d in range(S)]
-        keep_coef = [in_flight[d] / v for d in range(S)]
+        # ~2^20 time units for the whole model's compute: fine enough to balance, small enough
+        # that (M - 1) * time stays far inside int64; ~2^24 memory units in a device.
+        units = _Units(time_s=max(sum(compute_s) / float(1 << 20), 1e-12),
+                       memory_bytes=max(1, usable >> 24))
+        per_byte, latency = _sync_rates(cluster, shape)
+        terms = _BlockTerms.of(blocks, table, cluster, training, shape, units, per_byte, memo)
+        in_flight = [in_flight_microbatches(shape.schedule, d, S, M, shape.chunks)
+                     for d in range(S)]
         outputs = {o.tensor for o in graph.outputs}
-        loss = m_units(sum(table.tensor_bytes(t, m) for t in outputs
-                           if graph.tensor(t).dtype in FLOATING_DTYPES))
-        inputs = m_units(M * sum(table.tensor_bytes(t.name, m) for t in graph.inputs))
+        loss = units.memory(sum(table.tensor_bytes(t, m) for t in outputs
+                                if graph.tensor(t).dtype in FLOATING_DTYPES))
+        inputs = units.memory(M * sum(table.tensor_bytes(t.name, m) for t in graph.inputs))
         return cls(blocks=blocks, table=table, cluster=cluster, training=training, shape=shape,
-                   time_unit_s=unit, memory_unit=memory_unit,
-                   compute=[t_units(x) for x in compute_s], static=static, temps=temps,
-                   saved=saved, transient=transient, sync=sync, has_trainable=has_trainable,
-                   tensors=tensors, shared=shared, sync_latency=sync_latency,
-                   activation_coef=activation_coef, keep_coef=keep_coef, loss=loss,
-                   inputs=inputs, capacity=usable // memory_unit, corrections=[0] * S)
+                   time_unit_s=units.time_s, memory_unit=units.memory_bytes,
+                   compute=[units.time(x) for x in compute_s], static=terms.static,
+                   temps=terms.temps, saved=terms.saved, transient=terms.transient,
+                   sync=terms.sync, has_trainable=terms.has_trainable,
+                   tensors=_crossing_tensors(blocks, graph, shape, cluster, training.bf16, units),
+                   shared=terms.shared, sync_latency=[units.time(x) for x in latency],
+                   activation_coef=[(1.0 if ckpt else in_flight[d]) / shape.chunks
+                                    for d in range(S)],
+                   keep_coef=[in_flight[d] / shape.chunks for d in range(S)], loss=loss,
+                   inputs=inputs, capacity=usable // units.memory_bytes, corrections=[0] * S)
 
     # ---- evaluation of an assignment ---------------------------------------------------------
     @property
@@ -433,6 +353,122 @@ class StageProblem:
         if len(set(assignment)) != V:
             return False
         return all(assignment[u] <= assignment[v] for u, v in self.blocks.edges)
+
+
+@dataclass(frozen=True)
+class _Units:
+    """The integer units a problem is priced in: time units of `time_s` seconds, memory units of
+    `memory_bytes` bytes (memory rounded up: a stage never looks smaller than it is)."""
+
+    time_s: float
+    memory_bytes: int
+
+    def time(self, seconds: float) -> int:
+        return int(round(seconds / self.time_s))
+
+    def memory(self, nbytes: float) -> int:
+        return int(math.ceil(nbytes / self.memory_bytes - 1e-9)) if nbytes > 0 else 0
+
+
+def _sync_rates(cluster: ClusterSpec, shape: PipelineShape) -> tuple[list[float], list[float]]:
+    """Per pipeline rank: seconds per byte and latency of the gradient all-reduce over its
+    replicas (both 0 without replicas)."""
+    per_byte: list[float] = []
+    latency: list[float] = []
+    for d in range(shape.stages):
+        if shape.replicas > 1:
+            group = shape.rank_devices(d)
+            # allreduce_s is latency + bytes * slope: recover both from two sizes.
+            small, large = 1 << 20, 1 << 30
+            slope = ((cluster.allreduce_s(large, group) - cluster.allreduce_s(small, group))
+                     / (large - small))
+            per_byte.append(slope)
+            latency.append(cluster.allreduce_s(small, group) - slope * small)
+        else:
+            per_byte.append(0.0)
+            latency.append(0.0)
+    return per_byte, latency
+
+
+@dataclass
+class _BlockTerms:
+    """Per-block memory and sync terms of a problem, and the parameters blocks share."""
+
+    static: list[int]  # units of its own (unshared) weights, gradients, optimizer state
+    temps: list[int]  # units of optimizer-step temporaries of its own parameters
+    saved: list[int]  # units saved for backward per micro-batch
+    transient: list[int]  # units of its largest backward transient
+    sync: list[list[int]]  # [block][rank]: time units of all-reduce + step of its own params
+    has_trainable: list[bool]
+    shared: list[SharedParam]
+
+    @classmethod
+    def of(cls, blocks: BlockGraph, table: CostTable, cluster: ClusterSpec,
+           training: TrainingConfig, shape: PipelineShape, units: _Units,
+           per_byte: list[float], memo: dict[tuple, Any]) -> "_BlockTerms":
+        graph = table.graph
+        m, S = shape.microbatch_size, shape.stages
+        bf16 = training.bf16
+        # Parameters: per-parameter static bytes, temporaries and step traffic.
+        users: dict[str, list[int]] = {}
+        for b in blocks.blocks:
+            for p in b.params:
+                users.setdefault(p, []).append(b.index)
+        param_info = {p: _memo(memo, ("param", p, training),
+                               lambda p=p: _param_bytes(graph.param(p), training)) for p in users}
+        step_bps = cluster.device.bytes_per_s()
+
+        def sync_units(name: str) -> tuple[int, ...]:
+            """Per rank: the parameter's all-reduce over the replicas, then its optimizer step."""
+            gbytes, moved = _memo(memo, ("sync", name, training),
+                                  lambda: sync_bytes(graph.param(name), training))
+            return tuple(units.time(gbytes * per_byte[d] + moved / step_bps) for d in range(S))
+
+        shared_names = sorted(p for p, bs in users.items() if len(set(bs)) > 1)
+        shared = [SharedParam(name=p, blocks=tuple(sorted(set(users[p]))),
+                              static=units.memory(param_info[p][0]),
+                              temps=units.memory(param_info[p][1]), sync=sync_units(p))
+                  for p in shared_names]
+        shared_set = set(shared_names)
+        requires = _memo(memo, ("requires",), lambda: differentiable_tensors(graph))
+        terms = cls(static=[], temps=[], saved=[], transient=[], sync=[], has_trainable=[],
+                    shared=shared)
+        for b in blocks.blocks:
+            own = [p for p in b.params if p not in shared_set]
+            terms.static.append(units.memory(sum(param_info[p][0] for p in own)))
+            terms.temps.append(units.memory(sum(param_info[p][1] for p in own)))
+            per_rank = [0] * S
+            for p in own:
+                for d, u in enumerate(sync_units(p)):
+                    per_rank[d] += u
+            terms.sync.append(per_rank)
+            terms.has_trainable.append(any(graph.param(p).kind == "parameter"
+                                           and graph.param(p).trainable for p in b.params))
+            terms.saved.append(units.memory(b.saved.at(m) * (0.5 if bf16 else 1.0)))
+            terms.transient.append(units.memory(_memo(
+                memo, ("transient", b.index, m, bf16),
+                lambda b=b: _block_transient(table, b.nodes, m, requires, bf16))))
+        return terms
+
+
+def _crossing_tensors(blocks: BlockGraph, graph: OpGraph, shape: PipelineShape,
+                      cluster: ClusterSpec, bf16: bool, units: _Units) -> list[CrossingTensor]:
+    """The block graph's tensors with their transfer time at every boundary k on the link
+    between ranks (k-1) % S and k % S, and their memory per micro-batch."""
+    m = shape.microbatch_size
+    links = shape.boundary_links(cluster)
+    tensors: list[CrossingTensor] = []
+    for t in blocks.tensors:
+        nbytes = wire_bytes(graph, t.name, t.nbytes.at(m), bf16)
+        grad = nbytes if t.requires_grad else 0.0
+        hops = [link for link in links[1:] if link is not None]
+        forward = tuple([0] + [units.time(link.transfer_s(int(nbytes))) for link in hops])
+        backward = tuple([0] + [units.time(link.transfer_s(int(grad))) for link in hops])
+        tensors.append(CrossingTensor(
+            name=t.name, producer=-1 if t.producer is None else t.producer,
+            consumers=t.consumers, is_output=t.is_output, forward=forward, backward=backward,
+            size=units.memory(nbytes), grad_size=units.memory(grad)))
+    return _merge_parallel(tensors)
 
 
 def wire_bytes(graph: OpGraph, tensor: str, nbytes: float, bf16: bool) -> float:

@@ -1,0 +1,117 @@
+"""What rank 0 shows of a run: progress on stderr (a bar on a terminal, lines otherwise),
+metrics as JSON lines, and the final summary with measured vs predicted times on stdout."""
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass, field
+from typing import TextIO
+
+from partc.options import TrainOptions
+from partc.plans.plan import Plan
+from partc.run.checkpoint import Checkpoint
+from partc.run.rank_layout import RankLayout
+
+
+@dataclass
+class RunSummary:
+    """What rank 0 reports at the end (and the tests read)."""
+
+    losses: dict[int, float] = field(default_factory=dict)  # step -> loss
+    step_s: dict[int, float] = field(default_factory=dict)
+    stage_forward_s: list[list[float]] = field(default_factory=list)  # [step][stage] per micro-batch
+    stage_backward_s: list[list[float]] = field(default_factory=list)
+    resumed_from: int | None = None
+
+
+class Reporter:
+    """Progress on stderr (a bar on a terminal, lines otherwise), metrics as JSON lines, and the
+    final summary on stdout."""
+
+    def __init__(self, plan: Plan, options: TrainOptions, start: int, out: TextIO,
+                 err: TextIO) -> None:
+        self.plan = plan
+        self.options = options
+        self.start = start
+        self.out = out
+        self.err = err
+        self.tty = bool(getattr(err, "isatty", lambda: False)())
+        self.samples = plan.training.global_batch_size
+        self.metrics = None
+        if options.metrics is not None:
+            options.metrics.parent.mkdir(parents=True, exist_ok=True)
+            self.metrics = open(options.metrics, "a")
+
+    def begin(self, layout: RankLayout, resume: Checkpoint | None, data_source: str) -> None:
+        s = self.plan.training.shape
+        self.err.write(f"partc launch: {self.plan.model.name}, {layout.num_stages} stage(s) on "
+                       f"{layout.pipeline_size} pipeline rank(s) x {layout.replicas} replica(s), "
+                       f"{s.schedule}, {s.num_microbatches} micro-batches of "
+                       f"{s.microbatch_size}, {self.plan.training.config.optimizer}, "
+                       f"{self.plan.cluster.backend}\n")
+        self.err.write(f"partc launch: data: {data_source}\n")
+        if resume is not None:
+            self.err.write(f"partc launch: resuming from {resume.directory} (step {resume.step})\n")
+        self.err.flush()
+
+    def note(self, text: str) -> None:
+        if self.tty:
+            self.err.write("\r\033[K")
+        self.err.write(f"partc launch: {text}\n")
+        self.err.flush()
+
+    def step(self, step: int, loss: float, step_s: float, fwd: list[float],
+             bwd: list[float]) -> None:
+        done, total = step + 1, self.options.steps
+        rate = self.samples / step_s if step_s > 0 else 0.0
+        stages = " ".join(f"{k}:{f * 1e3:.1f}/{b * 1e3:.1f}"
+                          for k, (f, b) in enumerate(zip(fwd, bwd)))
+        if self.metrics is not None:
+            self.metrics.write(json.dumps({"step": done, "loss": loss, "step_s": step_s,
+                                           "samples_per_s": rate,
+                                           "stage_forward_s": fwd, "stage_backward_s": bwd},
+                                          sort_keys=True) + "\n")
+            self.metrics.flush()
+        text = (f"step {done}/{total}  loss {loss:.6g}  {rate:,.1f} samples/s  "
+                f"fwd/bwd ms per micro-batch {stages}")
+        if self.tty:
+            width = 24
+            filled = int(width * done / total)
+            self.err.write(f"\r\033[K[{'#' * filled}{'.' * (width - filled)}] {text}")
+            if done == total:
+                self.err.write("\n")
+        elif done % self.options.log_every == 0 or done == total:
+            self.err.write(text + "\n")
+        self.err.flush()
+
+    def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
+
+    def finish(self, summary: RunSummary) -> None:
+        steps = sorted(summary.step_s)
+        if not steps:
+            self.out.write("partc launch: nothing to do (the checkpoint is at --steps)\n")
+            return
+        # the first step includes TorchScript's profiling runs: leave it out of the rates
+        timed = [summary.step_s[s] for s in steps[1:]] or [summary.step_s[steps[0]]]
+        median = statistics.median(timed)
+        predicted = self.plan.predicted
+        resumed = (f" (resumed from the checkpoint of step {summary.resumed_from})"
+                   if summary.resumed_from is not None else "")
+        lines = [f"trained steps {steps[0] + 1}..{steps[-1] + 1}{resumed}: loss "
+                 f"{summary.losses[steps[0]]:.6g} -> {summary.losses[steps[-1]]:.6g}",
+                 f"iteration {median * 1e3:.1f} ms (median), {self.samples / median:,.1f} "
+                 f"samples/s; predicted {predicted.iteration_s * 1e3:.1f} ms, "
+                 f"{predicted.samples_per_s:,.1f} samples/s",
+                 f"{'stage':>5} {'fwd ms':>9} {'predicted':>9} {'bwd ms':>9} {'predicted':>9}"]
+        rows = summary.stage_forward_s[1:] or summary.stage_forward_s
+        brows = summary.stage_backward_s[1:] or summary.stage_backward_s
+        for k, st in enumerate(self.plan.stages):
+            f = statistics.median(r[k] for r in rows)
+            b = statistics.median(r[k] for r in brows)
+            lines.append(f"{k:>5} {f * 1e3:>9.3f} {st.forward_s * 1e3:>9.3f} {b * 1e3:>9.3f} "
+                         f"{st.backward_s * 1e3:>9.3f}")
+        self.out.write("\n".join(lines) + "\n")
+        self.out.flush()

@@ -1,0 +1,142 @@
+"""The plan's pipeline schedule on this rank: torch.distributed.pipelining's ScheduleGPipe,
+Schedule1F1B or ScheduleInterleaved1F1B over the rank's stages, the loss on the last stage, and
+each step's inputs and targets (this rank's replica's share of the global batch).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.utils._pytree as pytree
+from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+from partc.emit.stage_graph import flatten_inputs
+from partc.errors import LaunchError
+from partc.frontend.model_file import ModelFile
+from partc.options import TrainOptions
+from partc.plans.plan import Plan
+from partc.run.checkpoint import Checkpoint
+from partc.run.rank_setup import TiedGroup
+from partc.run.stage_runner import LocalStage, TimedStage
+from partc.run.training import check_inputs, next_batch, split_batch
+
+
+class StageLoss:
+    """loss_fn on the last stage's flat outputs, rebuilt into the model's output structure.
+
+    The schedule splits `target` along dim 0 into micro-batches but only if it is one tensor; a
+    model's target may be any structure (BERT's is a pair). So the schedule gets the sample
+    indices [0, batch) as its target, and each micro-batch's loss slices the real target (every
+    tensor whose dim 0 is the batch) with its contiguous chunk of indices.
+    """
+
+    def __init__(self, loss_fn: Callable[[Any, Any], torch.Tensor], spec: pytree.TreeSpec) -> None:
+        self.loss_fn = loss_fn
+        self.spec = spec
+        self.target: Any = None  # this replica's target of the current step
+        self.batch = 0
+
+    def set_target(self, target: Any, batch: int) -> torch.Tensor:
+        """Remember this step's target; returns the index tensor to hand the schedule."""
+        self.target, self.batch = target, batch
+        return torch.arange(batch)
+
+    def __call__(self, outputs: Any, index: torch.Tensor) -> torch.Tensor:
+        lo, hi = int(index[0]), int(index[-1]) + 1
+        target = pytree.tree_map(
+            lambda t: t[lo:hi] if isinstance(t, torch.Tensor) and t.dim() and
+            t.shape[0] == self.batch else t, self.target)
+        flat = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
+        return self.loss_fn(pytree.tree_unflatten(flat, self.spec), target)
+
+
+def build_schedule(plan: Plan, pipes: list[TimedStage], M: int, loss_fn: Callable[..., Any],
+                   chunk_spec: tuple[Any, ...] | None) -> Any:
+    """The plan's schedule class over this rank's pipeline stages."""
+    name = plan.training.shape.schedule
+    if name == "interleaved-1f1b":
+        return ScheduleInterleaved1F1B(pipes, M, loss_fn=loss_fn, args_chunk_spec=chunk_spec)
+    if len(pipes) != 1:
+        raise LaunchError(f"schedule {name} runs one stage per rank, the plan gives this rank "
+                          f"{len(pipes)}", hint="re-run partc compile")
+    cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}.get(name)
+    if cls is None:
+        raise LaunchError(f"unknown schedule {name!r} in the plan",
+                          hint="use a plan written by this partc")
+    return cls(pipes[0], M, loss_fn=loss_fn, args_chunk_spec=chunk_spec)
+
+
+@dataclass
+class RankRun:
+    """One rank's training, set up: what the step loop works with."""
+
+    plan: Plan
+    options: TrainOptions
+    device: torch.device
+    rank: int
+    replica: int
+    replicas: int
+    stages: list[LocalStage]
+    tied: list[TiedGroup]
+    loss_fn: StageLoss | None  # on the rank holding the last stage
+    data: Any  # the batch iterator, on the first and last stage's ranks
+    pending: Any  # the first batch, drawn during setup
+    in_spec: pytree.TreeSpec | None
+    batched: tuple[bool, ...]  # per flat model input, on the first stage's rank
+    resume: Checkpoint | None
+    schedule: Any  # the torch.distributed.pipelining schedule over this rank's stages
+    model_file: ModelFile
+
+    @property
+    def start(self) -> int:
+        return self.resume.step if self.resume is not None else 0
+
+    @property
+    def num_stages(self) -> int:
+        return self.plan.num_stages
+
+    @property
+    def is_first(self) -> bool:
+        return any(l.spec.index == 0 for l in self.stages)
+
+    @property
+    def batch(self) -> int:
+        return int(self.plan.training.global_batch_size)
+
+    def next_inputs(self, step: int) -> tuple[list[torch.Tensor], Any]:
+        """This rank's part of step's batch: first-stage inputs and last-stage target (the
+        index target of `StageLoss`)."""
+        if self.data is None:
+            return [], None
+        batch, R = self.batch, self.replicas
+        inputs, whole_target = self.pending if self.pending is not None else \
+            next_batch(self.data, self.options.seed, step)
+        self.pending = None
+        args: list[torch.Tensor] = []
+        target = None
+        if self.is_first:
+            flat = flat_model_inputs(inputs, self.in_spec)
+            check_inputs(flat, self.plan, self.batched)
+            args = [t.to(self.device) for t in split_batch(flat, batch, R)[self.replica]]
+        if self.loss_fn is not None:
+            leaves = [t for t in pytree.tree_leaves(whole_target) if isinstance(t, torch.Tensor)]
+            if not any(t.dim() and t.shape[0] == batch for t in leaves):
+                raise LaunchError(f"no tensor of the batch's target has the global batch size "
+                                  f"{batch} in dim 0", hint="batches(batch_size) must yield "
+                                  "(inputs, target) with batch_size samples")
+            mine = pytree.tree_map(lambda t: t.to(self.device) if isinstance(t, torch.Tensor)
+                                   else t, split_batch(whole_target, batch, R)[self.replica])
+            target = self.loss_fn.set_target(mine, batch // R)
+        return args, target
+
+
+def no_loss(outputs: Any, target: Any) -> torch.Tensor:
+    raise AssertionError("the loss runs on the last stage only")
+
+
+def flat_model_inputs(inputs: Any, in_spec: pytree.TreeSpec | None) -> list[Any]:
+    """The model inputs of a batch as the flat tensors stage 0 takes."""
+    if in_spec is not None:
+        return flatten_inputs(inputs, in_spec)
+    return [t for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor)]

@@ -1,0 +1,278 @@
+"""This rank's stages: loaded from their stage files with their weights, wrapped for the plan's
+precision, activation checkpointing, data parallelism and pipelining, and checkpointed by FQN.
+
+Weights come from the last checkpoint when resuming, else --init-from, else the stage file's own,
+else (meta plans) the model's own initialisation (partc.emit.stage_weights.stage_state). Each
+stage runs under bf16 autocast for bf16-mixed and under activation checkpointing when the plan
+says so (`StageRunner`), in DistributedDataParallel over the "dp" group when the plan has
+replicas, and in a PipelineStage with its boundary shapes from plan.yaml (no shape-inference round
+trip) that times its own forwards and backwards (`TimedStage`).
+"""
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage
+from torch.nn.parallel import DistributedDataParallel
+
+from partc.emit.stage_code import load_stage
+from partc.emit.stage_weights import load_state_dict_file, set_stage_tensors, stage_state
+from partc.frontend.model_file import ModelFile
+from partc.options import TrainOptions
+from partc.plans.plan import Plan, PlanStage, TensorRef
+from partc.run.checkpoint import Checkpoint, CheckpointError, save_stage, write_manifest
+from partc.run.rank_setup import TiedGroup
+from partc.run.training import build_optimizer
+
+
+class TimedStage(PipelineStage):
+    """A PipelineStage that adds up the time spent in its forwards and backwards (compute only:
+    the schedule waits for receives outside these calls)."""
+
+    forward_s = 0.0
+    backward_s = 0.0
+
+    def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return super().forward_one_chunk(*args, **kwargs)
+        finally:
+            self.forward_s += time.perf_counter() - start
+
+    def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return super().backward_one_chunk(*args, **kwargs)
+        finally:
+            self.backward_s += time.perf_counter() - start
+
+
+class StageRunner(torch.nn.Module):
+    """A stage module run under the plan's precision and activation checkpointing."""
+
+    def __init__(self, stage: torch.nn.Module, device: torch.device, bf16: bool,
+                 checkpointing: bool, last: bool) -> None:
+        super().__init__()
+        self.stage = stage
+        self.device_type = device.type
+        self.bf16 = bf16
+        self.checkpointing = checkpointing
+        self.last = last
+
+    def forward(self, *args: torch.Tensor) -> Any:
+        outputs = self._run(*args)
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        if self.bf16:
+            # bf16-mixed sends bf16 activations (as the memory model prices them; autocast
+            # leaves some fp32, so cast every floating one) and computes the loss in fp32
+            dtype = torch.float32 if self.last else torch.bfloat16
+            outputs = tuple(o.to(dtype) if o.is_floating_point() else o for o in outputs)
+        if not self.last:  # p2p sends need contiguous tensors (a cut after a transpose)
+            outputs = tuple(o.contiguous() for o in outputs)
+        return outputs
+
+    def _run(self, *args: torch.Tensor) -> Any:
+        cast = (torch.autocast(self.device_type, dtype=torch.bfloat16) if self.bf16
+                else nullcontext())
+        with cast:
+            if self.checkpointing:
+                from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+                # Early stop ends the recomputation by raising from a saved-tensor hook, which
+                # the TorchScript interpreter turns into a RuntimeError: recompute it all.
+                # Non-reentrant, so a stage whose inputs need no grad (token ids) still gets
+                # parameter gradients.
+                with set_checkpoint_early_stop(False):
+                    return checkpoint(self.stage, *args, use_reentrant=False)
+            return self.stage(*args)
+
+
+@dataclass
+class LocalStage:
+    """One of this rank's (virtual) stages."""
+
+    spec: PlanStage
+    module: torch.nn.Module  # the stage file's module, holding the weights under their FQNs
+    optimizer: torch.optim.Optimizer | None
+    optimized_names: list[str]  # parameter FQNs in the optimizer's order
+    pipe: TimedStage | None = None
+
+
+def load_local_stages(plan: Plan, stages: list[int], device: torch.device,
+                      options: TrainOptions, resume: Checkpoint | None,
+                      model_file: ModelFile) -> list[LocalStage]:
+    """This rank's `stages`, loaded with their weights and optimizers (module docstring)."""
+    aliases = plan.model.aliases()
+    init = None
+    if resume is None and options.init_from is not None:
+        init = load_state_dict_file(options.init_from)
+    loaded: list[LocalStage] = []
+    for k in stages:
+        spec = plan.stages[k]
+        module = load_stage(plan.stage_path(spec), map_location=device)
+        source = init
+        where = str(options.init_from) if options.init_from else f"stage {k}"
+        opt_state: dict[str, dict[str, Any]] = {}
+        if resume is not None:
+            source, opt_state = resume.load(set(spec.parameter_names) | set(spec.buffer_names),
+                                            aliases)
+            where = f"checkpoint {resume.directory}"
+        values = stage_state(module, spec.parameter_names, spec.buffer_names, checkpoint=source,
+                             aliases=aliases, model_file=model_file, device=device,
+                             seed=options.seed, where=where)
+        set_stage_tensors(module, values)
+        module.train()
+        names = [n for n, p in module.named_parameters() if p.requires_grad]
+        params = dict(module.named_parameters())
+        optimizer = build_optimizer(plan.training.config.optimizer, [params[n] for n in names],
+                                    options.lr, options.weight_decay)
+        if optimizer is not None and resume is not None:
+            load_optimizer_state(optimizer, names, opt_state, resume)
+        loaded.append(LocalStage(spec=spec, module=module, optimizer=optimizer,
+                                 optimized_names=names))
+    return loaded
+
+
+def wrap_for_pipeline(plan: Plan, stages: list[LocalStage], device: torch.device,
+                      pp_group: Any, dp_group: Any) -> None:
+    """Give each stage its `pipe`: the module under the plan's precision and checkpointing, in
+    DDP when the plan has replicas, in a PipelineStage with plan.yaml's boundary shapes."""
+    V, R = plan.num_stages, plan.training.shape.replicas
+    bf16 = plan.training.config.bf16
+    checkpointing = plan.training.shape.activation_checkpointing
+    for local in stages:
+        runner: torch.nn.Module = local.module
+        is_last = local.spec.index == V - 1
+        if bf16 or checkpointing or not is_last:
+            runner = StageRunner(local.module, device, bf16, checkpointing, last=is_last)
+        if R > 1 and local.optimizer is not None:
+            unused = parameters_without_gradient(local.module, local.spec, device)
+            runner = DistributedDataParallel(
+                runner, process_group=dp_group, gradient_as_bucket_view=True,
+                device_ids=[device.index] if device.type == "cuda" else None,
+                find_unused_parameters=bool(unused),
+                # buffers start equal (same init or checkpoint); re-broadcasting them before
+                # every micro-batch's forward would cost M collectives per stage and step
+                broadcast_buffers=False)
+        k = local.spec.index
+        boundary = torch.bfloat16 if bf16 else None
+        local.pipe = TimedStage(
+            runner, k, V, device,
+            input_args=boundary_tensors(local.spec.inputs, device, grad=k > 0,
+                                        floating=boundary if k > 0 else None),
+            output_args=boundary_tensors(local.spec.outputs, device, grad=True,
+                                         floating=boundary if k < V - 1 else None),
+            group=pp_group)
+
+
+def boundary_tensors(refs: tuple[TensorRef, ...], device: torch.device, grad: bool,
+             floating: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
+    """Tensors with the shapes and dtypes plan.yaml gives a stage boundary (static pipeline
+    metadata; `floating` overrides the floating dtypes: bf16-mixed boundaries); floating ones
+    require grad where gradients flow."""
+    out = []
+    for ref in refs:
+        dtype = getattr(torch, ref.dtype)
+        if floating is not None and dtype.is_floating_point:
+            dtype = floating
+        t = torch.empty(ref.shape, dtype=dtype, device=device)
+        out.append(t.requires_grad_(grad and dtype.is_floating_point))
+    return tuple(out)
+
+
+def parameters_without_gradient(module: torch.nn.Module, spec: PlanStage,
+                                 device: torch.device) -> list[str]:
+    """Parameters a backward through the stage leaves without gradient (DDP must then look for
+    unused parameters). One micro-batch of placeholder inputs; buffers and grads restored."""
+    saved = {n: b.detach().clone() for n, b in module.named_buffers()}
+    inputs = []
+    for ref in spec.inputs:
+        dtype = getattr(torch, ref.dtype)
+        t = (torch.randn(ref.shape, device=device, dtype=dtype).requires_grad_(True)
+             if dtype.is_floating_point else torch.zeros(ref.shape, device=device, dtype=dtype))
+        inputs.append(t)
+    outputs = module(*inputs)
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    total = sum((o.float().sum() for o in outputs if isinstance(o, torch.Tensor)
+                 and o.requires_grad), torch.zeros((), device=device))
+    if total.requires_grad:
+        total.backward()
+    unused = [n for n, p in module.named_parameters() if p.requires_grad and p.grad is None]
+    for p in module.parameters():
+        p.grad = None
+    with torch.no_grad():
+        for n, b in module.named_buffers():
+            b.copy_(saved[n])
+    return unused
+
+
+def sum_tied_gradients(tied: list[TiedGroup], locals_: list[LocalStage]) -> None:
+    """Each copy of a tied parameter gets the sum of all copies' gradients, so the copies take
+    the same optimizer step and stay equal."""
+    for entry in tied:
+        name = entry.parameter.name
+        copies = [dict(l.module.named_parameters())[name] for l in locals_
+                  if l.spec.index in entry.parameter.stages]
+        total = torch.zeros_like(copies[0])
+        for p in copies:
+            if p.grad is not None:
+                total += p.grad
+        if entry.group is not None:
+            dist.all_reduce(total, group=entry.group)
+        for p in copies:
+            if p.grad is None:
+                p.grad = total.clone()
+            else:
+                p.grad.copy_(total)
+
+
+def optimizer_state_by_name(optimizer: torch.optim.Optimizer | None, names: list[str]
+                             ) -> dict[str, dict[str, Any]]:
+    if optimizer is None:
+        return {}
+    state = optimizer.state_dict()["state"]
+    return {names[i]: s for i, s in state.items()}
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, names: list[str],
+                          by_name: dict[str, dict[str, Any]], checkpoint: Checkpoint) -> None:
+    missing = [n for n in names if n not in by_name]
+    if missing and len(missing) != len(names):
+        raise CheckpointError(f"checkpoint {checkpoint.directory} has no optimizer state for "
+                              f"{', '.join(missing[:3])}",
+                              hint="resume with the optimizer the checkpoint was written with")
+    if missing:  # a checkpoint written before the first optimizer step has no state at all
+        return
+    current = optimizer.state_dict()
+    optimizer.load_state_dict({"state": {i: by_name[n] for i, n in enumerate(names)},
+                               "param_groups": current["param_groups"]})
+
+
+def save_checkpoint(plan: Plan, options: TrainOptions, step: int, locals_: list[LocalStage],
+                     replica: int, rank: int) -> None:
+    """Replica 0 of each stage writes it; after a barrier rank 0 writes the manifest."""
+    root = options.checkpoint_dir
+    assert root is not None
+    if replica == 0:
+        for local in locals_:
+            keep = set(local.spec.parameter_names) | set(local.spec.buffer_names)
+            tensors = {n: t for n, t in {**dict(local.module.named_parameters()),
+                                         **dict(local.module.named_buffers())}.items()
+                       if n in keep}
+            save_stage(root, step, local.spec.index, tensors,
+                       optimizer_state_by_name(local.optimizer, local.optimized_names))
+    dist.barrier()
+    if rank == 0:
+        info = {"model": plan.model.name, "graph_hash": plan.model.graph_hash,
+                "stages": plan.num_stages, "optimizer": plan.training.config.optimizer,
+                "plan_stage_sha256": [s.sha256 for s in plan.stages],
+                "global_batch_size": plan.training.global_batch_size}
+        write_manifest(root, step, plan.num_stages, info, options.keep_checkpoints)
+    dist.barrier()
+
+
