@@ -1,13 +1,13 @@
 # partc: two commands set everything up on a fresh machine.
 #   make demo   create .venv (torch==2.13.0 first, then partc[dev]), compile, verify, check, draw and train an example
-#   make test   same install, then the default test suite (slow tests excluded)
+#   make test   same install, then ruff and mypy, then the default test suite (slow tests excluded)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PARTC := $(VENV)/bin/partc
 STAMP := $(VENV)/.partc-installed
 
-.PHONY: install demo test test-slow test-all bench bench-quality bench-measured bench-scale \
+.PHONY: install lint demo test test-slow test-all bench bench-quality bench-measured bench-scale \
 	bench-runtime bench-plots bench-all clean
 
 install: $(STAMP)
@@ -27,7 +27,13 @@ demo: install
 	$(PARTC) show plans/bert/plan.yaml --png plans/bert/report.png --html plans/bert/report.html
 	$(PARTC) launch plans/bert/plan.yaml --steps 3
 
-test: install
+# Lint and types: ruff (with import sorting, and a banned-api rule that keeps torch out of
+# partc/solve) and mypy over the package and the CLI (configuration in pyproject.toml).
+lint: install
+	$(PY) -m ruff check partc cli
+	$(PY) -m mypy
+
+test: lint
 	$(PY) -m pytest -m "not slow" -q
 
 test-slow: install

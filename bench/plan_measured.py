@@ -73,13 +73,14 @@ from typing import Any
 
 import yaml
 
+from partc.options import STRATEGIES
+
 ROOT = Path(__file__).resolve().parent.parent
 PARTC = str(Path(sys.executable).parent / "partc")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 MODELS = ["mlp", "transformer", "bert", "gpt2", "resnet"]
 BATCH = {"mlp": 4096, "transformer": 64, "bert": 32, "gpt2": 32, "resnet": 64}
-STRATEGIES = ["cpsat", "chain-dp", "uniform", "params"]
 BASELINES = ["uniform", "params", "chain-dp"]
 # processes -> (cluster, pinned compile options)
 CASES = {2: ("cpu", ["--stages", "2"]), 4: ("cpu-4", ["--stages", "4", "--replicas", "1"])}

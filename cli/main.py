@@ -6,14 +6,12 @@ one line and exits 3. `partc --debug ...` (or PARTC_DEBUG=1) shows the traceback
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 import sys
 import traceback
-import typing
 from pathlib import Path
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Callable, Iterator, NoReturn, TypeVar
 
 import click
 
@@ -23,13 +21,12 @@ from partc.options import (
     DEFAULT_CAPTURE_BATCH,
     STRATEGIES,
     ElasticOptions,
-    Flag,
+    FlaggedField,
+    ProfileMethod,
     SearchOptions,
     TrainingConfig,
     TrainOptions,
-    base_type,
-    field_types,
-    flag_of,
+    flagged_fields,
     from_flags,
 )
 from partc.version import __version__
@@ -101,10 +98,13 @@ def cli() -> None:
               help="Batch size to capture the model at.")
 @click.option("--depth", "-d", type=click.IntRange(min=0), default=1, show_default=True,
               help="Module-tree depth of the table (0: whole model, 1: the root's children, ...).")
-@click.option("--json", "json_out", type=click.Path(readable=False, dir_okay=False, path_type=Path),
+@click.option("--json", "json_out",
+              type=click.Path(readable=False, dir_okay=False, path_type=Path),
               help="Also write the summary as JSON to this file.")
-@click.option("--save", "save_dir", type=click.Path(readable=False, file_okay=False, path_type=Path),
-              help="Write the OpGraph (graph.json) and the weightless ONNX model (model.onnx) here.")
+@click.option("--save", "save_dir",
+              type=click.Path(readable=False, file_okay=False, path_type=Path),
+              help="Write the OpGraph (graph.json) and the weightless ONNX model (model.onnx) "
+                   "here.")
 @click.option("--no-onnx", is_flag=True, help="Skip the ONNX export (FX-only OpGraph).")
 @debug_option
 def inspect(model: Path, batch_size: int, depth: int, json_out: Path | None,
@@ -130,7 +130,8 @@ def inspect(model: Path, batch_size: int, depth: int, json_out: Path | None,
         click.echo(f"wrote {json_out}", err=True)
 
 
-def _batch_sizes(_ctx: click.Context, _param: click.Parameter, value: str | None) -> tuple[int, ...]:
+def _batch_sizes(_ctx: click.Context, _param: click.Parameter,
+                 value: str | None) -> tuple[int, ...]:
     if not value:
         return ()
     try:
@@ -165,8 +166,9 @@ def _batch_sizes(_ctx: click.Context, _param: click.Parameter, value: str | None
 @click.option("--output", "-o", type=click.Path(readable=False, dir_okay=False, path_type=Path),
               default=Path("profile.yaml"), show_default=True, help="Profile file to write.")
 @debug_option
-def profile(model: Path, device: str, batch_size: int, batch_sizes: tuple[int, ...], method: str,
-            analytic_device: str | None, threads: int, runs: int, warmup: int, output: Path) -> None:
+def profile(model: Path, device: str, batch_size: int, batch_sizes: tuple[int, ...],
+            method: ProfileMethod, analytic_device: str | None, threads: int, runs: int,
+            warmup: int, output: Path) -> None:
     """Measure (or compute) the cost of every operator of MODEL: forward and backward time and
     activation bytes per node, as a function of the micro-batch size."""
     from partc.cost.table import format_cost_summary
@@ -182,7 +184,8 @@ def profile(model: Path, device: str, batch_size: int, batch_sizes: tuple[int, .
         spec = load_device(analytic_device)
         result = capture_graph(model, batch_size, onnx=False, progress=progress)
         with progress.step("measuring saved activations (meta-safe) and pricing by roofline"):
-            table = analytic_cost_table(result.graph, spec, saved=saved_activations(result.capture))
+            table = analytic_cost_table(result.graph, spec,
+                                        saved=saved_activations(result.capture))
     else:
         from partc.cost.measured import ProfileOptions, profile_model
 
@@ -201,25 +204,19 @@ def dataclass_options(cls: type, **overrides: dict[str, Any]) -> Callable[[F], F
     help, value range, choices and default come from the field itself, the keyword argument is
     the field's name (so `from_flags(cls, kwargs)` builds the options). `overrides` adds or
     replaces click settings per field name (e.g. an extra choice)."""
-    hints = field_types(cls)
     decorators = []
-    for f in dataclasses.fields(cls):
-        flag = flag_of(f)
-        if flag is None:
-            continue
-        kind, optional = base_type(hints[f.name])
-        default = None if f.default is dataclasses.MISSING else f.default
-        settings: dict[str, Any] = {"help": flag.help}
-        names: tuple[str, ...] = (flag.name, f.name)
-        if kind is bool and optional:
-            names = (f"{flag.name}/--no-{flag.name.removeprefix('--')}", f.name)
+    for f in flagged_fields(cls):
+        settings: dict[str, Any] = {"help": f.flag.help}
+        names: tuple[str, ...] = (f.flag.name, f.name)
+        if f.kind is bool and f.optional:
+            names = (f"{f.flag.name}/{f.negative}", f.name)
             settings["default"] = None
-        elif kind is bool:
+        elif f.kind is bool:
             settings["is_flag"] = True
         else:
-            settings["default"] = default
-            settings["show_default"] = default not in (None, "")
-            settings["type"] = _click_type(kind, flag)
+            settings["default"] = f.default
+            settings["show_default"] = f.default not in (None, "")
+            settings["type"] = _click_type(f)
         settings.update(overrides.get(f.name, {}))
         decorators.append(click.option(*names, **settings))
 
@@ -230,13 +227,14 @@ def dataclass_options(cls: type, **overrides: dict[str, Any]) -> Callable[[F], F
     return apply
 
 
-def _click_type(kind: Any, flag: Flag) -> Any:
+def _click_type(f: FlaggedField) -> Any:
+    kind, flag = f.kind, f.flag
     ranged = flag.min is not None or flag.max is not None
-    if typing.get_origin(kind) is typing.Literal:
-        return click.Choice(typing.get_args(kind))
+    if f.choices is not None:
+        return click.Choice(f.choices)
     if kind is int:
-        return click.IntRange(min=flag.min, max=flag.max, min_open=flag.min_open,
-                              max_open=flag.max_open) if ranged else int
+        return click.IntRange(min=_int_bound(flag.min), max=_int_bound(flag.max),
+                              min_open=flag.min_open, max_open=flag.max_open) if ranged else int
     if kind is float:
         return click.FloatRange(min=flag.min, max=flag.max, min_open=flag.min_open,
                                 max_open=flag.max_open) if ranged else float
@@ -244,6 +242,11 @@ def _click_type(kind: Any, flag: Flag) -> Any:
         return click.Path(readable=False, path_type=Path, dir_okay=flag.path != "file",
                           file_okay=flag.path != "dir")
     return kind
+
+
+def _int_bound(bound: float | None) -> int | None:
+    """An int field's range bound (Flag holds float bounds; int fields give whole numbers)."""
+    return None if bound is None else int(bound)
 
 
 def plan_options(default_cluster: str, compare: bool = False) -> Callable[[F], F]:
@@ -318,9 +321,9 @@ def solve(model: Path, output: Path | None, timeline: Path | None, **kw: Any) ->
                                      blocks=blocks, progress=progress)
         click.echo(format_comparison(results))
         chosen = results["cpsat"]
-        if not hasattr(chosen, "shape"):
-            raise chosen  # type: ignore[misc]
-        partition = chosen  # type: ignore[assignment]
+        if isinstance(chosen, PartcError):
+            raise chosen
+        partition = chosen
     else:
         partition = search(table, cluster, kw["batch_size"], training, options, blocks=blocks,
                            progress=progress)
@@ -479,8 +482,9 @@ def show(plan: Path, png: Path | None, html: Path | None) -> None:
         click.echo(f"wrote {html}", err=True)
 
 
-def main() -> None:
-    cli(prog_name="partc")
+def main() -> NoReturn:
+    """The console script: click's standalone mode always exits with the command's exit code."""
+    cli.main(prog_name="partc")
 
 
 if __name__ == "__main__":

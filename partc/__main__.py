@@ -1,4 +1,12 @@
 """`python -m partc`: the partc command line (the same as the `partc` console script)."""
-from partc.cli.main import main
+import sys
+from typing import TYPE_CHECKING
 
-main()
+if TYPE_CHECKING:
+    # setup.cfg installs the top-level cli/ as partc.cli (package_dir), which mypy cannot follow;
+    # it checks the same file under its source name.
+    from cli.main import main
+else:
+    from partc.cli.main import main
+
+sys.exit(main())

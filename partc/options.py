@@ -121,20 +121,45 @@ def option(default: Any = dataclasses.MISSING, *, flag: str, help: str = "",
                                                          max_open, path)})
 
 
-def flag_of(f: dataclasses.Field[Any]) -> Flag | None:
-    """The command-line flag of a field, None for fields set only in code."""
-    return f.metadata.get("flag")
-
-
 T = TypeVar("T")
 
 
-def field_types(cls: type) -> dict[str, Any]:
-    """Field name -> its annotation, evaluated (this module uses postponed annotations)."""
-    return typing.get_type_hints(cls)
+@dataclass(frozen=True)
+class FlaggedField:
+    """One command-line option of an option type: what a parser needs to know of the field."""
+
+    name: str  # the field's name: the keyword argument / argparse dest
+    flag: Flag
+    kind: Any  # its type without None: int, float, str, bool, Path or a Literal of words
+    optional: bool  # None allowed; a bool that may be None is a --flag/--no-flag pair
+    default: Any  # None when the field has no default
+
+    @property
+    def choices(self) -> tuple[str, ...] | None:
+        """The words a Literal-typed option takes, None for other types."""
+        return get_args(self.kind) if typing.get_origin(self.kind) is Literal else None
+
+    @property
+    def negative(self) -> str:
+        """The flag that sets an optional bool to False: --no-<name>."""
+        return "--no-" + self.flag.name.removeprefix("--")
 
 
-def base_type(annotation: Any) -> tuple[Any, bool]:
+def flagged_fields(cls: type) -> list[FlaggedField]:
+    """The fields of an option type that have a command-line flag, in field order."""
+    hints = typing.get_type_hints(cls)  # evaluates the postponed annotations
+    found = []
+    for f in dataclasses.fields(cls):
+        flag = f.metadata.get("flag")
+        if flag is None:
+            continue
+        kind, optional = _without_none(hints[f.name])
+        default = None if f.default is dataclasses.MISSING else f.default
+        found.append(FlaggedField(f.name, flag, kind, optional, default))
+    return found
+
+
+def _without_none(annotation: Any) -> tuple[Any, bool]:
     """(the type without None, whether None is allowed): `int | None` -> (int, True)."""
     args = get_args(annotation)
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
@@ -155,37 +180,41 @@ def to_dict(options: Any) -> dict[str, Any]:
 def from_dict(cls: type[T], data: typing.Mapping[str, Any]) -> T:
     """An options object from plain data: the keys that are fields of `cls` (others are left to
     the caller), missing ones at their defaults; strings become paths where a field is a Path."""
-    kinds = field_types(cls)
+    hints = typing.get_type_hints(cls)
     values: dict[str, Any] = {}
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
         if f.name not in data:
             continue
         value = data[f.name]
-        kind, _ = base_type(kinds[f.name])
-        if kind is Path and value is not None and not isinstance(value, Path):
+        if _without_none(hints[f.name])[0] is Path and isinstance(value, str):
             value = Path(value)
         values[f.name] = value
     return cls(**values)
+
+
+def from_flags(cls: type[T], values: typing.Mapping[str, Any]) -> T:
+    """The options parsed command-line values give, keyed by field name (click's keyword
+    arguments, an argparse namespace's vars): only fields that have a flag are read, so the
+    options of one command line can be several option types that share names."""
+    names = {f.name for f in flagged_fields(cls)}
+    return from_dict(cls, {k: v for k, v in values.items() if k in names})
 
 
 def to_argv(options: Any, *, changed_only: bool = True) -> list[str]:
     """The command-line flags that give `options` (by default only those that differ from the
     field's default: the shortest command line)."""
     argv: list[str] = []
-    for f in dataclasses.fields(options):
-        flag = flag_of(f)
+    for f in flagged_fields(type(options)):
         value = getattr(options, f.name)
-        if flag is None or (changed_only and f.default is not dataclasses.MISSING
-                            and value == f.default):
+        if changed_only and value == f.default:
             continue
         if isinstance(value, bool):
-            kind, optional = base_type(field_types(type(options))[f.name])
-            if optional:
-                argv.append(flag.name if value else "--no-" + flag.name.removeprefix("--"))
+            if f.optional:
+                argv.append(f.flag.name if value else f.negative)
             elif value:
-                argv.append(flag.name)
+                argv.append(f.flag.name)
         elif value is not None:
-            argv += [flag.name, _format(value)]
+            argv += [f.flag.name, _format(value)]
     return argv
 
 
@@ -195,31 +224,15 @@ def _format(value: Any) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
     """argparse arguments for every flagged field of `cls` (dest = the field name)."""
-    kinds = field_types(cls)
-    for f in dataclasses.fields(cls):
-        flag = flag_of(f)
-        if flag is None:
-            continue
-        kind, optional = base_type(kinds[f.name])
-        default = None if f.default is dataclasses.MISSING else f.default
-        if kind is bool and optional:
-            parser.add_argument(flag.name, dest=f.name, default=default,
-                                action=argparse.BooleanOptionalAction, help=flag.help)
-        elif kind is bool:
-            parser.add_argument(flag.name, dest=f.name, action="store_true", help=flag.help)
+    for f in flagged_fields(cls):
+        if f.kind is bool and f.optional:
+            parser.add_argument(f.flag.name, dest=f.name, default=f.default,
+                                action=argparse.BooleanOptionalAction, help=f.flag.help)
+        elif f.kind is bool:
+            parser.add_argument(f.flag.name, dest=f.name, action="store_true", help=f.flag.help)
         else:
-            choices = get_args(kind) if typing.get_origin(kind) is Literal else None
-            convert = str if choices else kind
-            parser.add_argument(flag.name, dest=f.name, type=convert, default=default,
-                                choices=choices, help=flag.help)
-
-
-def from_flags(cls: type[T], values: typing.Mapping[str, Any]) -> T:
-    """The options parsed command-line values give, keyed by field name (click's keyword
-    arguments, an argparse namespace's vars): only fields that have a flag are read, so the
-    options of one command line can be several option types that share names."""
-    flagged = {f.name for f in dataclasses.fields(cls) if flag_of(f) is not None}  # type: ignore[arg-type]
-    return from_dict(cls, {k: v for k, v in values.items() if k in flagged})
+            parser.add_argument(f.flag.name, dest=f.name, type=str if f.choices else f.kind,
+                                default=f.default, choices=f.choices, help=f.flag.help)
 
 
 def from_namespace(cls: type[T], namespace: argparse.Namespace) -> T:

@@ -109,3 +109,23 @@ print("torch imported:", "torch" in sys.modules)
     out = _run_python(code)
     assert out.endswith("torch imported: False"), out
     assert (tmp_path / "mlp.png").stat().st_size > 0
+
+
+def test_plan_schema_speaks_the_shared_vocabulary() -> None:
+    """The schema's enums are the words of partc.options: a new schedule, strategy, optimizer,
+    precision or placement is added in both or neither."""
+    import json
+
+    from partc.options import OPTIMIZERS, PLACEMENTS, PRECISIONS, SCHEDULES, STRATEGIES
+
+    schema = json.loads((ROOT / "partc" / "plans" / "schema" / "plan-v1.schema.json").read_text())
+    props = schema["properties"]
+    training = props["training"]["properties"]
+    pinned = props["costs"]["properties"]["pinned"]["properties"]
+    assert tuple(training["schedule"]["enum"]) == SCHEDULES
+    assert tuple(pinned["schedule"]["enum"]) == SCHEDULES
+    assert tuple(training["optimizer"]["enum"]) == OPTIMIZERS
+    assert tuple(training["precision"]["enum"]) == PRECISIONS
+    assert tuple(training["placement"]["enum"]) == PLACEMENTS
+    assert tuple(props["costs"]["properties"]["strategy"]["enum"]) == STRATEGIES
+    assert tuple(props["solver"]["properties"]["strategy"]["enum"]) == STRATEGIES

@@ -64,7 +64,8 @@ def saved_activation_bytes(module: torch.fx.GraphModule, inputs: Inputs) -> dict
         yield
 
     flat = flat_inputs(module, inputs)
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), quiet_torch():
+    with (torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+          quiet_torch()):
         NodeRunner(module, around).run(*flat)
     return saved
 

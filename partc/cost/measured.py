@@ -3,8 +3,8 @@
 For each profiled micro-batch size b (default: the capture's B and 2B):
 
 1. torch, on the target device, whole model without the profiler: forward time T_f(b) and backward
-   time T_b(b) (medians), and the per-node profile (partc.cost.torch_profiler): each node's forward and
-   backward share, and which nodes have a backward at all.
+   time T_b(b) (medians), and the per-node profile (partc.cost.torch_profiler): each node's forward
+   and backward share, and which nodes have a backward at all.
 2. onnxruntime, same device, same program exported to ONNX: each node's forward kernel time.
 3. saved-for-backward bytes per node (saved-tensor hooks).
 
@@ -73,7 +73,8 @@ def parse_device(text: str) -> torch.device:
     try:
         device = torch.device(text)
     except RuntimeError:
-        raise ProfileError(f"unknown device {text!r}", hint="use --device cpu or cuda[:N]") from None
+        raise ProfileError(f"unknown device {text!r}",
+                           hint="use --device cpu or cuda[:N]") from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ProfileError(f"device {text} requested but torch sees no CUDA device here",
@@ -158,7 +159,7 @@ def _measure(result: CaptureResult, b: int, device: torch.device, use_ort: bool,
     ort_timing = None
     if use_ort:
         export = _onnx_at(result, b, program, progress)
-        if export is None:
+        if export is None or export.model is None:
             progress.warn(f"no ONNX export at batch {b}: priced in torch")
         else:
             owner = node_owner(module)
@@ -170,7 +171,7 @@ def _measure(result: CaptureResult, b: int, device: torch.device, use_ort: bool,
                         named.setdefault(alias, named[fqn])
             for placeholder, value in zip(
                     program.graph_signature.user_inputs,
-                    flat_inputs(module, inputs)):
+                    flat_inputs(module, inputs), strict=False):
                 named[placeholder] = value
             with progress.step(f"onnxruntime ({device.type}): forward per node at batch {b}"):
                 feeds = onnx_feeds(export.model, {k: v for k, v in named.items()
@@ -241,7 +242,8 @@ def combine(graph: OpGraph, measurements: list[_Measurement], device: torch.devi
             f = m.torch.node_forward_s.get(n, 0.0)
             if f > 0:
                 kind_fwd[kinds[n]] = kind_fwd.get(kinds[n], 0.0) + f
-                kind_bwd[kinds[n]] = kind_bwd.get(kinds[n], 0.0) + m.torch.node_backward_s.get(n, 0.0)
+                kind_bwd[kinds[n]] = (kind_bwd.get(kinds[n], 0.0)
+                                      + m.torch.node_backward_s.get(n, 0.0))
     ratios = {k: kind_bwd[k] / kind_fwd[k] for k in sorted(kind_fwd)}
 
     per_node: dict[str, dict[str, list[tuple[float, float]]]] = {

@@ -53,7 +53,8 @@ def execution_provider(device: torch.device) -> tuple[str, dict[str, Any]]:
     if device.type == "cuda":
         if "CUDAExecutionProvider" not in available:
             raise ProfileError(
-                f"onnxruntime here has no CUDAExecutionProvider (available: {', '.join(available)})",
+                f"onnxruntime here has no CUDAExecutionProvider "
+                f"(available: {', '.join(available)})",
                 hint="install onnxruntime-gpu matching your CUDA, or profile with --device cpu")
         return "CUDAExecutionProvider", {"device_id": device.index or 0}
     raise ProfileError(f"cannot profile on device {device}", hint="use --device cpu or cuda[:N]")
@@ -127,8 +128,9 @@ def time_onnx(model: onnx.ModelProto, feeds: dict[str, np.ndarray], onnx_to_node
         try:
             session = ort.InferenceSession(str(path), opts, providers=[(provider, options)])
         except Exception as exc:
-            raise ProfileError(f"onnxruntime cannot load the exported model: {str(exc).splitlines()[0]}",
-                               hint="profile in torch instead (partc profile --method torch)") from exc
+            raise ProfileError(
+                f"onnxruntime cannot load the exported model: {str(exc).splitlines()[0]}",
+                hint="profile in torch instead (partc profile --method torch)") from exc
         for _ in range(warmup):
             session.run(None, feeds)
         walls: list[float] = []

@@ -14,8 +14,9 @@ from partc.hardware.specs import DeviceSpec
 
 # Backward time / forward time by op class, for nodes that need a backward. Matmuls and convs
 # compute two products (input and weight gradients); the other classes are memory-bound and read
-# about twice what their forward read. The measured CPU profiles of the examples (docs/cost-model.md)
-# give matmul 1.9-2.4, conv 1.8-2.3, norm 1.3-2.6, elementwise 0.8-1.6: these are rounded medians.
+# about twice what their forward read. The measured CPU profiles of the examples
+# (docs/cost-model.md) give matmul 1.9-2.4, conv 1.8-2.3, norm 1.3-2.6, elementwise 0.8-1.6: these
+# are rounded medians.
 DEFAULT_BACKWARD_RATIOS: dict[str, float] = {
     "matmul": 2.0, "conv": 2.0, "attention": 2.5, "norm": 2.0, "elementwise": 1.2,
     "reduction": 1.5, "gather": 1.5, "copy": 1.0, "other": 1.0,
@@ -68,8 +69,8 @@ def analytic_cost_table(graph: OpGraph, device: DeviceSpec,
     Forward: `roofline_s` evaluated at the captured batch size B and 2B and joined by a line (the
     roofline is piecewise linear in m; the chord is exact where one side dominates). Backward:
     forward x the op class's backward ratio, for nodes that need a backward. Saved bytes: `saved`
-    (from partc.cost.torch_profiler.saved_activation_bytes, which runs on meta) or, without it, every
-    differentiable non-view node's outputs (an upper bound).
+    (from partc.cost.torch_profiler.saved_activation_bytes, which runs on meta) or, without it,
+    every differentiable non-view node's outputs (an upper bound).
     """
     ratios = {**DEFAULT_BACKWARD_RATIOS, **(backward_ratios or {})}
     differentiable = needs_backward(graph)

@@ -179,8 +179,8 @@ class CostTable:
         # Totals are summed from the rounded rows the file holds, so a loaded profile saves back
         # to the same bytes (summing unrounded values could differ in the last digit).
         written = CostTable(self.graph, self.source, {
-            name: NodeCost(*(Linear(_round(x.fixed), _round(x.per_sample))
-                             for x in (c.forward, c.backward, c.saved)), c.method)
+            name: NodeCost(_round_linear(c.forward), _round_linear(c.backward),
+                           _round_linear(c.saved), c.method)
             for name, c in sorted(self.nodes.items())})  # sorted: the file's order, same sums
         return {
             "format": PROFILE_FORMAT,
@@ -222,8 +222,9 @@ class CostTable:
         try:
             d = yaml.load(path.read_text(), Loader=_yaml_loader())
         except FileNotFoundError:
-            raise ProfileFileError(f"profile not found: {path}",
-                                   hint="create one with: partc profile MODEL -o profile.yaml") from None
+            raise ProfileFileError(
+                f"profile not found: {path}",
+                hint="create one with: partc profile MODEL -o profile.yaml") from None
         except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
             raise ProfileFileError(f"cannot read profile {path}: {str(exc).splitlines()[0]}",
                                    hint="re-create it with partc profile") from exc
@@ -236,19 +237,23 @@ class CostTable:
                 f"{PROFILE_VERSION}", hint="re-create it with this partc version (partc profile)")
         if d.get("graph_hash") != graph.content_hash():
             raise ProfileFileError(
-                f"profile {path} was taken on a different model (graph hash {str(d.get('graph_hash'))[:19]}, "
+                f"profile {path} was taken on a different model "
+                f"(graph hash {str(d.get('graph_hash'))[:19]}, "
                 f"this model has {graph.content_hash()[:19]})",
                 hint="the model changed since profiling: re-run partc profile on it")
         try:
             source = CostSource(
                 kind=str(d["kind"]), device=str(d["device"]), device_kind=str(d["device_kind"]),
-                provider=str(d["provider"]), threads=int(d["threads"]), graph_hash=str(d["graph_hash"]),
-                model=str(d["model"]), batch_sizes=tuple(int(b) for b in d["batch_sizes"]),
-                versions=dict(d.get("versions") or {}), calibration=dict(d.get("calibration") or {}))
+                provider=str(d["provider"]), threads=int(d["threads"]),
+                graph_hash=str(d["graph_hash"]), model=str(d["model"]),
+                batch_sizes=tuple(int(b) for b in d["batch_sizes"]),
+                versions=dict(d.get("versions") or {}),
+                calibration=dict(d.get("calibration") or {}))
             nodes = {}
             for name, row in (d.get("nodes") or {}).items():
                 method, ff, fp, bf, bp, sf, sp = row
-                nodes[str(name)] = NodeCost(Linear(float(ff), float(fp)), Linear(float(bf), float(bp)),
+                nodes[str(name)] = NodeCost(Linear(float(ff), float(fp)),
+                                            Linear(float(bf), float(bp)),
                                             Linear(float(sf), float(sp)), str(method))
         except (KeyError, TypeError, ValueError) as exc:
             raise ProfileFileError(f"malformed profile {path}: {exc!r}",
@@ -256,7 +261,8 @@ class CostTable:
         unknown = sorted(set(nodes) - {n.name for n in graph.nodes})
         if unknown:
             raise ProfileFileError(f"profile {path} prices nodes the model does not have: "
-                                   f"{', '.join(unknown[:3])}", hint="re-create it with partc profile")
+                                   f"{', '.join(unknown[:3])}",
+                                   hint="re-create it with partc profile")
         return cls(graph=graph, source=source, nodes=nodes)
 
 
@@ -266,6 +272,10 @@ _ZERO = NodeCost(Linear(0.0, 0.0), Linear(0.0, 0.0), Linear(0.0, 0.0), "none")
 def _round(x: float) -> float:
     """12 significant digits: stable text without losing anything a timer can tell."""
     return float(f"{x:.12g}")
+
+
+def _round_linear(x: Linear) -> Linear:
+    return Linear(_round(x.fixed), _round(x.per_sample))
 
 
 def _yaml_loader() -> type:

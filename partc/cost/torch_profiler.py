@@ -209,8 +209,8 @@ def _event_time_us(event: Any, device: torch.device) -> float:
     return float(event.device_time_total if device.type == "cuda" else event.cpu_time_total)
 
 
-def _profile_once(module: torch.fx.GraphModule, flat: list[Any],
-                  device: torch.device) -> tuple[dict[str, float], dict[str, float], float, set[str]]:
+def _profile_once(module: torch.fx.GraphModule, flat: list[Any], device: torch.device
+                  ) -> tuple[dict[str, float], dict[str, float], float, set[str]]:
     """One profiled fwd+bwd: per-node forward and backward microseconds, unattributed backward
     microseconds, and the nodes that created autograd nodes (have a backward)."""
     from torch.profiler import ProfilerActivity, profile, record_function
@@ -221,8 +221,10 @@ def _profile_once(module: torch.fx.GraphModule, flat: list[Any],
 
     def after(n: torch.fx.Node, result: Any) -> None:
         name = owner.get(n.name, n.name)
-        stack = [t.grad_fn for t in pytree.tree_leaves(result)
-                 if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        # next_functions holds None where an input needs no gradient.
+        stack: list[torch.autograd.graph.Node | None] = [
+            t.grad_fn for t in pytree.tree_leaves(result)
+            if isinstance(t, torch.Tensor) and t.grad_fn is not None]
         while stack:
             fn = stack.pop()
             if fn is None or fn in claimed:

@@ -2,8 +2,8 @@
 
 load -> capture -> OpGraph -> CostTable -> coarsen -> solve (search + simulate) -> emit. The first
 five steps are the passes of the earlier modules; `emit_plan` is this module's own step: re-export
-the model at the chosen micro-batch size, cut it into stage graphs (partc.emit.stage_graph), trace and
-save each stage (partc.emit.stage_code), and write plan.yaml (partc.plans.plan).
+the model at the chosen micro-batch size, cut it into stage graphs (partc.emit.stage_graph), trace
+and save each stage (partc.emit.stage_code), and write plan.yaml (partc.plans.plan).
 """
 from __future__ import annotations
 
@@ -107,7 +107,8 @@ def _compile(model_path: str | Path, cluster: ClusterSpec, output_dir: Path,
     partition = search(table, cluster, options.batch_size, options.training, options.search,
                        blocks=blocks, progress=progress)
     timings["solve_s"] = time.perf_counter() - t
-    timings["solver_wall_s"] = partition.solver.wall_s
+    if partition.solver.wall_s is not None:  # always set by search; None only when read back
+        timings["solver_wall_s"] = partition.solver.wall_s
     t = time.perf_counter()
     costs = recorded_costs(options, output_dir)
     plan = emit_plan(result, partition, cluster, output_dir, costs, progress)
@@ -146,7 +147,7 @@ def _relative(path: str | Path, directory: Path) -> str:
 
 
 def _exported_at(result: CaptureResult, batch: int,
-                 progress: Progress) -> tuple[torch.export.ExportedProgram, dict[str, int] | None]:
+                 progress: Progress) -> tuple[torch.export.ExportedProgram, dict[str, str] | None]:
     """The program at the micro-batch size, and (when its operators differ from the captured
     graph's) how its nodes map to OpGraph nodes; None when the names match one to one."""
     cap = result.capture
@@ -247,7 +248,8 @@ def _emit(result: CaptureResult, partition: Partition, cluster: ClusterSpec, out
     # statistics): the files must hold the buffers as build_model() made them.
     pristine = [{n: b.detach().clone() for n, b in sg.module.named_buffers()}
                 for sg in split.stages]
-    for sg, st, timing in zip(split.stages, partition.stages, partition.pipeline.stages):
+    for sg, st, timing in zip(split.stages, partition.stages, partition.pipeline.stages,
+                              strict=True):
         with progress.step(f"tracing stage {sg.index} ({len(sg.nodes)} operators) to TorchScript"):
             traced = trace_stage(sg, current)
             with torch.no_grad():
@@ -286,10 +288,11 @@ def _emit(result: CaptureResult, partition: Partition, cluster: ClusterSpec, out
         parameters=sum(p.numel for p in graph.params if p.kind == "parameter"),
         weights=WEIGHTS_AT_LAUNCH if cap.on_meta else WEIGHTS_IN_STAGE_FILES,
         inputs=tuple(TensorRef(name=n, shape=split.tensors[n].shape, dtype=split.tensors[n].dtype,
-                               path=p) for n, p in zip(split.inputs, split.input_paths)),
+                               path=p)
+                     for n, p in zip(split.inputs, split.input_paths, strict=True)),
         outputs=tuple(TensorRef(name=n, shape=split.tensors[n].shape,
                                 dtype=split.tensors[n].dtype, path=p)
-                      for n, p in zip(split.outputs, split.output_paths)),
+                      for n, p in zip(split.outputs, split.output_paths, strict=True)),
         input_spec=_spec_text(split.in_spec), output_spec=_spec_text(split.out_spec),
         tied_weights=tuple(sorted((p.name, *p.aliases) for p in graph.params if p.aliases)),
         module_fingerprints=graph.module_fingerprints(),

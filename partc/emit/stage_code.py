@@ -31,7 +31,8 @@ import torch.jit._state
 from partc.emit.stage_graph import StageGraph
 
 
-def trace_stage(stage: StageGraph, example_inputs: Sequence[torch.Tensor]) -> torch.jit.ScriptModule:
+def trace_stage(stage: StageGraph,
+                example_inputs: Sequence[torch.Tensor]) -> torch.jit.ScriptModule:
     """torch.jit.trace of one stage at the example inputs' shapes, device-portable."""
     previous = torch.jit._state._python_cu
     torch.jit._state._python_cu = torch._C.CompilationUnit()  # names do not depend on history
@@ -46,11 +47,13 @@ def trace_stage(stage: StageGraph, example_inputs: Sequence[torch.Tensor]) -> to
     return traced
 
 
-def _portable_devices(traced: torch.jit.ScriptModule, example_inputs: Sequence[torch.Tensor]) -> None:
+def _portable_devices(traced: torch.jit.ScriptModule,
+                      example_inputs: Sequence[torch.Tensor]) -> None:
     """Replace constant devices in the traced graph by the device of the first tensor input."""
     graph = traced.graph
     inputs = list(graph.inputs())[1:]  # [0] is self
-    anchor = next((v for v, t in zip(inputs, example_inputs) if isinstance(t, torch.Tensor)), None)
+    anchor = next((v for v, t in zip(inputs, example_inputs, strict=True)
+                   if isinstance(t, torch.Tensor)), None)
     constants = [n for n in graph.nodes()
                  if n.kind() == "prim::Constant" and n.output().type().kind() == "DeviceObjType"]
     if anchor is None or not constants:

@@ -96,14 +96,15 @@ def flatten_inputs(inputs: Inputs, in_spec: pytree.TreeSpec) -> list[torch.Tenso
     if in_spec.num_children == 2 and in_spec.child(1).type is dict:
         order = in_spec.child(1).context
         if set(order) != set(kwargs):
-            raise SplitError(f"inputs have keyword arguments {sorted(kwargs)}, the plan was compiled "
-                             f"with {sorted(order)}",
+            raise SplitError(f"inputs have keyword arguments {sorted(kwargs)}, the plan was "
+                             f"compiled with {sorted(order)}",
                              hint="pass the same inputs as the model file's example_inputs")
         kwargs = {k: kwargs[k] for k in order}
     flat, spec = pytree.tree_flatten((tuple(args), kwargs))
     if spec != in_spec:
         raise SplitError(f"inputs do not have the structure the plan was compiled with: {spec} "
-                         f"vs {in_spec}", hint="pass the same inputs as the model file's example_inputs")
+                         f"vs {in_spec}",
+                         hint="pass the same inputs as the model file's example_inputs")
     # non-tensor inputs (None, ints) were specialised into the program by export
     return [t for t in flat if isinstance(t, torch.Tensor)]
 
@@ -199,6 +200,7 @@ def split_program(exported: ExportedProgram, stage_of: Mapping[str, int],
     for v in sorted(crossing, key=order.__getitem__):
         if v.op == "get_attr":  # a parameter or buffer returned as a model output
             value = _attribute(gm, str(v.target))
+            assert isinstance(value, torch.Tensor)
             tensors[v.name] = StageTensor(name=v.name, shape=tuple(value.shape),
                                           dtype=dtype_name(value.dtype), source=num_stages - 1,
                                           consumers=(num_stages,))
@@ -217,13 +219,14 @@ def split_program(exported: ExportedProgram, stage_of: Mapping[str, int],
     mask = [isinstance(n.meta.get("val"), torch.Tensor) for n in placeholders]
     paths = _input_paths(exported.call_spec.in_spec)
     return SplitProgram(stages=stages, tensors=tensors, inputs=tuple(n.name for n in tensor_inputs),
-                        input_paths=tuple(p for p, keep in zip(paths, mask) if keep),
+                        input_paths=tuple(p for p, keep in zip(paths, mask, strict=True) if keep),
                         outputs=tuple(n.name for n in flat_outputs),
                         output_paths=tuple(output_paths(exported)),
                         in_spec=exported.call_spec.in_spec, out_spec=exported.call_spec.out_spec)
 
 
-def _attribute(gm: torch.nn.Module, target: str) -> torch.Tensor:
+def _attribute(gm: torch.nn.Module, target: str) -> torch.Tensor | torch.nn.Module:
+    """What a get_attr `target` names: a parameter, buffer or constant, or a sub-graph module."""
     path, _, leaf = target.rpartition(".")
     return getattr(gm.get_submodule(path) if path else gm, leaf)
 
@@ -240,7 +243,8 @@ def _writes(node: torch.fx.Node, arg: torch.fx.Node) -> bool:
     return False
 
 
-def _check_mutated_attributes(gm: torch.fx.GraphModule, node_stage: Mapping[torch.fx.Node, int]) -> None:
+def _check_mutated_attributes(gm: torch.fx.GraphModule,
+                              node_stage: Mapping[torch.fx.Node, int]) -> None:
     """Each stage holds its own copy of an attribute, so a buffer updated in place (running
     statistics, a step counter) must be read and written in one stage only."""
     for attr in (n for n in gm.graph.nodes if n.op == "get_attr"):
@@ -294,8 +298,9 @@ def _build_stage(gm: torch.fx.GraphModule, index: int, inputs: list[torch.fx.Nod
             continue
         if _GRAD_MODE_REGION is not None and node.target is _GRAD_MODE_REGION:
             env[node] = _inline_grad_region(graph, gm, node, value, attr)
-        elif node.target is operator.getitem and isinstance(env.get(node.args[0]), tuple):
-            env[node] = env[node.args[0]][node.args[1]]  # type: ignore[index]
+        elif (node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node)
+              and isinstance(env.get(node.args[0]), tuple)):
+            env[node] = env[node.args[0]][node.args[1]]
         elif node.op == "call_function" and any(
                 a.op == "get_attr" and isinstance(_attribute(gm, str(a.target)), torch.nn.Module)
                 for a in node.all_input_nodes):
@@ -320,11 +325,13 @@ def _inline_grad_region(graph: torch.fx.Graph, gm: torch.fx.GraphModule, node: t
     jit.trace does not record grad mode, so a no-grad region's results are detached instead,
     which is what no_grad means for everything downstream."""
     enabled, sub_node, *operands = node.args
-    sub = _attribute(gm, str(sub_node.target))  # type: ignore[union-attr]
+    assert isinstance(sub_node, torch.fx.Node)  # the get_attr of the region's sub-graph
+    sub = _attribute(gm, str(sub_node.target))
+    assert isinstance(sub, torch.fx.GraphModule)
     local: dict[torch.fx.Node, Any] = {}
     sub_inputs = iter(operands)
     results: tuple[Any, ...] = ()
-    for inner in sub.graph.nodes:  # type: ignore[union-attr]
+    for inner in sub.graph.nodes:
         if inner.op == "placeholder":
             outer = next(sub_inputs)
             local[inner] = value(outer) if isinstance(outer, torch.fx.Node) else outer
@@ -344,7 +351,7 @@ def _inline_grad_region(graph: torch.fx.Graph, gm: torch.fx.GraphModule, node: t
 def _last_attr(graph: torch.fx.Graph) -> torch.fx.Node:
     """Insertion point for get_attr nodes: after the placeholders and earlier get_attrs, so every
     use comes later in the graph."""
-    last = graph._root  # type: ignore[attr-defined]
+    last = graph._root
     for n in graph.nodes:
         if n.op not in ("placeholder", "get_attr"):
             break

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import zlib
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Sequence
 
 import torch
 
@@ -149,7 +149,8 @@ def load_state_dict_file(path: str | Path) -> dict[str, torch.Tensor]:
     except Exception as exc:
         raise WeightsError(f"cannot load weights file {path}: {type(exc).__name__}: "
                            f"{str(exc).splitlines()[0] if str(exc) else ''}",
-                           hint="pass a file written by torch.save(model.state_dict(), path)") from exc
+                           hint="pass a file written by "
+                                "torch.save(model.state_dict(), path)") from exc
     if isinstance(data, dict) and isinstance(data.get("model"), dict):
         data = data["model"]
     if not isinstance(data, dict) or not all(isinstance(v, torch.Tensor) for v in data.values()):
@@ -204,7 +205,8 @@ def stage_state(stage: torch.nn.Module, parameter_names: Iterable[str],
     values: dict[str, torch.Tensor] = {}
     if checkpoint is not None:
         wanted = [*parameter_names, *buffer_names]
-        values = {n: t.to(device) for n, t in pick_state(checkpoint, wanted, aliases, where).items()}
+        picked = pick_state(checkpoint, wanted, aliases, where)
+        values = {n: t.to(device) for n, t in picked.items()}
     missing = [n for n, t in current.items() if n not in values and t.is_meta]
     if missing:
         if model_file is None:
@@ -216,7 +218,7 @@ def stage_state(stage: torch.nn.Module, parameter_names: Iterable[str],
 
 
 def whole_model_weights(model: torch.nn.Module, model_file: ModelFile, on_meta: bool,
-                        stages: list[torch.nn.Module], aliases: dict[str, tuple[str, ...]],
+                        stages: Sequence[torch.nn.Module], aliases: dict[str, tuple[str, ...]],
                         device: torch.device, seed: int,
                         checkpoint: Mapping[str, torch.Tensor] | None = None
                         ) -> dict[str, torch.Tensor]:

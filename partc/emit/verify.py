@@ -81,13 +81,14 @@ def verify_plan(path: str | Path, *, rtol: float = DEFAULT_RTOL, atol: float = D
     plan.check_stage_files()
     dev = _device(device)
     stages = [load_stage(plan.stage_path(s), map_location=dev) for s in plan.stages]
-    for st, module in zip(plan.stages, stages):
+    for st, module in zip(plan.stages, stages, strict=True):
         names = set(stage_tensors(module))
         expected = set(st.parameter_names) | set(st.buffer_names) | set(st.constant_names)
         if names != expected:
             raise PlanError(f"stage {st.index} holds tensors {sorted(names ^ expected)[:3]} that "
                             "plan.yaml does not list (or the reverse)",
-                            hint="the stage file does not belong to this plan; re-run partc compile")
+                            hint="the stage file does not belong to this plan; "
+                                 "re-run partc compile")
     model_file = plan.load_model_file()
     model = model_file.build().train()
     aliases = plan.model.aliases()
@@ -95,7 +96,7 @@ def verify_plan(path: str | Path, *, rtol: float = DEFAULT_RTOL, atol: float = D
     checkpoint = load_state_dict_file(init_from) if init_from is not None else None
     whole = whole_model_weights(model, model_file, plan.model.on_meta, stages, aliases, dev, seed,
                                 checkpoint=checkpoint)
-    for st, module in zip(plan.stages, stages):
+    for st, module in zip(plan.stages, stages, strict=True):
         # the stage's tensors as launch gets them: checkpoint, stage file, own initialisation
         mine = stage_state(module, st.parameter_names, st.buffer_names, checkpoint=checkpoint,
                            aliases=aliases, model_file=model_file, device=dev, seed=seed,
@@ -131,7 +132,7 @@ def verify_plan(path: str | Path, *, rtol: float = DEFAULT_RTOL, atol: float = D
     current = [t.to(dev) for t in flat]
     boundary_inputs: list[list[torch.Tensor]] = []
     boundary_outputs: list[tuple[torch.Tensor, ...]] = []
-    for st, module in zip(plan.stages, stages):
+    for st, module in zip(plan.stages, stages, strict=True):
         taken = [t.detach().requires_grad_(t.is_floating_point()) for t in current]
         if len(taken) != len(st.inputs):
             report.problems.append(f"stage {st.index} gets {len(taken)} tensors, plan.yaml lists "
@@ -157,7 +158,9 @@ def verify_plan(path: str | Path, *, rtol: float = DEFAULT_RTOL, atol: float = D
         if grads_in is None:
             stage_loss.backward()
         else:
-            pairs = [(o, g) for o, g in zip(outs, grads_in) if o.requires_grad and g is not None]
+            # stage k+1's inputs are stage k's outputs, so one gradient per output
+            pairs = [(o, g) for o, g in zip(outs, grads_in, strict=True)
+                     if o.requires_grad and g is not None]
             if pairs:
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         grads_in = [t.grad if t.requires_grad else None for t in boundary_inputs[k]]
@@ -167,7 +170,8 @@ def verify_plan(path: str | Path, *, rtol: float = DEFAULT_RTOL, atol: float = D
         report.problems.append(f"the stages return {len(current)} outputs, the model "
                                f"{len(ref_flat)}")
         return report
-    for ref, got, spec in zip(ref_flat, current, plan.model.outputs):
+    # plan.yaml's output list is input here: a mismatch must not crash the check
+    for ref, got, spec in zip(ref_flat, current, plan.model.outputs, strict=False):
         report.comparisons.append(_compare(f"output {spec.path}", got, ref, rtol, atol))
     report.comparisons.append(_compare("loss", stage_loss, loss, rtol, atol))
     # buffers the forward updates in place (batch-norm running statistics) must agree too
@@ -213,10 +217,11 @@ def _to(value: Any, device: torch.device) -> Any:
 
 def _check_io(report: VerifyReport, index: int, outs: Any, expected: Any) -> None:
     if not isinstance(outs, tuple) or len(outs) != len(expected):
-        report.problems.append(f"stage {index} returns {len(outs) if isinstance(outs, tuple) else 1} "
-                               f"tensor(s), plan.yaml lists {len(expected)}")
+        returned = len(outs) if isinstance(outs, tuple) else 1
+        report.problems.append(f"stage {index} returns {returned} tensor(s), plan.yaml lists "
+                               f"{len(expected)}")
         return
-    for t, ref in zip(outs, expected):
+    for t, ref in zip(outs, expected, strict=True):
         if tuple(t.shape) != tuple(ref.shape) or str(t.dtype).removeprefix("torch.") != ref.dtype:
             report.problems.append(f"stage {index} output {ref.name} is {tuple(t.shape)} "
                                    f"{t.dtype}, plan.yaml says {tuple(ref.shape)} {ref.dtype}")
@@ -247,7 +252,8 @@ def format_report(report: VerifyReport) -> str:
         worst = report.worst(kind)
         assert worst is not None
         bad = sum(not c.ok for c in rows)
-        lines.append(f"  {label:<10} {len(rows):>4} compared, max abs error {worst.max_abs_error:.3g} "
+        lines.append(f"  {label:<10} {len(rows):>4} compared, "
+                     f"max abs error {worst.max_abs_error:.3g} "
                      f"({worst.what}; allowed {worst.allowed:.3g})"
                      + (f", {bad} above tolerance" if bad else ""))
     for c in report.comparisons:

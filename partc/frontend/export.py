@@ -46,7 +46,7 @@ class Capture:
 def tied_groups(model: torch.nn.Module) -> dict[str, tuple[str, ...]]:
     """Names that refer to one tensor (tied weights), from the module tree itself."""
     by_id: dict[int, list[str]] = {}
-    named = list(model.named_parameters(remove_duplicate=False))
+    named: list[tuple[str, torch.Tensor]] = list(model.named_parameters(remove_duplicate=False))
     named += list(model.named_buffers(remove_duplicate=False))
     for name, tensor in named:
         by_id.setdefault(id(tensor), []).append(name)
@@ -67,7 +67,8 @@ def quiet_torch() -> Iterator[None]:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            with contextlib.redirect_stdout(io.StringIO()), \
+                    contextlib.redirect_stderr(io.StringIO()):
                 yield
     finally:
         logging.disable(previous)
@@ -120,7 +121,7 @@ def _check_outputs(exported: ExportedProgram, where: str) -> None:
     if not user:
         raise CaptureError(f"{where} returns no tensors",
                            hint="forward() must return the tensors the loss is computed from")
-    for path, spec in zip(paths, user):
+    for path, spec in zip(paths, user, strict=True):
         if not isinstance(spec.arg, TensorArgument):
             value = getattr(spec.arg, "value", spec.arg)
             raise CaptureError(
@@ -132,7 +133,8 @@ def capture(model_file: ModelFile, batch_size: int, progress: Progress | None = 
     """Build the model file's model and export it at `batch_size` (and at 2x for batch scaling)."""
     progress = progress or Progress()
     if batch_size < 1:
-        raise CaptureError(f"batch size must be >= 1, got {batch_size}", hint="pass --batch-size 1 or more")
+        raise CaptureError(f"batch size must be >= 1, got {batch_size}",
+                           hint="pass --batch-size 1 or more")
     with progress.step(f"building the model from {model_file.path}"):
         model = model_file.build()
         on_meta = is_on_meta(model)
@@ -157,7 +159,8 @@ def capture(model_file: ModelFile, batch_size: int, progress: Progress | None = 
         if on_meta:
             scaled_inputs = inputs_to_meta(scaled_inputs)
         try:
-            scaled = export_program(model, scaled_inputs, f"{model_file.name} (batch size {scaled_batch})")
+            scaled = export_program(model, scaled_inputs,
+                                    f"{model_file.name} (batch size {scaled_batch})")
         except CaptureError as exc:
             # Not fatal: batch dims then fall back to a shape heuristic (noted in the OpGraph).
             progress.warn(f"second capture failed, batch dimensions are guessed: {exc.message}")

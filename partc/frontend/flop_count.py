@@ -24,14 +24,16 @@ def _sdpa_cpu(query_shape: Any, key_shape: Any, value_shape: Any, *args: Any,
 
 def _sdpa_cpu_backward(grad_out_shape: Any, query_shape: Any, key_shape: Any, value_shape: Any,
                        *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
-    return flop_counter.sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+    return flop_counter.sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape,
+                                                 value_shape)
 
 
 def extra_formulas() -> dict[Any, Any]:
     """Formulas for ops missing from torch's flop registry (only those still missing)."""
     extra: dict[Any, Any] = {}
     for op, formula in ((aten._scaled_dot_product_flash_attention_for_cpu, _sdpa_cpu),
-                        (aten._scaled_dot_product_flash_attention_for_cpu_backward, _sdpa_cpu_backward)):
+                        (aten._scaled_dot_product_flash_attention_for_cpu_backward,
+                         _sdpa_cpu_backward)):
         if op not in flop_counter.flop_registry:
             extra[op] = formula
     return extra

@@ -93,7 +93,8 @@ def count_flops(exported: ExportedProgram) -> tuple[dict[str, int], list[str]]:
             if node.op != "call_function" or node.target is operator.getitem:
                 continue
             args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), value)
-            mutable = isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable
+            mutable = isinstance(node.target, torch._ops.OpOverload) \
+                and node.target._schema.is_mutable
             try:
                 with fake_mode if fake_mode is not None else contextlib.nullcontext():
                     if mutable:
@@ -136,10 +137,12 @@ class _BatchDims:
             if entry is not None and entry[0] == str(node.target) and index < len(entry[1]):
                 other = entry[1][index]
                 if other is not None and len(other) == len(shape):
-                    changed = [d for d, (a, b) in enumerate(zip(shape, other)) if a != b]
+                    changed = [d for d, (a, b) in enumerate(zip(shape, other, strict=True))
+                               if a != b]
                     if not changed:
                         return None
-                    if len(changed) > 1 or other[changed[0]] * self.batch != shape[changed[0]] * self.scaled_batch:
+                    if len(changed) > 1 or \
+                            other[changed[0]] * self.batch != shape[changed[0]] * self.scaled_batch:
                         self.irregular.append(node.name)
                     return changed[0]
         # No counterpart in the second capture: assume the batch is the leading dimension when it
@@ -180,7 +183,7 @@ def _placeholders(capture: Capture, dims: _BatchDims) -> _Placeholders:
     found = _Placeholders(param_of={}, params=[], inputs=[])
     seen_params: dict[str, str] = {}  # any FQN -> canonical FQN, to merge tied placeholders
     for spec, node in zip(ep.graph_signature.input_specs,
-                          (n for n in ep.graph.nodes if n.op == "placeholder")):
+                          (n for n in ep.graph.nodes if n.op == "placeholder"), strict=True):
         val = node.meta.get("val")
         if spec.kind in _PARAM_KINDS and isinstance(val, torch.Tensor):
             fqn = str(spec.target)
@@ -288,8 +291,8 @@ def _nodes(capture: Capture, found: _Placeholders, dims: _BatchDims,
                                        batch_dim=dims.find(node, i, shape)))
         out.outputs_of[node.name] = tuple(t.name for t in outs)
         owner[node.name] = node.name
-        for t in outs:
-            out.specs[t.name] = t
+        for spec in outs:
+            out.specs[spec.name] = spec
         in_tensors, in_params = _operands(node, found.param_of, input_names, out.outputs_of)
         view = is_view_op(node.target)
         param_bytes = sum(param_nbytes[p] for p in in_params)
@@ -342,7 +345,7 @@ def _graph_outputs(ep: ExportedProgram, built: _Nodes) -> list[GraphOutput]:
     """The model's outputs: each tensor with its path in the output structure."""
     outputs: list[GraphOutput] = []
     user_specs = [s for s in ep.graph_signature.output_specs if s.kind == OutputKind.USER_OUTPUT]
-    for path, spec in zip(output_paths(ep), user_specs):
+    for path, spec in zip(output_paths(ep), user_specs, strict=True):
         name = spec.arg.name
         for t in built.outputs_of.get(name, ()) or ((name,) if name in built.specs else ()):
             outputs.append(GraphOutput(tensor=t, path=path))

@@ -50,7 +50,9 @@ class ModelFile:
         """A class's qualified name with partc's import name of the file shown as the file's stem
         ('partc_model_mlp.MLP' -> 'mlp.MLP'); other classes unchanged."""
         prefix = self.module_name + "."
-        return self.name + "." + qualified[len(prefix):] if qualified.startswith(prefix) else qualified
+        if qualified.startswith(prefix):
+            return self.name + "." + qualified[len(prefix):]
+        return qualified
 
     def build(self) -> torch.nn.Module:
         """Call build_model() and check it returned an nn.Module."""
@@ -63,7 +65,8 @@ class ModelFile:
                      "or pass --debug") from exc
         if not isinstance(model, torch.nn.Module):
             raise ModelFileError(
-                f"build_model() in {self.path} returned {type(model).__name__}, not a torch.nn.Module",
+                f"build_model() in {self.path} returned {type(model).__name__}, "
+                "not a torch.nn.Module",
                 hint=_CONTRACT_HINT)
         return model
 
@@ -92,8 +95,8 @@ class ModelFile:
         for i, item in enumerate(self.batches(batch_size)):
             if not (isinstance(item, (tuple, list)) and len(item) == 2):
                 raise ModelFileError(
-                    f"batches({batch_size}) in {self.path} yielded {type(item).__name__} at item {i}, "
-                    "expected an (inputs, target) pair", hint=_CONTRACT_HINT)
+                    f"batches({batch_size}) in {self.path} yielded {type(item).__name__} "
+                    f"at item {i}, expected an (inputs, target) pair", hint=_CONTRACT_HINT)
             inputs, target = item
             yield normalize_inputs(inputs, where=f"batches({batch_size}) item {i}"), target
 
@@ -128,7 +131,8 @@ def _first_tensor(value: Any) -> torch.Tensor:
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
             return leaf
-    raise ModelFileError("the model output contains no tensor", hint="define loss_fn(output, target)")
+    raise ModelFileError("the model output contains no tensor",
+                         hint="define loss_fn(output, target)")
 
 
 def default_loss_fn(output: Any, target: torch.Tensor) -> torch.Tensor:
@@ -200,7 +204,8 @@ def inputs_to_meta(inputs: Inputs) -> Inputs:
     """The same inputs with every tensor (at any nesting depth) moved to the meta device."""
     args, kwargs = inputs
     move = lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t  # noqa: E731
-    return tuple(torch.utils._pytree.tree_map(move, list(args))), torch.utils._pytree.tree_map(move, kwargs)
+    return (tuple(torch.utils._pytree.tree_map(move, list(args))),
+            torch.utils._pytree.tree_map(move, kwargs))
 
 
 def load_model_file(path: str | Path) -> ModelFile:
@@ -239,8 +244,10 @@ def load_model_file(path: str | Path) -> ModelFile:
         spec.loader.exec_module(module)
     except SyntaxError as exc:
         del sys.modules[module_name]
-        raise ModelFileError(f"model file {path} has a syntax error at line {exc.lineno}: {exc.msg}",
-                             hint="fix the file; `python -m py_compile FILE` shows the same") from exc
+        raise ModelFileError(f"model file {path} has a syntax error at line {exc.lineno}: "
+                             f"{exc.msg}",
+                             hint="fix the file; `python -m py_compile FILE` shows the "
+                                  "same") from exc
     except BaseException as exc:
         del sys.modules[module_name]
         if isinstance(exc, KeyboardInterrupt):
@@ -261,7 +268,8 @@ def load_model_file(path: str | Path) -> ModelFile:
         fn = getattr(module, name, None)
         if fn is None:
             if required:
-                raise ModelFileError(f"model file {path} does not define {name}()", hint=_CONTRACT_HINT)
+                raise ModelFileError(f"model file {path} does not define {name}()",
+                                     hint=_CONTRACT_HINT)
             return None
         if not callable(fn):
             raise ModelFileError(f"{name} in {path} is a {type(fn).__name__}, not a function",

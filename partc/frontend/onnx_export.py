@@ -99,7 +99,7 @@ def map_onnx_nodes(model: onnx.ModelProto, decomposed: ExportedProgram,
         root = provenance_root(dnode)
         if root is None and dnode.name in captured_names:
             root = dnode.name  # untouched by decomposition: same node, same name
-        if root in captured_names:
+        if root is not None and root in captured_names:
             mapping[node.name] = root
     return mapping
 
@@ -130,9 +130,11 @@ def export_onnx(capture: Capture, progress: Progress | None = None) -> OnnxExpor
             with quiet_torch():
                 program = torch.onnx.export(capture.exported, dynamo=True, optimize=False,
                                             verbose=False, report=False)
+            assert program is not None  # None only when export writes a file itself
             with tempfile.TemporaryDirectory(prefix="partc-onnx-") as tmp:
                 file = Path(tmp) / "model.onnx"
-                program.save(str(file), include_initializers=False, keep_initializers_as_inputs=True)
+                program.save(str(file), include_initializers=False,
+                             keep_initializers_as_inputs=True)
                 model = onnx.load_model(str(file))
     except Exception as exc:  # torch.onnx raises many types; all mean "no ONNX for this model"
         reason = summarize_exception(exc)
@@ -143,6 +145,8 @@ def export_onnx(capture: Capture, progress: Progress | None = None) -> OnnxExpor
             model = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
         except Exception as exc:  # shape inference is an enrichment, not a requirement
             progress.warn(f"ONNX shape inference failed: {summarize_exception(exc)}")
+        # dynamo=True records the program it decomposed
+        assert program.exported_program is not None
         mapping = map_onnx_nodes(model, program.exported_program, capture.exported)
         static, total = _static_outputs(model)
         opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)

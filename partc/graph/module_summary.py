@@ -136,13 +136,15 @@ def format_table(summary: ModuleSummary) -> str:
 
     def line(cells: tuple[str, ...]) -> str:
         return "  ".join(c.ljust(w) if i < 2 else c.rjust(w)
-                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+                         for i, (c, w) in enumerate(zip(cells, widths, strict=True))).rstrip()
 
     rule = "  ".join("-" * w for w in widths)
     meta = " (meta device: not materialised)" if summary.on_meta else ""
-    lines = [f"{summary.model_name}: batch size {summary.batch_size}, module depth {summary.depth}{meta}",
+    lines = [f"{summary.model_name}: batch size {summary.batch_size}, "
+             f"module depth {summary.depth}{meta}",
              "", line(header), rule, *(line(r) for r in body), rule, line(total), ""]
-    lines.append(f"parameters: {summary.total_parameters:,} ({human_bytes(summary.total_parameter_bytes)})"
+    lines.append(f"parameters: {summary.total_parameters:,} "
+                 f"({human_bytes(summary.total_parameter_bytes)})"
                  f"   forward FLOPs: {summary.total_flops:,}   ops: {summary.total_ops}")
     for group in summary.tied:
         lines.append(f"tied: {group[0]} = {', '.join(group[1:])}")

@@ -1,9 +1,10 @@
 """OpGraph: partc's graph IR, one node per operator of the exported program.
 
-The OpGraph is built from the torch.export FX graph (see `partc.frontend.graph_builder`) and is the input of
-the cost model and the solver, so it is plain data: dataclasses of ints, strings and tuples that
-round-trip through JSON exactly. Everything batch-dependent is recorded at the captured batch size
-together with how it scales, so later passes can price any micro-batch size without re-capturing:
+The OpGraph is built from the torch.export FX graph (see `partc.frontend.graph_builder`) and is the
+input of the cost model and the solver, so it is plain data: dataclasses of ints, strings and tuples
+that round-trip through JSON exactly. Everything batch-dependent is recorded at the captured batch
+size together with how it scales, so later passes can price any micro-batch size without
+re-capturing:
 
 - a tensor's `batch_dim` is the dimension that grows with the batch (None: batch-independent, such
   as weights' derived values or position ids), so its size at batch b is `nbytes * b / batch_size`;
@@ -383,7 +384,8 @@ class OpGraph:
     def parameter_signatures(self) -> dict[str, str]:
         """FQN -> "dtype[shape]" of every parameter and buffer (tied tensors under their first
         name), for explaining what changed between two captures of a model."""
-        return {p.name: f"{p.dtype}{list(p.shape)}" for p in sorted(self.params, key=lambda p: p.name)
+        return {p.name: f"{p.dtype}{list(p.shape)}"
+                for p in sorted(self.params, key=lambda p: p.name)
                 if p.kind in ("parameter", "buffer")}
 
 

@@ -71,7 +71,7 @@ def measure_cpu(threads: int = 1, seconds: float = 20.0) -> CpuCalibration:
             (512, 512, 512), (1024, 1024, 1024), (2048, 2048, 2048),
             (2048, 768, 3072), (768, 2048, 3072)]
         rates = [mm_rate(m, k, n, torch.float32, 1.0 * unit) for m, k, n in sizes]
-        for (m, k, n), r in zip(sizes, rates):
+        for (m, k, n), r in zip(sizes, rates, strict=True):
             found[f"matmul_float32_{m}x{k}x{n}_flop_s"] = r
         peak32 = max(rates)  # raised below if conv or attention beat it
         peaks: dict[str, float] = {}

@@ -1,7 +1,7 @@
 """Device and cluster configs: the YAML files of configs/ (shipped with the package) -> specs.
 
-A device (`configs/devices/<name>.yaml`) and a cluster (`configs/clusters/<name>.yaml`) are read into
-frozen `DeviceSpec` and `ClusterSpec` (partc.hardware.specs); quantities may carry units
+A device (`configs/devices/<name>.yaml`) and a cluster (`configs/clusters/<name>.yaml`) are read
+into frozen `DeviceSpec` and `ClusterSpec` (partc.hardware.specs); quantities may carry units
 (partc.hardware.units). Every problem in a config file is a `ConfigError` naming the file and the
 key, with a hint. The format is documented in docs/hardware.md.
 """

@@ -40,7 +40,8 @@ def local_cluster() -> ClusterSpec:
                                  f"{ram_bytes() / 2**30:.1f} GiB RAM shared equally")
     return replace(base, name=LOCAL_CLUSTER, device=device, devices_per_node=cores, num_nodes=1,
                    description=f"this machine: {cores} gloo process(es), one per physical core",
-                   source="detected: /proc/cpuinfo, /proc/meminfo; costs of configs/devices/cpu.yaml")
+                   source="detected: /proc/cpuinfo, /proc/meminfo; "
+                          "costs of configs/devices/cpu.yaml")
 
 
 def _local_gpus(count: int, props: Any) -> ClusterSpec:

@@ -93,7 +93,7 @@ def layout_of_partition(partition: Partition, module_fingerprints: dict[str, str
         send_forward_s=round_seconds(t.send_forward_s),
         send_backward_s=round_seconds(t.send_backward_s),
         activation_bytes=int(t.activation_bytes), static_bytes=int(t.static_bytes))
-        for st, t in zip(partition.stages, partition.pipeline.stages))
+        for st, t in zip(partition.stages, partition.pipeline.stages, strict=True))
     return Layout(model=partition.model, graph_hash=partition.graph_hash,
                   cluster=partition.cluster, training=partition.training_setup, stages=stages,
                   predicted=partition.prediction, solver=partition.solver.recorded(),
@@ -268,7 +268,8 @@ def format_diff(diff: LayoutDiff, old_name: str = "a", new_name: str = "b",
         for move in diff.moves:
             for module in move.modules:
                 if shown < _MAX_LINES:
-                    lines.append(f"  {module}: {_stages_text(move.old)} -> {_stages_text(move.new)}")
+                    lines.append(f"  {module}: {_stages_text(move.old)} -> "
+                                 f"{_stages_text(move.new)}")
                 shown += 1
         if shown > _MAX_LINES:
             lines.append(f"  ... and {shown - _MAX_LINES} more")

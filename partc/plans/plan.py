@@ -102,8 +102,8 @@ class PlanStage:
     forward_s: float
     backward_s: float
     peak_memory_bytes: int
-    # What the schedule simulation took for this stage (partc.solve.simulator.StageTiming), so `partc
-    # show` can replay the schedule from plan.yaml alone.
+    # What the schedule simulation took for this stage (partc.solve.simulator.StageTiming), so
+    # `partc show` can replay the schedule from plan.yaml alone.
     send_forward_s: float = 0.0
     send_backward_s: float = 0.0
     activation_bytes: int = 0
@@ -301,8 +301,9 @@ class Plan:
                                 hint="re-run partc compile to regenerate the plan directory")
             actual = sha256_file(path)
             if actual != stage.sha256:
-                raise PlanError(f"stage file {path} does not match plan.yaml (sha256 {actual[:12]}.., "
-                                f"expected {stage.sha256[:12]}..): modified or corrupted",
+                raise PlanError(f"stage file {path} does not match plan.yaml "
+                                f"(sha256 {actual[:12]}.., expected {stage.sha256[:12]}..): "
+                                "modified or corrupted",
                                 hint="re-run partc compile; never edit stage files by hand")
 
     # ---- writing ---------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """`partc show`: a plan as a terminal summary, a PNG report and a self-contained HTML page.
 
 Everything comes from plan.yaml alone (no model, no stage file is loaded): the schedule is
-replayed with partc.solve.simulator from the per-stage times and transfers and the per-rank sync times
-the plan records (`Plan.pipeline_spec`), so the Gantt chart shows exactly the iteration the
+replayed with partc.solve.simulator from the per-stage times and transfers and the per-rank sync
+times the plan records (`Plan.pipeline_spec`), so the Gantt chart shows exactly the iteration the
 solver predicted.
 
 The PNG has three panels: the simulated schedule (pipeline ranks x time; forward and backward of
@@ -161,9 +161,9 @@ def _draw_memory(ax: Any, plan: Plan) -> None:
         values = [getattr(m, key) / div for m in memory]
         if any(values):
             ax.bar(ranks, values, bottom=bottom, color=colour, label=label, width=0.6)
-            bottom = [b + v for b, v in zip(bottom, values)]
+            bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     top = max(bottom) if bottom else 0.0
-    for rank, total in zip(ranks, bottom):
+    for rank, total in zip(ranks, bottom, strict=True):
         ax.text(rank, total, f"{total:.1f}\n{total * div / usable:.1%}" if usable else "",
                 ha="center", va="bottom", fontsize=7)
     limit = usable / div
@@ -195,10 +195,10 @@ def _draw_times(ax: Any, plan: Plan) -> None:
     ax.bar(xs, bwd, bottom=fwd, color=_COLOURS["backward"][0], width=0.6,
            label="backward" + (" + recompute" if plan.training.shape.activation_checkpointing
                              else ""))
-    ax.bar(xs, send, bottom=[f + b for f, b in zip(fwd, bwd)], color="#BAB0AC", width=0.6,
-           label="send activations + gradients")
-    totals = [f + b + s for f, b, s in zip(fwd, bwd, send)]
-    for x, total in zip(xs, totals):
+    ax.bar(xs, send, bottom=[f + b for f, b in zip(fwd, bwd, strict=True)], color="#BAB0AC",
+           width=0.6, label="send activations + gradients")
+    totals = [f + b + s for f, b, s in zip(fwd, bwd, send, strict=True)]
+    for x, total in zip(xs, totals, strict=True):
         ax.text(x, total, f"{total:.2f}", ha="center", va="bottom", fontsize=7)
     if totals:
         ax.axhline(sum(totals) / len(totals), color="black", linestyle=":", linewidth=1)
@@ -276,6 +276,7 @@ def render_html(plan: Plan, path: str | Path, png: bytes | None = None) -> Path:
     if plan.tied_parameters:
         facts.append(("tied", "; ".join(f"{x.name} in stages {', '.join(map(str, x.stages))}"
                                         for x in plan.tied_parameters)))
+    picture = base64.b64encode(png).decode()
     page = f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
 <title>partc plan: {e(plan.model.name)}</title>
@@ -289,7 +290,7 @@ pre {{ background: #f7f7f7; padding: 1em; overflow-x: auto; }}
 </style></head><body>
 <h1>partc plan: {e(plan.model.name)}</h1>
 <table class="facts">{''.join(f'<tr><th>{e(k)}</th><td>{e(v)}</td></tr>' for k, v in facts)}</table>
-<img alt="simulated schedule, memory and time per stage" src="data:image/png;base64,{base64.b64encode(png).decode()}">
+<img alt="simulated schedule, memory and time per stage" src="data:image/png;base64,{picture}">
 <h2>Stages</h2>
 <table><tr><th>stage</th><th>rank</th><th>devices</th><th>parameters</th><th>fwd ms</th>
 <th>bwd ms</th><th>memory GiB</th><th>of usable</th><th>file</th><th>modules</th></tr>

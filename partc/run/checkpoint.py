@@ -26,6 +26,7 @@ import torch
 
 from partc.errors import PartcError
 from partc.files import Content, write_atomic
+from partc.options import Optimizer
 
 FORMAT = "partc-checkpoint"
 VERSION = 1
@@ -119,7 +120,7 @@ def latest_checkpoint(root: str | Path) -> Checkpoint | None:
 
 
 def choose_resume(root: str | Path, *, resume: bool, restarted: bool, steps: int,
-                  optimizer: str, global_batch_size: int) -> Checkpoint | None:
+                  optimizer: Optimizer, global_batch_size: int) -> Checkpoint | None:
     """The checkpoint a run continues from (None: start at step 0), or CheckpointError.
 
     A fresh run (neither --resume nor an elastic restart) refuses a directory that already holds
@@ -191,4 +192,5 @@ def _write_atomically(path: Path, content: Content) -> None:
         write_atomic(path, content)
     except OSError as exc:
         raise CheckpointError(f"cannot write checkpoint file {path}: {exc.strerror}",
-                              hint="check the checkpoint directory's space and permissions") from None
+                              hint="check the checkpoint directory's space and "
+                                   "permissions") from None

@@ -113,7 +113,8 @@ def check_launch(plan: Plan, options: TrainOptions, elastic: ElasticOptions) -> 
             options.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise CheckpointError(f"cannot create --checkpoint-dir {options.checkpoint_dir}: "
-                                  f"{exc.strerror}", hint="check the path and permissions") from None
+                                  f"{exc.strerror}",
+                                  hint="check the path and permissions") from None
         if elastic.node_rank == 0:  # the same choice rank 0 makes, before anything starts
             choose_resume(options.checkpoint_dir, resume=options.resume, restarted=False,
                           steps=options.steps, optimizer=plan.training.config.optimizer,

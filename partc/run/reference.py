@@ -59,7 +59,7 @@ def train_single_process(plan: Plan, options: TrainOptions, chunks: int = 1,
             optimizer.zero_grad(set_to_none=True)
         total = 0.0
         for piece, tgt in zip(split_batch((args, kwargs), batch, chunks),
-                              split_batch(target, batch, chunks)):
+                              split_batch(target, batch, chunks), strict=True):
             a, k = pytree.tree_map(lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t,
                                    piece)
             tgt = pytree.tree_map(lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t, tgt)
@@ -81,13 +81,15 @@ def storage_bytes(tensors: list[Any]) -> int:
 
 def peak_above_start(prof: torch.profiler.profile) -> int:
     """Highest running sum of the allocations and frees the profiler saw."""
-    from torch._C._profiler import _EventType
+    from torch._C._profiler import _ExtraFields_Allocation
 
     events: list[tuple[int, int]] = []
+    # both are set once the profile has stopped, which is when callers ask
+    assert prof.profiler is not None and prof.profiler.kineto_results is not None
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
         node = stack.pop()
-        if node.tag == _EventType.Allocation:
+        if isinstance(node.extra_fields, _ExtraFields_Allocation):  # an allocation or a free
             events.append((node.start_time_ns, node.extra_fields.alloc_size))
         stack.extend(node.children)
     live = peak = 0

@@ -19,7 +19,8 @@ class RunSummary:
 
     losses: dict[int, float] = field(default_factory=dict)  # step -> loss
     step_s: dict[int, float] = field(default_factory=dict)
-    stage_forward_s: list[list[float]] = field(default_factory=list)  # [step][stage] per micro-batch
+    # [step][stage] per micro-batch
+    stage_forward_s: list[list[float]] = field(default_factory=list)
     stage_backward_s: list[list[float]] = field(default_factory=list)
     resumed_from: int | None = None
 
@@ -65,7 +66,7 @@ class Reporter:
         done, total = step + 1, self.options.steps
         rate = self.samples / step_s if step_s > 0 else 0.0
         stages = " ".join(f"{k}:{f * 1e3:.1f}/{b * 1e3:.1f}"
-                          for k, (f, b) in enumerate(zip(fwd, bwd)))
+                          for k, (f, b) in enumerate(zip(fwd, bwd, strict=True)))
         if self.metrics is not None:
             self.metrics.write(json.dumps({"step": done, "loss": loss, "step_s": step_s,
                                            "samples_per_s": rate,

@@ -5,7 +5,7 @@ each step's inputs and targets (this rank's replica's share of the global batch)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.utils._pytree as pytree
@@ -51,12 +51,14 @@ class StageLoss:
         return self.loss_fn(pytree.tree_unflatten(flat, self.spec), target)
 
 
-def build_schedule(plan: Plan, pipes: list[TimedStage], M: int, loss_fn: Callable[..., Any],
+def build_schedule(plan: Plan, pipes: Sequence[TimedStage], M: int, loss_fn: Callable[..., Any],
                    chunk_spec: tuple[Any, ...] | None) -> Any:
     """The plan's schedule class over this rank's pipeline stages."""
     name = plan.training.shape.schedule
     if name == "interleaved-1f1b":
-        return ScheduleInterleaved1F1B(pipes, M, loss_fn=loss_fn, args_chunk_spec=chunk_spec)
+        # a list of the base class, as torch's (invariant) list annotation asks
+        return ScheduleInterleaved1F1B(list(pipes), M, loss_fn=loss_fn,
+                                       args_chunk_spec=chunk_spec)
     if len(pipes) != 1:
         raise LaunchError(f"schedule {name} runs one stage per rank, the plan gives this rank "
                           f"{len(pipes)}", hint="re-run partc compile")
@@ -98,7 +100,7 @@ class RankRun:
 
     @property
     def is_first(self) -> bool:
-        return any(l.spec.index == 0 for l in self.stages)
+        return any(local.spec.index == 0 for local in self.stages)
 
     @property
     def batch(self) -> int:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -103,7 +103,7 @@ class LocalStage:
     pipe: TimedStage | None = None
 
 
-def load_local_stages(plan: Plan, stages: list[int], device: torch.device,
+def load_local_stages(plan: Plan, stages: Sequence[int], device: torch.device,
                       options: TrainOptions, resume: Checkpoint | None,
                       model_file: ModelFile) -> list[LocalStage]:
     """This rank's `stages`, loaded with their weights and optimizers (module docstring)."""
@@ -216,8 +216,8 @@ def sum_tied_gradients(tied: list[TiedGroup], locals_: list[LocalStage]) -> None
     the same optimizer step and stay equal."""
     for entry in tied:
         name = entry.parameter.name
-        copies = [dict(l.module.named_parameters())[name] for l in locals_
-                  if l.spec.index in entry.parameter.stages]
+        copies = [dict(local.module.named_parameters())[name] for local in locals_
+                  if local.spec.index in entry.parameter.stages]
         total = torch.zeros_like(copies[0])
         for p in copies:
             if p.grad is not None:

@@ -84,7 +84,7 @@ def check_inputs(flat: list[Any], plan: Plan, batched: tuple[bool, ...]) -> None
     if len(flat) != len(plan.model.inputs):
         raise LaunchError(f"the model file's batches give {len(flat)} input tensors, the plan "
                           f"has {len(plan.model.inputs)}", hint="re-run partc compile")
-    for t, ref, b in zip(flat, plan.model.inputs, batched):
+    for t, ref, b in zip(flat, plan.model.inputs, batched, strict=True):
         want = (batch, *ref.shape[1:]) if b else tuple(ref.shape)
         if tuple(t.shape) != want or str(t.dtype).removeprefix("torch.") != ref.dtype:
             raise LaunchError(f"input {ref.path or ref.name} of a batch is {tuple(t.shape)} "

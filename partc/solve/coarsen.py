@@ -226,7 +226,7 @@ def _acyclic_groups(graph: OpGraph, uf: _UnionFind,
         members.setdefault(uf.find(i), []).append(i)
     succ = _quotient_edges(graph, uf, consumers)
     indegree = {r: 0 for r in members}
-    for r, outs in succ.items():
+    for _root, outs in succ.items():
         for s in outs:
             indegree[s] += 1
     # Kahn's algorithm, taking the ready group whose last node comes first in the program: the
@@ -421,8 +421,8 @@ def _build_block_graph(table: CostTable, groups: list[list[int]],
         if n.kind in FREE_KINDS:
             continue  # metadata checks read shapes only: they do not make a tensor cross a cut
         for t in dict.fromkeys(n.inputs):
-            p = graph.producer(t)
-            src = block_of_pos[position[p]] if p is not None else None
+            producer = graph.producer(t)
+            src = block_of_pos[position[producer]] if producer is not None else None
             dst = block_of_pos[i]
             if src != dst:
                 consumers.setdefault(t, [])
@@ -435,14 +435,15 @@ def _build_block_graph(table: CostTable, groups: list[list[int]],
     for name in [t.name for t in graph.inputs] + [t.name for n in nodes for t in n.outputs]:
         if name not in consumers and name not in outputs:
             continue
-        p = graph.producer(name)
+        producer = graph.producer(name)
         spec = graph.tensor(name)
         if spec.batch_dim is None:
             nbytes = Linear(float(spec.nbytes), 0.0)
         else:
             nbytes = Linear(0.0, spec.nbytes / graph.batch_size)
         tensors.append(BlockTensor(
-            name=name, producer=block_of_pos[position[p]] if p is not None else None,
+            name=name,
+            producer=block_of_pos[position[producer]] if producer is not None else None,
             consumers=tuple(sorted(consumers.get(name, ()))), is_output=name in outputs,
             nbytes=nbytes, requires_grad=name in requires))
     if any(u >= v for u, v in edges):  # pragma: no cover - runs of a topological order

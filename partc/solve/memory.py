@@ -35,8 +35,8 @@ _MASK_KINDS = frozenset({"dropout", "native_dropout", "feature_dropout", "alpha_
                          "feature_alpha_dropout"})
 
 
-def in_flight_microbatches(schedule: Schedule, stage_index: int, num_stages: int, num_microbatches: int,
-                           chunks: int = 1) -> int:
+def in_flight_microbatches(schedule: Schedule, stage_index: int, num_stages: int,
+                           num_microbatches: int, chunks: int = 1) -> int:
     """Micro-batches whose activations a stage holds at its peak.
 
     gpipe: all M forwards run before any backward, so M. 1f1b: stage i runs num_stages - i

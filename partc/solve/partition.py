@@ -2,16 +2,16 @@
 
 A Partition names the pipeline shape (stages, replicas, micro-batches, schedule, checkpointing,
 placement), every virtual stage's blocks, OpGraph nodes, modules, parameters, devices, boundary
-tensors and predicted times, every rank's memory (partc.solve.memory), the solver's report (strategy,
-status, objective, bound, gap, time) and the simulated iteration. `to_dict` is deterministic
-(sorted keys, rounded floats); wall-clock solve times are kept apart in `SolverReport.wall_s`
-so callers can leave them out of hashed content.
+tensors and predicted times, every rank's memory (partc.solve.memory), the solver's report
+(strategy, status, objective, bound, gap, time) and the simulated iteration. `to_dict` is
+deterministic (sorted keys, rounded floats); wall-clock solve times are kept apart in
+`SolverReport.wall_s` so callers can leave them out of hashed content.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import yaml
 
@@ -47,7 +47,8 @@ class StagePlan:
                 "blocks": [self.blocks[0], self.blocks[-1]] if self.blocks else [],
                 "num_nodes": len(self.nodes), "modules": list(self.modules),
                 "parameters": list(self.parameters), "parameter_count": self.parameter_count,
-                "forward_s": round_seconds(self.forward_s), "backward_s": round_seconds(self.backward_s),
+                "forward_s": round_seconds(self.forward_s),
+                "backward_s": round_seconds(self.backward_s),
                 "receives": list(self.receives), "sends": list(self.sends)}
 
 
@@ -294,7 +295,7 @@ def _gib(nbytes: float) -> str:
     return f"{nbytes / 2**30:.2f} GiB"
 
 
-def format_comparison(results: dict[str, "Partition | Exception"]) -> str:
+def format_comparison(results: Mapping[Strategy, Partition | Exception]) -> str:
     """One row per strategy: shape, predicted iteration, objective, gap, solve time."""
     lines = [f"{'strategy':<9} {'shape':<40} {'iteration ms':>13} {'objective ms':>13} "
              f"{'gap':>7} {'solve s':>8}"]

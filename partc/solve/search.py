@@ -29,7 +29,7 @@ from partc.cost.table import CostTable
 from partc.errors import PartcError, SearchError
 from partc.hardware.specs import ClusterSpec
 from partc.hardware.units import format_quantity
-from partc.options import STRATEGIES, Schedule, SearchOptions, Strategy, TrainingConfig
+from partc.options import STRATEGIES, Placement, Schedule, SearchOptions, Strategy, TrainingConfig
 from partc.progress import Progress
 from partc.solve.coarsen import BlockGraph, coarsen
 from partc.solve.memory import in_flight_microbatches, param_memory, stage_boundary, usable_memory
@@ -92,7 +92,7 @@ def enumerate_shapes(cluster: ClusterSpec, global_batch: int, num_blocks: int,
                     for ckpt in ((options.activation_checkpointing,)
                                  if options.activation_checkpointing is not None
                                  else (False, True)):
-                        placements = ["stage-major"]
+                        placements: list[Placement] = ["stage-major"]
                         if cluster.num_nodes > 1 and S > 1 and R > 1:
                             placements.append("pipeline-major")
                         for placement in placements:
@@ -354,6 +354,7 @@ def _refine(cand: _Candidate, options: SearchOptions) -> None:
             cand.objective_s = math.inf
             return
         if _exact_fits(problem, result.assignment):
+            assert result.objective is not None  # CP-SAT returns one with every assignment
             cand.assignment = result.assignment
             cand.objective_s = result.objective * unit
             cand.status = result.status.lower()
@@ -467,9 +468,11 @@ def build_partition(problem: StageProblem, assignment: Sequence[int], global_bat
         hi = V - 1 if t.is_output else max((assignment[c] for c in t.consumers), default=lo)
         nbytes = wire_bytes(graph, t.name, t.nbytes.at(m), bf16)
         for k in range(lo + 1, hi + 1):
-            sends_fwd[k - 1] += links[k].transfer_s(int(nbytes))
+            link = links[k]
+            assert link is not None  # only boundary 0, which nothing crosses, has no link
+            sends_fwd[k - 1] += link.transfer_s(int(nbytes))
             if t.requires_grad:
-                sends_bwd[k] += links[k].transfer_s(int(nbytes))
+                sends_bwd[k] += link.transfer_s(int(nbytes))
     for k in range(V):
         nodes = tuple(n for b in members[k] for n in blocks.blocks[b].nodes)
         fwd = sum(blocks.blocks[b].forward.at(m) for b in members[k])

@@ -27,9 +27,9 @@ import gc
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence
 
-from partc.options import SCHEDULES
+from partc.options import SCHEDULES, Schedule
 
 Action = tuple[str, int, int]
 """One compute action: ("F" or "B", virtual stage, micro-batch)."""
@@ -88,7 +88,7 @@ class PipelineSpec:
     `optimizer_s` are per rank; empty means zero.
     """
 
-    schedule: str
+    schedule: Schedule
     num_ranks: int
     num_microbatches: int
     stages: tuple[StageTiming, ...]
@@ -163,7 +163,7 @@ class Simulation:
     memory_timeline: tuple[tuple[tuple[float, float], ...], ...]
     busy_s: tuple[float, ...]
     last_backward_s: float = 0.0
-    schedule: str = ""
+    schedule: Schedule | Literal[""] = ""  # "": not recorded
     num_microbatches: int = 0
     chunks: int = 1
 
@@ -284,7 +284,7 @@ def _interleaved_order(rank: int, s: int, m: int, chunks: int) -> list[Action]:
     return ops
 
 
-def action_order(schedule: str, num_ranks: int, num_microbatches: int,
+def action_order(schedule: Schedule, num_ranks: int, num_microbatches: int,
                  chunks: int = 1) -> list[list[Action]]:
     """Per rank, the ordered actions ("F"|"B", virtual stage, micro-batch) torch's schedule runs.
 

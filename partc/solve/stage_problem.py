@@ -4,8 +4,9 @@ A `PipelineShape` fixes everything but the cut: pipeline ranks S, data-parallel 
 batch count M and size m, schedule, virtual stages per rank (interleaved 1F1B), activation
 checkpointing and how ranks map onto the cluster's devices. `StageProblem.build` prices every block
 of a BlockGraph for that shape as integers (time in units of `time_unit_s`, bytes in units of
-`memory_unit`), so the exact chain DP (partc.solve.strategies.chain_dp) and CP-SAT (partc.solve.strategies.cpsat) optimise the
-same objective over the same numbers and their optima can be compared exactly.
+`memory_unit`), so the exact chain DP (partc.solve.strategies.chain_dp) and CP-SAT
+(partc.solve.strategies.cpsat) optimise the same objective over the same numbers and their optima
+can be compared exactly.
 
 Objective (docs/solver.md derives it), with V = S*v virtual stages, virtual stage k on rank k % S:
 
@@ -24,14 +25,15 @@ at the last stage (the loss).
 
 Memory per rank is linear in the assignment (parameters, gradients, optimizer state, in-flight
 activations, pipeline buffers, the largest backward transient of its blocks), an approximation of
-partc.solve.memory.stage_memory; `corrections` tighten a rank's capacity where the exact model found the
-linear one too low (the search's check-and-resolve loop).
+partc.solve.memory.stage_memory; `corrections` tighten a rank's capacity where the exact model
+found the linear one too low (the search's check-and-resolve loop).
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 from partc.cost.table import CostTable
 from partc.errors import PartcError
@@ -415,7 +417,8 @@ class _BlockTerms:
             for p in b.params:
                 users.setdefault(p, []).append(b.index)
         param_info = {p: _memo(memo, ("param", p, training),
-                               lambda p=p: _param_bytes(graph.param(p), training)) for p in users}
+                               functools.partial(_param_bytes, graph.param(p), training))
+                      for p in users}
         step_bps = cluster.device.bytes_per_s()
 
         def sync_units(name: str) -> tuple[int, ...]:
@@ -447,7 +450,7 @@ class _BlockTerms:
             terms.saved.append(units.memory(b.saved.at(m) * (0.5 if bf16 else 1.0)))
             terms.transient.append(units.memory(_memo(
                 memo, ("transient", b.index, m, bf16),
-                lambda b=b: _block_transient(table, b.nodes, m, requires, bf16))))
+                functools.partial(_block_transient, table, b.nodes, m, requires, bf16))))
         return terms
 
 
@@ -493,13 +496,16 @@ def _merge_parallel(tensors: list[CrossingTensor]) -> list[CrossingTensor]:
             merged[key] = CrossingTensor(
                 name=other.name, producer=t.producer, consumers=t.consumers,
                 is_output=t.is_output,
-                forward=tuple(a + b for a, b in zip(other.forward, t.forward)),
-                backward=tuple(a + b for a, b in zip(other.backward, t.backward)),
+                forward=tuple(a + b for a, b in zip(other.forward, t.forward, strict=True)),
+                backward=tuple(a + b for a, b in zip(other.backward, t.backward, strict=True)),
                 size=other.size + t.size, grad_size=other.grad_size + t.grad_size)
     return list(merged.values())
 
 
-def _memo(memo: dict[tuple, Any], key: tuple, compute: Callable[[], Any]) -> Any:
+T = TypeVar("T")
+
+
+def _memo(memo: dict[tuple, Any], key: tuple, compute: Callable[[], T]) -> T:
     if key not in memo:
         memo[key] = compute()
     return memo[key]

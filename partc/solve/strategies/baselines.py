@@ -9,7 +9,8 @@
   trainable parameter counts (the smallest possible largest stage).
 
 Both cut the blocks' topological order, so every edge points forward. The exact contiguous DP
-(`chain-dp`) is in partc.solve.strategies.chain_dp and CP-SAT (`cpsat`) in partc.solve.strategies.cpsat.
+(`chain-dp`) is in partc.solve.strategies.chain_dp and CP-SAT (`cpsat`) in
+partc.solve.strategies.cpsat.
 """
 from __future__ import annotations
 

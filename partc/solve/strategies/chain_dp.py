@@ -118,17 +118,17 @@ def solve_chain_dp(problem: StageProblem, upper_bound: int | None = None) -> DPR
                         continue
                 elif st > capacity:
                     break
-                t = comp[j] - comp[i] + (xfwd[i][k] if k > 0 else 0) \
+                t_k = comp[j] - comp[i] + (xfwd[i][k] if k > 0 else 0) \
                     + (xbwd[j][k + 1] if not last else 0)
                 if exact:
                     has = trainable[j] - trainable[i] > 0
-                    g = (M - 1) * t + sync[d][j] - sync[d][i] + sh_sync \
+                    g = (M - 1) * t_k + sync[d][j] - sync[d][i] + sh_sync \
                         + (problem.sync_latency[d] if has else 0)
                 else:
-                    g = t
+                    g = t_k
                 for li, (G, total, _, _) in enumerate(labels[i]):
                     G2 = G if G >= g else g
-                    total2 = total + t
+                    total2 = total + t_k
                     if G2 + total2 + rest_compute[j] >= best_bound:
                         continue
                     _insert(front, (G2, total2, i, li))

@@ -21,11 +21,17 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence, TypeAlias
 
 from ortools.sat.python import cp_model
 
 from partc.solve.stage_problem import StageProblem
+
+# A 0-1 variable, or a constant where the encoding fixes one (the ladder's ends y[b][0] = 1 and
+# y[b][V] = 0; no crossing of boundary 0).
+Lit: TypeAlias = "cp_model.IntVar | int"
+# A linear expression over the model's variables, or a constant (a sum over no variables).
+Expr: TypeAlias = "cp_model.LinearExpr | int"
 
 
 @dataclass(frozen=True)
@@ -63,7 +69,9 @@ def solve_cpsat(problem: StageProblem, time_limit_s: float = 10.0, workers: int 
         best = min(valid_hints, key=problem.objective)
         for b in range(n):
             for k in range(1, V):
-                model.AddHint(y[b][k], best[b] >= k)
+                var = y[b][k]
+                assert isinstance(var, cp_model.IntVar)  # only the ends k = 0, V are constants
+                model.add_hint(var, best[b] >= k)
     solver = cp_model.CpSolver()
     params = solver.parameters
     params.num_workers = max(2, workers)
@@ -72,20 +80,20 @@ def solve_cpsat(problem: StageProblem, time_limit_s: float = 10.0, workers: int 
     params.max_deterministic_time = time_limit_s
     params.log_search_progress = False
     start = time.perf_counter()
-    status = solver.Solve(model)
+    status = solver.solve(model)
     wall = time.perf_counter() - start
-    name = solver.StatusName(status)
+    name = solver.status_name(status)
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        assignment = tuple(sum(int(solver.BooleanValue(y[b][k])) for k in range(1, V))
+        assignment = tuple(sum(int(solver.boolean_value(y[b][k])) for k in range(1, V))
                            for b in range(n))
         value = problem.objective(assignment)
-        bound = int(round(solver.BestObjectiveBound()))
+        bound = int(round(solver.best_objective_bound))
         result = CpSatResult(name, assignment, value, min(bound, value), wall,
                              solver.deterministic_time)
     else:
         bound = None
         if status == cp_model.UNKNOWN:
-            bound = int(round(solver.BestObjectiveBound()))
+            bound = int(round(solver.best_objective_bound))
         result = CpSatResult(name, None, None, bound, wall, solver.deterministic_time)
     # The hint is a valid solution of the same model; keep it if CP-SAT ran out of time before
     # getting back to it.
@@ -99,42 +107,42 @@ def solve_cpsat(problem: StageProblem, time_limit_s: float = 10.0, workers: int 
     return result
 
 
-def _build(problem: StageProblem) -> tuple[cp_model.CpModel, list[list], cp_model.LinearExpr]:
+def _build(problem: StageProblem) -> tuple[cp_model.CpModel, list[list[Lit]], cp_model.LinearExpr]:
     shape = problem.shape
     n = problem.num_blocks
     S, V, v, M = shape.stages, shape.virtual_stages, shape.chunks, shape.num_microbatches
     model = cp_model.CpModel()
     one = 1
     # y[b][0] = 1 and y[b][V] = 0 are constants.
-    y: list[list] = []
+    y: list[list[Lit]] = []
     for b in range(n):
-        row: list = [one] + [model.NewBoolVar(f"y{b}_{k}") for k in range(1, V)] + [0]
+        row: list[Lit] = [one] + [model.new_bool_var(f"y{b}_{k}") for k in range(1, V)] + [0]
         y.append(row)
         for k in range(1, V - 1):
-            model.AddImplication(row[k + 1], row[k])
+            model.add_implication(row[k + 1], row[k])
     for u, w in problem.blocks.edges:
         for k in range(1, V):
-            model.AddImplication(y[u][k], y[w][k])
+            model.add_implication(y[u][k], y[w][k])
 
-    def x(b: int, k: int):  # block b on virtual stage k
+    def x(b: int, k: int) -> Expr:  # block b on virtual stage k
         return y[b][k] - y[b][k + 1]
 
-    def on_rank(b: int, d: int):  # block b on rank d (any of its virtual stages)
+    def on_rank(b: int, d: int) -> Expr:  # block b on rank d (any of its virtual stages)
         return sum(x(b, k) for k in range(d, V, S))
 
     for k in range(V):
-        model.Add(sum(x(b, k) for b in range(n)) >= 1)
+        model.add(sum(x(b, k) for b in range(n)) >= 1)
     # Crossing indicators.
-    cross: list[list] = []
+    cross: list[list[Lit]] = []
     for t in problem.tensors:
-        row = [None]
+        row = [0]  # no boundary 0: nothing crosses into stage 0
         for k in range(1, V):
-            z = model.NewBoolVar(f"z{t.name}_{k}")
+            z = model.new_bool_var(f"z{t.name}_{k}")
             prod = 0 if t.producer < 0 else y[t.producer][k]
             for c in t.consumers:
-                model.Add(z >= y[c][k] - prod)
+                model.add(z >= y[c][k] - prod)
             if t.is_output:
-                model.Add(z >= 1 - prod)
+                model.add(z >= 1 - prod)
             row.append(z)
         cross.append(row)
 
@@ -142,7 +150,7 @@ def _build(problem: StageProblem) -> tuple[cp_model.CpModel, list[list], cp_mode
     stage_t = []
     for k in range(V):
         expr = sum(problem.compute[b] * x(b, k) for b in range(n) if problem.compute[b])
-        for t, row in zip(problem.tensors, cross):
+        for t, row in zip(problem.tensors, cross, strict=True):
             if k >= 1 and t.forward[k]:
                 expr += t.forward[k] * row[k]
             if k + 1 < V and t.backward[k + 1]:
@@ -154,35 +162,36 @@ def _build(problem: StageProblem) -> tuple[cp_model.CpModel, list[list], cp_mode
     sync_total = sum(max(row) for row in problem.sync) + sum(
         max(p.sync) for p in problem.shared) + max(problem.sync_latency, default=0)
     horizon += (M + 1) * v * sync_total
-    G = model.NewIntVar(0, horizon, "G")
-    T_max = model.NewIntVar(0, horizon, "T_max") if v > 1 else None
-    held = {(p.name, d): model.NewBoolVar(f"h{p.name}_{d}") for p in problem.shared
+    G = model.new_int_var(0, horizon, "G")
+    T_max = model.new_int_var(0, horizon, "T_max") if v > 1 else None
+    held = {(p.name, d): model.new_bool_var(f"h{p.name}_{d}") for p in problem.shared
             for d in range(S)}
     for p in problem.shared:
         for d in range(S):
             for b in p.blocks:
-                model.Add(held[p.name, d] >= on_rank(b, d))
+                model.add(held[p.name, d] >= on_rank(b, d))
     for d in range(S):
         T_d = sum(stage_t[k] for k in range(d, V, S))
         sync = sum(problem.sync[b][d] * on_rank(b, d) for b in range(n) if problem.sync[b][d])
         sync += sum(p.sync[d] * held[p.name, d] for p in problem.shared if p.sync[d])
         if problem.sync_latency[d]:
-            has = model.NewBoolVar(f"has{d}")
+            has = model.new_bool_var(f"has{d}")
             for b in range(n):
                 if problem.has_trainable[b]:
-                    model.Add(has >= on_rank(b, d))
+                    model.add(has >= on_rank(b, d))
             sync += problem.sync_latency[d] * has
-        model.Add(G >= (M - 1) * T_d + sync)
+        model.add(G >= (M - 1) * T_d + sync)
         if T_max is not None:
-            model.Add(T_max >= T_d)
+            model.add(T_max >= T_d)
         _add_memory(model, problem, d, on_rank, cross, held)
     objective = v * G + total_t + ((v - 1) * T_max if T_max is not None else 0)
-    model.Minimize(objective)
+    model.minimize(objective)
     return model, y, objective
 
 
-def _add_memory(model: cp_model.CpModel, problem: StageProblem, d: int, on_rank, cross,
-                held) -> None:
+def _add_memory(model: cp_model.CpModel, problem: StageProblem, d: int,
+                on_rank: Callable[[int, int], Expr], cross: list[list[Lit]],
+                held: dict[tuple[str, int], cp_model.IntVar]) -> None:
     """rank_memory(d) <= capacity, term by term as StageProblem.rank_memory computes it."""
     shape = problem.shape
     n = problem.num_blocks
@@ -192,8 +201,8 @@ def _add_memory(model: cp_model.CpModel, problem: StageProblem, d: int, on_rank,
     static += sum(p.static * held[p.name, d] for p in problem.shared if p.static)
     temps = sum(problem.temps[b] * on_rank(b, d) for b in range(n) if problem.temps[b])
     temps += sum(p.temps * held[p.name, d] for p in problem.shared if p.temps)
-    comm = problem.inputs if d == 0 else 0
-    for t, row in zip(problem.tensors, cross):
+    comm: Expr = problem.inputs if d == 0 else 0
+    for t, row in zip(problem.tensors, cross, strict=True):
         for k in range(1, V):
             if k % S == d and t.size:
                 comm += M * t.size * row[k]
@@ -205,18 +214,18 @@ def _add_memory(model: cp_model.CpModel, problem: StageProblem, d: int, on_rank,
     # act >= ceil(coef * saved), coef = in_flight / chunks (a rational with denominator chunks).
     v = shape.chunks
     coef_num = int(round(problem.activation_coef[d] * v))
-    act = model.NewIntVar(0, cap + 1, f"act{d}")
-    model.Add(v * act >= coef_num * saved)
+    act = model.new_int_var(0, cap + 1, f"act{d}")
+    model.add(v * act >= coef_num * saved)
     if (V - 1) % S == d:
         act_total = act + problem.loss_units(d)
     else:
         act_total = act
-    peak = model.NewIntVar(0, max(problem.transient, default=0), f"peak{d}")
+    peak = model.new_int_var(0, max(problem.transient, default=0), f"peak{d}")
     for b in range(n):
         if problem.transient[b]:
-            model.Add(peak >= problem.transient[b] * on_rank(b, d))
-    extra = model.NewIntVar(0, 2 * cap + max(problem.transient, default=0) + problem.loss + 2,
-                            f"extra{d}")
-    model.Add(extra >= act_total + peak)
-    model.Add(extra >= temps)
-    model.Add(static + comm + extra + problem.corrections[d] <= cap)
+            model.add(peak >= problem.transient[b] * on_rank(b, d))
+    extra = model.new_int_var(0, 2 * cap + max(problem.transient, default=0) + problem.loss + 2,
+                              f"extra{d}")
+    model.add(extra >= act_total + peak)
+    model.add(extra >= temps)
+    model.add(static + comm + extra + problem.corrections[d] <= cap)
