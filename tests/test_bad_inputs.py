@@ -313,7 +313,7 @@ def test_check_with_a_missing_model_file(mlp_plan: Path, tmp_path: Path) -> None
 
 # ---- torchrun with the wrong world size --------------------------------------------------------
 
-# The worker's one line: `partc launch: rank N: error: ...` (as tests/test_launch.py accepts).
+# The worker's one line: `partc launch: rank N: error: ...` (as tests/run/test_launch.py accepts).
 WORKER_ERROR = re.compile(r"^partc(?: launch: rank \d+)?: error: ")
 
 

@@ -68,7 +68,7 @@ def test_names_are_listed() -> None:
     assert SHIPPED_DEVICES <= set(list_devices())
     assert SHIPPED_CLUSTERS <= set(list_clusters())
     assert list_devices() == sorted(list_devices())
-    assert config_dir() == Path(__file__).resolve().parent.parent / "configs"
+    assert config_dir() == Path(__file__).resolve().parents[2] / "configs"
 
 
 @pytest.mark.parametrize("name", sorted(SHIPPED_DEVICES))

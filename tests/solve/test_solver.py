@@ -35,7 +35,7 @@ from partc.solve.search import (
 )
 from partc.solve.stage_problem import PipelineShape, ShapeError, StageProblem
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MODELS = {"mlp": ROOT / "examples/mlp.py", "transformer": ROOT / "examples/transformer.py",
           "bert": ROOT / "examples/bert.py", "gpt2": ROOT / "examples/gpt2.py",
           "resnet": ROOT / "examples/resnet.py",

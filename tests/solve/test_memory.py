@@ -7,7 +7,7 @@ running sum, plus what was live before the step); then both stages of real two-p
 (torch.distributed.pipelining over gloo) against their own peaks. docs/memory-model.md explains the
 terms; running this file as a script prints its table of predicted vs measured peaks:
 
-    .venv/bin/python tests/test_memory.py
+    .venv/bin/python tests/solve/test_memory.py
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ from partc.frontend.capture import CaptureResult, capture_graph  # noqa: E402
 from partc.run.reference import measure_training_peak, peak_above_start, storage_bytes
 from partc.run.training import build_optimizer
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 
 # Micro-batch size per example: large enough that activations are a real share of the peak.
