@@ -19,6 +19,7 @@ from partc.errors import PartcError
 from partc.files import write_atomic
 from partc.options import (
     DEFAULT_CAPTURE_BATCH,
+    PROFILE_METHODS,
     STRATEGIES,
     ElasticOptions,
     FlaggedField,
@@ -151,7 +152,7 @@ def _batch_sizes(_ctx: click.Context, _param: click.Parameter,
               help="Micro-batch size B to capture at; B and 2B are profiled.")
 @click.option("--batch-sizes", callback=_batch_sizes,
               help="Profile these micro-batch sizes instead of B and 2B (comma-separated, >= 2).")
-@click.option("--method", type=click.Choice(["auto", "onnxruntime", "torch"]), default="auto",
+@click.option("--method", type=click.Choice(PROFILE_METHODS), default="auto",
               show_default=True,
               help="Forward times from onnxruntime (auto: when the ONNX export works) or torch.")
 @click.option("--analytic", "analytic_device", metavar="DEVICE",

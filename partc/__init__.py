@@ -11,13 +11,14 @@ dependencies pointing one way (docs/architecture.md):
     emit       capture + Partition -> plan directory (TorchScript stage files + plan.yaml)
     run        plan directory -> training on torch.distributed (`partc launch`)
 
-`import partc` is cheap: the names below are loaded on first use, so reading a plan (`partc show`,
-`partc diff`) never imports torch.
+`import partc` is cheap: the names below are loaded from their modules on first use, so reading a
+plan (`partc show`, `partc diff`) never imports torch. Code that wants static types imports them
+from the defining module (`from partc.frontend.capture import capture_graph`).
 """
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from partc.version import __version__
 
@@ -25,8 +26,8 @@ from partc.version import __version__
 _EXPORTS: dict[str, str] = {
     "PartcError": "partc.errors", "ModelFileError": "partc.errors",
     "CaptureError": "partc.errors", "GraphFileError": "partc.errors",
-    "TrainingConfig": "partc.solve.memory", "SearchOptions": "partc.solve.search",
-    "TrainOptions": "partc.run.training",
+    "TrainingConfig": "partc.options", "SearchOptions": "partc.options",
+    "TrainOptions": "partc.options",
     "ModelFile": "partc.frontend.model_file", "load_model_file": "partc.frontend.model_file",
     "Capture": "partc.frontend.export", "capture": "partc.frontend.export",
     "OnnxExport": "partc.frontend.onnx_export", "export_onnx": "partc.frontend.onnx_export",
@@ -48,36 +49,7 @@ _EXPORTS: dict[str, str] = {
     "verify_plan": "partc.emit.verify",
 }
 
-__all__ = ["BlockGraph", "Capture", "CaptureError", "CaptureResult", "ClusterSpec",
-    "CompileOptions", "CostTable", "DeviceSpec", "Edge", "GraphFileError", "GraphOutput",
-    "InfeasibleMemoryError", "Linear", "ModelFile", "ModelFileError", "NodeCost", "OnnxExport",
-    "OpGraph", "OpNode", "Param", "PartcError", "Partition", "Plan", "ProfileOptions",
-    "SearchOptions", "TensorSpec", "TrainOptions", "TrainingConfig", "analytic_cost_table",
-    "build_opgraph", "capture", "capture_graph", "coarsen", "compile_model", "export_onnx",
-    "load_cluster", "load_device", "load_model_file", "load_plan", "plan_costs", "profile_model",
-    "search", "verify_plan", "__version__"]
-
-if TYPE_CHECKING:
-    from partc.cost.measured import ProfileOptions, profile_model
-    from partc.cost.plan_costs import plan_costs
-    from partc.cost.roofline import analytic_cost_table
-    from partc.cost.table import CostTable, Linear, NodeCost
-    from partc.emit.compile import CompileOptions, compile_model
-    from partc.emit.verify import verify_plan
-    from partc.errors import CaptureError, GraphFileError, ModelFileError, PartcError
-    from partc.frontend.capture import CaptureResult, capture_graph
-    from partc.frontend.export import Capture, capture
-    from partc.frontend.graph_builder import build_opgraph
-    from partc.frontend.model_file import ModelFile, load_model_file
-    from partc.frontend.onnx_export import OnnxExport, export_onnx
-    from partc.graph.opgraph import Edge, GraphOutput, OpGraph, OpNode, Param, TensorSpec
-    from partc.hardware.configs import load_cluster, load_device
-    from partc.hardware.specs import ClusterSpec, DeviceSpec
-    from partc.options import SearchOptions, TrainingConfig, TrainOptions
-    from partc.plans.plan import Plan, load_plan
-    from partc.solve.coarsen import BlockGraph, coarsen
-    from partc.solve.partition import Partition
-    from partc.solve.search import InfeasibleMemoryError, search
+__all__ = [*sorted(_EXPORTS), "__version__"]
 
 
 def __getattr__(name: str) -> Any:

@@ -3,12 +3,13 @@
 One definition of each word that several passes, the plan format and the command line share:
 pipeline schedules, precisions, optimizers, strategies and placements are `Literal` types (mypy
 checks every comparison against them) with their tuples of values for run-time checks and click
-choices. The three option types users set are documented dataclasses here too:
+choices. The option types users set are documented dataclasses here too:
 
 - `TrainingConfig`: how a stage is trained, as far as memory and time are concerned (optimizer,
   precision, schedule, activation checkpointing, memory margin);
 - `SearchOptions`: what the user pins of the hybrid-parallel search and how hard it works;
-- `TrainOptions`: how `partc launch` trains (steps, seeds, checkpoints, logging).
+- `TrainOptions`: how `partc launch` trains (steps, seeds, checkpoints, logging);
+- `ElasticOptions`: torchrun's multi-node and restart flags for `partc launch`.
 
 Each converts to and from plain data in one place: `to_dict`/`from_dict` (plan.yaml, JSON) and
 `to_argv`/`add_arguments`+`from_namespace` (command lines), all driven by the fields themselves; a

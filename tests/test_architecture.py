@@ -96,6 +96,16 @@ def test_torch_free_modules_import_without_torch(module: str) -> None:
     assert heavy == "[]", f"importing {module} imports {heavy}"
 
 
+def test_every_lazy_export_is_defined_where_partc_says() -> None:
+    code = ("import partc, importlib\n"
+            "for name, module in partc._EXPORTS.items():\n"
+            "    value = getattr(partc, name)\n"
+            "    assert getattr(value, '__module__', module) == module, (name, module)\n"
+            "    assert getattr(partc, name) is getattr(importlib.import_module(module), name)\n"
+            "print(len(partc._EXPORTS))")
+    assert int(_run_python(code)) > 30
+
+
 def test_show_and_diff_of_a_plan_never_import_torch(tmp_path: Path) -> None:
     plans = ROOT / "examples" / "plans"
     code = f"""

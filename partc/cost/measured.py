@@ -50,10 +50,9 @@ from partc.frontend.export import export_program
 from partc.frontend.model_file import inputs_to_meta
 from partc.frontend.onnx_export import OnnxExport, export_onnx
 from partc.graph.opgraph import OpGraph
+from partc.options import PROFILE_METHODS, ProfileMethod
 from partc.progress import Progress
 from partc.version import __version__
-
-METHODS = ("auto", "onnxruntime", "torch")
 
 
 @dataclass(frozen=True)
@@ -62,7 +61,7 @@ class ProfileOptions:
 
     device: str = "cpu"  # "cpu" | "cuda" | "cuda:N"
     batch_sizes: tuple[int, ...] = ()  # empty: the capture's B and 2B
-    method: str = "auto"  # "auto" (onnxruntime when the export worked, else torch) | ...
+    method: ProfileMethod = "auto"  # auto: onnxruntime when the ONNX export worked, else torch
     threads: int = 1  # intra-op threads (CPU): one per partc CPU "device"
     warmup: int = 3
     runs: int = 10
@@ -191,9 +190,9 @@ def profile_model(model_path: str | Path, batch_size: int, options: ProfileOptio
     """Capture the model at `batch_size` and measure its CostTable on `options.device`."""
     options = options or ProfileOptions()
     progress = progress or Progress()
-    if options.method not in METHODS:
+    if options.method not in PROFILE_METHODS:
         raise PartcError(f"unknown profiling method {options.method!r}",
-                         hint=f"use one of {', '.join(METHODS)}")
+                         hint=f"use one of {', '.join(PROFILE_METHODS)}")
     device = parse_device(options.device)
     threads_before = torch.get_num_threads()
     if device.type == "cpu":
