@@ -22,32 +22,31 @@ from typing import Any
 
 from partc.version import __version__
 
-# Public name -> the module that defines it.
-_EXPORTS: dict[str, str] = {
-    "PartcError": "partc.errors", "ModelFileError": "partc.errors",
-    "CaptureError": "partc.errors", "GraphFileError": "partc.errors",
-    "TrainingConfig": "partc.options", "SearchOptions": "partc.options",
-    "TrainOptions": "partc.options",
-    "ModelFile": "partc.frontend.model_file", "load_model_file": "partc.frontend.model_file",
-    "Capture": "partc.frontend.export", "capture": "partc.frontend.export",
-    "OnnxExport": "partc.frontend.onnx_export", "export_onnx": "partc.frontend.onnx_export",
-    "build_opgraph": "partc.frontend.graph_builder",
-    "CaptureResult": "partc.frontend.capture", "capture_graph": "partc.frontend.capture",
-    "OpGraph": "partc.graph.opgraph", "OpNode": "partc.graph.opgraph",
-    "Edge": "partc.graph.opgraph", "GraphOutput": "partc.graph.opgraph",
-    "Param": "partc.graph.opgraph", "TensorSpec": "partc.graph.opgraph",
-    "DeviceSpec": "partc.hardware.specs", "ClusterSpec": "partc.hardware.specs",
-    "load_device": "partc.hardware.configs", "load_cluster": "partc.hardware.configs",
-    "CostTable": "partc.cost.table", "Linear": "partc.cost.table", "NodeCost": "partc.cost.table",
-    "analytic_cost_table": "partc.cost.roofline", "plan_costs": "partc.cost.plan_costs",
-    "ProfileOptions": "partc.cost.measured", "profile_model": "partc.cost.measured",
-    "BlockGraph": "partc.solve.coarsen", "coarsen": "partc.solve.coarsen",
-    "search": "partc.solve.search", "InfeasibleMemoryError": "partc.solve.search",
-    "Partition": "partc.solve.partition",
-    "Plan": "partc.plans.plan", "load_plan": "partc.plans.plan",
-    "compile_model": "partc.emit.compile", "CompileOptions": "partc.emit.compile",
-    "verify_plan": "partc.emit.verify",
+# The module that defines each public name.
+_DEFINED_IN: dict[str, tuple[str, ...]] = {
+    "partc.errors": ("PartcError", "ModelFileError", "CaptureError", "GraphFileError"),
+    "partc.options": ("TrainingConfig", "SearchOptions", "TrainOptions"),
+    "partc.frontend.model_file": ("ModelFile", "load_model_file"),
+    "partc.frontend.export": ("Capture", "capture"),
+    "partc.frontend.onnx_export": ("OnnxExport", "export_onnx"),
+    "partc.frontend.graph_builder": ("build_opgraph",),
+    "partc.frontend.capture": ("CaptureResult", "capture_graph"),
+    "partc.graph.opgraph": ("OpGraph", "OpNode", "Edge", "GraphOutput", "Param", "TensorSpec"),
+    "partc.hardware.specs": ("DeviceSpec", "ClusterSpec"),
+    "partc.hardware.configs": ("load_device", "load_cluster"),
+    "partc.cost.table": ("CostTable", "Linear", "NodeCost"),
+    "partc.cost.roofline": ("analytic_cost_table",),
+    "partc.cost.plan_costs": ("plan_costs",),
+    "partc.cost.measured": ("ProfileOptions", "profile_model"),
+    "partc.solve.coarsen": ("BlockGraph", "coarsen"),
+    "partc.solve.search": ("search", "InfeasibleMemoryError"),
+    "partc.solve.partition": ("Partition",),
+    "partc.plans.plan": ("Plan", "load_plan"),
+    "partc.emit.compile": ("compile_model", "CompileOptions"),
+    "partc.emit.verify": ("verify_plan",),
 }
+_EXPORTS: dict[str, str] = {name: module for module, names in _DEFINED_IN.items()
+                             for name in names}
 
 __all__ = [*sorted(_EXPORTS), "__version__"]
 
