@@ -55,6 +55,12 @@ class DeviceSpec:
     description: str = ""
     source: str = ""
     allow_tf32: bool = False  # float32 matrix ops run at the "tf32" peak (when it is given)
+    # Fixed time per operator's backward (autograd engine node + kernel launch); None: the same
+    # as op_overhead_s. Eager training pays it once per differentiable operator per micro-batch.
+    backward_op_overhead_s: float | None = None
+    # The pipelining runtime's fixed host time per stage, per micro-batch and pass (forward or
+    # backward): schedule bookkeeping, the autograd call, p2p posts and waits besides the wire.
+    microbatch_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         problems = _device_problems(self)
@@ -81,12 +87,23 @@ class DeviceSpec:
             peak = min(self.peak_flops.get(key, fp32), fp32)
         return peak * self.efficiency[op_class]
 
+    def backward_overhead_s(self) -> float:
+        """Fixed time of one operator's backward (`backward_op_overhead_s`, else the forward's)."""
+        return (self.op_overhead_s if self.backward_op_overhead_s is None
+                else self.backward_op_overhead_s)
+
     def bytes_per_s(self) -> float:
         """Memory bandwidth that streaming operators reach (bytes/s)."""
         return self.memory_bandwidth * self.bandwidth_efficiency
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data in base units; `device_from_dict` reads it back to an equal spec."""
+        """Plain data in base units; `device_from_dict` reads it back to an equal spec. The
+        overhead terms are written only when set, so specs without them keep their old text."""
+        extra: dict[str, Any] = {}
+        if self.backward_op_overhead_s is not None:
+            extra["backward_op_overhead_s"] = self.backward_op_overhead_s
+        if self.microbatch_overhead_s:
+            extra["microbatch_overhead_s"] = self.microbatch_overhead_s
         return {
             "name": self.name,
             "kind": self.kind,
@@ -99,6 +116,7 @@ class DeviceSpec:
             "bandwidth_efficiency": self.bandwidth_efficiency,
             "efficiency": {k: self.efficiency[k] for k in OP_CLASSES},
             "op_overhead_s": self.op_overhead_s,
+            **extra,
         }
 
 
@@ -122,6 +140,10 @@ def _device_problems(d: DeviceSpec) -> list[str]:
         problems.append("memory_bandwidth must be > 0")
     if not d.op_overhead_s >= 0:
         problems.append("op_overhead_s must be >= 0")
+    if d.backward_op_overhead_s is not None and not d.backward_op_overhead_s >= 0:
+        problems.append("backward_op_overhead_s must be >= 0")
+    if not d.microbatch_overhead_s >= 0:
+        problems.append("microbatch_overhead_s must be >= 0")
     return problems
 
 
