@@ -53,6 +53,27 @@ class StagePlan:
 
 
 @dataclass(frozen=True)
+class CutCandidate:
+    """One cut the search simulated before choosing the plan (SolverReport.candidates): the
+    shape's label, whose cut it is, its solver objective J and its simulated iteration time."""
+
+    shape: str  # PipelineShape.label()
+    cut_from: Strategy
+    objective_s: float
+    iteration_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"shape": self.shape, "cut_from": self.cut_from,
+                "objective_s": round_seconds(self.objective_s),
+                "iteration_s": round_seconds(self.iteration_s)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "CutCandidate":
+        return cls(shape=d["shape"], cut_from=d["cut_from"], objective_s=d["objective_s"],
+                   iteration_s=d["iteration_s"])
+
+
+@dataclass(frozen=True)
 class SolverReport:
     """How the partition was found and how good it provably is (plan.yaml's `solver`).
 
@@ -62,6 +83,16 @@ class SolverReport:
     bound over every shape the search enumerated (CP-SAT bounds where it ran, analytic bounds
     elsewhere), so search_gap says how far any other shape could possibly be better. wall_s: the
     solve's wall-clock time; None once recorded (`recorded`), since a plan holds no timings.
+
+    cut_from: whose cut of the chosen shape the plan runs. For the optimizing strategies (cpsat,
+    chain-dp) the search simulates the cuts of its best shapes (its own and the baselines', see
+    partc.solve.search.RERANK_SHAPES) and keeps the fastest simulated one, so this can be
+    "uniform" or "params" (or "chain-dp" under cpsat: a shape CP-SAT did not refine, or whose
+    DP cut simulates faster); `candidates` lists every cut simulated, fastest first, the chosen
+    one first. status, bound_s and gap remain those of the solver on the chosen shape (no bound
+    when it is a shape CP-SAT did not refine); objective_s is J of the chosen cut. Baseline
+    strategies run their own cut: cut_from = strategy, no candidates. Plans written before these
+    fields read back as cut_from = strategy, no candidates.
     """
 
     strategy: Strategy
@@ -77,9 +108,17 @@ class SolverReport:
     blocks: int
     time_limit_s: float
     wall_s: float | None
+    cut_from: Strategy | None = None  # None: the strategy's own cut (see `chosen_cut`)
+    candidates: tuple[CutCandidate, ...] = ()
+
+    @property
+    def chosen_cut(self) -> Strategy:
+        """Whose cut the plan runs (cut_from, or the strategy itself when not recorded)."""
+        return self.cut_from or self.strategy
 
     def to_dict(self, include_time: bool = True) -> dict[str, Any]:
-        d = {"strategy": self.strategy, "status": self.status,
+        d = {"strategy": self.strategy, "status": self.status, "cut_from": self.chosen_cut,
+             "candidates": [c.to_dict() for c in self.candidates],
              "objective_s": round_seconds(self.objective_s),
              "bound_s": None if self.bound_s is None else round_seconds(self.bound_s),
              "gap": None if self.gap is None else round(self.gap, 6),
@@ -100,7 +139,9 @@ class SolverReport:
                    bound_s=d["bound_s"], gap=d["gap"], search_bound_s=d["search_bound_s"],
                    search_gap=d["search_gap"], shapes_enumerated=shapes["enumerated"],
                    shapes_evaluated=shapes["evaluated"], shapes_pruned=shapes["pruned_by_bound"],
-                   blocks=d["blocks"], time_limit_s=d["time_limit_s"], wall_s=d.get("wall_s"))
+                   blocks=d["blocks"], time_limit_s=d["time_limit_s"], wall_s=d.get("wall_s"),
+                   cut_from=d.get("cut_from", d["strategy"]),
+                   candidates=tuple(CutCandidate.from_dict(c) for c in d.get("candidates", ())))
 
     def recorded(self) -> "SolverReport":
         """The report as a plan records it: rounded as plan.yaml writes it, without wall time."""
@@ -284,7 +325,8 @@ def format_partition(p: Partition) -> str:
     lines.append(f"predicted: {p.iteration_s * 1e3:.3f} ms/iteration, {p.samples_per_s:,.1f} "
                  f"samples/s, bubble {p.simulation.bubble_fraction:.1%}; usable memory "
                  f"{_gib(p.usable_memory_bytes)} per device")
-    lines.append(f"solver: {r.strategy} {r.status}, objective {r.objective_s * 1e3:.3f} ms, "
+    cut = "" if r.chosen_cut == r.strategy else f" ({r.chosen_cut}'s cut simulates faster)"
+    lines.append(f"solver: {r.strategy} {r.status}{cut}, objective {r.objective_s * 1e3:.3f} ms, "
                  f"gap {gap}, search gap {r.search_gap:.2%} ({r.shapes_evaluated} of "
                  f"{r.shapes_enumerated} shapes evaluated, {r.shapes_pruned} pruned by bound), "
                  f"{r.blocks} blocks" + (f", {r.wall_s:.1f} s" if r.wall_s is not None else ""))

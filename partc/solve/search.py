@@ -16,7 +16,12 @@ their plans compare like for like:
    tightened and the shape re-solved.
 4. `cpsat` then optimises the best `refine` shapes with CP-SAT over the block DAG, seeded with the
    DP's and baselines' cuts, and reports its bound and gap.
-5. The winner is simulated (partc.solve.simulator) for the predicted iteration time and bubble.
+5. `cpsat` and `chain-dp`: the cuts of the best RERANK_SHAPES shapes (by the objective) -- the
+   strategy's own, the DP's and the baselines' of the same shape -- are simulated
+   (partc.solve.simulator) and the fastest simulated one that fits memory is the plan: the
+   objective is a smooth estimate that can disagree with the simulator, and a plan must never be
+   one the simulator puts slower than a baseline's cut of its shape. `uniform` and `params` keep
+   their own cut. The plan is simulated for the predicted iteration time and bubble.
 """
 from __future__ import annotations
 
@@ -33,7 +38,7 @@ from partc.options import STRATEGIES, Placement, Schedule, SearchOptions, Strate
 from partc.progress import Progress
 from partc.solve.coarsen import BlockGraph, coarsen
 from partc.solve.memory import in_flight_microbatches, param_memory, stage_boundary, usable_memory
-from partc.solve.partition import Partition, SolverReport, StagePlan
+from partc.solve.partition import CutCandidate, Partition, SolverReport, StagePlan, round_seconds
 from partc.solve.simulator import PipelineSpec, StageTiming, simulate
 from partc.solve.stage_problem import PipelineShape, StageProblem, sync_bytes, wire_bytes
 from partc.solve.strategies.baselines import params_assignment, uniform_assignment
@@ -41,6 +46,15 @@ from partc.solve.strategies.chain_dp import solve_chain_dp
 from partc.solve.strategies.cpsat import solve_cpsat
 
 _MAX_CORRECTION_ROUNDS = 4
+
+# How many of the best shapes (by the solver's objective J, after refinement) have their cuts
+# re-ranked by the simulator (module docstring, step 5). J and the simulated iteration disagree
+# by up to ~20% between cuts of one shape but rarely reorder shapes J puts far apart; 3 shapes of
+# up to 4 cuts each cost 12 simulations, negligible next to the solves. A constant, not an
+# option: it changes plans, and SearchOptions' fields are recorded in every plan.
+RERANK_SHAPES = 3
+# Strategies whose cut is re-ranked against the baselines'; a baseline asked for runs its own cut.
+RERANKED_STRATEGIES: tuple[Strategy, ...] = ("cpsat", "chain-dp")
 
 
 class InfeasibleMemoryError(PartcError):
@@ -57,6 +71,8 @@ class _Candidate:
     status: str = ""
     bound_s: float | None = None  # proven lower bound for this shape (CP-SAT / exact DP)
     hints: tuple[tuple[int, ...], ...] = ()
+    source: Strategy | None = None  # whose cut `assignment` is
+    dp_assignment: tuple[int, ...] | None = None  # the exact DP's cut, when it fits
 
 
 # ---- shapes ----------------------------------------------------------------------------------
@@ -264,19 +280,97 @@ def search(table: CostTable, cluster: ClusterSpec, global_batch: int,
     # analytic bound elsewhere; pruned shapes have bounds no better than the best objective.
     bounds = [c.bound_s if c.bound_s is not None else c.lower_bound_s for c in evaluated]
     search_bound = min(bounds + [best.objective_s])
+    assert best.problem is not None and best.assignment is not None and best.source is not None
+    cut = _Cut(best, best.assignment, best.source, best.objective_s, None)
+    considered: tuple[CutCandidate, ...] = ()
+    if strategy in RERANKED_STRATEGIES:
+        with progress.step(f"{strategy}: simulate the cuts of the best {RERANK_SHAPES} shapes"):
+            cut, considered = _rerank(evaluated, blocks, global_batch)
+    best = cut.shape
     wall = time.perf_counter() - start
     report = SolverReport(
-        strategy=strategy, status=best.status, objective_s=best.objective_s,
+        strategy=strategy, status=best.status, objective_s=cut.objective_s,
         # chain-dp has a bound only where it is exact (a chain block graph, one stage per rank)
-        bound_s=best.bound_s if strategy in ("cpsat", "chain-dp") else None,
-        gap=_gap(best.objective_s, best.bound_s) if best.bound_s is not None else None,
-        search_bound_s=search_bound, search_gap=_gap(best.objective_s, search_bound) or 0.0,
+        bound_s=best.bound_s if strategy in RERANKED_STRATEGIES else None,
+        gap=_gap(cut.objective_s, best.bound_s) if best.bound_s is not None else None,
+        search_bound_s=search_bound, search_gap=_gap(cut.objective_s, search_bound) or 0.0,
         shapes_enumerated=len(shapes), shapes_evaluated=len(evaluated), shapes_pruned=pruned,
-        blocks=len(blocks.blocks), time_limit_s=options.time_limit_s, wall_s=wall)
+        blocks=len(blocks.blocks), time_limit_s=options.time_limit_s, wall_s=wall,
+        cut_from=cut.source, candidates=considered)
     if report.bound_s is None:
         report = replace(report, gap=None)
-    assert best.problem is not None and best.assignment is not None
-    return build_partition(best.problem, best.assignment, global_batch, report)
+    assert best.problem is not None
+    if cut.partition is not None:  # already built (and simulated) by the re-ranking
+        return replace(cut.partition, solver=report)
+    return build_partition(best.problem, cut.assignment, global_batch, report)
+
+
+@dataclass
+class _Cut:
+    """One cut of one evaluated shape, as the re-ranking builds and simulates it."""
+
+    shape: _Candidate
+    assignment: tuple[int, ...]
+    source: Strategy
+    objective_s: float  # J of this cut
+    partition: Partition | None  # built (simulated) with a placeholder report
+
+
+def _shape_cuts(cand: _Candidate, blocks: BlockGraph) -> list[tuple[tuple[int, ...], Strategy]]:
+    """The cuts of one shape worth simulating, the shape's own (the strategy's answer) first,
+    then the DP's and the baselines', each once and only if it fits the exact memory model."""
+    problem = cand.problem
+    assert problem is not None and cand.assignment is not None and cand.source is not None
+    cuts: list[tuple[tuple[int, ...], Strategy]] = [(cand.assignment, cand.source)]
+    if cand.dp_assignment is not None:
+        cuts.append((cand.dp_assignment, "chain-dp"))
+    V = cand.shape.virtual_stages
+    for name, fn in (("uniform", uniform_assignment), ("params", params_assignment)):
+        a = fn(blocks, V)
+        if a is not None and problem.valid(a) and _exact_fits(problem, a):
+            cuts.append((a, name))  # type: ignore[arg-type]  # a Strategy literal
+    seen: set[tuple[int, ...]] = set()
+    unique = []
+    for a, name in cuts:
+        if a not in seen:
+            seen.add(a)
+            unique.append((a, name))
+    return unique
+
+
+def _rerank(evaluated: Sequence[_Candidate], blocks: BlockGraph,
+            global_batch: int) -> tuple[_Cut, tuple[CutCandidate, ...]]:
+    """Simulate the cuts of the best RERANK_SHAPES shapes by J and pick the fastest (module
+    docstring, step 5). Ties (on the iteration time as plans round it) go to the shape's own cut
+    of the strategy, then to the DP's, uniform's, params', then to the shape better by J: the same
+    inputs always give the same plan. Returns the chosen cut and every cut simulated, in order."""
+    ranked = sorted((c for c in evaluated if c.assignment is not None),
+                    key=lambda c: (c.objective_s, c.shape.label()))[:RERANK_SHAPES]
+    scored: list[tuple[tuple[float, int, int], _Cut]] = []
+    for shape_rank, cand in enumerate(ranked):
+        problem = cand.problem
+        assert problem is not None
+        unit = problem.time_unit_s / cand.shape.chunks
+        for priority, (a, source) in enumerate(_shape_cuts(cand, blocks)):
+            objective = cand.objective_s if priority == 0 else problem.objective(a) * unit
+            placeholder = _placeholder_report(cand, source, objective)
+            partition = build_partition(problem, a, global_batch, placeholder)
+            key = (round_seconds(partition.iteration_s), priority, shape_rank)
+            scored.append((key, _Cut(cand, a, source, objective, partition)))
+    scored.sort(key=lambda kc: kc[0])
+    considered = tuple(CutCandidate(shape=c.shape.shape.label(), cut_from=c.source,
+                                    objective_s=c.objective_s,
+                                    iteration_s=c.partition.iteration_s if c.partition else 0.0)
+                       for _, c in scored)
+    return scored[0][1], considered
+
+
+def _placeholder_report(cand: _Candidate, source: Strategy, objective_s: float) -> SolverReport:
+    """What build_partition gets while the re-ranking compares cuts; search() replaces it."""
+    return SolverReport(strategy=source, status=cand.status, objective_s=objective_s,
+                        bound_s=None, gap=None, search_bound_s=0.0, search_gap=0.0,
+                        shapes_enumerated=0, shapes_evaluated=0, shapes_pruned=0, blocks=1,
+                        time_limit_s=1.0, wall_s=None, cut_from=source)
 
 
 def _gap(objective: float, bound: float | None) -> float | None:
@@ -297,7 +391,7 @@ def _screen(cand: _Candidate, blocks: BlockGraph, table: CostTable, cluster: Clu
         fn = uniform_assignment if strategy == "uniform" else params_assignment
         a = fn(blocks, V)
         if a is not None and problem.valid(a) and _exact_fits(problem, a):
-            cand.assignment, cand.status = a, "heuristic"
+            cand.assignment, cand.status, cand.source = a, "heuristic", strategy
             cand.objective_s = problem.objective(a) * unit
         else:
             cand.status = "does not fit"
@@ -310,7 +404,8 @@ def _screen(cand: _Candidate, blocks: BlockGraph, table: CostTable, cluster: Clu
                 cand.bound_s = math.inf  # proven: no contiguous cut fits the linear model
             break
         if _exact_fits(problem, result.assignment):
-            cand.assignment = result.assignment
+            cand.assignment = cand.dp_assignment = result.assignment
+            cand.source = "chain-dp"
             cand.objective_s = problem.objective(result.assignment) * unit
             exact = cand.shape.chunks == 1 and rounds == 0
             cand.status = "optimal" if exact and blocks.is_chain else "screened"
@@ -321,20 +416,23 @@ def _screen(cand: _Candidate, blocks: BlockGraph, table: CostTable, cluster: Clu
             break
         _tighten(problem, result.assignment)
     if strategy == "cpsat":
-        for fn in (uniform_assignment, params_assignment):
+        baselines: list[tuple[tuple[int, ...], Strategy]] = []
+        for name, fn in (("uniform", uniform_assignment), ("params", params_assignment)):
             a = fn(blocks, V)
             if a is not None and problem.valid(a):
-                hints.append(a)
+                baselines.append((a, name))  # type: ignore[arg-type]  # a Strategy literal
+        hints = [a for a, _ in baselines]
         if cand.assignment is not None:
             hints.insert(0, cand.assignment)
         cand.hints = tuple(hints)
-        for a in hints[1:]:
+        for a, name in baselines:
             # A baseline cut can beat the DP's on interleaved shapes (the DP balances virtual
             # stages there) and on DAGs never; keep whichever is better as the screen value.
             if problem.fits(a) and _exact_fits(problem, a):
                 value = problem.objective(a) * unit
                 if value < cand.objective_s:
                     cand.assignment, cand.objective_s, cand.status = a, value, "screened"
+                    cand.source = name
 
 
 def _refine(cand: _Candidate, options: SearchOptions) -> None:
@@ -356,6 +454,7 @@ def _refine(cand: _Candidate, options: SearchOptions) -> None:
         if _exact_fits(problem, result.assignment):
             assert result.objective is not None  # CP-SAT returns one with every assignment
             cand.assignment = result.assignment
+            cand.source = "cpsat"
             cand.objective_s = result.objective * unit
             cand.status = result.status.lower()
             cand.bound_s = None if result.bound is None else result.bound * unit
@@ -475,8 +574,12 @@ def build_partition(problem: StageProblem, assignment: Sequence[int], global_bat
                 sends_bwd[k] += link.transfer_s(int(nbytes))
     for k in range(V):
         nodes = tuple(n for b in members[k] for n in blocks.blocks[b].nodes)
-        fwd = sum(blocks.blocks[b].forward.at(m) for b in members[k])
-        bwd = sum(blocks.blocks[b].backward.at(m) for b in members[k]) + (fwd if ckpt else 0.0)
+        # the runtime's host work per micro-batch and pass (StageProblem.stage_overhead)
+        overhead = cluster.device.microbatch_overhead_s
+        work = sum(blocks.blocks[b].forward.at(m) for b in members[k])
+        fwd = overhead + work
+        bwd = overhead + sum(blocks.blocks[b].backward.at(m) for b in members[k]) + (
+            work if ckpt else 0.0)
         params = tuple(dict.fromkeys(p for b in members[k] for p in blocks.blocks[b].params
                                      if graph.param(p).kind == "parameter"))
         receives, sends = stage_boundary(graph, nodes)
@@ -566,6 +669,6 @@ def compare_strategies(table: CostTable, cluster: ClusterSpec, global_batch: int
     return out
 
 
-__all__ = ["InfeasibleMemoryError", "search",
+__all__ = ["InfeasibleMemoryError", "search", "RERANK_SHAPES", "RERANKED_STRATEGIES",
            "compare_strategies", "enumerate_shapes", "shape_lower_bound", "ParameterTotals",
            "build_partition"]

@@ -11,6 +11,7 @@ can be compared exactly.
 Objective (docs/solver.md derives it), with V = S*v virtual stages, virtual stage k on rank k % S:
 
     t_k  = compute of its blocks (forward + backward [+ forward again under checkpointing])
+           + the runtime's fixed host work per micro-batch (stage_overhead)
            + transfer time of what it receives: activations crossing boundary k (forward) and
              gradients crossing boundary k+1 (backward)
     T_d  = sum of t_k over the virtual stages of rank d
@@ -184,6 +185,9 @@ class StageProblem:
     inputs: int  # units of the input micro-batches the first rank holds
     capacity: int  # usable memory units per device
     corrections: list[int] = field(default_factory=list)  # per rank, memory units
+    # time units every virtual stage pays per micro-batch whatever its blocks: the pipelining
+    # runtime's host work for one forward and one backward (DeviceSpec.microbatch_overhead_s)
+    stage_overhead: int = 0
 
     # ---- construction ----------------------------------------------------------------------
     @classmethod
@@ -228,7 +232,8 @@ class StageProblem:
                    activation_coef=[(1.0 if ckpt else in_flight[d]) / shape.chunks
                                     for d in range(S)],
                    keep_coef=[in_flight[d] / shape.chunks for d in range(S)], loss=loss,
-                   inputs=inputs, capacity=usable // units.memory_bytes, corrections=[0] * S)
+                   inputs=inputs, capacity=usable // units.memory_bytes, corrections=[0] * S,
+                   stage_overhead=units.time(2 * cluster.device.microbatch_overhead_s))
 
     # ---- evaluation of an assignment ---------------------------------------------------------
     @property
@@ -249,7 +254,7 @@ class StageProblem:
     def stage_times(self, assignment: Sequence[int]) -> list[int]:
         """t_k in time units for every virtual stage."""
         V = self.shape.virtual_stages
-        t = [0] * V
+        t = [self.stage_overhead] * V
         for b, k in enumerate(assignment):
             t[k] += self.compute[b]
         for tensor in self.tensors:

@@ -33,6 +33,7 @@ from partc.solve.search import (
     search,
     shape_lower_bound,
 )
+from partc.solve.partition import Partition
 from partc.solve.stage_problem import PipelineShape, ShapeError, StageProblem
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -293,10 +294,17 @@ def test_cpsat_plan_is_no_worse_than_baselines_under_the_same_search() -> None:
     results = compare_strategies(table_of("two_branch"), CPU, 32,
                                  options=SearchOptions(stages=2, schedule="gpipe"))
     cp = results["cpsat"]
+    assert isinstance(cp, Partition)
+    # CP-SAT's best J (its own cut of the shape best by J, among the cuts it then simulated) is
+    # no worse than any strategy's; the plan itself is the fastest simulated of those cuts
+    # (docs/solver.md, step 5), so no slower than a baseline plan of the same shape.
+    best_objective = min(c.objective_s for c in cp.solver.candidates)
     for name in ("chain-dp", "uniform", "params"):
         other = results[name]
-        if hasattr(other, "solver"):
-            assert cp.solver.objective_s <= other.solver.objective_s * (1 + 1e-9), name
+        if isinstance(other, Partition):
+            assert best_objective <= other.solver.objective_s * (1 + 1e-9), name
+            if other.shape == cp.shape:
+                assert cp.iteration_s <= other.iteration_s * (1 + 1e-9), name
 
 
 def test_search_checkpoints_when_memory_requires_it() -> None:

@@ -118,7 +118,7 @@ def solve_chain_dp(problem: StageProblem, upper_bound: int | None = None) -> DPR
                         continue
                 elif st > capacity:
                     break
-                t_k = comp[j] - comp[i] + (xfwd[i][k] if k > 0 else 0) \
+                t_k = problem.stage_overhead + comp[j] - comp[i] + (xfwd[i][k] if k > 0 else 0) \
                     + (xbwd[j][k + 1] if not last else 0)
                 if exact:
                     has = trainable[j] - trainable[i] > 0

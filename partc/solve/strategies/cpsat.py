@@ -149,7 +149,8 @@ def _build(problem: StageProblem) -> tuple[cp_model.CpModel, list[list[Lit]], cp
     # Times.
     stage_t = []
     for k in range(V):
-        expr = sum(problem.compute[b] * x(b, k) for b in range(n) if problem.compute[b])
+        expr = problem.stage_overhead + sum(problem.compute[b] * x(b, k) for b in range(n)
+                                            if problem.compute[b])
         for t, row in zip(problem.tensors, cross, strict=True):
             if k >= 1 and t.forward[k]:
                 expr += t.forward[k] * row[k]
