@@ -17,29 +17,43 @@ AccumulateGrad and the autograd engine's own time). Nodes without a backward get
 Each node's forward, backward and saved bytes are then fitted as fixed + per_sample * m over the
 profiled sizes.
 
-When the model has no ONNX export (or `method="torch"`), every node is priced by torch's own
-per-node shares of T_f and T_b; the profile records which method priced which node.
+When the model has no ONNX export (or `method="torch"`, or `auto` on a device onnxruntime has no
+execution provider for, or a bf16-mixed precision, which onnxruntime cannot autocast), every node is
+priced by torch's own per-node shares of T_f and T_b; the profile records which method priced which
+node, and why `auto` fell back to torch (`calibration.fallback`).
+
+Precision: every forward runs under `precision_autocast` (bf16 autocast for bf16-mixed), the way
+launch runs a stage, and so do the saved-activation measurements.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import platform
 from dataclasses import dataclass, replace
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch.export import ExportedProgram
 
 from partc.cost.activations import buffers_restored, saved_activation_bytes
-from partc.cost.ort_profiler import OrtTiming, ProfileError, onnx_feeds, time_onnx
+from partc.cost.ort_profiler import (
+    OrtTiming,
+    ProfileError,
+    TimingChoice,
+    choose_provider,
+    onnx_feeds,
+    time_onnx,
+)
 from partc.cost.table import CostSource, CostTable, Linear, NodeCost, needs_backward
 from partc.cost.torch_profiler import (
     TorchTiming,
     flat_inputs,
     inputs_on,
     node_owner,
+    precision_autocast,
     program_module,
     time_nodes,
     to_device,
@@ -50,7 +64,7 @@ from partc.frontend.export import export_program
 from partc.frontend.model_file import inputs_to_meta
 from partc.frontend.onnx_export import OnnxExport, export_onnx
 from partc.graph.opgraph import OpGraph
-from partc.options import PROFILE_METHODS, ProfileMethod
+from partc.options import PRECISIONS, PROFILE_METHODS, Precision, ProfileMethod
 from partc.progress import Progress
 from partc.version import __version__
 
@@ -65,6 +79,38 @@ class ProfileOptions:
     threads: int = 1  # intra-op threads (CPU): one per partc CPU "device"
     warmup: int = 3
     runs: int = 10
+    precision: Precision = "fp32"  # bf16-mixed: forward under bf16 autocast, timed in torch
+
+
+def check_options(options: ProfileOptions) -> None:
+    """Raise a ProfileError for a method or precision partc does not know."""
+    if options.method not in PROFILE_METHODS:
+        raise ProfileError(f"unknown profiling method {options.method!r}",
+                           hint=f"use one of {', '.join(PROFILE_METHODS)}")
+    if options.precision not in PRECISIONS:
+        raise ProfileError(f"unknown precision {options.precision!r}",
+                           hint=f"use one of {', '.join(PRECISIONS)}")
+
+
+def timing_choice(options: ProfileOptions, device: torch.device) -> TimingChoice:
+    """How forward times are measured on `device` (`choose_provider` with this onnxruntime's
+    providers)."""
+    import onnxruntime as ort
+
+    return choose_provider(options.method, device.type, ort.get_available_providers(),
+                           options.precision)
+
+
+@contextlib.contextmanager
+def intra_op_threads(device: torch.device, threads: int) -> Iterator[None]:
+    """torch's intra-op threads set to `threads` while measuring on CPU, restored after."""
+    before = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def parse_device(text: str) -> torch.device:
@@ -152,9 +198,11 @@ def _measure(result: CaptureResult, b: int, device: torch.device, use_ort: bool,
     inputs = inputs_on(cap.model_file.inputs(b), device)
     with progress.step(f"torch: saved activations, fwd/bwd per node at batch {b}"):
         with buffers_restored(module):
-            saved = saved_activation_bytes(module, inputs)
+            # saved bytes under the precision's autocast: bf16-mixed saves bf16 activations
+            with precision_autocast(options.precision, device.type):
+                saved = saved_activation_bytes(module, inputs)
             timing = time_nodes(module, inputs, b, device, warmup=options.warmup,
-                                runs=max(3, options.runs // 2))
+                                runs=max(3, options.runs // 2), precision=options.precision)
     ort_timing = None
     if use_ort:
         export = _onnx_at(result, b, program, progress)
@@ -190,43 +238,43 @@ def profile_model(model_path: str | Path, batch_size: int, options: ProfileOptio
     """Capture the model at `batch_size` and measure its CostTable on `options.device`."""
     options = options or ProfileOptions()
     progress = progress or Progress()
-    if options.method not in PROFILE_METHODS:
-        raise PartcError(f"unknown profiling method {options.method!r}",
-                         hint=f"use one of {', '.join(PROFILE_METHODS)}")
+    check_options(options)
     device = parse_device(options.device)
-    threads_before = torch.get_num_threads()
-    if device.type == "cpu":
-        torch.set_num_threads(options.threads)
-    try:
-        result = capture_graph(model_path, batch_size, onnx=options.method != "torch",
-                               progress=progress)
+    # no ONNX export when torch times the forward anyway (it takes as long as a capture)
+    onnx = timing_choice(options, device).provider is not None
+    with intra_op_threads(device, options.threads):
+        result = capture_graph(model_path, batch_size, onnx=onnx, progress=progress)
         return measure_costs(result, device, options, progress)
-    finally:
-        torch.set_num_threads(threads_before)
 
 
 def measure_costs(result: CaptureResult, device: torch.device, options: ProfileOptions,
                   progress: Progress) -> CostTable:
     """The measured CostTable of a capture (see the module docstring for the method)."""
+    check_options(options)
     graph = result.graph
     sizes = options.batch_sizes or (graph.batch_size, 2 * graph.batch_size)
     sizes = tuple(sorted(set(sizes)))
     if len(sizes) < 2:
         raise PartcError(f"profiling needs two or more batch sizes, got {list(sizes)}",
                          hint="pass --batch-sizes with at least two values, e.g. 2,4")
-    use_ort = options.method != "torch" and result.onnx is not None and result.onnx.status == "ok"
+    choice = timing_choice(options, device)
+    if choice.fallback:
+        progress.warn(choice.fallback)
+    exported = result.onnx is not None and result.onnx.status == "ok"
+    use_ort = choice.provider is not None and exported
     if options.method == "onnxruntime" and not use_ort:
         raise ProfileError("the model has no ONNX export, so onnxruntime cannot profile it",
                            hint="use --method torch (or auto)")
-    if not use_ort and options.method == "auto" and result.onnx is not None:
+    if choice.provider is not None and not exported and result.onnx is not None:
         progress.warn("pricing every node in torch (no ONNX export)")
     measurements = [_measure(result, b, device, use_ort, options, progress) for b in sizes]
-    return combine(graph, measurements, device, options, use_ort)
+    return combine(graph, measurements, device, options, use_ort, fallback=choice.fallback)
 
 
 def combine(graph: OpGraph, measurements: list[_Measurement], device: torch.device,
-            options: ProfileOptions, use_ort: bool) -> CostTable:
-    """Join torch and onnxruntime measurements into per-node Linear costs."""
+            options: ProfileOptions, use_ort: bool, fallback: str = "") -> CostTable:
+    """Join torch and onnxruntime measurements into per-node Linear costs; `fallback` (why `auto`
+    timed in torch) is recorded in the calibration."""
     kinds = {n.name: n.kind for n in graph.nodes}
     names = [n.name for n in graph.nodes]
     differentiable = set().union(*(m.torch.differentiable for m in measurements)) & set(names)
@@ -297,11 +345,13 @@ def combine(graph: OpGraph, measurements: list[_Measurement], device: torch.devi
     provider = next((m.ort.provider for m in measurements if m.ort is not None), "")
     source = CostSource(
         kind="measured", device=device_label(device), device_kind=device.type, provider=provider,
+        precision=options.precision,
         threads=options.threads if device.type == "cpu" else 0, graph_hash=graph.content_hash(),
         model=graph.model_name, batch_sizes=tuple(m.batch_size for m in measurements),
         versions=_versions(),
         calibration={"backward_ratios": {k: _r(v) for k, v in ratios.items()},
-                     "measured": validation, "warmup": options.warmup, "runs": options.runs})
+                     "measured": validation, "warmup": options.warmup, "runs": options.runs,
+                     **({"fallback": fallback} if fallback else {})})
     return CostTable(graph=graph, source=source, nodes=nodes)
 
 

@@ -19,13 +19,14 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import onnx
 import torch
 
 from partc.errors import PartcError
+from partc.options import Precision, ProfileMethod
 
 _KERNEL_SUFFIX = "_kernel_time"
 
@@ -43,21 +44,59 @@ class ProfileError(PartcError):
     """The device or runtime cannot profile this model."""
 
 
+# The onnxruntime execution provider that runs on each kind of torch device partc profiles.
+_PROVIDERS: dict[str, str] = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+
+
+@dataclass(frozen=True)
+class TimingChoice:
+    """What times forward per node: an onnxruntime execution provider, or torch (`provider` is
+    None); `fallback` says why `auto` fell back to torch ("" when it did not)."""
+
+    provider: str | None
+    fallback: str = ""
+
+
+def choose_provider(method: ProfileMethod, device_type: str, available: Sequence[str],
+                    precision: Precision = "fp32") -> TimingChoice:
+    """Pick the forward timing for `method` on a device of `device_type`, given onnxruntime's
+    available providers (`onnxruntime.get_available_providers()`). Pure, so it is testable
+    anywhere. `auto` falls back to torch when onnxruntime has no provider for the device or the
+    precision needs autocast (onnxruntime cannot autocast); an explicit `onnxruntime` that cannot
+    be honoured is a ProfileError."""
+    if method == "torch":
+        return TimingChoice(None)
+    if precision != "fp32":
+        if method == "onnxruntime":
+            raise ProfileError(f"onnxruntime cannot time {precision} (it runs the exported graph's "
+                               "own dtypes; bf16-mixed is torch autocast)",
+                               hint="use --method auto or torch with --precision " + precision)
+        return TimingChoice(None, f"{precision} is timed in torch (onnxruntime cannot autocast)")
+    provider = _PROVIDERS.get(device_type)
+    if provider is None:
+        raise ProfileError(f"cannot profile on device type {device_type!r}",
+                           hint="use --device cpu or cuda[:N]")
+    if provider in available:
+        return TimingChoice(provider)
+    missing = (f"onnxruntime here has no {provider} (available: "
+               f"{', '.join(available) or 'none'})")
+    if method == "onnxruntime":
+        raise ProfileError(missing, hint="install the onnxruntime build for this device (e.g. "
+                                         "onnxruntime-gpu matching your CUDA), or use --method "
+                                         "auto or torch")
+    return TimingChoice(None, f"{missing}: forward times measured in torch")
+
+
 def execution_provider(device: torch.device) -> tuple[str, dict[str, Any]]:
-    """onnxruntime execution provider (and its options) for a torch device."""
+    """onnxruntime execution provider (and its options) for a torch device; ProfileError when
+    onnxruntime here has none for it."""
     import onnxruntime as ort
 
-    available = ort.get_available_providers()
-    if device.type == "cpu":
-        return "CPUExecutionProvider", {}
+    provider = choose_provider("onnxruntime", device.type, ort.get_available_providers()).provider
+    assert provider is not None  # an explicit onnxruntime choice raises instead
     if device.type == "cuda":
-        if "CUDAExecutionProvider" not in available:
-            raise ProfileError(
-                f"onnxruntime here has no CUDAExecutionProvider "
-                f"(available: {', '.join(available)})",
-                hint="install onnxruntime-gpu matching your CUDA, or profile with --device cpu")
-        return "CUDAExecutionProvider", {"device_id": device.index or 0}
-    raise ProfileError(f"cannot profile on device {device}", hint="use --device cpu or cuda[:N]")
+        return provider, {"device_id": device.index or 0}
+    return provider, {}
 
 
 def _to_numpy(t: torch.Tensor) -> np.ndarray:
@@ -136,6 +175,8 @@ def time_onnx(model: onnx.ModelProto, feeds: dict[str, np.ndarray], onnx_to_node
         walls: list[float] = []
         for _ in range(runs):
             t0 = time.perf_counter()
+            # run() returns the outputs as numpy arrays in host memory, so on CUDA it has
+            # waited for the device's kernels: the clock reads after them
             session.run(None, feeds)
             walls.append(time.perf_counter() - t0)
         trace = session.end_profiling()

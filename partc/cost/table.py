@@ -95,6 +95,9 @@ class CostSource:
     batch_sizes: tuple[int, ...]  # micro-batch sizes measured (or evaluated, for analytic)
     versions: dict[str, str] = field(default_factory=dict)  # torch, onnxruntime, onnx, partc
     calibration: dict[str, Any] = field(default_factory=dict)  # scales, ratios, validation
+    # the training precision measured under (partc.options.PRECISIONS); profiles written before
+    # the key existed were fp32
+    precision: str = "fp32"
 
 
 @dataclass
@@ -216,8 +219,9 @@ class CostTable:
         return write_atomic(path, "".join(lines))
 
     @classmethod
-    def load(cls, path: str | Path, graph: OpGraph) -> "CostTable":
-        """Read a profile for `graph`; refuse one taken on a different model (graph hash)."""
+    def load(cls, path: str | Path, graph: OpGraph, precision: str | None = None) -> "CostTable":
+        """Read a profile for `graph`; refuse one taken on a different model (graph hash) and,
+        when `precision` is given, one priced at another precision."""
         path = Path(path)
         try:
             d = yaml.load(path.read_text(), Loader=_yaml_loader())
@@ -248,16 +252,22 @@ class CostTable:
                 graph_hash=str(d["graph_hash"]), model=str(d["model"]),
                 batch_sizes=tuple(int(b) for b in d["batch_sizes"]),
                 versions=dict(d.get("versions") or {}),
-                calibration=dict(d.get("calibration") or {}))
+                calibration=dict(d.get("calibration") or {}),
+                precision=str(d.get("precision", "fp32")))
             nodes = {}
             for name, row in (d.get("nodes") or {}).items():
                 method, ff, fp, bf, bp, sf, sp = row
                 nodes[str(name)] = NodeCost(Linear(float(ff), float(fp)),
                                             Linear(float(bf), float(bp)),
                                             Linear(float(sf), float(sp)), str(method))
-        except (KeyError, TypeError, ValueError) as exc:
+        # AttributeError: a key of the wrong type (`nodes: [...]`)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ProfileFileError(f"malformed profile {path}: {exc!r}",
                                    hint="re-create it with partc profile") from exc
+        if precision is not None and source.precision != precision:
+            raise ProfileFileError(
+                f"profile {path} was taken at precision {source.precision}, not {precision}",
+                hint=f"profile again with --precision {precision}")
         unknown = sorted(set(nodes) - {n.name for n in graph.nodes})
         if unknown:
             raise ProfileFileError(f"profile {path} prices nodes the model does not have: "
@@ -305,6 +315,7 @@ def format_cost_summary(table: CostTable, top: int = 8) -> str:
 
     src = table.source
     lines = [f"{src.kind} costs of {src.model} on {src.device}"
+             + f", {src.precision}"
              + (f" [{src.provider}, {src.threads} thread(s)]" if src.provider else ""),
              f"graph hash: {src.graph_hash}",
              "priced by: " + ", ".join(f"{k} {v}" for k, v in table.methods().items())]

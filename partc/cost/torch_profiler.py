@@ -14,6 +14,7 @@ without the profiler (median of runs).
 from __future__ import annotations
 
 import contextlib
+import copy
 import statistics
 import time
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from torch.export import ExportedProgram
 
 from partc.frontend.export import quiet_torch
 from partc.frontend.model_file import Inputs
+from partc.options import Precision
 
 _NODE_RANGE = "partc::"
 _BACKWARD_EVENT = "autograd::engine::evaluate_function: "
@@ -49,24 +51,62 @@ def flat_inputs(module: torch.fx.GraphModule, inputs: Inputs) -> list[Any]:
     return pytree.tree_flatten((tuple(args), dict(kwargs)))[0]
 
 
+# Export's runtime checks of a tensor's device and dtype: they compute nothing, they pin the
+# capture's device (meta) and dtypes that autocast changes, and the stage files launch runs drop
+# them too (partc.emit.stage_graph), so the measured program does the stages' work.
+_METADATA_CHECKS = (torch.ops.aten._assert_tensor_metadata.default,)
+
+
 def retarget_devices(module: torch.fx.GraphModule, device: torch.device) -> None:
-    """Rewrite the devices the exported graph names (`to(device=cpu)`, `_assert_tensor_metadata(
-    device=meta)`, factory calls) to `device`, in place: export bakes the capture's device into
-    the program, so a model captured on meta or cpu could not run elsewhere otherwise."""
+    """Rewrite the devices the exported graph names (`to(device=cpu)`, factory calls) to `device`
+    and drop export's metadata checks (`_assert_tensor_metadata(device=meta)`), in place: export
+    bakes the capture's device into the program, so a model captured on meta or cpu could not run
+    elsewhere otherwise. Sub-graphs of higher-order ops are rewritten too (a `torch.no_grad()`
+    region, such as Hugging Face's rotary embedding, is one)."""
 
     def swap(value: Any) -> Any:
         return device if isinstance(value, torch.device) else value
 
-    changed = False
-    for node in module.graph.nodes:
-        if node.op != "call_function":
+    _own_subgraphs(module)
+    for graph_module in [m for m in module.modules() if isinstance(m, torch.fx.GraphModule)]:
+        changed = False
+        for node in list(graph_module.graph.nodes):
+            if node.op != "call_function":
+                continue
+            if node.target in _METADATA_CHECKS and not node.users:
+                graph_module.graph.erase_node(node)
+                changed = True
+                continue
+            args, kwargs = pytree.tree_map(swap, (node.args, node.kwargs))
+            if args != node.args or kwargs != node.kwargs:
+                node.args, node.kwargs = args, kwargs
+                changed = True
+        if changed:
+            graph_module.recompile()
+
+
+def _own_subgraphs(module: torch.fx.GraphModule) -> None:
+    """Give `module` its own copy of every nested GraphModule: `ep.module()` shares the sub-graphs
+    of higher-order ops with the ExportedProgram, which later passes still export and split, so
+    rewriting them in place would change the program under them."""
+    for name, sub in list(module.named_modules()):
+        if not name or not isinstance(sub, torch.fx.GraphModule):
             continue
-        args, kwargs = pytree.tree_map(swap, (node.args, node.kwargs))
-        if args != node.args or kwargs != node.kwargs:
-            node.args, node.kwargs = args, kwargs
-            changed = True
-    if changed:
-        module.recompile()
+        path, _, leaf = name.rpartition(".")
+        parent = module.get_submodule(path) if path else module
+        setattr(parent, leaf, torch.fx.GraphModule(sub, copy.deepcopy(sub.graph),
+                                                   class_name=type(sub).__name__))
+
+
+def precision_autocast(precision: Precision,
+                       device_type: str) -> contextlib.AbstractContextManager[Any]:
+    """The context a forward pass runs in for `precision`: bf16 autocast for bf16-mixed, nothing
+    for fp32. The one definition: launch's stages (partc.run.stage_runner) and the profiler both
+    use it, so a bf16-mixed profile times what launch runs. Backward runs outside it (autograd runs
+    each backward op in the dtype its forward op used)."""
+    if precision == "bf16-mixed":
+        return torch.autocast(device_type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 def to_device(module: torch.fx.GraphModule, device: torch.device, seed: int = 0) -> None:
@@ -179,9 +219,12 @@ def _zero_grads(module: torch.nn.Module) -> None:
 
 
 def time_model(module: torch.fx.GraphModule, inputs: Inputs, device: torch.device,
-               warmup: int = 2, runs: int = 5) -> tuple[float, float]:
+               warmup: int = 2, runs: int = 5,
+               precision: Precision = "fp32") -> tuple[float, float]:
     """Median (forward, backward) wall time of a whole training step of the program, without the
-    loss: backward starts from all-ones output gradients, so only the model is timed."""
+    loss: backward starts from all-ones output gradients, so only the model is timed. The forward
+    runs under `precision_autocast`, as in launch. On CUDA every clock read follows a
+    synchronize: kernels run asynchronously, so the clock alone would time their launch."""
     args, kwargs = inputs
     fwd: list[float] = []
     bwd: list[float] = []
@@ -189,7 +232,8 @@ def time_model(module: torch.fx.GraphModule, inputs: Inputs, device: torch.devic
         _zero_grads(module)
         _sync(device)
         t0 = time.perf_counter()
-        out = module(*args, **kwargs)
+        with precision_autocast(precision, device.type):
+            out = module(*args, **kwargs)
         _sync(device)
         t1 = time.perf_counter()
         tensors, grads = _output_grads(out)
@@ -209,7 +253,8 @@ def _event_time_us(event: Any, device: torch.device) -> float:
     return float(event.device_time_total if device.type == "cuda" else event.cpu_time_total)
 
 
-def _profile_once(module: torch.fx.GraphModule, flat: list[Any], device: torch.device
+def _profile_once(module: torch.fx.GraphModule, flat: list[Any], device: torch.device,
+                  precision: Precision = "fp32"
                   ) -> tuple[dict[str, float], dict[str, float], float, set[str]]:
     """One profiled fwd+bwd: per-node forward and backward microseconds, unattributed backward
     microseconds, and the nodes that created autograd nodes (have a backward)."""
@@ -243,7 +288,8 @@ def _profile_once(module: torch.fx.GraphModule, flat: list[Any], device: torch.d
         activities.append(ProfilerActivity.CUDA)
     _zero_grads(module)
     with quiet_torch(), profile(activities=activities) as prof:
-        out = NodeRunner(module, around, after).run(*flat)
+        with precision_autocast(precision, device.type):
+            out = NodeRunner(module, around, after).run(*flat)
         tensors, grads = _output_grads(out)
         if tensors:
             torch.autograd.backward(tensors, grads)
@@ -267,16 +313,18 @@ def _profile_once(module: torch.fx.GraphModule, flat: list[Any], device: torch.d
 
 
 def time_nodes(module: torch.fx.GraphModule, inputs: Inputs, batch_size: int,
-               device: torch.device, warmup: int = 3, runs: int = 5) -> TorchTiming:
-    """Whole-model and per-node forward/backward times of the program on `device`."""
-    model_fwd, model_bwd = time_model(module, inputs, device, warmup, runs)
+               device: torch.device, warmup: int = 3, runs: int = 5,
+               precision: Precision = "fp32") -> TorchTiming:
+    """Whole-model and per-node forward/backward times of the program on `device`, forward under
+    `precision_autocast(precision)`."""
+    model_fwd, model_bwd = time_model(module, inputs, device, warmup, runs, precision)
     flat = flat_inputs(module, inputs)
     per_run: list[tuple[dict[str, float], dict[str, float], float]] = []
     differentiable: set[str] = set()
     # Profiled runs need their own warm-up: the first few are slow again (allocator and
     # interpreter paths), measured up to 3x on backward.
     for i in range(warmup + runs):
-        fwd, bwd, unattributed, with_backward = _profile_once(module, flat, device)
+        fwd, bwd, unattributed, with_backward = _profile_once(module, flat, device, precision)
         differentiable |= with_backward
         if i >= warmup:
             per_run.append((fwd, bwd, unattributed))

@@ -1,0 +1,114 @@
+"""A cache of measured profiles, so compile measures a model on this machine once.
+
+An entry is one profile file (`CostTable.save`) keyed by everything that changes what a
+measurement gives: the OpGraph content hash (the model; it does not depend on the capture batch
+size), the device label (the device model, not just "cpu"), the precision, the CPU threads, the
+profiled micro-batch sizes and the timing method. A missing entry is measured and written
+atomically (`partc.files.write_atomic`, through `CostTable.save`), so concurrent compiles see a
+whole file or none; an entry that cannot be read or that does not match its key (a corrupt or
+hand-edited file) is measured again and replaced, never trusted.
+
+Where: `$PARTC_CACHE_DIR`, else `$XDG_CACHE_HOME/partc/profiles`, else `~/.cache/partc/profiles`.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import re
+from pathlib import Path
+
+from partc.cost.measured import (
+    ProfileOptions,
+    check_options,
+    device_label,
+    intra_op_threads,
+    measure_costs,
+    parse_device,
+    timing_choice,
+)
+from partc.cost.ort_profiler import ProfileError
+from partc.cost.table import CostTable, ProfileFileError
+from partc.frontend.capture import CaptureResult
+from partc.graph.opgraph import OpGraph
+from partc.progress import Progress
+
+
+def profile_cache_dir() -> Path:
+    """The directory cached profiles live in (module docstring); not created here."""
+    explicit = os.environ.get("PARTC_CACHE_DIR")
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "partc" / "profiles"
+
+
+def _slug(text: str) -> str:
+    """Filesystem-safe: letters, digits, '.', '_' and '-' only, never empty or hidden."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip(".-")[:48] or "x"
+
+
+def _entry_name(graph_hash: str, device: str, precision: str, threads: int,
+                batch_sizes: tuple[int, ...], timing: str) -> str:
+    """An entry's file name: readable parts, then a digest of the whole key (the readable parts
+    are shortened and slugged, so they alone could collide)."""
+    full = "\n".join([graph_hash, device, precision, str(threads),
+                      ",".join(str(b) for b in batch_sizes), timing])
+    digest = hashlib.sha256(full.encode()).hexdigest()[:16]
+    parts = [graph_hash.removeprefix("sha256:")[:12], device, precision, f"t{threads}",
+             "b" + "-".join(str(b) for b in batch_sizes), timing, digest]
+    return "_".join(_slug(p) for p in parts) + ".yaml"
+
+
+def _complete(table: CostTable, graph: OpGraph) -> bool:
+    """Every node priced with finite numbers: what `measure_costs` writes. A file cut short or
+    edited by hand still parses, and a node it lacks would silently cost nothing."""
+    if set(table.nodes) != {n.name for n in graph.nodes}:
+        return False
+    return all(math.isfinite(x) for c in table.nodes.values()
+               for line in (c.forward, c.backward, c.saved) for x in (line.fixed, line.per_sample))
+
+
+def cached_profile(result: CaptureResult, options: ProfileOptions,
+                   cache_dir: Path | None = None,
+                   progress: Progress | None = None) -> tuple[CostTable, Path]:
+    """The measured CostTable of a capture on `options.device` and the cache file holding it:
+    read from the cache when an entry matches, else measured (`measure_costs`) and written."""
+    progress = progress or Progress()
+    check_options(options)
+    device = parse_device(options.device)
+    graph = result.graph
+    sizes = tuple(sorted(set(options.batch_sizes or (graph.batch_size, 2 * graph.batch_size))))
+    # what will time the forward: the provider when onnxruntime can run the export, else torch
+    provider = timing_choice(options, device).provider
+    exported = result.onnx is not None and result.onnx.status == "ok"
+    timing = provider if provider is not None and exported else "torch"
+    label = device_label(device)
+    threads = options.threads if device.type == "cpu" else 0
+    directory = cache_dir if cache_dir is not None else profile_cache_dir()
+    path = directory / _entry_name(graph.content_hash(), label, options.precision, threads,
+                                   sizes, timing)
+    if path.is_file():
+        try:
+            table = CostTable.load(path, graph, precision=options.precision)
+        except ProfileFileError as exc:
+            progress.warn(f"re-measuring: cached profile {path.name} is unreadable "
+                          f"({exc.message})")
+        else:
+            src = table.source
+            if (src.kind == "measured" and src.device == label and src.threads == threads
+                    and src.batch_sizes == sizes and src.precision == options.precision
+                    and (src.provider or "torch") == timing and _complete(table, graph)):
+                return table, path
+            progress.warn(f"re-measuring: cached profile {path.name} does not match its key")
+    with intra_op_threads(device, options.threads):
+        table = measure_costs(result, device, options, progress)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with progress.step(f"caching the profile in {path}"):
+            table.save(path)
+    except OSError as exc:
+        raise ProfileError(f"cannot write the profile cache {path}: {exc.strerror or exc}",
+                           hint="set PARTC_CACHE_DIR to a writable directory") from exc
+    return table, path

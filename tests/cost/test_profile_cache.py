@@ -1,0 +1,103 @@
+"""The profile cache compile reads: one measurement per (model, device, precision, threads, batch
+sizes), written atomically, a corrupt entry measured again (real profiling of a small model)."""
+from __future__ import annotations
+
+import contextlib
+import re
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+from conftest import EXAMPLES, captured
+
+from partc.cost.measured import ProfileOptions
+from partc.cost.profile_cache import cached_profile, profile_cache_dir
+from partc.cost.table import CostTable
+from partc.progress import Progress
+
+FAST = ProfileOptions(runs=2, warmup=1, method="torch")
+
+
+class Steps(Progress):
+    """Progress that keeps the steps it ran and the warnings it got: a measurement shows up as
+    its "torch: ..." steps."""
+
+    def __init__(self) -> None:
+        self.steps: list[str] = []
+        self.warnings: list[str] = []
+
+    @contextlib.contextmanager
+    def step(self, label: str) -> Iterator[None]:
+        self.steps.append(label)
+        yield
+
+    def warn(self, message: str) -> None:
+        self.warnings.append(message)
+
+    def measured(self) -> bool:
+        return any(s.startswith("torch: ") for s in self.steps)
+
+
+def _cached(options: ProfileOptions = FAST) -> tuple[CostTable, Path, Steps]:
+    steps = Steps()
+    table, path = cached_profile(captured(EXAMPLES / "mlp.py"), options, progress=steps)
+    return table, path, steps
+
+
+def test_cache_dir_from_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("PARTC_CACHE_DIR", str(tmp_path / "mine"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert profile_cache_dir() == tmp_path / "mine"
+    monkeypatch.delenv("PARTC_CACHE_DIR")
+    assert profile_cache_dir() == tmp_path / "xdg" / "partc" / "profiles"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert profile_cache_dir() == tmp_path / "home" / ".cache" / "partc" / "profiles"
+
+
+def test_second_call_is_a_hit(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("PARTC_CACHE_DIR", str(tmp_path / "cache"))
+    first, path, steps = _cached()
+    assert steps.measured() and path.parent == tmp_path / "cache" and path.is_file()
+    assert re.fullmatch(r"[A-Za-z0-9._-]+\.yaml", path.name) and not path.name.startswith(".")
+    assert list(path.parent.iterdir()) == [path]  # no temporary file left behind
+    stamp = path.stat().st_mtime_ns
+
+    again, path2, steps2 = _cached()
+    assert path2 == path and path.stat().st_mtime_ns == stamp
+    assert not steps2.measured() and not steps2.warnings
+    assert again.source == CostTable.load(path, first.graph).source
+    assert again.total_forward_s(3) == pytest.approx(first.total_forward_s(3), rel=1e-9)
+
+
+def test_corrupt_entries_are_measured_again(monkeypatch: pytest.MonkeyPatch,
+                                            tmp_path: Path) -> None:
+    monkeypatch.setenv("PARTC_CACHE_DIR", str(tmp_path))
+    table, path, _ = _cached()
+    good = path.read_text()
+    for broken in ("\x00\xff not yaml: [", "format: partc-profile\nnodes: [1, 2]\n",
+                   good[:len(good) // 2],  # cut short, mid-way through the node lines
+                   good.rsplit("\n  ", 1)[0] + "\n"):  # one node missing, still valid YAML
+        path.write_text(broken)
+        again, path2, steps = _cached()
+        assert path2 == path and steps.measured() and steps.warnings, broken[:40]
+        assert CostTable.load(path, table.graph).nodes.keys() == table.nodes.keys()
+        assert again.nodes.keys() == table.nodes.keys()
+
+
+def test_each_precision_has_its_own_entry(monkeypatch: pytest.MonkeyPatch,
+                                          tmp_path: Path) -> None:
+    monkeypatch.setenv("PARTC_CACHE_DIR", str(tmp_path))
+    fp32, fp32_path, _ = _cached()
+    bf16, bf16_path, steps = _cached(ProfileOptions(runs=2, warmup=1, precision="bf16-mixed"))
+    assert bf16_path != fp32_path and steps.measured()
+    assert fp32.source.precision == "fp32" and bf16.source.precision == "bf16-mixed"
+    assert CostTable.load(bf16_path, bf16.graph, precision="bf16-mixed").source == bf16.source
+    # so do other batch sizes and thread counts, and they leave the others in place
+    _, sizes_path, _ = _cached(ProfileOptions(runs=2, warmup=1, method="torch",
+                                              batch_sizes=(2, 3)))
+    _, threads_path, _ = _cached(ProfileOptions(runs=2, warmup=1, method="torch", threads=2))
+    assert len({fp32_path, bf16_path, sizes_path, threads_path}) == 4
+    assert sorted(tmp_path.iterdir()) == sorted([fp32_path, bf16_path, sizes_path, threads_path])
+    _, again, steps = _cached()
+    assert again == fp32_path and not steps.measured()
