@@ -10,7 +10,7 @@ fits the bytes of the captured B and 2B as a `Linear` of the micro-batch size.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx
@@ -39,23 +39,85 @@ def _storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
-def saved_activation_bytes(module: torch.fx.GraphModule, inputs: Inputs) -> dict[str, int]:
+_SDPA = torch.ops.aten.scaled_dot_product_attention.default
+_CPU_FLASH = 1  # torch._fused_sdp_choice's value for SDPBackend.FLASH_ATTENTION
+
+
+def attention_kernel(device_kind: str, query: torch.Tensor, key: torch.Tensor,
+                     attn_mask: torch.Tensor | None, dropout_p: float, is_causal: bool,
+                     enable_gqa: bool) -> str:
+    """The kernel scaled_dot_product_attention runs on a `device_kind` device for these inputs:
+    "flash_cpu", "efficient" (CUDA's memory-efficient or flash kernels: both keep the inputs, the
+    output and a log-sum-exp per row) or "math" (keeps the b*h*s*s probabilities). CPU asks
+    torch's own dispatcher on small tensors of the same dtype, head size, mask and dropout; CUDA
+    follows its documented constraints (head size a multiple of 8; 4 in float32)."""
+    d = query.shape[-1]
+    if device_kind == "cpu":
+        def small(t: torch.Tensor) -> torch.Tensor:
+            return torch.zeros((1,) * (t.dim() - 2) + (8, t.shape[-1]), dtype=t.dtype,
+                               requires_grad=True)
+        mask = None if attn_mask is None else torch.zeros(
+            (1,) * (attn_mask.dim() - 2) + (8, 8), dtype=attn_mask.dtype)
+        q = small(query)
+        k = small(key)
+        choice = torch._fused_sdp_choice(q, k, k, mask, dropout_p, is_causal,
+                                         enable_gqa=enable_gqa)
+        return "flash_cpu" if choice == _CPU_FLASH else "math"
+    if device_kind == "cuda" and not enable_gqa and query.dtype in (
+            torch.float32, torch.float16, torch.bfloat16):
+        return "efficient" if d % (4 if query.dtype == torch.float32 else 8) == 0 else "math"
+    return "math"
+
+
+def _target_attention(kind: str, args: tuple[object, ...],
+                      kwargs: dict[str, object]) -> object:
+    """Run the target's fused attention kernel on the given (meta) tensors, as autograd would."""
+    q, k, v = (t for t in args[:3] if isinstance(t, torch.Tensor))
+    rest = dict(zip(("attn_mask", "dropout_p", "is_causal"), args[3:], strict=False))
+    rest.update(kwargs)
+    mask = rest.get("attn_mask")
+    dropout_p = float(rest.get("dropout_p") or 0.0)  # type: ignore[arg-type]
+    is_causal = bool(rest.get("is_causal") or False)
+    scale = rest.get("scale")
+    if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
+        # what SDPA does before a fused kernel: a boolean mask becomes an additive bias
+        mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(
+            mask.logical_not(), float("-inf"))
+    aten = torch.ops.aten
+    if kind == "flash_cpu":
+        return aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, dropout_p, is_causal, attn_mask=mask, scale=scale)[0]
+    return aten._scaled_dot_product_efficient_attention(
+        q, k, v, mask, True, dropout_p, is_causal, scale=scale)[0]
+
+
+def saved_activation_bytes(module: torch.fx.GraphModule, inputs: Inputs,
+                           target_kind: str | None = None) -> dict[str, int]:
     """Bytes each node saves for backward in one training forward pass (see the module docstring).
-    Works with meta tensors. Nodes that save nothing are absent."""
+    Works with meta tensors. Nodes that save nothing are absent.
+
+    `target_kind` ("cpu" | "cuda"): the device the plan will train on, when it is not the device
+    this runs on (meta, or a CPU pricing a GPU plan). Attention is then counted as the target's
+    kernel keeps it (`attention_kernel`) rather than as this device's kernel does: meta runs
+    SDPA's math path, which keeps b*h*s*s probabilities that CPU and CUDA fused kernels never
+    store."""
     owner = node_owner(module)
     state = {_storage_key(t) for t in [*module.parameters(), *module.buffers()]}
     seen: set[int] = set(state)
     keep: list[torch.Tensor] = []  # saved storages stay alive, so keys cannot be reused
     current: list[str] = [""]
     saved: dict[str, int] = {}
+    # storages of stand-ins (meta copies) -> the storage they stand for, so a tensor counts once
+    stands_for: dict[int, torch.Tensor] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        key = _storage_key(t)
+        real = stands_for.get(_storage_key(t), t)
+        key = _storage_key(real)
         if key not in seen:
             seen.add(key)
             keep.append(t)
             name = owner.get(current[0], current[0])
-            saved[name] = saved.get(name, 0) + t.untyped_storage().nbytes()
+            saved[name] = saved.get(name, 0) + real.untyped_storage().nbytes()
         return t
 
     @contextlib.contextmanager
@@ -63,16 +125,65 @@ def saved_activation_bytes(module: torch.fx.GraphModule, inputs: Inputs) -> dict
         current[0] = n.name
         yield
 
+    def attention(args: tuple[object, ...], kwargs: dict[str, object]) -> object | None:
+        """Count the target kernel's saves of an SDPA call, or None to count this device's."""
+        q, k = args[0], args[1]
+        if target_kind is None or not isinstance(q, torch.Tensor) or \
+                not isinstance(k, torch.Tensor):
+            return None
+        if not q.is_meta and q.device.type == target_kind:
+            return None  # this device runs the target's kernels itself
+        mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
+        dropout_p = args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
+        is_causal = args[5] if len(args) > 5 else kwargs.get("is_causal", False)
+        kind = attention_kernel(target_kind, q, k, mask if isinstance(mask, torch.Tensor)
+                                else None, float(dropout_p or 0.0),  # type: ignore[arg-type]
+                                bool(is_causal), bool(kwargs.get("enable_gqa", False)))
+        if kind == "math":
+            return None
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            result = _SDPA(*args, **kwargs)  # this device's kernel: what flows on, uncounted
+        if result.is_meta:
+            stand_ins = list(args)
+        else:
+            stand_ins = [a.detach().to("meta").requires_grad_(a.requires_grad)
+                         if isinstance(a, torch.Tensor) else a for a in args]
+            for a, m in zip(args, stand_ins, strict=True):
+                if isinstance(a, torch.Tensor) and isinstance(m, torch.Tensor):
+                    keep.append(m)
+                    stands_for[_storage_key(m)] = a
+        _target_attention(kind, tuple(stand_ins), kwargs)
+        return result
+
     flat = flat_inputs(module, inputs)
     with (torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
           quiet_torch()):
-        NodeRunner(module, around).run(*flat)
+        _KernelRunner(module, around, attention).run(*flat)
     return saved
 
 
-def saved_activations(capture: Capture) -> dict[str, Linear]:
+class _KernelRunner(NodeRunner):
+    """NodeRunner whose SDPA calls go through `attention` first (saved_activation_bytes)."""
+
+    def __init__(self, module: torch.fx.GraphModule,
+                 around: Callable[[torch.fx.Node], contextlib.AbstractContextManager[Any]],
+                 attention: Callable[[tuple[object, ...], dict[str, object]], object | None]
+                 ) -> None:
+        super().__init__(module, around)
+        self._attention = attention
+
+    def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
+        if target is _SDPA:
+            result = self._attention(tuple(args), dict(kwargs))
+            if result is not None:
+                return result
+        return super().call_function(target, args, kwargs)
+
+
+def saved_activations(capture: Capture, target_kind: str | None = None) -> dict[str, Linear]:
     """Bytes each node saves for backward, fitted over the captured B and 2B. Runs on the meta
-    device when the model is on meta (no memory, no device needed), else where the model lives."""
+    device when the model is on meta (no memory, no device needed), else where the model lives;
+    attention is counted as the `target_kind` device's kernels keep it (saved_activation_bytes)."""
     points: dict[str, list[tuple[float, float]]] = {}
     programs = [(capture.batch_size, capture.exported)]
     if capture.scaled is not None:
@@ -83,7 +194,7 @@ def saved_activations(capture: Capture) -> dict[str, Linear]:
         if capture.on_meta:
             inputs = inputs_to_meta(inputs)
         with buffers_restored(module):
-            saved = saved_activation_bytes(module, inputs)
+            saved = saved_activation_bytes(module, inputs, target_kind)
         for name in {n.name for n in program.graph.nodes} | set(saved):
             points.setdefault(name, []).append((float(b), float(saved.get(name, 0))))
         del module

@@ -1,16 +1,19 @@
 """The analytic CostTable: a roofline per node from a device config, without running anything.
 
 Forward time of a node at micro-batch m is `op_overhead_s + max(flops / flops_per_s(dtype, class),
-bytes / bytes_per_s())` on the device (partc.hardware.specs.DeviceSpec); backward is forward times
-the op class's backward ratio; saved-for-backward bytes come from a measurement on meta
-(partc.cost.activations) when given. docs/cost-model.md writes the model down.
+bytes / bytes_per_s())` on the device (partc.hardware.specs.DeviceSpec), in the dtypes the plan's
+precision gives each operator (partc.cost.autocast); backward is the forward's work times the op
+class's backward ratio plus the device's backward overhead; saved-for-backward bytes come from a
+measurement on meta (partc.cost.activations) when given. docs/cost-model.md writes the model down.
 """
 from __future__ import annotations
 
+from partc.cost.autocast import NodeCast, autocast_dtypes, compute_dtype
 from partc.cost.op_classes import FREE_KINDS, op_class
 from partc.cost.table import CostSource, CostTable, Linear, NodeCost, needs_backward
-from partc.graph.opgraph import INTEGER_DTYPES, OpGraph, OpNode
+from partc.graph.opgraph import OpGraph, OpNode
 from partc.hardware.specs import DeviceSpec
+from partc.options import Precision
 
 # Backward time / forward time by op class, for nodes that need a backward. Matmuls and convs
 # compute two products (input and weight gradients); the other classes are memory-bound and read
@@ -41,59 +44,101 @@ def _node_bytes(node: OpNode, graph: OpGraph) -> tuple[float, float]:
     return total - batch, batch / graph.batch_size
 
 
-def _compute_dtype(node: OpNode) -> str:
-    for t in node.outputs:
-        if t.dtype not in INTEGER_DTYPES:
-            return t.dtype
-    return "float32"
+def _lines(node: OpNode, graph: OpGraph, device: DeviceSpec,
+           cast: NodeCast) -> tuple[Linear, Linear]:
+    """(compute, memory) seconds of one node as lines in the micro-batch m, without overhead."""
+    cls = op_class(node.kind)
+    b = graph.batch_size
+    rate = device.flops_per_s(cast.compute_dtype, cls)
+    fixed_flops = max(0.0, float(node.flops - node.flops_per_sample * b))
+    compute = Linear(fixed_flops / rate, node.flops_per_sample / rate) if (
+        node.flops or node.flops_per_sample) else Linear(0.0, 0.0)
+    fixed, per_sample = _node_bytes(node, graph)
+    bw = device.bytes_per_s()
+    memory = Linear(fixed * cast.scale / bw, per_sample * cast.scale / bw)
+    return compute, memory
 
 
-def roofline_s(node: OpNode, graph: OpGraph, device: DeviceSpec, m: float) -> float:
-    """Forward time of one node at micro-batch m: max(compute, memory) + per-op overhead."""
+def roofline_s(node: OpNode, graph: OpGraph, device: DeviceSpec, m: float,
+               cast: NodeCast | None = None) -> float:
+    """Forward time of one node at micro-batch m: its roofline, max(compute, memory), with the
+    host's dispatch (added on a CPU, overlapped on a GPU: `node_time`) and, under autocast, the
+    cast kernels in front of it."""
     if node.is_view or node.kind in FREE_KINDS:
         return 0.0
-    cls = op_class(node.kind)
-    flops = max(0.0, node.flops + node.flops_per_sample * (m - graph.batch_size))
-    fixed, per_sample = _node_bytes(node, graph)
-    nbytes = fixed + per_sample * m
-    compute = flops / device.flops_per_s(_compute_dtype(node), cls) if flops else 0.0
-    memory = nbytes / device.bytes_per_s()
-    return max(compute, memory) + device.op_overhead_s
+    cast = cast or NodeCast(compute_dtype=compute_dtype(node))
+    compute, memory = _lines(node, graph, device, cast)
+    work = Linear(max(compute.at(m), memory.at(m)), 0.0)
+    return node_time(work, device.op_overhead_s, cast, device).at(m)
+
+
+def node_time(work: Linear, overhead_s: float, cast: NodeCast, device: DeviceSpec) -> Linear:
+    """One pass of a node as a line in m, from its device work, the host's per-operator dispatch
+    `overhead_s` and the autocast casts in front of it (each a whole-operand conversion kernel,
+    dispatched like any operator; weights are converted once per micro-batch, as autocast's cache
+    lives for one forward). A CPU runs dispatch and kernels in turn: their sum. A GPU queues
+    kernels asynchronously, so the host's dispatch of the next operators overlaps the kernels
+    already queued and an operator costs the larger of the two; the line
+    `max(host, work fixed) + slope * m` is never below `max(host, work(m))`."""
+    host = overhead_s * (1 + cast.cast_kernels)
+    bw = device.bytes_per_s()
+    device_fixed = work.fixed + cast.cast_bytes / bw
+    per_sample = work.per_sample + cast.cast_bytes_per_sample / bw
+    if device.kind == "cuda":
+        return Linear(max(host, device_fixed), per_sample)
+    return Linear(host + device_fixed, per_sample)
 
 
 def analytic_cost_table(graph: OpGraph, device: DeviceSpec,
                         saved: dict[str, Linear] | None = None,
-                        backward_ratios: dict[str, float] | None = None) -> CostTable:
-    """Roofline costs of every node on `device`, without running anything.
+                        backward_ratios: dict[str, float] | None = None,
+                        precision: Precision = "fp32") -> CostTable:
+    """Roofline costs of every node on `device` under `precision`, without running anything.
 
-    Forward: `roofline_s` evaluated at the captured batch size B and 2B and joined by a line (the
-    roofline is piecewise linear in m; the chord is exact where one side dominates). Backward:
-    forward x the op class's backward ratio, for nodes that need a backward. Saved bytes: `saved`
-    (from partc.cost.torch_profiler.saved_activation_bytes, which runs on meta) or, without it,
+    Forward: the upper envelope of the node's roofline, `overhead + max(compute, memory)` bounded
+    by `overhead + max(compute fixed, memory fixed) + max(compute slope, memory slope) * m`: a
+    line that is exact where one side dominates at both ends and never below the roofline at any
+    micro-batch (a chord through two batch sizes under-prices every size beyond them).
+    Under bf16-mixed each node computes and moves bytes in the dtypes autocast gives it
+    (partc.cost.autocast), plus the casts it inserts. Backward: the forward's work x the op
+    class's backward ratio, plus the device's per-operator backward overhead, for nodes that need
+    a backward. Saved bytes: `saved` (partc.cost.activations.saved_activations) or, without it,
     every differentiable non-view node's outputs (an upper bound).
     """
     ratios = {**DEFAULT_BACKWARD_RATIOS, **(backward_ratios or {})}
     differentiable = needs_backward(graph)
-    b1, b2 = graph.batch_size, 2 * graph.batch_size
+    casts = autocast_dtypes(graph, precision).nodes
+    b1 = graph.batch_size
     nodes: dict[str, NodeCost] = {}
     for node in graph.nodes:
-        t1, t2 = roofline_s(node, graph, device, b1), roofline_s(node, graph, device, b2)
-        slope = (t2 - t1) / (b2 - b1)
-        forward = Linear(t1 - slope * b1, slope)
-        ratio = ratios[op_class(node.kind)] if node.name in differentiable else 0.0
-        backward = Linear(forward.fixed * ratio, forward.per_sample * ratio)
+        free = node.is_view or node.kind in FREE_KINDS
+        if free:
+            forward = backward = Linear(0.0, 0.0)
+        else:
+            cast = casts[node.name]
+            compute, memory = _lines(node, graph, device, cast)
+            work = Linear(max(compute.fixed, memory.fixed),
+                          max(compute.per_sample, memory.per_sample))
+            forward = node_time(work, device.op_overhead_s, cast, device)
+            if node.name in differentiable:
+                # the casts' backward casts each operand's gradient back: the same traffic
+                ratio = ratios[op_class(node.kind)]
+                backward = node_time(Linear(work.fixed * ratio, work.per_sample * ratio),
+                                     device.backward_overhead_s(), cast, device)
+            else:
+                backward = Linear(0.0, 0.0)
         if saved is not None:
             saved_cost = saved.get(node.name, Linear(0.0, 0.0))
         elif node.name in differentiable and not node.is_view:
             saved_cost = _output_bytes(node, graph)
         else:
             saved_cost = Linear(0.0, 0.0)
-        method = "none" if node.is_view or node.kind in FREE_KINDS else "analytic"
-        nodes[node.name] = NodeCost(forward, backward, saved_cost, method)
+        nodes[node.name] = NodeCost(forward, backward, saved_cost, "none" if free else "analytic")
     source = CostSource(kind="analytic", device=device.name, device_kind=device.kind, provider="",
                         threads=0, graph_hash=graph.content_hash(), model=graph.model_name,
-                        batch_sizes=(b1, b2),
+                        batch_sizes=(b1,), precision=precision,
                         calibration={"backward_ratios": dict(sorted(ratios.items())),
+                                     "forward": "upper envelope of the roofline",
                                      "saved_bytes": "measured on meta" if saved is not None
                                      else "upper bound: outputs of differentiable nodes"})
     return CostTable(graph=graph, source=source, nodes=nodes)

@@ -97,7 +97,8 @@ def _compile(model_path: str | Path, cluster: ClusterSpec, output_dir: Path,
     result = capture_graph(model_path, options.capture_batch, onnx=False, progress=progress)
     timings["capture_s"] = time.perf_counter() - start
     t = time.perf_counter()
-    table = plan_costs(result, cluster.device, options.profile, progress)
+    table = plan_costs(result, cluster.device, options.profile, progress,
+                       precision=options.training.precision)
     timings["costs_s"] = time.perf_counter() - t
     t = time.perf_counter()
     with progress.step(f"coarsen to at most {options.search.max_blocks} blocks"):

@@ -159,7 +159,7 @@ def check_plan(plan_path: str | Path, model: str | Path | None = None,
             return report
     # The cluster as recorded (not today's configs/ or this machine), the recorded options.
     cluster, training, options = plan.cluster, plan.training.config, costs.search
-    table = plan_costs(result, cluster.device, profile, progress)
+    table = plan_costs(result, cluster.device, profile, progress, precision=training.precision)
     with progress.step(f"coarsen to at most {options.max_blocks} blocks"):
         blocks = coarsen(table, options.max_blocks)
     try:

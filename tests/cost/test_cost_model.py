@@ -157,20 +157,45 @@ def test_nodes_without_gradient_have_no_backward(capture_example) -> None:
     assert all(table.backward_s(n.name, 8) > 0 for n in graph.nodes if n.kind == "linear")
 
 
-def test_roofline_is_compute_or_memory_bound() -> None:
-    device = load_device("a100-80gb")
+@pytest.mark.parametrize("device_name", ["a100-80gb", "cpu"])
+def test_roofline_is_compute_or_memory_bound(device_name: str) -> None:
+    """max(compute, memory), with the host's dispatch added on a CPU and overlapped on a GPU."""
+    device = load_device(device_name)
     graph = capture_graph(EXAMPLES / "mlp.py", 256, onnx=False).graph
     linear = next(n for n in graph.nodes if n.kind == "linear")
     relu = next(n for n in graph.nodes if n.kind == "relu")
+
+    def with_host(work: float) -> float:
+        if device.kind == "cuda":
+            return max(work, device.op_overhead_s)
+        return work + device.op_overhead_s
+
     t_linear = roofline_s(linear, graph, device, 256)
     compute = linear.flops / device.flops_per_s("float32", "matmul")
     memory = (linear.bytes_read + linear.bytes_written) / device.bytes_per_s()
-    assert t_linear == pytest.approx(max(compute, memory) + device.op_overhead_s)
+    assert t_linear == pytest.approx(with_host(max(compute, memory)))
     t_relu = roofline_s(relu, graph, device, 256)
-    assert t_relu == pytest.approx((relu.bytes_read + relu.bytes_written) / device.bytes_per_s()
-                                   + device.op_overhead_s)
+    assert t_relu == pytest.approx(with_host((relu.bytes_read + relu.bytes_written)
+                                             / device.bytes_per_s()))
     views = [n for n in graph.nodes if n.is_view]
     assert all(roofline_s(n, graph, device, 256) == 0.0 for n in views)
+
+
+@pytest.mark.parametrize("device_name", ["a100-80gb", "cpu"])
+def test_analytic_line_is_the_rooflines_upper_envelope(device_name: str) -> None:
+    """Never below the roofline at any micro-batch, and exact where one side dominates."""
+    device = load_device(device_name)
+    graph = capture_graph(EXAMPLES / "mlp.py", 2, onnx=False).graph
+    table = analytic_cost_table(graph, device)
+    priced = [n for n in graph.nodes if not n.is_view]
+    for m in (1, 2, 7, 64, 512, 4096):
+        for n in priced:
+            assert table.forward_s(n.name, m) >= roofline_s(n, graph, device, m) * (1 - 1e-9)
+    # far past the ridge point every Linear is compute-bound: the line's slope is the compute one
+    linear = next(n for n in priced if n.kind == "linear")
+    big = 1 << 20
+    assert table.forward_s(linear.name, big) == pytest.approx(
+        roofline_s(linear, graph, device, big), rel=0.01)
 
 
 @pytest.mark.parametrize("name", ["mlp", "transformer", "bert", "gpt2", "resnet"])

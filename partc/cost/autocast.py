@@ -1,0 +1,163 @@
+"""Which dtype every tensor of an OpGraph has when the graph runs under a training precision.
+
+The OpGraph is captured in the model's own dtypes (float32 for almost every model). Under
+`bf16-mixed`, `partc launch` runs each stage under `torch.autocast(device, torch.bfloat16)`, which
+changes operator by operator what runs in bfloat16 (PyTorch's autocast op lists,
+https://pytorch.org/docs/stable/amp.html#autocast-op-reference):
+
+- matrix operators (linear, matmul, bmm, conv, scaled_dot_product_attention, ...) cast their
+  floating inputs, weights included, to bfloat16 and compute in bfloat16;
+- numerically sensitive operators (norms, softmax, losses, exp/log/pow, sums) run in float32,
+  casting bfloat16 inputs up;
+- every other operator runs in the widest floating dtype of its inputs (type promotion), so a
+  residual add of a float32 stream and a bfloat16 projection stays float32.
+
+`autocast_dtypes` replays those rules over the graph in topological order. The roofline then
+prices each node at its compute dtype and the bytes it moves in those dtypes, plus the cast
+kernels autocast inserts in front of it. Torch-free: the op lists are names of aten overload
+packets, the same `OpNode.kind` the OpGraph records.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from partc.graph.opgraph import FLOATING_DTYPES, OpGraph, OpNode, Param, TensorSpec, dtype_bytes
+from partc.options import Precision
+
+# Autocast's "lower precision" ops (CUDA and CPU lists, united: the captured kinds are the same
+# aten packets on both). They compute in the autocast dtype.
+LOWER_PRECISION_KINDS = frozenset({
+    "mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "einsum", "addmv", "mv",
+    "addr", "chain_matmul", "linalg_multi_dot", "linalg_vecdot", "prelu",
+    "convolution", "_convolution", "conv1d", "conv2d", "conv3d", "conv_tbc", "conv_transpose1d",
+    "conv_transpose2d", "conv_transpose3d",
+    "scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_native_multi_head_attention",
+})
+
+# Autocast's float32 ops: they run in float32 whatever their inputs are.
+FLOAT32_KINDS = frozenset({
+    "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p",
+    "reciprocal", "rsqrt", "sinh", "tan", "pow", "softplus", "layer_norm", "native_layer_norm",
+    "group_norm", "native_group_norm", "norm", "frobenius_norm", "nuclear_norm",
+    "cosine_similarity", "poisson_nll_loss", "cosine_embedding_loss", "nll_loss", "nll_loss2d",
+    "nll_loss_forward", "nll_loss2d_forward", "hinge_embedding_loss", "kl_div", "l1_loss",
+    "smooth_l1_loss", "huber_loss", "mse_loss", "margin_ranking_loss", "multilabel_margin_loss",
+    "soft_margin_loss", "triplet_margin_loss", "multi_margin_loss", "cross_entropy",
+    "cross_entropy_loss", "binary_cross_entropy_with_logits", "dist", "pdist", "cdist", "renorm",
+    "logsumexp", "softmax", "_softmax", "log_softmax", "_log_softmax", "softmin", "cumsum",
+    "cumprod", "prod", "sum", "linalg_vector_norm",
+})
+
+AUTOCAST_DTYPE: dict[str, str] = {"bf16-mixed": "bfloat16"}
+
+
+@dataclass(frozen=True)
+class NodeCast:
+    """One node under autocast: the dtype it computes in, the bytes it moves at the dtypes its
+    tensors have (`scale` = those bytes / the captured ones), and the cast kernels autocast runs
+    in front of it (elements converted, bytes moved, kernels)."""
+
+    compute_dtype: str
+    scale: float = 1.0
+    cast_bytes: float = 0.0  # converting batch-independent operands (weights): per micro-batch
+    cast_bytes_per_sample: float = 0.0  # converting batch-carrying operands (activations)
+    cast_kernels: int = 0
+
+
+@dataclass(frozen=True)
+class AutocastDtypes:
+    """Every tensor's dtype and every node's `NodeCast` under one precision."""
+
+    precision: Precision
+    tensors: dict[str, str] = field(default_factory=dict)
+    nodes: dict[str, NodeCast] = field(default_factory=dict)
+
+
+def _widest(dtypes: list[str]) -> str | None:
+    floats = [d for d in dtypes if d in FLOATING_DTYPES]
+    if not floats:
+        return None
+    return max(floats, key=lambda d: (dtype_bytes(d), d != "float16"))
+
+
+def autocast_dtypes(graph: OpGraph, precision: Precision) -> AutocastDtypes:
+    """Replay autocast's rules (module docstring) over `graph` for `precision`. Under fp32 every
+    tensor keeps its captured dtype and every node's scale is 1."""
+    low = AUTOCAST_DTYPE.get(precision)
+    dtypes: dict[str, str] = {t.name: t.dtype for t in graph.inputs}
+    for p in graph.params:
+        dtypes[p.name] = p.dtype
+        for alias in p.aliases:
+            dtypes[alias] = p.dtype
+    nodes: dict[str, NodeCast] = {}
+    for node in graph.nodes:
+        specs: list[TensorSpec | Param] = [graph.tensor(t) for t in node.inputs]
+        specs += [graph.param(p) for p in node.params]
+        operands = [(s.numel, s.dtype, dtypes.get(s.name, s.dtype)) for s in specs]
+        batched = [isinstance(s, TensorSpec) and s.batch_dim is not None for s in specs]
+        if low is None:
+            for t in node.outputs:
+                dtypes[t.name] = t.dtype
+            nodes[node.name] = NodeCast(compute_dtype=compute_dtype(node))
+            continue
+        target: str | None
+        if node.kind in LOWER_PRECISION_KINDS:
+            target = low
+        elif node.kind in FLOAT32_KINDS:
+            target = "float32"
+        else:
+            target = None  # promotion: no casts, the widest floating input wins
+        cast_bytes = cast_per_sample = 0.0
+        cast_kernels = 0
+        used: list[str] = []
+        for (numel, captured, current), per_sample in zip(operands, batched, strict=True):
+            if target is not None and current in FLOATING_DTYPES and current != target \
+                    and captured in FLOATING_DTYPES:
+                moved = numel * (dtype_bytes(current) + dtype_bytes(target))
+                if per_sample:
+                    cast_per_sample += moved / graph.batch_size
+                else:
+                    cast_bytes += moved
+                cast_kernels += 1
+                used.append(target)
+            else:
+                used.append(current)
+        widest = _widest(used)
+        out_dtype = target or widest
+        captured_widest = _widest([c for _, c, _ in operands])
+        captured_out = _widest([t.dtype for t in node.outputs])
+        if target is None and captured_out is not None and captured_out != captured_widest:
+            out_dtype = None  # an explicit cast or a creation op: its output dtype is its own
+        read_old = sum(n * dtype_bytes(c) for n, c, _ in operands)
+        read_new = sum(n * dtype_bytes(u) for (n, _, _), u in zip(operands, used, strict=True))
+        write_old = write_new = 0
+        for t in node.outputs:
+            new = out_dtype if out_dtype is not None and t.dtype in FLOATING_DTYPES else t.dtype
+            dtypes[t.name] = new
+            write_old += t.numel * dtype_bytes(t.dtype)
+            write_new += t.numel * dtype_bytes(new)
+        old, new_total = read_old + write_old, read_new + write_new
+        compute = low if target == low else _compute_dtype_of(node, dtypes)
+        nodes[node.name] = NodeCast(compute_dtype=compute,
+                                    scale=new_total / old if old else 1.0,
+                                    cast_bytes=cast_bytes, cast_bytes_per_sample=cast_per_sample,
+                                    cast_kernels=cast_kernels)
+    return AutocastDtypes(precision=precision, tensors=dtypes, nodes=nodes)
+
+
+def _compute_dtype_of(node: OpNode, dtypes: dict[str, str]) -> str:
+    """The dtype a node computes in under autocast: its first floating output's."""
+    for t in node.outputs:
+        if dtypes.get(t.name, t.dtype) in FLOATING_DTYPES:
+            return dtypes.get(t.name, t.dtype)
+    return "float32"
+
+
+def compute_dtype(node: OpNode) -> str:
+    """The dtype a node computes in without autocast: its first floating output's."""
+    for t in node.outputs:
+        if t.dtype in FLOATING_DTYPES:
+            return t.dtype
+    return "float32"
