@@ -9,6 +9,11 @@ The PNG has three panels: the simulated schedule (pipeline ranks x time; forward
 every micro-batch, the gradient all-reduce and optimizer step, idle time hatched as bubbles),
 per-rank memory by kind against the usable device memory, and per-stage forward/backward/transfer
 time per micro-batch.
+
+With the metrics of a run of the plan (`partc launch --metrics`, partc.plans.run_metrics) the
+summary adds a table of measured vs predicted times and memory per stage (`format_measured`, which
+launch also prints at the end of a run), and the picture draws measured bars beside the predicted
+ones in the memory and time panels.
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ from typing import Any
 
 from partc.files import write_atomic
 from partc.plans.plan import Plan, format_plan
+from partc.plans.run_metrics import RunMetrics
 from partc.solve.simulator import Simulation, simulate
 
 # One colour per kind of work; micro-batches alternate between two shades of it.
@@ -48,9 +54,9 @@ def _gib(x: float) -> str:
     return f"{x / 2**30:.3f}"
 
 
-def format_summary(plan: Plan) -> str:
+def format_summary(plan: Plan, metrics: RunMetrics | None = None) -> str:
     """The terminal summary: the compile table, then memory per rank by kind and the schedule's
-    busy/idle time per rank."""
+    busy/idle time per rank; with a run's `metrics`, measured vs predicted (`format_measured`)."""
     sim = replay(plan)
     lines = [format_plan(plan)]
     usable = plan.predicted.usable_memory_bytes
@@ -76,7 +82,62 @@ def format_summary(plan: Plan) -> str:
         idle = max(span - busy, 0.0)
         lines.append(f"  rank {rank}: busy {busy * 1e3:.3f} ms, idle {idle * 1e3:.3f} ms "
                      f"({idle / span if span else 0:.1%})")
+    if metrics is not None:
+        lines.append("")
+        lines.append(format_measured(plan, metrics))
     return "\n".join(lines)
+
+
+def predicted_transfer_s(plan: Plan, k: int) -> float:
+    """Predicted p2p time of stage k per step: every micro-batch's transfers into and out of it
+    (its own sends, its predecessor's forward send and its successor's backward send)."""
+    stages, M = plan.stages, plan.training.shape.num_microbatches
+    own = stages[k].send_forward_s + stages[k].send_backward_s
+    before = stages[k - 1].send_forward_s if k > 0 else 0.0
+    after = stages[k + 1].send_backward_s if k + 1 < len(stages) else 0.0
+    return M * (own + before + after)
+
+
+def format_measured(plan: Plan, metrics: RunMetrics) -> str:
+    """Measured (a run's medians, `RunMetrics.stage_summaries`) vs predicted per stage, and the
+    iteration. RunMetricsError if the run had another number of stages than the plan."""
+    metrics.check_stages(plan.num_stages)
+    p = plan.predicted
+    timed = metrics.timed_steps()
+    step = metrics.median_step_s()
+    samples = plan.training.global_batch_size
+    unit, div = _memory_unit(plan)
+    first, last = timed[0].step, timed[-1].step
+    lines = [f"measured ({len(metrics.steps)} step(s); medians over step(s) {first}..{last}; "
+             f"each stage at the slowest of its replicas) vs predicted:",
+             f"iteration {step * 1e3:.1f} ms (median), {samples / step:,.1f} samples/s; "
+             f"predicted {p.iteration_s * 1e3:.1f} ms, {p.samples_per_s:,.1f} samples/s "
+             f"({step / p.iteration_s if p.iteration_s else 0:.2f}x)"]
+    header = (f"{'stage':>5} {'rank':>4} | {'fwd ms':>8} {'pred':>8} | {'bwd ms':>8} "
+              f"{'pred':>8} | {'p2p ms':>8} {'pred':>8} | {'opt ms':>8} {'pred':>8} | "
+              f"{'sync ms':>8} {'pred':>8} | {'peak ' + unit:>9} {'pred':>9}")
+    lines.append(header)
+    for m in metrics.stage_summaries():
+        st = plan.stages[m.index]
+        r = st.rank
+        peak = "-" if m.peak_memory_bytes is None else f"{m.peak_memory_bytes / div:,.1f}"
+        pred_peak = p.peak_memory_bytes[r] if r < len(p.peak_memory_bytes) else 0
+        lines.append(
+            f"{m.index:>5} {r:>4} | {m.forward_s * 1e3:>8.3f} {st.forward_s * 1e3:>8.3f} | "
+            f"{m.backward_s * 1e3:>8.3f} {st.backward_s * 1e3:>8.3f} | "
+            f"{m.p2p_s * 1e3:>8.3f} {predicted_transfer_s(plan, m.index) * 1e3:>8.3f} | "
+            f"{m.optimizer_s * 1e3:>8.3f} {_at(p.optimizer_s, r) * 1e3:>8.3f} | "
+            f"{(m.ddp_allreduce_s + m.tied_sync_s) * 1e3:>8.3f} "
+            f"{_at(p.allreduce_s, r) * 1e3:>8.3f} | {peak:>9} {pred_peak / div:>9,.1f}")
+    lines.append("fwd/bwd: per micro-batch; p2p, opt(imizer) and (gradient) sync: per step. "
+                 "Measured p2p is posting and waiting, so it includes waiting for the neighbour "
+                 "stages (bubbles); predicted is the transfers alone. p2p, tied sync and peak "
+                 f"memory are the pipeline rank's. Peak memory: {metrics.memory_method}.")
+    return "\n".join(lines)
+
+
+def _at(values: tuple[float, ...], rank: int) -> float:
+    return values[rank] if rank < len(values) else 0.0
 
 
 # ---- the picture ------------------------------------------------------------------------------
@@ -150,22 +211,44 @@ def _draw_schedule(ax: Any, plan: Plan, sim: Simulation) -> None:
               ncol=len(handles), fontsize=8, frameon=False)
 
 
-def _draw_memory(ax: Any, plan: Plan) -> None:
+def _measured_peaks(plan: Plan, metrics: RunMetrics) -> list[float | None]:
+    """Measured peak bytes per pipeline rank (the run's median), None where not measured."""
+    peaks: list[float | None] = [None] * len(plan.predicted.memory)
+    for m in metrics.stage_summaries():
+        r = plan.stages[m.index].rank
+        if m.peak_memory_bytes is not None and r < len(peaks):
+            peaks[r] = max(peaks[r] or 0.0, float(m.peak_memory_bytes))
+    return peaks
+
+
+def _draw_memory(ax: Any, plan: Plan, metrics: RunMetrics | None = None) -> None:
     memory = plan.predicted.memory
     usable = plan.predicted.usable_memory_bytes
     device = plan.cluster.device.memory_bytes
     ranks = list(range(len(memory)))
     unit, div = _memory_unit(plan)
+    # with a run: predicted (stacked by kind) on the left of each rank, measured on the right
+    width, shift = (0.6, 0.0) if metrics is None else (0.36, -0.2)
+    xs = [r + shift for r in ranks]
     bottom = [0.0] * len(memory)
     for key, label, colour in _MEMORY_KINDS:
         values = [getattr(m, key) / div for m in memory]
         if any(values):
-            ax.bar(ranks, values, bottom=bottom, color=colour, label=label, width=0.6)
+            ax.bar(xs, values, bottom=bottom, color=colour, label=label, width=width)
             bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     top = max(bottom) if bottom else 0.0
-    for rank, total in zip(ranks, bottom, strict=True):
-        ax.text(rank, total, f"{total:.1f}\n{total * div / usable:.1%}" if usable else "",
+    for x, total in zip(xs, bottom, strict=True):
+        ax.text(x, total, f"{total:.1f}\n{total * div / usable:.1%}" if usable else "",
                 ha="center", va="bottom", fontsize=7)
+    if metrics is not None:
+        peaks = _measured_peaks(plan, metrics)
+        values = [(v or 0.0) / div for v in peaks]
+        ax.bar([r + 0.2 for r in ranks], values, width=width, color="white",
+               edgecolor="black", hatch="..", label=f"measured peak ({metrics.memory_method})")
+        for rank, v, raw in zip(ranks, values, peaks, strict=True):
+            ax.text(rank + 0.2, v, "n/a" if raw is None else f"{v:.1f}", ha="center",
+                    va="bottom", fontsize=7)
+        top = max([top, *values])
     limit = usable / div
     if limit <= top * 3:  # the limit is in view: draw it
         ax.axhline(limit, color="black", linestyle="--", linewidth=1)
@@ -180,38 +263,67 @@ def _draw_memory(ax: Any, plan: Plan) -> None:
     ax.set_xticks(ranks)
     ax.set_xticklabels([f"rank {r}" for r in ranks], fontsize=8)
     ax.set_ylabel(f"{unit} per device")
-    ax.set_title(f"peak memory per device (labels: {unit}, share of usable)", fontsize=10,
+    ax.set_title(f"peak memory per device (labels: {unit}, share of usable)"
+                 + ("; right: measured" if metrics is not None else ""), fontsize=10,
                  loc="left")
     ax.legend(fontsize=7, loc="upper left", ncol=2, frameon=False)
 
 
-def _draw_times(ax: Any, plan: Plan) -> None:
+def _draw_times(ax: Any, plan: Plan, metrics: RunMetrics | None = None) -> None:
     stages = list(plan.stages)
-    xs = list(range(len(stages)))
+    # with a run: predicted on the left of each stage, measured (hatched) on the right
+    width, shift = (0.6, 0.0) if metrics is None else (0.36, -0.2)
+    xs = [k + shift for k in range(len(stages))]
     fwd = [s.forward_s * 1e3 for s in stages]
     bwd = [s.backward_s * 1e3 for s in stages]
     send = [(s.send_forward_s + s.send_backward_s) * 1e3 for s in stages]
-    ax.bar(xs, fwd, color=_COLOURS["forward"][0], width=0.6, label="forward")
-    ax.bar(xs, bwd, bottom=fwd, color=_COLOURS["backward"][0], width=0.6,
+    ax.bar(xs, fwd, color=_COLOURS["forward"][0], width=width, label="forward")
+    ax.bar(xs, bwd, bottom=fwd, color=_COLOURS["backward"][0], width=width,
            label="backward" + (" + recompute" if plan.training.shape.activation_checkpointing
                              else ""))
     ax.bar(xs, send, bottom=[f + b for f, b in zip(fwd, bwd, strict=True)], color="#BAB0AC",
-           width=0.6, label="send activations + gradients")
+           width=width, label="send activations + gradients")
     totals = [f + b + s for f, b, s in zip(fwd, bwd, send, strict=True)]
     for x, total in zip(xs, totals, strict=True):
         ax.text(x, total, f"{total:.2f}", ha="center", va="bottom", fontsize=7)
-    if totals:
+    top = max(totals, default=0.0)
+    if metrics is not None:
+        M = plan.training.shape.num_microbatches
+        summaries = metrics.stage_summaries()
+        mx = [m.index + 0.2 for m in summaries]
+        mf = [m.forward_s * 1e3 for m in summaries]
+        mb = [m.backward_s * 1e3 for m in summaries]
+        mp = [m.p2p_s / M * 1e3 for m in summaries]  # per step -> per micro-batch
+        ax.bar(mx, mf, width=width, color=_COLOURS["forward"][1], hatch="..",
+               edgecolor="white", label="measured forward")
+        ax.bar(mx, mb, bottom=mf, width=width, color=_COLOURS["backward"][1], hatch="..",
+               edgecolor="white", label="measured backward")
+        ax.bar(mx, mp, bottom=[f + b for f, b in zip(mf, mb, strict=True)], width=width,
+               color="#DDDDDD", hatch="..", edgecolor="white",
+               label="measured p2p (with waiting)")
+        measured = [f + b + q for f, b, q in zip(mf, mb, mp, strict=True)]
+        for x, total in zip(mx, measured, strict=True):
+            ax.text(x, total, f"{total:.2f}", ha="center", va="bottom", fontsize=7)
+        top = max([top, *measured])
+    elif totals:
         ax.axhline(sum(totals) / len(totals), color="black", linestyle=":", linewidth=1)
-        ax.set_ylim(0, max(totals) * 1.25)
-    ax.set_xticks(xs)
+    if top:
+        ax.set_ylim(0, top * 1.25)
+    ax.set_xticks(list(range(len(stages))))
     ax.set_xticklabels([f"stage {s.index}\nrank {s.rank}" for s in stages], fontsize=8)
     ax.set_ylabel("ms per micro-batch")
-    ax.set_title("time per micro-batch per stage (dotted: mean)", fontsize=10, loc="left")
+    ax.set_title("time per micro-batch per stage" + (
+        " (left: predicted, right: measured)" if metrics is not None else " (dotted: mean)"),
+        fontsize=10, loc="left")
     ax.legend(fontsize=7, loc="upper left", frameon=False)
 
 
-def render_png(plan: Plan, path: str | Path | None = None, dpi: int = 110) -> bytes:
-    """The report picture (module docstring) as PNG bytes, also written to `path` if given."""
+def render_png(plan: Plan, path: str | Path | None = None, dpi: int = 110,
+               metrics: RunMetrics | None = None) -> bytes:
+    """The report picture (module docstring) as PNG bytes, also written to `path` if given;
+    with a run's `metrics`, measured bars beside the predicted ones."""
+    if metrics is not None:
+        metrics.check_stages(plan.num_stages)
     import matplotlib
 
     matplotlib.use("Agg")  # no display needed; must precede pyplot
@@ -223,9 +335,14 @@ def render_png(plan: Plan, path: str | Path | None = None, dpi: int = 110) -> by
     grid = fig.add_gridspec(2, 2, height_ratios=[1.2 + 0.45 * ranks, 4.0], hspace=0.55,
                             wspace=0.18)
     _draw_schedule(fig.add_subplot(grid[0, :]), plan, sim)
-    _draw_memory(fig.add_subplot(grid[1, 0]), plan)
-    _draw_times(fig.add_subplot(grid[1, 1]), plan)
-    fig.suptitle(_title(plan), fontsize=11, x=0.01, ha="left")
+    _draw_memory(fig.add_subplot(grid[1, 0]), plan, metrics)
+    _draw_times(fig.add_subplot(grid[1, 1]), plan, metrics)
+    title = _title(plan)
+    if metrics is not None:
+        step = metrics.median_step_s()
+        title += (f"; measured {step * 1e3:.2f} ms/iteration (median), "
+                  f"{plan.training.global_batch_size / step:,.1f} samples/s")
+    fig.suptitle(title, fontsize=11, x=0.01, ha="left")
     buffer = io.BytesIO()
     # No timestamps in the file: the same plan gives the same picture.
     fig.savefig(buffer, format="png", bbox_inches="tight", metadata={"Software": None})
@@ -237,9 +354,11 @@ def render_png(plan: Plan, path: str | Path | None = None, dpi: int = 110) -> by
     return data
 
 
-def render_html(plan: Plan, path: str | Path, png: bytes | None = None) -> Path:
-    """A self-contained HTML page: the picture (embedded) and the plan summary as tables."""
-    png = png if png is not None else render_png(plan)
+def render_html(plan: Plan, path: str | Path, png: bytes | None = None,
+                metrics: RunMetrics | None = None) -> Path:
+    """A self-contained HTML page: the picture (embedded) and the plan summary as tables (with a
+    run's `metrics`, measured vs predicted too)."""
+    png = png if png is not None else render_png(plan, metrics=metrics)
     e = html.escape
     setup, p, c, r = plan.training, plan.predicted, plan.cluster, plan.solver
     shape = setup.shape
@@ -297,7 +416,7 @@ pre {{ background: #f7f7f7; padding: 1em; overflow-x: auto; }}
 {''.join(rows)}
 </table>
 <h2>Summary</h2>
-<pre>{e(format_summary(plan))}</pre>
+<pre>{e(format_summary(plan, metrics))}</pre>
 </body></html>
 """
     out = Path(path)

@@ -1,14 +1,15 @@
 """What rank 0 shows of a run: progress on stderr (a bar on a terminal, lines otherwise),
-metrics as JSON lines, and the final summary with measured vs predicted times on stdout."""
+metrics as JSON lines (`StepMetrics.to_json`, read back by partc.plans.run_metrics), and the final
+summary with measured vs predicted times on stdout (the table `partc show --metrics` prints)."""
 from __future__ import annotations
 
-import json
-import statistics
 from dataclasses import dataclass, field
 from typing import TextIO
 
 from partc.options import TrainOptions
 from partc.plans.plan import Plan
+from partc.plans.report import format_measured
+from partc.plans.run_metrics import RunMetrics, StepMetrics
 from partc.run.checkpoint import Checkpoint
 from partc.run.rank_layout import RankLayout
 
@@ -22,6 +23,7 @@ class RunSummary:
     # [step][stage] per micro-batch
     stage_forward_s: list[list[float]] = field(default_factory=list)
     stage_backward_s: list[list[float]] = field(default_factory=list)
+    metrics: list[StepMetrics] = field(default_factory=list)  # each step's metrics-file line
     resumed_from: int | None = None
 
 
@@ -61,20 +63,15 @@ class Reporter:
         self.err.write(f"partc launch: {text}\n")
         self.err.flush()
 
-    def step(self, step: int, loss: float, step_s: float, fwd: list[float],
-             bwd: list[float]) -> None:
-        done, total = step + 1, self.options.steps
-        rate = self.samples / step_s if step_s > 0 else 0.0
-        stages = " ".join(f"{k}:{f * 1e3:.1f}/{b * 1e3:.1f}"
-                          for k, (f, b) in enumerate(zip(fwd, bwd, strict=True)))
+    def step(self, metrics: StepMetrics) -> None:
+        done, total = metrics.step, self.options.steps
+        stages = " ".join(f"{s.index}:{s.forward_s * 1e3:.1f}/{s.backward_s * 1e3:.1f}"
+                          for s in metrics.stages)
         if self.metrics is not None:
-            self.metrics.write(json.dumps({"step": done, "loss": loss, "step_s": step_s,
-                                           "samples_per_s": rate,
-                                           "stage_forward_s": fwd, "stage_backward_s": bwd},
-                                          sort_keys=True) + "\n")
+            self.metrics.write(metrics.to_json() + "\n")
             self.metrics.flush()
-        text = (f"step {done}/{total}  loss {loss:.6g}  {rate:,.1f} samples/s  "
-                f"fwd/bwd ms per micro-batch {stages}")
+        text = (f"step {done}/{total}  loss {metrics.loss:.6g}  "
+                f"{metrics.samples_per_s:,.1f} samples/s  fwd/bwd ms per micro-batch {stages}")
         if self.tty:
             width = 24
             filled = int(width * done / total)
@@ -95,24 +92,10 @@ class Reporter:
         if not steps:
             self.out.write("partc launch: nothing to do (the checkpoint is at --steps)\n")
             return
-        # the first step includes TorchScript's profiling runs: leave it out of the rates
-        timed = [summary.step_s[s] for s in steps[1:]] or [summary.step_s[steps[0]]]
-        median = statistics.median(timed)
-        predicted = self.plan.predicted
         resumed = (f" (resumed from the checkpoint of step {summary.resumed_from})"
                    if summary.resumed_from is not None else "")
         lines = [f"trained steps {steps[0] + 1}..{steps[-1] + 1}{resumed}: loss "
                  f"{summary.losses[steps[0]]:.6g} -> {summary.losses[steps[-1]]:.6g}",
-                 f"iteration {median * 1e3:.1f} ms (median), {self.samples / median:,.1f} "
-                 f"samples/s; predicted {predicted.iteration_s * 1e3:.1f} ms, "
-                 f"{predicted.samples_per_s:,.1f} samples/s",
-                 f"{'stage':>5} {'fwd ms':>9} {'predicted':>9} {'bwd ms':>9} {'predicted':>9}"]
-        rows = summary.stage_forward_s[1:] or summary.stage_forward_s
-        brows = summary.stage_backward_s[1:] or summary.stage_backward_s
-        for k, st in enumerate(self.plan.stages):
-            f = statistics.median(r[k] for r in rows)
-            b = statistics.median(r[k] for r in brows)
-            lines.append(f"{k:>5} {f * 1e3:>9.3f} {st.forward_s * 1e3:>9.3f} {b * 1e3:>9.3f} "
-                         f"{st.backward_s * 1e3:>9.3f}")
+                 format_measured(self.plan, RunMetrics(steps=tuple(summary.metrics)))]
         self.out.write("\n".join(lines) + "\n")
         self.out.flush()

@@ -18,16 +18,18 @@ Per rank, in order:
    gradient scaling and over replicas by DDP (partc.run.schedule);
 6. gradients of tied parameters are summed over the stages holding them, then each stage's
    optimizer (the plan's) steps;
-7. rank 0 gathers loss and per-stage times (one small reduce per step), shows progress, writes the
-   metrics file and prints a summary (partc.run.reporting); every --checkpoint-every steps each
-   stage's replica 0 writes its checkpoint (partc.run.checkpoint).
+7. rank 0 gathers loss, per-stage times and peak memory (one small gather per step; times read
+   after synchronising a CUDA device), shows progress, writes the metrics file
+   (partc.plans.run_metrics) and prints a summary (partc.run.reporting); every
+   --checkpoint-every steps each stage's replica 0 writes its checkpoint (partc.run.checkpoint).
 """
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
-import time
 from pathlib import Path
-from typing import TextIO
+from typing import Iterator, TextIO
 
 import torch
 import torch.distributed as dist
@@ -38,6 +40,15 @@ from partc.errors import LaunchError
 from partc.frontend.model_file import ModelFile
 from partc.options import TrainOptions
 from partc.plans.plan import Plan, load_plan
+from partc.plans.run_metrics import (
+    CLOCK_CPU,
+    CLOCK_CUDA,
+    MEMORY_CPU_PROFILER,
+    MEMORY_CUDA,
+    MEMORY_NONE,
+    StageMetrics,
+    StepMetrics,
+)
 from partc.run.rank_layout import RankLayout, rank_layout
 from partc.run.rank_setup import (
     RankEnv,
@@ -47,12 +58,21 @@ from partc.run.rank_setup import (
     resume_point,
     tied_groups,
 )
+from partc.run.reference import peak_above_start, storage_bytes
 from partc.run.reporting import Reporter, RunSummary
-from partc.run.schedule import RankRun, StageLoss, build_schedule, flat_model_inputs, no_loss
+from partc.run.schedule import (
+    P2PTimer,
+    RankRun,
+    StageLoss,
+    build_schedule,
+    flat_model_inputs,
+    no_loss,
+)
 from partc.run.stage_runner import (
     load_local_stages,
     save_checkpoint,
     sum_tied_gradients,
+    synced_clock,
     wrap_for_pipeline,
 )
 from partc.run.training import batched_flags, global_batches, next_batch, output_spec, step_seed
@@ -126,7 +146,7 @@ def _set_up(plan: Plan, layout: RankLayout, env: RankEnv, device: torch.device,
     return RankRun(plan=plan, options=options, device=device, rank=rank, replica=replica,
                    replicas=layout.replicas, stages=stages, tied=tied, loss_fn=loss_fn,
                    data=data, pending=pending, in_spec=in_spec, batched=batched, resume=resume,
-                   schedule=schedule, model_file=model_file)
+                   schedule=schedule, model_file=model_file, p2p=P2PTimer(device))
 
 
 def _data_source(model_file: ModelFile) -> str:
@@ -138,12 +158,15 @@ def _train(run: RankRun, reporter: Reporter | None) -> RunSummary | None:
     """The step loop: steps from the resume point to --steps, checkpoints on the way."""
     options = run.options
     summary = RunSummary(resumed_from=run.start if run.resume is not None else None)
+    run.p2p.install()
     for step in range(run.start, options.steps):
-        began = time.perf_counter()
-        metrics = _step(run, step)
-        step_s = time.perf_counter() - began
+        method = _memory_method(run, step)
+        began = synced_clock(run.device)
+        rows = _step(run, step, method)
+        step_s = synced_clock(run.device) - began
         if reporter is not None:
-            _record(summary, reporter, run.num_stages, step, step_s, metrics)
+            assert rows is not None
+            _record(summary, reporter, _step_metrics(run, step, step_s, rows, method))
         done = step + 1
         if options.checkpoint_dir is not None and (
                 done == options.steps
@@ -157,49 +180,170 @@ def _train(run: RankRun, reporter: Reporter | None) -> RunSummary | None:
     return None
 
 
-def _step(run: RankRun, step: int) -> torch.Tensor:
-    """One training step on this rank (steps 5-6); returns what rank 0 reports of it, reduced
-    over all ranks (see `_metrics`)."""
+def _memory_method(run: RankRun, step: int) -> str:
+    """How this step's peak memory is measured: every step on CUDA (the allocator keeps the
+    peak); on CPU the profiler watches one step, the second of the run (optimizer state and
+    gradients exist, as measure_training_peak measures), or the only one."""
+    if run.device.type == "cuda":
+        return MEMORY_CUDA
+    watched = run.start + 1 if run.options.steps > run.start + 1 else run.start
+    return MEMORY_CPU_PROFILER if step == watched else MEMORY_NONE
+
+
+class _MemoryProbe:
+    """The peak memory of one step on this rank, by `method` (partc.plans.run_metrics)."""
+
+    def __init__(self, run: RankRun, method: str) -> None:
+        self.run, self.method = run, method
+        self.live = 0
+        self.profiler: torch.profiler.profile | None = None
+
+    def __enter__(self) -> _MemoryProbe:
+        if self.method == MEMORY_CUDA:
+            torch.cuda.reset_peak_memory_stats(self.run.device)
+        elif self.method == MEMORY_CPU_PROFILER:
+            # measure_training_peak's method: the tensors held at step start (before zero_grad,
+            # so freeing last step's gradients shows as frees) + the profiler's peak above that
+            tensors: list[torch.Tensor] = []
+            for local in self.run.stages:
+                tensors += [*local.module.parameters(), *local.module.buffers()]
+                tensors += [p.grad for p in local.module.parameters() if p.grad is not None]
+                if local.optimizer is not None:
+                    tensors += [v for state in local.optimizer.state.values()
+                                for v in state.values() if isinstance(v, torch.Tensor)]
+            self.live = storage_bytes(tensors)
+            self.profiler = torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+            with _no_stderr():
+                self.profiler.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.profiler is not None:
+            with _no_stderr():
+                self.profiler.__exit__(None, None, None)
+
+    def peak_bytes(self) -> int | None:
+        if self.method == MEMORY_CUDA:
+            return int(torch.cuda.max_memory_allocated(self.run.device))
+        if self.profiler is not None:
+            return self.live + peak_above_start(self.profiler)
+        return None
+
+
+@contextlib.contextmanager
+def _no_stderr() -> Iterator[None]:
+    """File descriptor 2 to /dev/null: kineto prints a line on every profiler start and stop
+    straight to it, which would interleave with the progress lines."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+# The per-rank row gathered onto rank 0 each step (float64): the rank's values, then a block per
+# stage that the rank fills for the stages it runs.
+_HAS_LOSS, _LOSS, _P2P, _TIED, _PEAK = range(5)
+_RANK_FIELDS = 5
+_PRESENT, _FORWARD, _BACKWARD, _OPTIMIZER, _ALLREDUCE = range(5)
+_STAGE_FIELDS = 5
+
+
+def _step(run: RankRun, step: int, memory_method: str) -> list[torch.Tensor] | None:
+    """One training step on this rank (steps 5-6); returns every rank's measurements of it on
+    rank 0 (one gather per step, see `_step_metrics`), None elsewhere."""
     torch.manual_seed(step_seed(run.options.seed, step, run.rank))
-    for local in run.stages:
-        if local.optimizer is not None:
-            local.optimizer.zero_grad(set_to_none=True)
-        assert local.pipe is not None
-        local.pipe.forward_s = local.pipe.backward_s = 0.0
-    args, target = run.next_inputs(step)
-    losses: list[torch.Tensor] | None = [] if run.loss_fn is not None else None
-    run.schedule.step(*args, target=target, losses=losses, return_outputs=False)
-    sum_tied_gradients(run.tied, run.stages)
-    for local in run.stages:
-        if local.optimizer is not None:
-            local.optimizer.step()
-    return _metrics(run, losses or [])
-
-
-def _metrics(run: RankRun, losses: list[torch.Tensor]) -> torch.Tensor:
-    """[loss, forward s per stage..., backward s per stage...], summed over ranks onto rank 0:
-    the loss is the mean over micro-batches and replicas, times are per micro-batch, the mean
-    over replicas (each rank contributes its share)."""
-    V, R = run.num_stages, run.replicas
-    M = run.plan.training.shape.num_microbatches
-    row = torch.zeros(1 + 2 * V, dtype=torch.float64)
+    run.p2p.seconds = 0.0
+    with _MemoryProbe(run, memory_method) as memory:
+        for local in run.stages:
+            if local.optimizer is not None:
+                local.optimizer.zero_grad(set_to_none=True)
+            assert local.pipe is not None
+            local.pipe.forward_s = local.pipe.backward_s = 0.0
+            if local.grad_sync is not None:
+                local.grad_sync.reset()
+        args, target = run.next_inputs(step)
+        losses: list[torch.Tensor] | None = [] if run.loss_fn is not None else None
+        run.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        began = synced_clock(run.device)
+        sum_tied_gradients(run.tied, run.stages)
+        tied_s = synced_clock(run.device) - began if run.tied else 0.0
+        for local in run.stages:
+            local.optimizer_s = 0.0
+            if local.optimizer is not None:
+                began = synced_clock(run.device)
+                local.optimizer.step()
+                local.optimizer_s = synced_clock(run.device) - began
+    V, M = run.num_stages, run.plan.training.shape.num_microbatches
+    row = torch.zeros(_RANK_FIELDS + _STAGE_FIELDS * V, dtype=torch.float64)
     if losses:
-        row[0] = float(torch.stack([loss.detach().float() for loss in losses]).mean()) / R
+        row[_HAS_LOSS] = 1.0
+        row[_LOSS] = float(torch.stack([loss.detach().float() for loss in losses]).mean())
+    row[_P2P] = run.p2p.seconds
+    row[_TIED] = tied_s
+    peak = memory.peak_bytes()
+    row[_PEAK] = -1.0 if peak is None else float(peak)
     for local in run.stages:
         assert local.pipe is not None
-        row[1 + local.spec.index] = local.pipe.forward_s / M / R
-        row[1 + V + local.spec.index] = local.pipe.backward_s / M / R
+        at = _RANK_FIELDS + _STAGE_FIELDS * local.spec.index
+        row[at + _PRESENT] = 1.0
+        row[at + _FORWARD] = local.pipe.forward_s / M
+        row[at + _BACKWARD] = local.pipe.backward_s / M
+        row[at + _OPTIMIZER] = local.optimizer_s
+        row[at + _ALLREDUCE] = (local.grad_sync.seconds() if local.grad_sync is not None
+                                else 0.0)
     row = row.to(run.device)
-    dist.reduce(row, dst=0)
-    return row
+    rows = ([torch.empty_like(row) for _ in range(dist.get_world_size())] if run.rank == 0
+            else None)
+    dist.gather(row, gather_list=rows, dst=0)
+    return rows
 
 
-def _record(summary: RunSummary, reporter: Reporter, num_stages: int, step: int, step_s: float,
-            metrics: torch.Tensor) -> None:
-    values = metrics.cpu().tolist()
-    V = num_stages
-    summary.losses[step] = values[0]
-    summary.step_s[step] = step_s
-    summary.stage_forward_s.append(values[1:1 + V])
-    summary.stage_backward_s.append(values[1 + V:])
-    reporter.step(step, values[0], step_s, values[1:1 + V], values[1 + V:])
+def _step_metrics(run: RankRun, step: int, step_s: float, gathered: list[torch.Tensor],
+                  memory_method: str) -> StepMetrics:
+    """Rank 0: the step's metrics from every rank's row. Per stage, each value is the maximum
+    over the ranks running it (its replicas: the slowest sets the step's pace); the legacy
+    per-stage lists and the loss are means over replicas."""
+    rows = [r.cpu().tolist() for r in gathered]
+    V = run.num_stages
+    shape = run.plan.training.shape
+    with_loss = [r[_LOSS] for r in rows if r[_HAS_LOSS]]
+    stages, mean_fwd, mean_bwd = [], [], []
+    for k in range(V):
+        at = _RANK_FIELDS + _STAGE_FIELDS * k
+        mine = [r for r in rows if r[at + _PRESENT]]
+        peaks = [int(r[_PEAK]) for r in mine if r[_PEAK] >= 0]
+        stages.append(StageMetrics(
+            index=k, pipeline_rank=run.plan.stages[k].rank,
+            forward_s=max(r[at + _FORWARD] for r in mine),
+            backward_s=max(r[at + _BACKWARD] for r in mine),
+            p2p_s=max(r[_P2P] for r in mine),
+            optimizer_s=max(r[at + _OPTIMIZER] for r in mine),
+            ddp_allreduce_s=max(r[at + _ALLREDUCE] for r in mine),
+            tied_sync_s=max(r[_TIED] for r in mine),
+            peak_memory_bytes=max(peaks) if peaks else None))
+        mean_fwd.append(sum(r[at + _FORWARD] for r in mine) / len(mine))
+        mean_bwd.append(sum(r[at + _BACKWARD] for r in mine) / len(mine))
+    samples = run.plan.training.global_batch_size
+    return StepMetrics(
+        step=step + 1, loss=sum(with_loss) / len(with_loss) if with_loss else 0.0,
+        step_s=step_s, samples_per_s=samples / step_s if step_s > 0 else 0.0,
+        stage_forward_s=tuple(mean_fwd), stage_backward_s=tuple(mean_bwd),
+        stages=tuple(stages), num_microbatches=shape.num_microbatches, replicas=run.replicas,
+        clock=CLOCK_CUDA if run.device.type == "cuda" else CLOCK_CPU,
+        memory_method=memory_method)
+
+
+def _record(summary: RunSummary, reporter: Reporter, metrics: StepMetrics) -> None:
+    step = metrics.step - 1
+    summary.losses[step] = metrics.loss
+    summary.step_s[step] = metrics.step_s
+    summary.stage_forward_s.append(list(metrics.stage_forward_s))
+    summary.stage_backward_s.append(list(metrics.stage_backward_s))
+    summary.metrics.append(metrics)
+    reporter.step(metrics)

@@ -4,6 +4,7 @@ each step's inputs and targets (this rank's replica's share of the global batch)
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -18,8 +19,48 @@ from partc.options import TrainOptions
 from partc.plans.plan import Plan
 from partc.run.checkpoint import Checkpoint
 from partc.run.rank_setup import TiedGroup
-from partc.run.stage_runner import LocalStage, TimedStage
+from partc.run.stage_runner import LocalStage, TimedStage, synced_clock
 from partc.run.training import check_inputs, next_batch, split_batch
+
+
+class P2PTimer:
+    """The time this rank spends posting and waiting for the schedule's sends and receives.
+
+    torch's schedules post every p2p batch with `schedules._batch_p2p` and wait with
+    `schedules._wait_batch_p2p` (module functions, looked up at each call), and batch one rank's
+    operations for several stages together, so the time is the rank's, not a stage's. `install`
+    wraps the two functions of this process (a launch worker runs one schedule); on CUDA the
+    device is synchronised before the clock is read after a wait, since NCCL's wait only orders
+    streams."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.seconds = 0.0
+
+    def install(self) -> None:
+        import torch.distributed.pipelining.schedules as schedules
+
+        post = getattr(schedules._batch_p2p, "__wrapped__", schedules._batch_p2p)
+        wait = getattr(schedules._wait_batch_p2p, "__wrapped__", schedules._wait_batch_p2p)
+
+        def timed_post(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return post(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        def timed_wait(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return wait(*args, **kwargs)
+            finally:
+                self.seconds += synced_clock(self.device) - start
+
+        timed_post.__wrapped__ = post  # type: ignore[attr-defined]
+        timed_wait.__wrapped__ = wait  # type: ignore[attr-defined]
+        schedules._batch_p2p = timed_post
+        schedules._wait_batch_p2p = timed_wait
 
 
 class StageLoss:
@@ -89,6 +130,7 @@ class RankRun:
     resume: Checkpoint | None
     schedule: Any  # the torch.distributed.pipelining schedule over this rank's stages
     model_file: ModelFile
+    p2p: P2PTimer  # this rank's time in p2p sends and receives
 
     @property
     def start(self) -> int:

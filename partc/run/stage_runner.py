@@ -11,7 +11,6 @@ trip) that times its own forwards and backwards (`TimedStage`).
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -20,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 from torch.nn.parallel import DistributedDataParallel
 
+from partc.cost.torch_profiler import precision_autocast
 from partc.emit.stage_code import load_stage
 from partc.emit.stage_weights import load_state_dict_file, set_stage_tensors, stage_state
 from partc.frontend.model_file import ModelFile
@@ -30,26 +30,90 @@ from partc.run.rank_setup import TiedGroup
 from partc.run.training import build_optimizer
 
 
+def synced_clock(device: torch.device) -> float:
+    """time.perf_counter() once the device has finished its queued work: CUDA runs kernels
+    asynchronously, so reading the clock without synchronising times the launches, not the work
+    (a ~140 ms forward read as 8.9 ms)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 class TimedStage(PipelineStage):
     """A PipelineStage that adds up the time spent in its forwards and backwards (compute only:
-    the schedule waits for receives outside these calls)."""
+    the schedule waits for receives outside these calls), synchronising a CUDA device around
+    each (`synced_clock`)."""
 
     forward_s = 0.0
     backward_s = 0.0
 
     def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
+        start = synced_clock(self.device)
         try:
             return super().forward_one_chunk(*args, **kwargs)
         finally:
-            self.forward_s += time.perf_counter() - start
+            self.forward_s += synced_clock(self.device) - start
 
     def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
+        start = synced_clock(self.device)
         try:
             return super().backward_one_chunk(*args, **kwargs)
         finally:
-            self.backward_s += time.perf_counter() - start
+            self.backward_s += synced_clock(self.device) - start
+
+
+class GradSyncTimer:
+    """DDP's gradient all-reduce, as a communication hook that times it: from the first bucket
+    posted to the last one reduced, per step (it overlaps the last micro-batch's backward, which
+    DDP ends by waiting for it). The reduction is DDP's default (divide by the group size, then
+    sum), so the numbers are unchanged.
+
+    gloo completes a bucket's future when the reduction is done, so the CPU clock times it; NCCL
+    completes futures on the stream, so on CUDA the span comes from CUDA events read at the end of
+    the step."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.reset()
+
+    def reset(self) -> None:
+        self.first: float | None = None
+        self.last = 0.0
+        self.events: list[tuple[Any, Any]] = []
+
+    def hook(self, group: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """The comm hook (`DistributedDataParallel.register_comm_hook(None, timer.hook)`)."""
+        group = group if group is not None else dist.group.WORLD
+        tensor = bucket.buffer().div_(dist.get_world_size(group))
+        if self.first is None:
+            self.first = time.perf_counter()
+        start = end = None
+        if self.device.type == "cuda":
+            start, end = (torch.cuda.Event(enable_timing=True),
+                          torch.cuda.Event(enable_timing=True))
+            start.record()
+            self.events.append((start, end))
+        fut = dist.all_reduce(tensor, group=group, async_op=True).get_future()
+
+        def done(f: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+            if end is not None:
+                end.record()  # on the stream the reduced value is ready on
+            self.last = time.perf_counter()
+            return f.value()[0]
+
+        return fut.then(done)
+
+    def seconds(self) -> float:
+        """This step's all-reduce span (call after the step; then `reset`)."""
+        if self.events:
+            torch.cuda.synchronize(self.device)
+            return max(self.events[0][0].elapsed_time(e) for _, e in self.events) / 1e3
+        return max(self.last - self.first, 0.0) if self.first is not None else 0.0
+
+
+# DDP checks a hook's annotations against the real types; this module's are strings (PEP 563)
+GradSyncTimer.hook.__annotations__.update(
+    bucket=dist.GradBucket, **{"return": torch.futures.Future[torch.Tensor]})
 
 
 class StageRunner(torch.nn.Module):
@@ -77,8 +141,7 @@ class StageRunner(torch.nn.Module):
         return outputs
 
     def _run(self, *args: torch.Tensor) -> Any:
-        cast = (torch.autocast(self.device_type, dtype=torch.bfloat16) if self.bf16
-                else nullcontext())
+        cast = precision_autocast("bf16-mixed" if self.bf16 else "fp32", self.device_type)
         with cast:
             if self.checkpointing:
                 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
@@ -101,6 +164,8 @@ class LocalStage:
     optimizer: torch.optim.Optimizer | None
     optimized_names: list[str]  # parameter FQNs in the optimizer's order
     pipe: TimedStage | None = None
+    grad_sync: GradSyncTimer | None = None  # times DDP's all-reduce when the plan has replicas
+    optimizer_s: float = 0.0  # this step's optimizer step
 
 
 def load_local_stages(plan: Plan, stages: Sequence[int], device: torch.device,
@@ -159,6 +224,8 @@ def wrap_for_pipeline(plan: Plan, stages: list[LocalStage], device: torch.device
                 # buffers start equal (same init or checkpoint); re-broadcasting them before
                 # every micro-batch's forward would cost M collectives per stage and step
                 broadcast_buffers=False)
+            local.grad_sync = GradSyncTimer(device)
+            runner.register_comm_hook(dp_group, local.grad_sync.hook)
         k = local.spec.index
         boundary = torch.bfloat16 if bf16 else None
         local.pipe = TimedStage(

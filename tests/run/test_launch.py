@@ -13,16 +13,14 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import EXAMPLES, ROOT, TEST_MODELS
-from partc.run.checkpoint import latest_checkpoint
+
 from partc.emit.compile import CompileOptions, compile_model
 from partc.hardware.configs import load_cluster
-from partc.options import TrainingConfig
+from partc.options import SearchOptions, TrainingConfig, TrainOptions
 from partc.plans.plan import PlanError, load_plan
+from partc.run.checkpoint import latest_checkpoint
 from partc.run.rank_layout import rank_layout
-from partc.options import SearchOptions
-from partc.options import TrainOptions
 from partc.run.reference import train_single_process
 
 PARTC = str(Path(sys.executable).parent / "partc")
@@ -56,7 +54,7 @@ def losses_of(metrics: Path) -> list[float]:
 
 def assert_close(got: list[float], want: list[float], rtol: float = RTOL) -> None:
     assert len(got) == len(want), (got, want)
-    for step, (a, b) in enumerate(zip(got, want)):
+    for step, (a, b) in enumerate(zip(got, want, strict=True)):
         assert abs(a - b) <= rtol * abs(b), f"step {step + 1}: launch {a!r} vs single process {b!r}"
 
 
@@ -67,7 +65,21 @@ def train_and_compare(plan: Path, tmp: Path, steps: int = 5, chunks: int = 1) ->
     got = losses_of(metrics)
     want = train_single_process(load_plan(plan), TrainOptions(steps=steps), chunks=chunks)
     assert_close(got, want)
+    check_metrics(plan, metrics)
     return got
+
+
+def check_metrics(plan: Path, metrics: Path) -> None:
+    """The metrics file reads back as typed data with a line per step and a row per stage; with
+    replicas, DDP's gradient all-reduce was timed."""
+    from partc.plans.run_metrics import RunMetrics
+
+    p = load_plan(plan)
+    run = RunMetrics.load(metrics)
+    run.check_stages(p.num_stages)
+    assert all(s.replicas == p.training.shape.replicas for s in run.steps)
+    if p.training.shape.replicas > 1:
+        assert all(st.ddp_allreduce_s > 0 for s in run.steps for st in s.stages)
 
 
 # ---- equal to single-process training ----------------------------------------------------------
@@ -307,3 +319,53 @@ def test_rank_layout_of_both_placements(tmp_path: Path) -> None:
         dataclasses.replace(plan.stages[1], devices=(1, 3))))
     with pytest.raises(PlanError, match="devices"):
         rank_layout(broken)
+
+
+# ---- metrics: what a run measured, per stage -----------------------------------------------------
+
+def test_metrics_per_stage_and_show_beside_the_prediction(tmp_path: Path) -> None:
+    """2 processes (gloo): every step's line has synchronised per-stage times, p2p, optimizer and
+    peak memory; the typed reader reads exactly what the runtime wrote; `partc show --metrics`
+    sets them beside the plan's prediction."""
+    from partc.plans.run_metrics import MEMORY_CPU_PROFILER, MEMORY_NONE, RunMetrics
+
+    plan = compile_plan(tmp_path, EXAMPLES / "mlp.py", 2, 1)
+    metrics = tmp_path / "m.jsonl"
+    result = launch(plan, "--steps", "4", "--metrics", str(metrics))
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = RunMetrics.load(metrics)
+    assert [s.step for s in run.steps] == [1, 2, 3, 4] and run.num_stages == 2
+    for step in run.steps:
+        assert step.clock == "perf_counter" and step.replicas == 1
+        M = step.num_microbatches
+        assert [s.index for s in step.stages] == [0, 1]
+        assert [s.pipeline_rank for s in step.stages] == [0, 1]
+        for s in step.stages:
+            for value in (s.forward_s, s.backward_s, s.p2p_s, s.optimizer_s, s.ddp_allreduce_s,
+                          s.tied_sync_s):
+                assert value >= 0.0
+            assert s.forward_s > 0 and s.backward_s > 0 and s.optimizer_s > 0
+            # the stage's forwards and backwards happen inside the step
+            assert M * (s.forward_s + s.backward_s) <= step.step_s
+            assert s.ddp_allreduce_s == 0.0  # no replicas
+        # the legacy keys agree with the stages (one replica: mean == max)
+        assert step.stage_forward_s == tuple(s.forward_s for s in step.stages)
+    # CPU: the profiler measures the second step only (and it is left out of time medians)
+    assert [s.memory_method for s in run.steps] == [MEMORY_NONE, MEMORY_CPU_PROFILER,
+                                                   MEMORY_NONE, MEMORY_NONE]
+    peaks = [s.peak_memory_bytes for s in run.steps[1].stages]
+    assert all(p is not None and p > 0 for p in peaks)
+    assert [s.step for s in run.timed_steps()] == [3, 4]
+    # one definition of the keys: the file's lines are the dataclasses' JSON
+    assert [s.to_json() for s in run.steps] == metrics.read_text().splitlines()
+    assert "p2p ms" in result.stdout and "peak" in result.stdout
+
+    shown = subprocess.run([PARTC, "show", str(plan), "--metrics", str(metrics)],
+                           capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    out = shown.stdout
+    assert "measured (4 step(s); medians over step(s) 3..4" in out
+    assert "iteration" in out and "(median)" in out and "Peak memory: torch.profiler" in out
+    rows = [ln for ln in out.splitlines() if ln.split("|")[0].split()[:1] in (["0"], ["1"])
+            and ln.count("|") == 6]
+    assert len(rows) == 2, out

@@ -1,0 +1,117 @@
+"""Run metrics as typed data (partc.plans.run_metrics) and `partc show --metrics`: the reader's
+round trip and errors, and the measured-vs-predicted table and picture on this repository's
+checked-in example plan. The metrics lines here are built with the same dataclasses the launch
+runtime writes them with (tests/run/test_launch.py writes them with a real run)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+
+from partc.plans.run_metrics import (
+    CLOCK_CPU,
+    MEMORY_CPU_PROFILER,
+    MEMORY_NONE,
+    RunMetrics,
+    RunMetricsError,
+    StageMetrics,
+    StepMetrics,
+)
+
+PARTC = str(Path(sys.executable).parent / "partc")
+MLP = ROOT / "examples" / "plans" / "mlp"  # 2 stages, 1 replica
+
+
+def step(n: int, stages: int = 2, step_s: float = 0.01, peak: int | None = None) -> StepMetrics:
+    rows = tuple(StageMetrics(index=k, pipeline_rank=k, forward_s=0.001 * (k + 1) * n,
+                              backward_s=0.002 * (k + 1), p2p_s=0.0005, optimizer_s=0.0003,
+                              ddp_allreduce_s=0.0, tied_sync_s=0.0,
+                              peak_memory_bytes=peak and peak + k) for k in range(stages))
+    return StepMetrics(step=n, loss=1.0 / n, step_s=step_s * n, samples_per_s=100.0 / n,
+                       stage_forward_s=tuple(r.forward_s for r in rows),
+                       stage_backward_s=tuple(r.backward_s for r in rows), stages=rows,
+                       num_microbatches=2, replicas=1, clock=CLOCK_CPU,
+                       memory_method=MEMORY_NONE if peak is None else MEMORY_CPU_PROFILER)
+
+
+def write(path: Path, steps: list[StepMetrics]) -> Path:
+    path.write_text("".join(s.to_json() + "\n" for s in steps))
+    return path
+
+
+def test_round_trip_and_summaries(tmp_path: Path) -> None:
+    steps = [step(1), step(2, peak=5 << 20), step(3), step(4), step(5)]
+    run = RunMetrics.load(write(tmp_path / "m.jsonl", steps))
+    assert run.steps == tuple(steps) and run.num_stages == 2
+    # the first step (warm-up) and the profiled one are left out of the time summaries
+    assert [s.step for s in run.timed_steps()] == [3, 4, 5]
+    assert run.median_step_s() == pytest.approx(0.04)
+    first, second = run.stage_summaries()
+    assert first.forward_s == pytest.approx(0.004) and second.forward_s == pytest.approx(0.008)
+    assert (first.peak_memory_bytes, second.peak_memory_bytes) == (5 << 20, (5 << 20) + 1)
+    assert run.memory_method == MEMORY_CPU_PROFILER
+    # a step written twice (a restart) counts with its last line
+    again = RunMetrics.load(write(tmp_path / "r.jsonl", [*steps, step(3, step_s=1.0)]))
+    assert len(again.steps) == 5 and again.steps[2].step_s == pytest.approx(3.0)
+
+
+def test_load_errors_name_the_file_and_hint(tmp_path: Path) -> None:
+    cases: dict[str, str | None] = {
+        "not found": None,
+        "has no steps": "\n\n",
+        "is not a partc metrics line": "{not json\n",
+        "missing key": json.dumps({"version": 1, "step": 1, "stages": []}) + "\n",
+        "written by an older partc": json.dumps({"step": 1, "loss": 1.0}) + "\n",
+        "mixes runs": step(1).to_json() + "\n" + step(2, stages=3).to_json() + "\n",
+    }
+    for needle, text in cases.items():
+        path = tmp_path / f"{len(needle)}.jsonl"
+        if text is not None:
+            path.write_text(text)
+        with pytest.raises(RunMetricsError, match=needle) as info:
+            RunMetrics.load(path)
+        assert info.value.hint and "\n" not in info.value.one_line()
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([PARTC, *args], capture_output=True, text=True, cwd=ROOT, timeout=300)
+
+
+def test_show_with_metrics_table_and_picture(tmp_path: Path) -> None:
+    metrics = write(tmp_path / "m.jsonl", [step(1), step(2, peak=3 << 20), step(3), step(4)])
+    png, page = tmp_path / "r.png", tmp_path / "r.html"
+    proc = run("show", str(MLP), "--metrics", str(metrics), "--png", str(png), "--html",
+               str(page))
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "memory per device" in out  # the plan's own summary is still there
+    assert "measured (4 step(s); medians over step(s) 3..4" in out
+    assert "iteration 35.0 ms (median)" in out
+    header = next(ln for ln in out.splitlines() if ln.lstrip().startswith("stage rank |"))
+    for column in ("fwd ms", "bwd ms", "p2p ms", "opt ms", "sync ms", "peak MiB", "pred"):
+        assert column in header
+    table = out.split(header + "\n")[1].splitlines()[:2]
+    assert [ln.split()[0] for ln in table] == ["0", "1"]
+    assert "Peak memory: torch.profiler" in out
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    # the measured bars change the picture; without metrics it is the plan's alone
+    plain = tmp_path / "plain.png"
+    assert run("show", str(MLP), "--png", str(plain)).returncode == 0
+    assert plain.read_bytes() != data
+    assert "measured (4 step(s)" in page.read_text()
+
+
+def test_show_refuses_metrics_of_another_plan(tmp_path: Path) -> None:
+    metrics = write(tmp_path / "three.jsonl", [step(1, stages=3), step(2, stages=3)])
+    proc = run("show", str(MLP), "--metrics", str(metrics))
+    assert proc.returncode == 2
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "is a run of 3 stage(s)" in lines[0] and "has 2" in lines[0]
+    assert "hint:" in lines[0]
+    missing = run("show", str(MLP), "--metrics", str(tmp_path / "none.jsonl"))
+    assert missing.returncode == 2 and "not found" in missing.stderr
