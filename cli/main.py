@@ -19,10 +19,12 @@ from partc.errors import PartcError
 from partc.files import write_atomic
 from partc.options import (
     DEFAULT_CAPTURE_BATCH,
+    PRECISIONS,
     PROFILE_METHODS,
     STRATEGIES,
     ElasticOptions,
     FlaggedField,
+    Precision,
     ProfileMethod,
     SearchOptions,
     TrainingConfig,
@@ -154,7 +156,12 @@ def _batch_sizes(_ctx: click.Context, _param: click.Parameter,
               help="Profile these micro-batch sizes instead of B and 2B (comma-separated, >= 2).")
 @click.option("--method", type=click.Choice(PROFILE_METHODS), default="auto",
               show_default=True,
-              help="Forward times from onnxruntime (auto: when the ONNX export works) or torch.")
+              help="Forward times from onnxruntime (auto: when the ONNX export works and "
+                   "onnxruntime has the device's execution provider) or torch.")
+@click.option("--precision", type=click.Choice(PRECISIONS), default=PRECISIONS[0],
+              show_default=True,
+              help="Training precision to price (measured bf16-mixed: under bf16 autocast, as "
+                   "partc launch runs it, timed in torch).")
 @click.option("--analytic", "analytic_device", metavar="DEVICE",
               help="Write the analytic (roofline) cost table for a device config instead of "
                    "measuring (a name from configs/devices/ or a YAML path).")
@@ -168,8 +175,8 @@ def _batch_sizes(_ctx: click.Context, _param: click.Parameter,
               default=Path("profile.yaml"), show_default=True, help="Profile file to write.")
 @debug_option
 def profile(model: Path, device: str, batch_size: int, batch_sizes: tuple[int, ...],
-            method: ProfileMethod, analytic_device: str | None, threads: int, runs: int,
-            warmup: int, output: Path) -> None:
+            method: ProfileMethod, precision: Precision, analytic_device: str | None,
+            threads: int, runs: int, warmup: int, output: Path) -> None:
     """Measure (or compute) the cost of every operator of MODEL: forward and backward time and
     activation bytes per node, as a function of the micro-batch size."""
     from partc.cost.table import format_cost_summary
@@ -186,12 +193,13 @@ def profile(model: Path, device: str, batch_size: int, batch_sizes: tuple[int, .
         result = capture_graph(model, batch_size, onnx=False, progress=progress)
         with progress.step("measuring saved activations (meta-safe) and pricing by roofline"):
             table = analytic_cost_table(result.graph, spec,
-                                        saved=saved_activations(result.capture))
+                                        saved=saved_activations(result.capture),
+                                        precision=precision)
     else:
         from partc.cost.measured import ProfileOptions, profile_model
 
         options = ProfileOptions(device=device, batch_sizes=batch_sizes, method=method,
-                                 threads=threads, warmup=warmup, runs=runs)
+                                 threads=threads, warmup=warmup, runs=runs, precision=precision)
         table = profile_model(model, batch_size, options, progress)
     with writing_to(output):
         output.parent.mkdir(parents=True, exist_ok=True)
@@ -314,7 +322,8 @@ def solve(model: Path, output: Path | None, timeline: Path | None, **kw: Any) ->
     progress = TerminalProgress()
     cluster, training, options = _search_inputs(kw)
     result = capture_graph(model, kw["capture_batch"], onnx=False, progress=progress)
-    table = plan_costs(result, cluster.device, kw["profile_path"], progress)
+    table = plan_costs(result, cluster.device, kw["profile_path"], progress,
+                       precision=training.precision)
     with progress.step(f"coarsen to at most {options.max_blocks} blocks"):
         blocks = coarsen(table, options.max_blocks)
     if kw["strategy"] == "all":
@@ -463,24 +472,64 @@ def diff(old: Path, new: Path) -> None:
                    "per stage.")
 @click.option("--html", type=click.Path(readable=False, dir_okay=False, path_type=Path),
               help="Write a self-contained HTML report (the picture and the plan summary).")
+@click.option("--metrics", type=click.Path(readable=False, dir_okay=False, path_type=Path),
+              help="The metrics file of a run of PLAN (`partc launch --metrics`): add measured "
+                   "vs predicted times and memory per stage, and measured bars to the picture.")
 @debug_option
-def show(plan: Path, png: Path | None, html: Path | None) -> None:
+def show(plan: Path, png: Path | None, html: Path | None, metrics: Path | None) -> None:
     """Summarise PLAN: stages, devices, predicted times and memory per device, the simulated
-    schedule's idle time; --png/--html draw it. Reads plan.yaml only."""
+    schedule's idle time; --png/--html draw it; --metrics sets a run beside the prediction.
+    Reads plan.yaml (and the metrics file) only."""
     from partc.plans.plan import load_plan
     from partc.plans.report import format_summary, render_html, render_png
+    from partc.plans.run_metrics import RunMetrics
 
     loaded = load_plan(plan)
-    click.echo(format_summary(loaded))
+    run = None
+    if metrics is not None:
+        run = RunMetrics.load(metrics)
+        run.check_stages(loaded.num_stages, f"plan {plan}")
+    click.echo(format_summary(loaded, run))
     picture = None
     if png is not None:
         with writing_to(png):
-            picture = render_png(loaded, png)
+            picture = render_png(loaded, png, metrics=run)
         click.echo(f"wrote {png}", err=True)
     if html is not None:
         with writing_to(html):
-            render_html(loaded, html, picture)
+            render_html(loaded, html, picture, metrics=run)
         click.echo(f"wrote {html}", err=True)
+
+
+@cli.command()
+@click.option("--device", default="cpu", show_default=True,
+              help="What to measure: cpu (one device = --threads cores), cuda or cuda:N.")
+@click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
+              help="CPU cores (torch threads) per device (--device cpu).")
+@click.option("--seconds", type=click.FloatRange(min=0, min_open=True), default=20.0,
+              show_default=True, help="Time budget of the device measurements (< 5: small "
+                                      "sizes, a smoke test).")
+@click.option("--name", default=None,
+              help="Config name: the files' stem and the device's name [default: cpu, or the "
+                   "GPU's name, e.g. nvidia-h100-80gb-hbm3].")
+@click.option("--output", "-o", "out_dir", required=True,
+              type=click.Path(readable=False, file_okay=False, path_type=Path),
+              help="Configs folder to write devices/NAME.yaml and clusters/NAME.yaml into.")
+@debug_option
+def calibrate(device: str, threads: int, seconds: float, name: str | None,
+              out_dir: Path) -> None:
+    """Measure this machine's CPU or a CUDA GPU and write a device and a cluster config
+    (OUT/devices/NAME.yaml, OUT/clusters/NAME.yaml) for `partc compile --cluster
+    OUT/clusters/NAME.yaml`. Run it on an idle machine."""
+    from partc.hardware.calibration import calibrate as run_calibration
+    from partc.hardware.calibration import format_calibration
+
+    result = run_calibration(out_dir, device, name=name, threads=threads, seconds=seconds)
+    if result.other_processes_cores > 0.1:
+        click.echo(f"partc: warning: other processes used {result.other_processes_cores:.0%} "
+                   "of a core meanwhile; the numbers are low, rerun on an idle machine", err=True)
+    click.echo(format_calibration(result))
+    click.echo(f"wrote {result.device_path} and {result.cluster_path}", err=True)
 
 
 def main() -> NoReturn:

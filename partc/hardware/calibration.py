@@ -1,15 +1,49 @@
-"""Calibration: measure this machine's CPU so that `configs/devices/cpu.yaml` describes it, which
-makes the analytic cost model testable against real timings here (bench/calibrate_cpu.py writes
-the file)."""
+"""Calibration: measure this machine's CPU or one of its CUDA GPUs as a partc device, and the link
+between two such devices, and write them as a device and a cluster config (`partc calibrate`,
+bench/calibrate_cpu.py; docs/hardware.md#calibrating-a-machine).
+
+`measure_cpu` / `measure_cuda` time the operators the cost model prices (matrix peaks per dtype,
+conv and attention, memory streams, per-operator overheads of the forward and of the backward)
+and turn the timings into a `DeviceSpec`; `measure_gloo_link` / `measure_nccl_link` time two
+processes talking. `device_yaml` / `cluster_yaml` render the result with every raw measurement as
+a comment, and `calibrate` does it all and writes `DIR/devices/NAME.yaml` and
+`DIR/clusters/NAME.yaml`, which `partc compile --cluster DIR/clusters/NAME.yaml` reads.
+"""
 from __future__ import annotations
 
+import json
+import math
+import os
+import re
+import socket
 import statistics
+import tempfile
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Sequence, Union
 
+from partc.errors import PartcError
+from partc.files import write_atomic
+from partc.hardware.configs import list_clusters, load_cluster, load_device
 from partc.hardware.local import cpu_model, physical_cores, ram_bytes
-from partc.hardware.specs import DeviceSpec
+from partc.hardware.specs import OP_CLASSES, ClusterSpec, DeviceSpec, LinkSpec
+from partc.hardware.units import format_quantity, parse_quantity
+
+if TYPE_CHECKING:
+    import torch
+
+# Op classes whose efficiency cannot be measured as a FLOP rate (the OpGraph counts no FLOPs for
+# them: the bytes term decides), and "other": the documented defaults (docs/hardware.md).
+DEFAULT_EFFICIENCY = {"norm": 0.5, "elementwise": 0.5, "reduction": 0.5, "gather": 0.5,
+                      "copy": 0.5, "other": 0.3}
+BANDWIDTH_CLASSES = ("elementwise", "norm", "reduction", "gather", "copy")
+LINK_BYTES = 64 << 20  # the message that measures a link's bandwidth
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+class CalibrationError(PartcError):
+    """`partc calibrate` cannot run as asked: a bad --device, a missing GPU, an unwritable -o."""
 
 
 @dataclass(frozen=True)
@@ -24,18 +58,90 @@ class CpuCalibration:
     measurements: dict[str, float] = field(default_factory=dict)  # name -> value, base units
 
 
+@dataclass(frozen=True)
+class CudaCalibration:
+    """What `measure_cuda` found: the DeviceSpec of one GPU and the raw measurements."""
+
+    spec: DeviceSpec
+    gpu_name: str
+    device_index: int
+    device_count: int  # GPUs visible: the calibrated cluster is one node of them
+    capability: tuple[int, int]
+    measurements: dict[str, float] = field(default_factory=dict)  # name -> value, base units
+
+
+@dataclass(frozen=True)
+class LinkCalibration:
+    """A link between two devices of one node: measured (gloo, NCCL) or taken from a shipped
+    config (`measured` False); `source` says which, for the cluster file's `source:`."""
+
+    link: LinkSpec
+    measured: bool
+    source: str
+    measurements: dict[str, float] = field(default_factory=dict)
+
+
+DeviceCalibration = Union[CpuCalibration, CudaCalibration]
+
+
+@dataclass(frozen=True)
+class CalibrationResult:
+    """What `calibrate` measured and wrote."""
+
+    device: DeviceCalibration
+    link: LinkCalibration
+    cluster: ClusterSpec  # read back from cluster_path (its device from device_path)
+    device_path: Path
+    cluster_path: Path
+    wall_s: float
+    # CPU time other processes used meanwhile, in cores (nan where /proc/stat is unavailable):
+    # they compete for cores and memory bandwidth, so every number comes out low above ~0.1.
+    other_processes_cores: float
+
+
+# --------------------------------------------------------------------------------------------
+# Timing helpers (device-independent: `sync` waits for the device, a no-op on the CPU)
+
+def _no_sync() -> None:
+    return None
+
+
+def _synchronizer(device: "torch.device") -> Callable[[], None]:
+    if device.type == "cuda":
+        import torch
+        return lambda: torch.cuda.synchronize(device)
+    return _no_sync
+
+
 def _median_time(fn: Callable[[], Any], budget_s: float, min_reps: int = 3,
-                 max_reps: int = 200) -> float:
-    """Median wall time of fn() after one warm-up call, repeated until the budget is spent."""
+                 max_reps: int = 200, sync: Callable[[], None] = _no_sync) -> float:
+    """Median wall time of fn() after one warm-up call, repeated until the budget is spent;
+    `sync()` waits for queued device work before each start and after each call."""
     fn()
+    sync()
     times: list[float] = []
     start = time.perf_counter()
     while len(times) < max_reps and (len(times) < min_reps
                                      or time.perf_counter() - start < budget_s):
+        sync()
         t0 = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def _batched_time(fn: Callable[[], Any], budget_s: float, sync: Callable[[], None],
+                  target_s: float = 5e-3, max_inner: int = 1000) -> float:
+    """Time of one fn() on an asynchronous device: calls are repeated back to back until one
+    timed chunk takes about `target_s`, so the launch and synchronisation latencies vanish."""
+    one = _median_time(fn, 0.0, min_reps=2, max_reps=2, sync=sync)
+    inner = max(1, min(max_inner, int(target_s / max(one, 1e-9))))
+
+    def chunk() -> None:
+        for _ in range(inner):
+            fn()
+    return _median_time(chunk, budget_s, sync=sync) / inner
 
 
 def _counted_flops(fn: Callable[[], Any]) -> int:
@@ -45,6 +151,126 @@ def _counted_flops(fn: Callable[[], Any]) -> int:
         fn()
     return int(counter.get_total_flops())
 
+
+def _snap(value: float, unit: str, digits: int = 4) -> float:
+    """`value` rounded to what its YAML text (`digits` significant digits with a unit prefix)
+    reads back as, so that a rendered spec loads to an equal one."""
+    return parse_quantity(format_quantity(value, unit, digits), unit)
+
+
+def measure_op_overheads(device: "torch.device", budget_s: float, loops: int = 2000,
+                         chain: int = 1000) -> dict[str, float]:
+    """Per-operator fixed costs on `device` (synchronised), in seconds:
+
+    - `op_overhead_s`: eager forward of a 1-element add whose input requires grad (dispatch,
+      autograd recording and kernel launch, as in training), over `loops` back-to-back calls;
+    - `op_dispatch_no_grad_s`: the same without autograd (for reference);
+    - `backward_op_overhead_s`: backward through a chain of `chain` 1-element multiplications
+      (`torch.autograd.grad`), divided by `chain`: the engine's node plus the gradient kernel;
+    - `backward_chain_s` and `backward_chain_ops`: that backward's median time and length.
+    """
+    import torch
+
+    sync = _synchronizer(device)
+    leaf = torch.ones(1, device=device, requires_grad=True)
+    plain = torch.ones(1, device=device)
+
+    def forward_ops(x: "torch.Tensor") -> Callable[[], None]:
+        def run() -> None:
+            for _ in range(loops):
+                torch.add(x, x)
+        return run
+
+    forward = _median_time(forward_ops(leaf), 0.4 * budget_s, sync=sync) / loops
+    dispatch = _median_time(forward_ops(plain), 0.2 * budget_s, sync=sync) / loops
+
+    def backward_once() -> float:
+        y = leaf
+        for _ in range(chain):
+            y = y * 1.0
+        sync()
+        t0 = time.perf_counter()
+        torch.autograd.grad(y, leaf)
+        sync()
+        return time.perf_counter() - t0
+
+    backward_once()  # warm-up
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < 3 or (time.perf_counter() - start < 0.4 * budget_s and len(times) < 50):
+        times.append(backward_once())
+    chain_s = statistics.median(times)
+    return {"op_overhead_s": forward, "op_dispatch_no_grad_s": dispatch,
+            "backward_op_overhead_s": chain_s / chain, "backward_chain_s": chain_s,
+            "backward_chain_ops": float(chain)}
+
+
+def measure_bandwidth(device: "torch.device", numel: int, budget_s: float,
+                      overhead_s: float = 0.0) -> dict[str, float]:
+    """Memory bandwidths on `device` over float32 tensors of `numel` elements (bytes read +
+    written per second): `stream_copy_B_s`, `stream_add_B_s` (the peak is the faster) and one
+    operator per bandwidth-bound class, `<class>_B_s` (elementwise mul, layer_norm, row sum,
+    index_select, transposed copy). Outputs are preallocated where torch allows (`out=`): on the
+    CPU a fresh tensor over glibc's mmap threshold (32 MiB) is page-faulted in on every call, which
+    would measure the allocator rather than the operator. `overhead_s` is subtracted per call."""
+    import torch
+
+    sync = _synchronizer(device)
+    timer: Callable[[Callable[[], Any], float], float]
+    if device.type == "cpu":
+        def timer(fn: Callable[[], Any], budget: float) -> float:
+            return _median_time(fn, budget)
+    else:
+        def timer(fn: Callable[[], Any], budget: float) -> float:
+            return _batched_time(fn, budget, sync)
+
+    src = torch.randn(numel, device=device)
+    dst = torch.empty(numel, device=device)
+    other = torch.randn(numel, device=device)
+    nbytes = numel * 4
+
+    def stream(fn: Callable[[], Any], moved: int, share: float) -> float:
+        return moved / max(timer(fn, share * budget_s) - overhead_s, 1e-9)
+
+    found = {"stream_copy_B_s": stream(lambda: dst.copy_(src), 2 * nbytes, 0.2),
+             "stream_add_B_s": stream(lambda: torch.add(src, other, out=dst), 3 * nbytes, 0.2)}
+    hidden = 1024
+    rows = numel // hidden
+    x2, y2 = src.view(rows, hidden), dst.view(rows, hidden)
+    ln_w = torch.ones(hidden, device=device)
+    ln_b = torch.zeros(hidden, device=device)
+    ln_stats = torch.empty(rows, 1, device=device), torch.empty(rows, 1, device=device)
+    row_sums = torch.empty(rows, device=device)
+    index = torch.randint(0, rows, (rows,), device=device)
+    square, transposed = src.view(-1, 4096), dst.view(4096, -1)
+    aten = torch.ops.aten
+
+    def norm() -> Any:
+        if device.type == "cpu":
+            return aten.native_layer_norm.out(x2, [hidden], ln_w, ln_b, 1e-5, out0=y2,
+                                              out1=ln_stats[0], out2=ln_stats[1])
+        # The caching allocator makes a fresh output cheap on a GPU.
+        return torch.nn.functional.layer_norm(x2, [hidden], ln_w, ln_b)
+
+    found["elementwise_B_s"] = stream(lambda: torch.mul(src, other, out=dst), 3 * nbytes, 0.12)
+    found["norm_B_s"] = stream(norm, 2 * nbytes, 0.12)
+    found["reduction_B_s"] = stream(lambda: torch.sum(x2, dim=1, out=row_sums),
+                                    nbytes + rows * 4, 0.12)
+    found["gather_B_s"] = stream(lambda: torch.index_select(x2, 0, index, out=y2),
+                                 2 * nbytes + rows * 8, 0.12)
+    found["copy_B_s"] = stream(lambda: transposed.copy_(square.t()), 2 * nbytes, 0.12)
+    return found
+
+
+def _bandwidth_terms(found: dict[str, float]) -> tuple[float, float]:
+    """(memory_bandwidth, bandwidth_efficiency) from `measure_bandwidth`'s numbers."""
+    peak = max(found["stream_copy_B_s"], found["stream_add_B_s"])
+    eff = statistics.median(found[f"{c}_B_s"] / peak for c in BANDWIDTH_CLASSES)
+    return peak, min(1.0, max(eff, 1e-3))
+
+
+# --------------------------------------------------------------------------------------------
+# CPU
 
 def measure_cpu(threads: int = 1, seconds: float = 20.0) -> CpuCalibration:
     """Measure this machine's CPU as a partc device of `threads` cores (see calibrate_cpu)."""
@@ -58,6 +284,7 @@ def measure_cpu(threads: int = 1, seconds: float = 20.0) -> CpuCalibration:
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     torch.manual_seed(0)
+    cpu = torch.device("cpu")
     found: dict[str, float] = {}
     try:
         # -- matmul: the measured peak is the best shape; efficiency is the median over
@@ -117,60 +344,16 @@ def measure_cpu(threads: int = 1, seconds: float = 20.0) -> CpuCalibration:
         peaks["float32"] = peak32
         matmul_eff = statistics.median(rates) / peak32
 
-        # -- per-operator overhead: eager dispatch of an op whose work is nothing.
-        one = torch.ones(1)
-        loops = 200 if quick else 2000
+        # -- per-operator overheads: forward with autograd recording, backward per chain node.
+        found.update(measure_op_overheads(cpu, 1.0 * unit, loops=200 if quick else 2000,
+                                          chain=200 if quick else 1000))
 
-        def tiny_ops() -> None:
-            for _ in range(loops):
-                torch.add(one, one)
-
-        overhead = _median_time(tiny_ops, 0.5 * unit) / loops
-        found["op_overhead_s"] = overhead
-
-        # -- memory bandwidth: streams over tensors far larger than the caches, counting bytes
-        # read + written. The fastest is the peak; one typical operator per bandwidth-bound class
-        # sets bandwidth_efficiency (the median of their fractions of the peak). Outputs are
-        # preallocated (out=): a fresh tensor over glibc's mmap threshold (32 MiB) is page-faulted
-        # in on every call, which would measure the allocator rather than the operator.
+        # -- memory bandwidth: streams over tensors far larger than the caches. The bare
+        # dispatch time (no autograd: these run without grad) is subtracted per call.
         numel = (4 << 20) if quick else (32 << 20)  # 16 MiB / 128 MiB of float32 per tensor
-        src = torch.randn(numel)
-        dst = torch.empty(numel)
-        other = torch.randn(numel)
-        nbytes = numel * 4
-
-        def stream(fn: Callable[[], Any], moved: int, budget: float) -> float:
-            return moved / max(_median_time(fn, budget) - overhead, 1e-9)
-
-        copy_bw = stream(lambda: dst.copy_(src), 2 * nbytes, 1.0 * unit)
-        add_bw = stream(lambda: torch.add(src, other, out=dst), 3 * nbytes, 1.0 * unit)
-        found["stream_copy_B_s"] = copy_bw
-        found["stream_add_B_s"] = add_bw
-        peak_bw = max(copy_bw, add_bw)
-
-        hidden = 1024
-        rows = numel // hidden
-        x2, y2 = src.view(rows, hidden), dst.view(rows, hidden)
-        ln_w, ln_b = torch.ones(hidden), torch.zeros(hidden)
-        ln_stats = torch.empty(rows, 1), torch.empty(rows, 1)
-        row_sums = torch.empty(rows)
-        index = torch.randint(0, rows, (rows,))
-        square, transposed = src.view(-1, 4096), dst.view(4096, -1)
-        aten = torch.ops.aten
-        class_bw = {
-            "elementwise": stream(lambda: torch.mul(src, other, out=dst), 3 * nbytes, 0.6 * unit),
-            "norm": stream(lambda: aten.native_layer_norm.out(
-                x2, [hidden], ln_w, ln_b, 1e-5, out0=y2, out1=ln_stats[0], out2=ln_stats[1]),
-                2 * nbytes, 0.6 * unit),
-            "reduction": stream(lambda: torch.sum(x2, dim=1, out=row_sums), nbytes + rows * 4,
-                                0.6 * unit),
-            "gather": stream(lambda: torch.index_select(x2, 0, index, out=y2),
-                             2 * nbytes + rows * 8, 0.6 * unit),
-            "copy": stream(lambda: transposed.copy_(square.t()), 2 * nbytes, 0.6 * unit),
-        }
-        for name, bw in class_bw.items():
-            found[f"{name}_B_s"] = bw
-        bandwidth_eff = min(1.0, statistics.median(bw / peak_bw for bw in class_bw.values()))
+        found.update(measure_bandwidth(cpu, numel, 5.0 * unit,
+                                       overhead_s=found["op_dispatch_no_grad_s"]))
+        peak_bw, bandwidth_eff = _bandwidth_terms(found)
     finally:
         torch.set_num_threads(previous_threads)
 
@@ -178,24 +361,22 @@ def measure_cpu(threads: int = 1, seconds: float = 20.0) -> CpuCalibration:
     ram = ram_bytes()
     devices = max(1, cores // threads)
     model = cpu_model()
-    # Bandwidth-bound classes count no FLOPs in the OpGraph (torch's flop counter prices only
-    # matrix ops), so their FLOP efficiency cannot be measured; 0.5 is the documented default.
     efficiency = {
         "matmul": round(min(1.0, matmul_eff), 3),
         "conv": round(min(1.0, conv_rate / peak32), 3),
         "attention": round(min(1.0, attn_rate / peak32), 3),
-        "norm": 0.5, "elementwise": 0.5, "reduction": 0.5, "gather": 0.5, "copy": 0.5,
-        "other": 0.3,
+        **DEFAULT_EFFICIENCY,
     }
     spec = DeviceSpec(
         name="cpu",
         kind="cpu",
         memory_bytes=ram // devices,
-        peak_flops={k: float(f"{peaks[k]:.4g}") for k in sorted(peaks)},
-        memory_bandwidth=float(f"{peak_bw:.4g}"),
+        peak_flops={k: _snap(peaks[k], "FLOP/s") for k in sorted(peaks)},
+        memory_bandwidth=_snap(peak_bw, "B/s"),
         efficiency=efficiency,
         bandwidth_efficiency=round(bandwidth_eff, 3),
-        op_overhead_s=float(f"{overhead:.3g}"),
+        op_overhead_s=_snap(found["op_overhead_s"], "s", 3),
+        backward_op_overhead_s=_snap(found["backward_op_overhead_s"], "s", 3),
         description=(f"This machine's CPU ({model}, {cores} physical cores, "
                      f"{ram / 2**30:.1f} GiB RAM) as {devices} device(s) of {threads} core(s) "
                      f"each, eager PyTorch with {threads} thread(s) per device"),
@@ -213,8 +394,711 @@ def calibrate_cpu(threads: int = 1, seconds: float = 20.0) -> DeviceSpec:
     attention efficiencies are their achieved fractions of the float32 peak (conv and attention
     forward + backward). Memory bandwidth is the best large-tensor stream (bytes read + written
     per second), bandwidth_efficiency the median fraction of it that norm, elementwise,
-    reduction, gather and copy operators reach. The per-operator overhead is the eager time of a
-    1-element add; memory is RAM * threads / cores.
+    reduction, gather and copy operators reach. The per-operator overheads are the eager time of
+    a 1-element add recorded by autograd and the backward time per node of a chain of 1-element
+    multiplications; memory is RAM * threads / cores.
     Takes about `seconds` (plus warm-up); `seconds` < 5 uses small sizes (a smoke test).
     """
     return measure_cpu(threads, seconds).spec
+
+
+# --------------------------------------------------------------------------------------------
+# CUDA
+
+# GEMM shapes (M, K, N) like a transformer layer's at 8k tokens: squares, the MLP's up and down
+# projections, and a weight gradient (K = tokens).
+CUDA_GEMM_SHAPES = ((4096, 4096, 4096), (8192, 1024, 4096), (8192, 4096, 1024),
+                    (1024, 8192, 4096))
+QUICK_GEMM_SHAPES = ((256, 256, 256), (512, 128, 512))
+
+
+def parse_calibration_device(text: str) -> str:
+    """`cpu`, `cuda` or `cuda:N` (normalised: `cuda` -> `cuda:0`); anything else is a
+    CalibrationError. Whether the GPU exists is checked by `measure_cuda`."""
+    value = text.strip().lower()
+    if value == "cpu":
+        return "cpu"
+    if value == "cuda":
+        return "cuda:0"
+    m = re.fullmatch(r"cuda:(\d+)", value)
+    if m:
+        return f"cuda:{int(m.group(1))}"
+    raise CalibrationError(f"bad --device {text!r}", "use cpu, cuda or cuda:N (e.g. cuda:1)")
+
+
+def _cuda_device(device: str) -> tuple["torch.device", Any, int]:
+    """(torch.device, its properties, visible GPU count); CalibrationError when it is missing."""
+    import torch
+
+    device = parse_calibration_device(device)
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        raise CalibrationError(f"--device {device!r} is not a CUDA device",
+                               "use cuda or cuda:N, or calibrate the CPU with --device cpu")
+    if not torch.cuda.is_available():
+        build = "this torch has no CUDA support" if torch.version.cuda is None else \
+            "torch sees no CUDA GPU"
+        raise CalibrationError(f"cannot calibrate {device}: {build}",
+                               "run on a machine with an NVIDIA GPU and a CUDA build of torch, "
+                               "check CUDA_VISIBLE_DEVICES, or use --device cpu")
+    count = torch.cuda.device_count()
+    index = dev.index or 0
+    if index >= count:
+        raise CalibrationError(f"cannot calibrate {device}: only {count} CUDA device(s) visible",
+                               f"use cuda:0 .. cuda:{count - 1}")
+    return torch.device("cuda", index), torch.cuda.get_device_properties(index), count
+
+
+def cuda_dtypes(capability: tuple[int, int]) -> list[str]:
+    """The `peak_flops` keys a GPU of this compute capability runs natively: tf32 and bfloat16
+    from Ampere (8.0) on."""
+    dtypes = ["float32", "float16", "float64"]
+    if capability >= (8, 0):
+        dtypes[1:1] = ["tf32", "bfloat16"]
+    return dtypes
+
+
+def compute_dtype(dtypes: Sequence[str]) -> str:
+    """The dtype a GPU's conv and attention are measured (and mixed-precision training runs)
+    in: bfloat16 where measured, else float16, else float32."""
+    return next((d for d in ("bfloat16", "float16") if d in dtypes), "float32")
+
+
+def _matmul_dtypes(found: dict[str, float]) -> list[str]:
+    """The dtypes `found` has GEMM rates of (keys `matmul_<dtype>_<M>x<K>x<N>_flop_s`)."""
+    dtypes = []
+    for key in found:
+        m = re.fullmatch(r"matmul_([a-z0-9]+)_\d+x\d+x\d+_flop_s", key)
+        if m and m.group(1) not in dtypes:
+            dtypes.append(m.group(1))
+    return dtypes
+
+
+def measure_accelerator(device: "torch.device", seconds: float, dtypes: Sequence[str],
+                        quick: bool = False) -> dict[str, float]:
+    """The raw measurements `measure_cuda` turns into a DeviceSpec, on any torch device (the CPU
+    runs it in tests): GEMM FLOP/s per dtype and shape (`matmul_<dtype>_<M>x<K>x<N>_flop_s`;
+    tf32 is float32 with TF32 matmuls allowed), forward + backward conv2d and attention FLOP/s in
+    the compute dtype (bfloat16 where listed, else float16 or float32), the memory bandwidths
+    (`measure_bandwidth`) and the per-operator overheads (`measure_op_overheads`)."""
+    import torch
+    import torch.nn.functional as F
+
+    sync = _synchronizer(device)
+    unit = seconds / 20.0
+    found: dict[str, float] = {}
+    shapes = QUICK_GEMM_SHAPES if quick else CUDA_GEMM_SHAPES
+    matmul = torch.backends.cuda.matmul
+    previous_tf32 = matmul.allow_tf32
+    torch.manual_seed(0)
+    try:
+        def mm_rate(m: int, k: int, n: int, dtype: torch.dtype, budget: float) -> float:
+            a = torch.randn(m, k, device=device, dtype=dtype)
+            b = torch.randn(k, n, device=device, dtype=dtype)
+            out = torch.empty(m, n, device=device, dtype=dtype)
+            return 2.0 * m * k * n / _batched_time(lambda: torch.mm(a, b, out=out), budget, sync)
+
+        fp32_best = 0.0
+        for name in dtypes:
+            dtype = {"float32": torch.float32, "tf32": torch.float32, "float64": torch.float64,
+                     "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+            matmul.allow_tf32 = name == "tf32"
+            todo = list(shapes)
+            if name == "float64" and fp32_best:
+                # Consumer GPUs run float64 at 1/32-1/64 of float32: one shape is enough there.
+                m, k, n = todo[0]
+                first = mm_rate(m, k, n, dtype, 0.5 * unit)
+                found[f"matmul_{name}_{m}x{k}x{n}_flop_s"] = first
+                todo = todo[1:] if first >= fp32_best / 20 else []
+            for m, k, n in todo:
+                rate = mm_rate(m, k, n, dtype, 0.5 * unit)
+                found[f"matmul_{name}_{m}x{k}x{n}_flop_s"] = rate
+                if name == "float32":
+                    fp32_best = max(fp32_best, rate)
+        matmul.allow_tf32 = False
+
+        cdtype = getattr(torch, compute_dtype(dtypes))
+        n_, c, hw = (2, 16, 16) if quick else (32, 128, 56)
+        x = torch.randn(n_, c, hw, hw, device=device, dtype=cdtype, requires_grad=True)
+        w = torch.randn(c, c, 3, 3, device=device, dtype=cdtype, requires_grad=True)
+
+        def conv_step() -> None:
+            y = F.conv2d(x, w, padding=1)
+            torch.autograd.grad(y, (x, w), torch.ones_like(y))
+
+        found["conv2d_fwd_bwd_flop_s"] = (_counted_flops(conv_step)
+                                          / _median_time(conv_step, 1.5 * unit, sync=sync))
+        b, h, seq, d = (1, 2, 128, 32) if quick else (4, 16, 2048, 64)
+        q, k_, v = (torch.randn(b, h, seq, d, device=device, dtype=cdtype, requires_grad=True)
+                    for _ in range(3))
+
+        def attention_step() -> None:
+            o = F.scaled_dot_product_attention(q, k_, v, is_causal=True)
+            torch.autograd.grad(o, (q, k_, v), torch.ones_like(o))
+
+        found["sdpa_fwd_bwd_flop_s"] = (_counted_flops(attention_step)
+                                        / _median_time(attention_step, 1.5 * unit, sync=sync))
+
+        found.update(measure_op_overheads(device, 1.0 * unit, loops=200 if quick else 2000,
+                                          chain=200 if quick else 1000))
+        numel = (1 << 20) if quick else (64 << 20)  # 4 MiB / 256 MiB of float32 per tensor
+        found.update(measure_bandwidth(device, numel, 3.0 * unit))
+    finally:
+        matmul.allow_tf32 = previous_tf32
+    return found
+
+
+def cuda_device_spec(found: dict[str, float], *, name: str, total_memory: int,
+                     description: str = "", source: str = "") -> DeviceSpec:
+    """A DeviceSpec from `measure_accelerator`'s numbers: each dtype's peak is its best GEMM
+    (the compute dtype's also its conv or attention rate when higher); matmul efficiency is the
+    median of the compute dtype's GEMM shapes / its peak, conv and attention their rates / that
+    peak; the bandwidth-bound classes keep the documented defaults."""
+    rates: dict[str, list[float]] = {}
+    for key, value in found.items():
+        m = re.fullmatch(r"matmul_([a-z0-9]+)_\d+x\d+x\d+_flop_s", key)
+        if m:
+            rates.setdefault(m.group(1), []).append(value)
+    if "float32" not in rates:
+        raise ValueError("no float32 GEMM measured")
+    compute = compute_dtype(list(rates))
+    peaks = {dtype: max(values) for dtype, values in rates.items()}
+    conv, attention = found["conv2d_fwd_bwd_flop_s"], found["sdpa_fwd_bwd_flop_s"]
+    peaks[compute] = max(peaks.get(compute, 0.0), conv, attention)
+    peak = peaks[compute]
+    efficiency = {
+        "matmul": round(min(1.0, statistics.median(rates.get(compute, rates["float32"])) / peak),
+                        3),
+        "conv": round(min(1.0, max(conv / peak, 1e-3)), 3),
+        "attention": round(min(1.0, max(attention / peak, 1e-3)), 3),
+        **DEFAULT_EFFICIENCY,
+    }
+    bandwidth, bandwidth_eff = _bandwidth_terms(found)
+    return DeviceSpec(
+        name=name,
+        kind="cuda",
+        memory_bytes=int(total_memory),
+        peak_flops={k: _snap(peaks[k], "FLOP/s") for k in sorted(peaks)},
+        memory_bandwidth=_snap(bandwidth, "B/s"),
+        efficiency=efficiency,
+        bandwidth_efficiency=round(bandwidth_eff, 3),
+        op_overhead_s=_snap(found["op_overhead_s"], "s", 3),
+        backward_op_overhead_s=_snap(found["backward_op_overhead_s"], "s", 3),
+        allow_tf32=False,
+        description=description,
+        source=source,
+    )
+
+
+def gpu_slug(gpu_name: str) -> str:
+    """A config name from a GPU's name: "NVIDIA H100 80GB HBM3" -> "nvidia-h100-80gb-hbm3"."""
+    return re.sub(r"[^a-z0-9]+", "-", gpu_name.lower()).strip("-") or "cuda"
+
+
+def measure_cuda(device: str = "cuda", seconds: float = 20.0,
+                 name: str | None = None) -> CudaCalibration:
+    """Measure one CUDA GPU as a partc device (see measure_accelerator and cuda_device_spec):
+    GEMM peaks per dtype it supports, bf16 attention and conv forward + backward, HBM bandwidth,
+    per-operator overheads (synchronised), memory = the driver's total. `seconds` < 5 uses small
+    sizes (a smoke test). CalibrationError when the device does not exist."""
+    import torch
+
+    if seconds <= 0:
+        raise ValueError("seconds must be > 0")
+    dev, props, count = _cuda_device(device)
+    capability = (int(props.major), int(props.minor))
+    gpu = str(props.name)
+    with torch.cuda.device(dev):
+        found = measure_accelerator(dev, seconds, cuda_dtypes(capability), quick=seconds < 5)
+    total = int(props.total_memory)
+    found["total_memory_bytes"] = float(total)
+    spec = cuda_device_spec(
+        found, name=name or gpu_slug(gpu), total_memory=total,
+        description=(f"{gpu} (compute capability {capability[0]}.{capability[1]}, "
+                     f"{total / 2**30:.1f} GiB), eager PyTorch {torch.__version__}"),
+        source=f"calibrated by partc calibrate on {gpu}")
+    return CudaCalibration(spec=spec, gpu_name=gpu, device_index=dev.index or 0,
+                           device_count=count, capability=capability, measurements=found)
+
+
+# --------------------------------------------------------------------------------------------
+# Links
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def link_from_pingpong(latency_s: float, big_s: float, nbytes: int) -> LinkSpec:
+    """A link from one-way times: a tiny message's (the latency) and an `nbytes` one's."""
+    bandwidth = nbytes / max(big_s - latency_s, 1e-12)
+    return LinkSpec(bandwidth=_snap(bandwidth, "B/s", 3), latency_s=_snap(latency_s, "s", 3))
+
+
+def _pingpong_worker(rank: int, backend: str, port: int, threads: int, out: str,
+                     small_reps: int, big_reps: int, nbytes: int, allreduce: bool) -> None:
+    """One of two processes: ping-pong a tiny and an `nbytes` message (and, with `allreduce`,
+    time all-reduces), rank 0 writing the medians to `out` as JSON."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    sync = _synchronizer(device)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    peer = 1 - rank
+
+    def timed(step: Callable[[], None], reps: int) -> float:
+        times = []
+        for i in range(reps + 1):  # the first round warms up the connection
+            dist.barrier()
+            sync()
+            t0 = time.perf_counter()
+            step()
+            sync()
+            if i:
+                times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    def one_way_s(tensor: torch.Tensor, reps: int) -> float:
+        """Half a ping-pong: rank 0 sends, rank 1 sends it back."""
+        def step() -> None:
+            if rank == 0:
+                dist.send(tensor, peer)
+                dist.recv(tensor, peer)
+            else:
+                dist.recv(tensor, peer)
+                dist.send(tensor, peer)
+        return timed(step, reps) / 2
+
+    result = {"latency_s": one_way_s(torch.zeros(1, dtype=torch.uint8, device=device), small_reps),
+              "big_s": one_way_s(torch.zeros(nbytes, dtype=torch.uint8, device=device), big_reps)}
+    if allreduce:
+        small = torch.zeros(1, device=device)
+        big = torch.zeros(nbytes // 4, device=device)
+        result["allreduce_small_s"] = timed(lambda: dist.all_reduce(small), small_reps)
+        result["allreduce_big_s"] = timed(lambda: dist.all_reduce(big), big_reps)
+    if rank == 0:
+        Path(out).write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def _pingpong(backend: str, threads: int, small_reps: int, big_reps: int, nbytes: int,
+              allreduce: bool) -> dict[str, float]:
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "link.json")
+        mp.spawn(_pingpong_worker, args=(backend, _free_port(), threads, out, small_reps,
+                                         big_reps, nbytes, allreduce), nprocs=2, join=True)
+        found: dict[str, float] = json.loads(Path(out).read_text())
+    return found
+
+
+def measure_gloo_link(threads: int = 1, small_reps: int = 500, big_reps: int = 20,
+                      nbytes: int = LINK_BYTES) -> LinkCalibration:
+    """Point-to-point gloo link between two processes of this machine (TCP over loopback):
+    latency = half the median round trip of 1 B, bandwidth = `nbytes` / (half its median round
+    trip - latency)."""
+    found = _pingpong("gloo", threads, small_reps, big_reps, nbytes, allreduce=False)
+    found["message_bytes"] = float(nbytes)
+    link = link_from_pingpong(found["latency_s"], found["big_s"], nbytes)
+    how = ("measured by partc calibrate: gloo send/recv between two local processes (TCP over "
+           f"loopback) on {cpu_model()}; latency = half the median round trip of 1 B, "
+           f"bandwidth = {nbytes >> 20} MiB / (half its median round trip - latency)")
+    return LinkCalibration(link=link, measured=True, source=how, measurements=found)
+
+
+def measure_nccl_link(small_reps: int = 200, big_reps: int = 20,
+                      nbytes: int = LINK_BYTES) -> LinkCalibration:
+    """The link between GPUs 0 and 1 over NCCL (two processes, torch.multiprocessing.spawn): the
+    LinkSpec is send/recv's (latency = half the median round trip of 1 B, bandwidth = `nbytes` /
+    (half its round trip - latency)); a 2-GPU all-reduce of 4 B and of `nbytes` is recorded too,
+    with the per-direction bandwidth the ring formula implies (`allreduce_ring_B_s`)."""
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        raise CalibrationError("measuring an NCCL link needs two visible CUDA GPUs",
+                               "set CUDA_VISIBLE_DEVICES to two GPUs of one node")
+    found = _pingpong("nccl", 1, small_reps, big_reps, nbytes, allreduce=True)
+    found["message_bytes"] = float(nbytes)
+    # Ring all-reduce over 2 devices: t = n / B + 2 L (ClusterSpec.allreduce_s).
+    ar_latency = found["allreduce_small_s"] / 2
+    found["allreduce_ring_B_s"] = nbytes / max(found["allreduce_big_s"] - 2 * ar_latency, 1e-12)
+    link = link_from_pingpong(found["latency_s"], found["big_s"], nbytes)
+    how = (f"measured by partc calibrate: NCCL send/recv between cuda:0 and cuda:1 "
+           f"({torch.cuda.get_device_name(0)}); latency = half the median round trip of 1 B, "
+           f"bandwidth = {nbytes >> 20} MiB / (half its median round trip - latency)")
+    return LinkCalibration(link=link, measured=True, source=how, measurements=found)
+
+
+def shipped_cuda_link(gpu_name: str, total_memory: int) -> LinkCalibration:
+    """The intra-node link of the shipped cluster config whose GPU matches `gpu_name` (closest
+    memory), else of the first shipped NCCL cluster: a stand-in where no link can be measured."""
+    best: tuple[float, str, LinkSpec] | None = None
+    fallback: tuple[str, LinkSpec] | None = None
+    for cluster_name in list_clusters():
+        try:
+            cluster = load_cluster(cluster_name)
+        except PartcError:
+            continue
+        if cluster.backend != "nccl":
+            continue
+        fallback = fallback or (cluster_name, cluster.intra_node)
+        family = cluster.device.name.split("-")[0].upper()
+        if family and family in gpu_name.upper().replace(" ", ""):
+            gap = abs(cluster.device.memory_bytes - total_memory)
+            if best is None or gap < best[0]:
+                best = (gap, cluster_name, cluster.intra_node)
+    if best is not None:
+        name, link = best[1], best[2]
+    elif fallback is not None:
+        name, link = fallback
+    else:
+        name, link = "none", LinkSpec(bandwidth=25e9, latency_s=10e-6)
+    return LinkCalibration(
+        link=link, measured=False,
+        source=(f"not measured (one GPU visible): the intra-node link of the shipped cluster "
+                f"config '{name}'"), measurements={})
+
+
+# --------------------------------------------------------------------------------------------
+# YAML
+
+def _q(value: float, unit: str) -> str:
+    return format_quantity(value, unit, digits=4)
+
+
+def _quantity_text(value: float, unit: str) -> str:
+    """The YAML text of a spec quantity: with a unit prefix when that reads back exactly, else
+    the plain number (repr reads back exactly)."""
+    for digits in (4, 3, 6):
+        text = format_quantity(value, unit, digits)
+        if parse_quantity(text, unit) == value:
+            return text
+    return repr(float(value))
+
+
+def _measurement_text(key: str, value: float) -> str:
+    if key.endswith("B_s"):
+        return _q(value, "B/s")
+    if key.endswith("_s"):
+        return _q(value, "s")
+    return f"{value:.0f}" if float(value).is_integer() else f"{value:g}"
+
+
+def _quote(text: str) -> str:
+    return json.dumps(text)  # a JSON string is a valid YAML double-quoted scalar
+
+
+def _matmul_comments(m: dict[str, float]) -> list[str]:
+    lines = []
+    for key, value in m.items():
+        found = re.fullmatch(r"matmul_(.+)_flop_s", key)
+        if found:
+            lines.append(f"#   {found.group(1)}: {_q(value, 'FLOP/s')}")
+    return lines
+
+
+def _overhead_comments(m: dict[str, float]) -> tuple[list[str], list[str]]:
+    forward = [
+        "# Eager forward of torch.add on 1-element tensors that require grad (autograd records",
+        f"# a node, as in training): {_q(m['op_overhead_s'], 's')} per operator "
+        f"({_q(m['op_dispatch_no_grad_s'], 's')} without autograd).",
+    ]
+    backward = [
+        f"# Backward through a chain of {m['backward_chain_ops']:.0f} 1-element multiplications "
+        f"(torch.autograd.grad): {_q(m['backward_chain_s'], 's')},",
+        f"# / {m['backward_chain_ops']:.0f} = {_q(m['backward_op_overhead_s'], 's')} per "
+        "operator (engine node + kernel launch).",
+    ]
+    return forward, backward
+
+
+def _device_lines(spec: DeviceSpec, comments: dict[str, list[str]]) -> list[str]:
+    """The keys of `spec` as YAML, each preceded by its comment lines."""
+    def block(key: str, *lines: str) -> list[str]:
+        return [*comments.get(key, []), *lines]
+
+    lines = [f"name: {spec.name}", f"kind: {spec.kind}",
+             f"description: {_quote(spec.description)}", f"source: {_quote(spec.source)}"]
+    lines += block("memory_bytes", f"memory_bytes: {spec.memory_bytes}")
+    lines += block("peak_flops", "peak_flops:",
+                   *(f"  {k}: {_quantity_text(v, 'FLOP/s')}" for k, v in spec.peak_flops.items()))
+    if spec.allow_tf32 or "tf32" in spec.peak_flops:
+        lines += block("allow_tf32", f"allow_tf32: {str(spec.allow_tf32).lower()}")
+    lines += block("memory_bandwidth",
+                   f"memory_bandwidth: {_quantity_text(spec.memory_bandwidth, 'B/s')}")
+    lines += block("bandwidth_efficiency",
+                   f"bandwidth_efficiency: {_quantity_text(spec.bandwidth_efficiency, '')}")
+    lines += block("efficiency", "efficiency:",
+                   *(f"  {c}: {_quantity_text(spec.efficiency[c], '')}" for c in OP_CLASSES))
+    lines += block("op_overhead_s", f"op_overhead_s: {_quantity_text(spec.op_overhead_s, 's')}")
+    if spec.backward_op_overhead_s is not None:
+        lines += block("backward_op_overhead_s", "backward_op_overhead_s: "
+                       f"{_quantity_text(spec.backward_op_overhead_s, 's')}")
+    if spec.microbatch_overhead_s:
+        lines += block("microbatch_overhead_s", "microbatch_overhead_s: "
+                       f"{_quantity_text(spec.microbatch_overhead_s, 's')}")
+    return lines
+
+
+def device_yaml(cal: DeviceCalibration, command: str = "partc calibrate") -> str:
+    """The device config of a calibration, every raw measurement as a comment beside the key it
+    decided; `load_device` reads it back to a spec equal to `cal.spec`. `command` is named in the
+    header as the way to rewrite the file."""
+    spec, m = cal.spec, cal.measurements
+    forward, backward = _overhead_comments(m)
+    bandwidth_classes = [f"#   {c}: {_q(m[f'{c}_B_s'], 'B/s')}" for c in BANDWIDTH_CLASSES]
+    streams = f"#   copy {_q(m['stream_copy_B_s'], 'B/s')}, add {_q(m['stream_add_B_s'], 'B/s')}"
+    if isinstance(cal, CpuCalibration):
+        header = [
+            f"# Written by `{command}`; rerun it to recalibrate rather than editing by hand.",
+            f"# One device = {cal.threads} core(s) of this machine running eager PyTorch; "
+            "numbers are",
+            "# medians of repeats (docs/hardware.md#the-cpu-device).",
+        ]
+        comments = {
+            "memory_bytes": [f"# MemTotal {cal.ram_bytes / 2**30:.2f} GiB / {cal.physical_cores} "
+                             f"cores * {cal.threads} thread(s) = "
+                             f"{spec.memory_bytes / 2**30:.2f} GiB"],
+            "peak_flops": [
+                "# Best dense matrix operator per dtype. Matmuls (dtype_MxKxN, or dtype_N for "
+                "squares):", *_matmul_comments(m),
+                f"#   float32 conv2d 3x3 forward + backward: "
+                f"{_q(m['conv2d_fwd_bwd_flop_s'], 'FLOP/s')}",
+                f"#   float32 scaled_dot_product_attention forward + backward: "
+                f"{_q(m['sdpa_fwd_bwd_flop_s'], 'FLOP/s')}"],
+            "memory_bandwidth": ["# Best of a copy and an add over large float32 tensors, bytes "
+                                 "read + written per second:", streams],
+            "efficiency": [
+                "# matmul: median of the float32 matmul shapes / peak; conv and attention: their "
+                "rates", "# above / peak. The other classes count no FLOPs in the OpGraph "
+                "(bandwidth-bound), so", "# theirs are the documented defaults."],
+        }
+    else:
+        compute = compute_dtype(_matmul_dtypes(m))
+        header = [
+            f"# Written by `{command}`; rerun it to recalibrate rather than editing by hand.",
+            f"# One device = one {cal.gpu_name} (cuda:{cal.device_index}) running eager "
+            "PyTorch; numbers are medians",
+            "# of synchronised repeats (docs/hardware.md#calibrating-a-machine).",
+        ]
+        comments = {
+            "memory_bytes": ["# torch.cuda.get_device_properties().total_memory (the CUDA "
+                             "context and NCCL buffers", "# are not subtracted: the planner's "
+                             "memory margin covers them)"],
+            "peak_flops": [
+                "# Best GEMM per dtype (dtype_MxKxN; tf32 = float32 with TF32 matmuls allowed):",
+                *_matmul_comments(m),
+                f"#   {compute} conv2d 3x3 forward + backward: "
+                f"{_q(m['conv2d_fwd_bwd_flop_s'], 'FLOP/s')}",
+                f"#   {compute} scaled_dot_product_attention (causal) forward + backward: "
+                f"{_q(m['sdpa_fwd_bwd_flop_s'], 'FLOP/s')}"],
+            "allow_tf32": ["# Set true when training enables TF32 (float32 matmuls then run at "
+                           "the tf32 peak)."],
+            "memory_bandwidth": ["# Best of a copy and an add over large float32 tensors, bytes "
+                                 "read + written per second:", streams],
+            "efficiency": [
+                f"# matmul: median of the {compute} GEMM shapes / the {compute} peak; conv and "
+                "attention:", f"# their {compute} rates above / that peak. The other classes "
+                "count no FLOPs in the OpGraph", "# (bandwidth-bound), so theirs are the "
+                "documented defaults."],
+        }
+    comments["bandwidth_efficiency"] = [
+        "# Median fraction of memory_bandwidth over one operator per bandwidth-bound class:",
+        *bandwidth_classes]
+    comments["op_overhead_s"] = forward
+    comments["backward_op_overhead_s"] = backward
+    return "\n".join([*header, *_device_lines(spec, comments)]) + "\n"
+
+
+def cluster_yaml(cal: DeviceCalibration, link: LinkCalibration, name: str | None = None,
+                 command: str = "partc calibrate") -> str:
+    """The cluster config of a calibration: one node of this machine's devices (`cores / threads`
+    CPU devices over gloo, or every visible GPU over NCCL), its device named `cal.spec.name`
+    (found in the `devices/` folder beside the cluster file's folder) and `link` as the
+    intra-node link, its raw measurements as comments."""
+    name = name or cal.spec.name
+    if isinstance(cal, CpuCalibration):
+        devices = max(1, cal.physical_cores // cal.threads)
+        backend = "gloo"
+        description = (f"This machine: {devices} device(s) of {cal.threads} core(s), gloo over "
+                       "loopback")
+    else:
+        devices, backend = cal.device_count, "nccl"
+        description = f"This machine: {devices} x {cal.gpu_name}, NCCL"
+    notes = [f"#   {k}: {_measurement_text(k, v)}" for k, v in link.measurements.items()]
+    how = ["# Measured (medians of repeats):", *notes] if link.measured else \
+        [f"# NOT MEASURED ({link.source}).",
+         "# Rerun where it can be measured (two GPUs visible; without --no-gloo on a CPU)."]
+    return "\n".join([
+        f"# Written by `{command}`: this machine as one node of {devices} {cal.spec.kind} "
+        f"device(s) talking {backend}.",
+        "# There is one node, so no inter_node link (docs/hardware.md#calibrating-a-machine).",
+        f"name: {name}",
+        f"description: {_quote(description)}",
+        f"source: {_quote(link.source)}",
+        f"device: {cal.spec.name}",
+        f"devices_per_node: {devices}",
+        "num_nodes: 1",
+        f"backend: {backend}",
+        *how,
+        "intra_node:",
+        f"  bandwidth: {_quantity_text(link.link.bandwidth, 'B/s')}",
+        f"  latency_s: {_quantity_text(link.link.latency_s, 's')}",
+    ]) + "\n"
+
+
+# --------------------------------------------------------------------------------------------
+# The command
+
+def _busy_cpu_s() -> float:
+    """CPU seconds all processes of this machine have used since boot (from /proc/stat)."""
+    fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_s() -> float:
+    import resource
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def _cpu_clock() -> tuple[float, float]:
+    try:
+        return _busy_cpu_s(), _own_cpu_s()
+    except (OSError, ValueError, ImportError):
+        return math.nan, math.nan
+
+
+def check_name(name: str) -> str:
+    """A config name (a file stem): letters, digits, '.', '_', '-'; else a CalibrationError."""
+    if not _NAME.match(name) or name.endswith((".yaml", ".yml")):
+        raise CalibrationError(f"bad --name {name!r}: it becomes a file name",
+                               "use letters, digits, '.', '_' and '-', e.g. my-gpu")
+    return name
+
+
+def output_paths(out_dir: str | Path, name: str) -> tuple[Path, Path]:
+    """(DIR/devices/NAME.yaml, DIR/clusters/NAME.yaml), their folders created; a
+    CalibrationError when DIR cannot be written (checked before anything is measured)."""
+    out = Path(out_dir)
+    paths = out / "devices" / f"{name}.yaml", out / "clusters" / f"{name}.yaml"
+    for path in paths:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise CalibrationError(f"cannot write to {path.parent}: {exc.strerror or exc}",
+                                   "pass -o a folder you can write to") from None
+        if not os.access(path.parent, os.W_OK | os.X_OK):
+            raise CalibrationError(f"cannot write to {path.parent}: permission denied",
+                                   "pass -o a folder you can write to")
+    return paths
+
+
+def calibrate(out_dir: str | Path, device: str = "cpu", *, name: str | None = None,
+              threads: int = 1, seconds: float = 20.0, measure_link: bool = True,
+              command: str | None = None) -> CalibrationResult:
+    """Measure `device` (`cpu`, `cuda`, `cuda:N`) and write `out_dir/devices/NAME.yaml` and
+    `out_dir/clusters/NAME.yaml` atomically; both are read back through the config loader.
+
+    NAME defaults to `cpu`, or the GPU's name made a file name (`nvidia-h100-80gb-hbm3`). On the
+    CPU one device is `threads` cores and the link is gloo between two local processes; on a GPU
+    the cluster is one node of every visible GPU, its link NCCL between GPUs 0 and 1 (with one GPU:
+    the shipped configs' link for that GPU, marked not measured). `measure_link=False` skips the
+    link measurement (the CPU link is then a placeholder). Raises CalibrationError (a PartcError)
+    for a bad device or name, a missing GPU or an unwritable `out_dir`.
+    """
+    kind = parse_calibration_device(device)
+    if threads < 1:
+        raise CalibrationError(f"--threads must be >= 1, got {threads}", "e.g. --threads 1")
+    if not seconds > 0:
+        raise CalibrationError(f"--seconds must be > 0, got {seconds}", "e.g. --seconds 20")
+    if kind != "cpu":
+        _cuda_device(kind)  # fail before writing anything
+    if name is None:
+        if kind == "cpu":
+            name = "cpu"
+        else:
+            import torch
+            name = gpu_slug(torch.cuda.get_device_name(torch.device(kind)))
+    name = check_name(name)
+    device_path, cluster_path = output_paths(out_dir, name)
+    command = command or (f"partc calibrate --device {device} --threads {threads} "
+                          f"--seconds {seconds:g} --name {name} -o {out_dir}")
+
+    busy0, own0 = _cpu_clock()
+    t0 = time.perf_counter()
+    cal: DeviceCalibration
+    link: LinkCalibration
+    quick = seconds < 5
+    if kind == "cpu":
+        cpu_cal = measure_cpu(threads, seconds)
+        tool = command.split(" --")[0].removeprefix("python ")
+        cal = replace(cpu_cal, spec=replace(cpu_cal.spec, name=name, source=(
+            f"calibrated by {tool} on {cpu_cal.cpu_model}")))
+        if measure_link:
+            link = measure_gloo_link(threads, small_reps=50 if quick else 500,
+                                     big_reps=3 if quick else 20,
+                                     nbytes=(8 << 20) if quick else LINK_BYTES)
+        else:
+            link = LinkCalibration(link=LinkSpec(bandwidth=1e9, latency_s=100e-6), measured=False,
+                                   source="placeholder: the link was not measured")
+    else:
+        cal = measure_cuda(kind, seconds, name)
+        if measure_link and cal.device_count >= 2:
+            link = measure_nccl_link(small_reps=50 if quick else 200,
+                                     big_reps=3 if quick else 20)
+        else:
+            link = shipped_cuda_link(cal.gpu_name, cal.spec.memory_bytes)
+    wall = time.perf_counter() - t0
+    busy1, own1 = _cpu_clock()
+    others = max(0.0, (busy1 - busy0) - (own1 - own0)) / wall if wall > 0 else math.nan
+
+    try:
+        write_atomic(device_path, device_yaml(cal, command))
+        write_atomic(cluster_path, cluster_yaml(cal, link, name, command))
+    except OSError as exc:
+        raise CalibrationError(f"cannot write {device_path.parent.parent}: "
+                               f"{exc.strerror or exc}", "pass -o a folder you can write to") \
+            from None
+    # Read both back through the loader: what was written must be a valid config.
+    load_device(device_path)
+    cluster = load_cluster(cluster_path)
+    return CalibrationResult(device=cal, link=link, cluster=cluster, device_path=device_path,
+                             cluster_path=cluster_path, wall_s=wall,
+                             other_processes_cores=others)
+
+
+def format_calibration(result: CalibrationResult) -> str:
+    """A short report of `calibrate`'s result, for the terminal."""
+    spec, link = result.device.spec, result.link.link
+    peaks = ", ".join(f"{k} {_q(v, 'FLOP/s')}" for k, v in spec.peak_flops.items())
+    backward = spec.backward_overhead_s()
+    lines = [
+        f"device  {result.device_path}",
+        f"  {spec.description}",
+        f"  peak: {peaks}",
+        f"  efficiency: matmul {spec.efficiency['matmul']}, conv {spec.efficiency['conv']}, "
+        f"attention {spec.efficiency['attention']}",
+        f"  memory: {spec.memory_bytes / 2**30:.2f} GiB, bandwidth "
+        f"{_q(spec.memory_bandwidth, 'B/s')} x {spec.bandwidth_efficiency}",
+        f"  per operator: forward {_q(spec.op_overhead_s, 's')}, backward {_q(backward, 's')}",
+        f"cluster {result.cluster_path}",
+        f"  {result.cluster.num_devices} device(s), {result.cluster.backend}, intra_node "
+        f"{_q(link.bandwidth, 'B/s')}, {_q(link.latency_s, 's')}"
+        + ("" if result.link.measured else " (not measured)"),
+        f"took {result.wall_s:.1f} s",
+    ]
+    if not math.isnan(result.other_processes_cores):
+        lines.append(f"other processes' CPU use meanwhile: {result.other_processes_cores:.0%} "
+                     "of a core")
+    return "\n".join(lines)

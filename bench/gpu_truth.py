@@ -1,0 +1,515 @@
+"""GPU truth: partc's analytic predictions vs measurements on this machine's GPU.
+
+For a BERT-large-like (BertForMaskedLM) and a GPT-2-medium-like (GPT2LMHeadModel) model built from
+configs here (random weights, nothing downloaded), per precision (fp32, bf16-mixed):
+
+- whole-model forward and forward + backward, measured on the device (synchronised, median of
+  --repeats, with min and max) vs partc's prediction from a device config (`plan_costs`: the
+  analytic roofline with saved activations measured on meta);
+- peak memory of a training step (forward, backward, AdamW step; torch.cuda.max_memory_allocated
+  after the optimizer states exist) vs partc's single-stage peak (partc.solve.memory.stage_memory);
+- with --stages K (default 4; 0 skips it): `partc compile --stages K --replicas 1` of each model
+  on a K-device cluster of that device, and every stage's measured forward and backward time
+  (its TorchScript stage file run on the device, fp32) vs the plan's prediction.
+
+Writes DIR/gpu_truth.md (tables) and DIR/gpu_truth.json. Needs only torch (CUDA), transformers and
+partc; onnxruntime is not used (the capture skips ONNX). A few minutes on one GPU:
+
+    python bench/gpu_truth.py --out results/gpu-truth          # cuda, shipped device config
+    python bench/gpu_truth.py --out DIR --device-config DIR2/devices/NAME.yaml   # calibrated
+    python bench/gpu_truth.py --out /tmp/t --device cpu --quick --stages 0       # smoke test
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import inspect
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable, ContextManager
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import yaml  # noqa: E402
+
+from partc.cost.plan_costs import plan_costs  # noqa: E402
+from partc.cost.table import CostTable  # noqa: E402
+from partc.files import write_atomic  # noqa: E402
+from partc.frontend.capture import CaptureResult, capture_graph  # noqa: E402
+from partc.hardware.configs import list_clusters, load_cluster, load_device  # noqa: E402
+from partc.hardware.specs import DeviceSpec  # noqa: E402
+from partc.options import TrainingConfig  # noqa: E402
+from partc.solve.memory import stage_memory  # noqa: E402
+
+PRECISIONS = ("fp32", "bf16-mixed")
+
+
+@dataclass(frozen=True)
+class ModelCase:
+    """One benchmark model: an HF class, its config and the shapes of a training batch."""
+
+    name: str
+    title: str
+    config_class: str
+    model_class: str
+    config: dict[str, Any]
+    vocab: int
+    seq_len: int
+    batch_size: int
+
+
+def model_cases(quick: bool) -> list[ModelCase]:
+    if quick:  # tiny configs: a CPU smoke test
+        common = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+                  "intermediate_size": 128, "max_position_embeddings": 64}
+        return [
+            ModelCase("bert", "BERT (tiny)", "BertConfig", "BertForMaskedLM",
+                      {**common, "vocab_size": 128}, 128, 16, 2),
+            ModelCase("gpt2", "GPT-2 (tiny)", "GPT2Config", "GPT2LMHeadModel",
+                      {"vocab_size": 128, "n_embd": 64, "n_layer": 2, "n_head": 2,
+                       "n_positions": 64, "use_cache": False, "bos_token_id": 0,
+                       "eos_token_id": 0}, 128, 16, 2),
+        ]
+    return [
+        ModelCase("bert-large", "BERT-large-like (BertForMaskedLM, 24 x 1024, seq 512)",
+                  "BertConfig", "BertForMaskedLM",
+                  {"vocab_size": 30522, "hidden_size": 1024, "num_hidden_layers": 24,
+                   "num_attention_heads": 16, "intermediate_size": 4096,
+                   "max_position_embeddings": 512}, 30522, 512, 8),
+        ModelCase("gpt2-medium", "GPT-2-medium-like (GPT2LMHeadModel, 24 x 1024, seq 1024)",
+                  "GPT2Config", "GPT2LMHeadModel",
+                  {"vocab_size": 50257, "n_embd": 1024, "n_layer": 24, "n_head": 16,
+                   "n_positions": 1024, "use_cache": False}, 50257, 1024, 4),
+    ]
+
+
+MODEL_FILE = '''"""{title}: random weights, written by bench/gpu_truth.py (a partc model file)."""
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import torch
+import torch.nn.functional as F
+from transformers import {config_class}, {model_class}
+
+VOCAB = {vocab}
+SEQ_LEN = {seq_len}
+CONFIG = {config!r}
+
+
+def build_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return {model_class}({config_class}(**CONFIG))
+
+
+def _ids(batch_size: int, gen: torch.Generator) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch_size, SEQ_LEN), generator=gen)
+
+
+def example_inputs(batch_size: int) -> dict[str, torch.Tensor]:
+    return {{"input_ids": _ids(batch_size, torch.Generator().manual_seed(0))}}
+
+
+def loss_fn(output: Any, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(output.logits.reshape(-1, VOCAB).float(), target.reshape(-1))
+
+
+def batches(batch_size: int) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    while True:
+        yield {{"input_ids": _ids(batch_size, gen)}}, _ids(batch_size, gen)
+'''
+
+
+def write_model_file(case: ModelCase, directory: Path) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{case.name.replace('-', '_')}.py"
+    write_atomic(path, MODEL_FILE.format(title=case.title, config_class=case.config_class,
+                                         model_class=case.model_class, vocab=case.vocab,
+                                         seq_len=case.seq_len, config=case.config))
+    return path
+
+
+def import_model_file(path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"gpu_truth_{path.stem}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# ------------------------------------------------------------------------------------------------
+# Measuring
+
+def synchronizer(device: torch.device) -> Callable[[], None]:
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+def spread(times: list[float]) -> dict[str, float]:
+    """Median, min, max and (max - min) / median of repeated times (seconds)."""
+    median = statistics.median(times)
+    return {"median_s": median, "min_s": min(times), "max_s": max(times),
+            "spread": (max(times) - min(times)) / median if median else 0.0, "n": len(times)}
+
+
+def autocast(device: torch.device, precision: str) -> ContextManager[Any]:
+    if precision == "bf16-mixed":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return nullcontext()
+
+
+def to_device(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: to_device(v, device) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_device(v, device) for v in value)
+    return value
+
+
+def measure_model(module: ModuleType, batch_size: int, device: torch.device, precision: str,
+                  repeats: int, warmup: int) -> dict[str, Any]:
+    """Forward and forward + backward times of the whole model on `device` (synchronised,
+    gradients set to None between steps, not timed), and the peak memory of a training step
+    with AdamW once its states exist (CUDA only)."""
+    sync = synchronizer(device)
+    model = module.build_model().to(device).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    inputs, target = next(iter(module.batches(batch_size)))
+    inputs, target = to_device(inputs, device), to_device(target, device)
+
+    def loss() -> torch.Tensor:
+        with autocast(device, precision):
+            out = model(**inputs)
+        return module.loss_fn(out, target)
+
+    def timed(fn: Callable[[], Any]) -> dict[str, float]:
+        for _ in range(warmup):
+            optimizer.zero_grad(set_to_none=True)
+            fn()
+        times = []
+        for _ in range(repeats):
+            optimizer.zero_grad(set_to_none=True)
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            times.append(time.perf_counter() - t0)
+        return spread(times)
+
+    forward = timed(lambda: loss().detach())  # autograd records, as in training
+    step = timed(lambda: loss().backward())
+    peak: int | None = None
+    if device.type == "cuda":
+        optimizer.step()  # the AdamW states exist from here on, as in a training run
+        optimizer.zero_grad(set_to_none=True)
+        sync()
+        torch.cuda.reset_peak_memory_stats(device)
+        loss().backward()
+        optimizer.step()
+        sync()
+        peak = int(torch.cuda.max_memory_allocated(device))
+    return {"forward": forward, "forward_backward": step, "peak_memory_bytes": peak}
+
+
+# ------------------------------------------------------------------------------------------------
+# Predicting
+
+def price(result: CaptureResult, device: DeviceSpec, precision: str) -> tuple[CostTable, str]:
+    """partc's CostTable at `precision` where its pricing API takes a precision, and a note on
+    how the precision was priced."""
+    if "precision" in inspect.signature(plan_costs).parameters:
+        costs: Any = plan_costs  # a newer partc: plan_costs(..., precision=...)
+        return costs(result, device, precision=precision), f"priced at {precision}"
+    note = "priced as fp32: partc's analytic cost table has no precision parameter" \
+        if precision != "fp32" else "priced at fp32"
+    return plan_costs(result, device), note
+
+
+def predict(result: CaptureResult, device: DeviceSpec, precision: str,
+            batch_size: int) -> dict[str, Any]:
+    table, note = price(result, device, precision)
+    forward = table.total_forward_s(batch_size)
+    backward = table.total_backward_s(batch_size)
+    nodes = [n.name for n in result.graph.nodes]
+    memory = stage_memory(table, nodes, microbatch_size=batch_size, num_microbatches=1,
+                          stage_index=0, num_stages=1,
+                          config=TrainingConfig(precision=precision))  # type: ignore[arg-type]
+    return {"forward_s": forward, "forward_backward_s": forward + backward,
+            "peak_memory_bytes": memory.total, "memory": memory.to_dict(), "note": note}
+
+
+def device_config(args: argparse.Namespace, device: torch.device) -> DeviceSpec:
+    """--device-config, else the shipped config of this GPU (as `--cluster local` picks it, with
+    the GPU's real memory), else the calibrated cpu config."""
+    if args.device_config:
+        return load_device(args.device_config)
+    if device.type == "cuda":
+        from partc.hardware.local import local_cluster
+        return local_cluster().device
+    return load_device("cpu")
+
+
+def cluster_file(spec: DeviceSpec, stages: int, directory: Path) -> Path:
+    """A one-node cluster of `stages` devices of `spec` (inline), linked like the shipped
+    cluster of that device, for `partc compile --stages`."""
+    link: dict[str, Any] = {"bandwidth": 25e9, "latency_s": 10e-6}
+    backend = "nccl" if spec.kind == "cuda" else "gloo"
+    for name in list_clusters():
+        cluster = load_cluster(name)
+        if cluster.device.name == spec.name or (cluster.device.kind == spec.kind
+                                                and spec.kind == "cpu"):
+            link = cluster.intra_node.to_dict()
+            break
+    path = directory / f"truth-{stages}.yaml"
+    directory.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, yaml.safe_dump({
+        "name": f"truth-{stages}", "device": spec.to_dict(), "devices_per_node": stages,
+        "num_nodes": 1, "backend": backend, "intra_node": link}, sort_keys=False))
+    return path
+
+
+def time_stages(plan_dir: Path, module: ModuleType, device: torch.device, repeats: int,
+                warmup: int) -> list[dict[str, Any]]:
+    """Forward and backward time of every stage of a compiled plan on `device` (fp32): stage k
+    runs on stage k-1's outputs at the plan's micro-batch size; its backward gets ones as the
+    gradient of each output (the last stage's: the loss)."""
+    import torch.utils._pytree as pytree
+
+    from partc.emit.stage_code import load_stage
+    from partc.emit.stage_graph import flatten_inputs
+    from partc.plans.plan import load_plan
+
+    sync = synchronizer(device)
+    plan = load_plan(plan_dir)
+    stages = [load_stage(plan.stage_path(s), map_location=device).train() for s in plan.stages]
+    inputs, _target = next(iter(module.batches(plan.microbatch_size)))
+    args_kwargs = ((), to_device(inputs, device))
+    flat = flatten_inputs(args_kwargs, pytree.treespec_loads(plan.model.input_spec)) \
+        if plan.model.input_spec else pytree.tree_leaves(args_kwargs)
+    current = [t.to(device) for t in flat]
+    rows = []
+    for st, stage in zip(plan.stages, stages, strict=True):
+        taken = [t.detach().requires_grad_(t.is_floating_point()) for t in current]
+
+        def forward(stage: Any = stage, taken: list[torch.Tensor] = taken) -> Any:
+            return stage(*taken)
+
+        def backward_once() -> float:
+            outs = forward()
+            pairs = [(o, torch.ones_like(o)) for o in outs
+                     if isinstance(o, torch.Tensor) and o.requires_grad]
+            sync()
+            t0 = time.perf_counter()
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            sync()
+            return time.perf_counter() - t0
+
+        fwd_times, bwd_times = [], []
+        warm = max(warmup, 3)  # TorchScript's profiling executor optimises on early calls
+        for i in range(warm + repeats):
+            sync()
+            t0 = time.perf_counter()
+            outs = forward()
+            sync()
+            if i >= warm:
+                fwd_times.append(time.perf_counter() - t0)
+            bwd = backward_once()
+            if i >= warm:
+                bwd_times.append(bwd)
+        rows.append({"stage": st.index, "predicted_forward_s": st.forward_s,
+                     "predicted_backward_s": st.backward_s, "forward": spread(fwd_times),
+                     "backward": spread(bwd_times), "microbatch_size": plan.microbatch_size})
+        current = [o.detach() for o in outs]
+    return rows
+
+
+def compile_stages(model_path: Path, cluster: Path, stages: int, batch_size: int,
+                   precision: str, out: Path) -> Path:
+    plan_dir = out / "plans" / f"{model_path.stem}-{precision}-{stages}"
+    command = [sys.executable, "-m", "partc", "compile", str(model_path), "--cluster",
+               str(cluster), "--stages", str(stages), "--replicas", "1", "-b",
+               str(batch_size), "--precision", precision, "-o", str(plan_dir)]
+    proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    if proc.returncode != 0:
+        tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise RuntimeError(f"partc compile failed: {tail}")
+    return plan_dir
+
+
+# ------------------------------------------------------------------------------------------------
+# Report
+
+def _ms(s: float | None) -> str:
+    return "-" if s is None else f"{s * 1e3:.3g}"
+
+
+def _gib(b: int | None) -> str:
+    return "-" if b is None else f"{b / 2**30:.2f}"
+
+
+def _err(predicted: float | None, measured: float | None) -> str:
+    if predicted is None or not measured:
+        return "-"
+    return f"{(predicted - measured) / measured:+.0%}"
+
+
+def markdown(report: dict[str, Any]) -> str:
+    lines = [
+        "# GPU truth: partc's predictions vs measurements",
+        "",
+        f"device: {report['device']} ({report['device_name']}); priced with device config "
+        f"`{report['device_config']['name']}` ({report['device_config']['source']})",
+        f"torch {report['torch']}, transformers {report['transformers']}, "
+        f"{report['repeats']} repeats after {report['warmup']} warm-up",
+        "",
+        "Times in ms (median, [min, max]); error = (predicted - measured) / measured.",
+        "",
+        "| model | precision | batch | fwd measured | fwd predicted | err | fwd+bwd measured "
+        "| fwd+bwd predicted | err | peak GiB measured | peak GiB predicted | err |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in report["results"]:
+        if "error" in row:
+            lines.append(f"| {row['model']} | {row['precision']} | {row.get('batch_size', '-')} "
+                         f"| failed: {row['error']} |||||||||")
+            continue
+        m, p = row["measured"], row["predicted"]
+        f, s = m["forward"], m["forward_backward"]
+        lines.append(
+            f"| {row['model']} | {row['precision']} | {row['batch_size']} "
+            f"| {_ms(f['median_s'])} [{_ms(f['min_s'])}, {_ms(f['max_s'])}] "
+            f"| {_ms(p['forward_s'])} | {_err(p['forward_s'], f['median_s'])} "
+            f"| {_ms(s['median_s'])} [{_ms(s['min_s'])}, {_ms(s['max_s'])}] "
+            f"| {_ms(p['forward_backward_s'])} | {_err(p['forward_backward_s'], s['median_s'])} "
+            f"| {_gib(m['peak_memory_bytes'])} | {_gib(p['peak_memory_bytes'])} "
+            f"| {_err(p['peak_memory_bytes'], m['peak_memory_bytes'])} |")
+    notes = sorted({row["predicted"]["note"] for row in report["results"] if "predicted" in row})
+    lines += ["", "Notes:", *(f"- {n}" for n in notes),
+              "- measured peak memory: torch.cuda.max_memory_allocated over forward, backward and "
+              "an AdamW step once its states exist (no CUDA context, no allocator slack); "
+              "predicted: partc.solve.memory.stage_memory of the whole model as one stage, one "
+              "micro-batch, AdamW.",
+              "- bf16-mixed is measured with torch.autocast(bfloat16) over fp32 weights; partc "
+              "prices bf16 copies of the weights plus fp32 masters."]
+    staged = [row for row in report["results"] if row.get("stages")]
+    for row in staged:
+        lines += ["", f"## {row['model']} ({row['precision']}): stages of `partc compile "
+                  f"--stages {report['stages']}` (fp32 stage files, micro-batch "
+                  f"{row['stages'][0]['microbatch_size']})", "",
+                  "| stage | fwd measured | fwd predicted | err | bwd measured | bwd predicted "
+                  "| err |", "|---:|---:|---:|---:|---:|---:|---:|"]
+        for st in row["stages"]:
+            f, b = st["forward"], st["backward"]
+            lines.append(f"| {st['stage']} | {_ms(f['median_s'])} | "
+                         f"{_ms(st['predicted_forward_s'])} "
+                         f"| {_err(st['predicted_forward_s'], f['median_s'])} "
+                         f"| {_ms(b['median_s'])} | {_ms(st['predicted_backward_s'])} "
+                         f"| {_err(st['predicted_backward_s'], b['median_s'])} |")
+    for row in report["results"]:
+        if row.get("stages_error"):
+            lines.append(f"\n{row['model']} ({row['precision']}) stages: {row['stages_error']}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="folder for the report")
+    parser.add_argument("--device", default="cuda", help="cuda, cuda:N, or cpu (smoke tests)")
+    parser.add_argument("--device-config", default=None,
+                        help="device config name or YAML path to price with (default: the "
+                             "shipped config of this GPU, or cpu)")
+    parser.add_argument("--quick", action="store_true", help="tiny models (a smoke test)")
+    parser.add_argument("--models", default=None,
+                        help="comma-separated subset of the model names (bert-large, "
+                             "gpt2-medium; bert, gpt2 with --quick)")
+    parser.add_argument("--precisions", default=",".join(PRECISIONS))
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="override every model's batch size")
+    parser.add_argument("--capture-batch", type=int, default=2,
+                        help="batch size partc captures at (costs scale to any batch)")
+    parser.add_argument("--stages", type=int, default=4,
+                        help="compile a pinned K-stage plan and time its stages (0: skip)")
+    args = parser.parse_args(argv)
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("CUDA is not available (use --device cpu --quick for a smoke test)")
+    precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
+    bad = [p for p in precisions if p not in PRECISIONS]
+    if bad:
+        parser.error(f"unknown precision {bad[0]!r}; choose from {', '.join(PRECISIONS)}")
+    cases = model_cases(args.quick)
+    if args.models:
+        wanted = {m.strip() for m in args.models.split(",")}
+        cases = [c for c in cases if c.name in wanted]
+        if not cases:
+            parser.error(f"no model among {sorted(wanted)}")
+    spec = device_config(args, device)
+    args.out.mkdir(parents=True, exist_ok=True)
+    cluster = cluster_file(spec, args.stages, args.out / "clusters") if args.stages > 0 else None
+
+    import transformers
+    report: dict[str, Any] = {
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda"
+        else platform.processor() or platform.machine(),
+        "device_config": spec.to_dict(), "torch": torch.__version__,
+        "transformers": transformers.__version__, "repeats": args.repeats,
+        "warmup": args.warmup, "stages": args.stages, "quick": args.quick, "results": []}
+    for case in cases:
+        batch = args.batch_size or case.batch_size
+        path = write_model_file(case, args.out / "models")
+        module = import_model_file(path)
+        t0 = time.perf_counter()
+        result = capture_graph(path, args.capture_batch, onnx=False)
+        print(f"{case.name}: captured {len(result.graph.nodes)} operators in "
+              f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
+        for precision in precisions:
+            row: dict[str, Any] = {"model": case.name, "title": case.title,
+                                   "precision": precision, "batch_size": batch}
+            try:
+                row["predicted"] = predict(result, spec, precision, batch)
+                row["measured"] = measure_model(module, batch, device, precision,
+                                                args.repeats, args.warmup)
+            except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:  # keep the other rows
+                row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            if cluster is not None and "error" not in row:
+                try:
+                    plan_dir = compile_stages(path, cluster, args.stages, batch, precision,
+                                              args.out)
+                    row["plan"] = str(plan_dir)
+                    row["stages"] = time_stages(plan_dir, module, device, args.repeats,
+                                                args.warmup)
+                except Exception as exc:  # noqa: BLE001 - optional part: report, do not stop
+                    row["stages_error"] = f"{type(exc).__name__}: " \
+                                          f"{str(exc).splitlines()[0][:300] if str(exc) else ''}"
+            report["results"].append(row)
+            print(f"{case.name} {precision}: done", file=sys.stderr)
+
+    write_atomic(args.out / "gpu_truth.json", json.dumps(report, indent=1, sort_keys=True) + "\n")
+    text = markdown(report)
+    write_atomic(args.out / "gpu_truth.md", text)
+    print(text)
+    print(f"wrote {args.out / 'gpu_truth.md'} and {args.out / 'gpu_truth.json'}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,272 @@
+"""`partc calibrate` and partc.hardware.calibration: the files it writes load and compile, the
+YAML round-trips, the device-independent parts of the CUDA path run on the CPU, errors are one
+line."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from partc.errors import PartcError
+from partc.hardware.calibration import (
+    CalibrationError,
+    CpuCalibration,
+    CudaCalibration,
+    LinkCalibration,
+    check_name,
+    cluster_yaml,
+    cuda_device_spec,
+    cuda_dtypes,
+    device_yaml,
+    gpu_slug,
+    measure_accelerator,
+    measure_nccl_link,
+    measure_op_overheads,
+    output_paths,
+    parse_calibration_device,
+    shipped_cuda_link,
+)
+from partc.hardware.configs import device_from_dict, load_cluster, load_device
+from partc.hardware.specs import DeviceSpec, LinkSpec
+
+ROOT = Path(__file__).resolve().parents[2]
+PARTC = str(Path(sys.executable).parent / "partc")
+
+
+def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([PARTC, *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=timeout)
+
+
+# -- synthetic calibrations (no measuring) -------------------------------------------------------
+
+OVERHEADS = {"op_overhead_s": 1.234567e-6, "op_dispatch_no_grad_s": 0.9e-6,
+             "backward_op_overhead_s": 3.3e-6, "backward_chain_s": 3.3e-3,
+             "backward_chain_ops": 1000.0}
+BANDWIDTHS = {"stream_copy_B_s": 21.3e9, "stream_add_B_s": 27.59e9, "elementwise_B_s": 26.6e9,
+              "norm_B_s": 3.1e9, "reduction_B_s": 23.4e9, "gather_B_s": 16.7e9,
+              "copy_B_s": 6.5e9}
+
+
+def gpu_measurements() -> dict[str, float]:
+    return {
+        "matmul_float32_4096x4096x4096_flop_s": 51.23456e12,
+        "matmul_float32_8192x1024x4096_flop_s": 49.1e12,
+        "matmul_tf32_4096x4096x4096_flop_s": 371.1e12,
+        "matmul_bfloat16_4096x4096x4096_flop_s": 702.3e12,
+        "matmul_bfloat16_8192x1024x4096_flop_s": 655.5e12,
+        "matmul_bfloat16_1024x8192x4096_flop_s": 601.9e12,
+        "matmul_float16_4096x4096x4096_flop_s": 710.0e12,
+        "matmul_float64_4096x4096x4096_flop_s": 51.0e12,
+        "conv2d_fwd_bwd_flop_s": 300.7e12,
+        "sdpa_fwd_bwd_flop_s": 350.1e12,
+        **OVERHEADS,
+        "stream_copy_B_s": 2.71e12, "stream_add_B_s": 2.93e12, "elementwise_B_s": 2.9e12,
+        "norm_B_s": 2.2e12, "reduction_B_s": 2.6e12, "gather_B_s": 1.8e12, "copy_B_s": 1.4e12,
+    }
+
+
+def gpu_calibration(count: int = 1) -> CudaCalibration:
+    found = gpu_measurements()
+    spec = cuda_device_spec(found, name="my-h100", total_memory=85_045_870_592,
+                            description="NVIDIA H100 80GB HBM3 (test)", source="synthetic")
+    return CudaCalibration(spec=spec, gpu_name="NVIDIA H100 80GB HBM3", device_index=0,
+                           device_count=count, capability=(9, 0), measurements=found)
+
+
+def cpu_calibration() -> CpuCalibration:
+    found = {"matmul_float32_512x512x512_flop_s": 103.81234e9,
+             "matmul_bfloat16_512_flop_s": 222.7e9, "conv2d_fwd_bwd_flop_s": 100.8e9,
+             "sdpa_fwd_bwd_flop_s": 75.9e9, **OVERHEADS, **BANDWIDTHS}
+    shipped = load_device("cpu")
+    spec = replace(shipped, name="box", op_overhead_s=1.23e-6, backward_op_overhead_s=3.3e-6,
+                   description='A "quoted" description: with colons', source="synthetic")
+    return CpuCalibration(spec=spec, cpu_model="Test CPU", physical_cores=4, ram_bytes=32 << 30,
+                          threads=2, measurements=found)
+
+
+# -- YAML ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("make", [cpu_calibration, gpu_calibration])
+def test_device_yaml_round_trips_to_an_equal_spec(make) -> None:  # type: ignore[no-untyped-def]
+    cal = make()
+    text = device_yaml(cal, "partc calibrate -o here")
+    assert text.startswith("# Written by `partc calibrate -o here`")
+    loaded = device_from_dict(yaml.safe_load(text), "rendered")
+    assert loaded == cal.spec
+    # The raw numbers are in the comments, the overheads included.
+    assert "1.235us per operator" in text and "Backward through a chain of 1000" in text
+    # Measured values are snapped to their unit text; others are written as plain numbers.
+    pretty = "backward_op_overhead_s: 3.3us\n" in text
+    assert pretty or "backward_op_overhead_s: 3.3e-06\n" in text
+    assert pretty == isinstance(cal, CudaCalibration)
+
+
+def test_cuda_device_spec_from_measurements() -> None:
+    spec = gpu_calibration().spec
+    assert spec.kind == "cuda" and spec.memory_bytes == 85_045_870_592
+    assert set(spec.peak_flops) == {"float32", "tf32", "bfloat16", "float16", "float64"}
+    assert spec.peak_flops["bfloat16"] == pytest.approx(702.3e12)
+    assert spec.peak_flops["float32"] == pytest.approx(51.23e12)  # 4 significant digits
+    assert spec.efficiency["matmul"] == pytest.approx(655.5 / 702.3, abs=1e-3)
+    assert spec.efficiency["attention"] == pytest.approx(350.1 / 702.3, abs=1e-3)
+    assert spec.memory_bandwidth == pytest.approx(2.93e12)
+    assert spec.op_overhead_s == pytest.approx(1.23e-6) and not spec.allow_tf32
+    assert spec.backward_op_overhead_s == pytest.approx(3.3e-6)
+    assert spec.microbatch_overhead_s == 0.0  # left to the runtime's own calibration
+    # Without bf16 (pre-Ampere) the compute dtype is float16.
+    found = {k: v for k, v in gpu_measurements().items() if "bfloat16" not in k and "tf32" not in k}
+    v100 = cuda_device_spec(found, name="v", total_memory=1 << 30)
+    assert v100.efficiency["attention"] == pytest.approx(350.1 / 710.0, abs=1e-3)
+
+
+def write_pair(root: Path, cal: CpuCalibration | CudaCalibration, link: LinkCalibration) -> Path:
+    devices, clusters = output_paths(root, cal.spec.name)
+    devices.write_text(device_yaml(cal))
+    clusters.write_text(cluster_yaml(cal, link))
+    return clusters
+
+
+def test_cluster_yaml_loads_with_its_sibling_device(tmp_path: Path) -> None:
+    cal = gpu_calibration(count=8)
+    link = LinkCalibration(LinkSpec(bandwidth=370.5e9, latency_s=12.5e-6), measured=True,
+                           source="measured", measurements={"latency_s": 12.5e-6,
+                                                            "allreduce_ring_B_s": 300e9,
+                                                            "message_bytes": 64 << 20})
+    cluster = load_cluster(write_pair(tmp_path, cal, link))
+    assert cluster.device == cal.spec and cluster.name == "my-h100"
+    assert cluster.num_devices == 8 and cluster.backend == "nccl"
+    assert cluster.intra_node == link.link
+    text = (tmp_path / "clusters" / "my-h100.yaml").read_text()
+    assert "allreduce_ring_B_s: 300GB/s" in text and "message_bytes: 67108864" in text
+
+    one = gpu_calibration(count=1)
+    stand_in = shipped_cuda_link(one.gpu_name, one.spec.memory_bytes)
+    assert not stand_in.measured and "h100" in stand_in.source
+    assert stand_in.link == load_cluster("4x8xh100-80gb").intra_node
+    text = write_pair(tmp_path / "one", one, stand_in).read_text()
+    assert "NOT MEASURED" in text
+    assert load_cluster(tmp_path / "one" / "clusters" / "my-h100.yaml").num_devices == 1
+
+
+def test_cluster_device_name_resolves_beside_the_cluster_first(tmp_path: Path) -> None:
+    """A cluster file outside configs/ names a device: DIR/devices/<name>.yaml wins over the
+    shipped one of that name; a name only shipped still resolves."""
+    shipped = load_device("cpu")
+    (tmp_path / "devices").mkdir()
+    (tmp_path / "clusters").mkdir()
+    mine = replace(shipped, memory_bytes=shipped.memory_bytes // 2, source="mine")
+    (tmp_path / "devices" / "cpu.yaml").write_text(yaml.safe_dump(mine.to_dict()))
+    link = {"bandwidth": "1GB/s", "latency_s": "100us"}
+    for name, device in (("local", "cpu"), ("shipped", "a100-80gb")):
+        backend = "gloo" if device == "cpu" else "nccl"
+        (tmp_path / "clusters" / f"{name}.yaml").write_text(yaml.safe_dump(
+            {"device": device, "devices_per_node": 2, "num_nodes": 1, "backend": backend,
+             "intra_node": link}))
+    assert load_cluster(tmp_path / "clusters" / "local.yaml").device == mine
+    assert load_cluster(tmp_path / "clusters" / "shipped.yaml").device == load_device("a100-80gb")
+
+
+# -- the CUDA path's device-independent parts, on the CPU ---------------------------------------
+
+def test_measure_accelerator_runs_on_any_device() -> None:
+    found = measure_accelerator(torch.device("cpu"), 0.5, ["float32", "bfloat16"], quick=True)
+    assert any(k.startswith("matmul_bfloat16_") for k in found)
+    spec = cuda_device_spec(found, name="fake-gpu", total_memory=1 << 30)
+    assert isinstance(spec, DeviceSpec) and spec.peak_flops["float32"] > 0
+    assert spec.op_overhead_s > 0 and spec.backward_overhead_s() >= 0
+    assert device_from_dict(yaml.safe_load(device_yaml(CudaCalibration(
+        spec=spec, gpu_name="fake", device_index=0, device_count=1, capability=(8, 0),
+        measurements=found))), "rendered") == spec
+
+
+def test_op_overheads_are_positive() -> None:
+    found = measure_op_overheads(torch.device("cpu"), 0.2, loops=50, chain=50)
+    assert found["op_overhead_s"] > 0 and found["backward_op_overhead_s"] > 0
+    assert found["backward_chain_ops"] == 50
+    assert found["backward_op_overhead_s"] == pytest.approx(found["backward_chain_s"] / 50)
+
+
+def test_small_helpers() -> None:
+    assert parse_calibration_device("cpu") == "cpu"
+    assert parse_calibration_device("cuda") == "cuda:0"
+    assert parse_calibration_device("CUDA:3") == "cuda:3"
+    for bad in ("tpu", "cuda:x", "cuda:-1", ""):
+        with pytest.raises(CalibrationError, match="bad --device"):
+            parse_calibration_device(bad)
+    assert cuda_dtypes((7, 0)) == ["float32", "float16", "float64"]
+    assert cuda_dtypes((9, 0)) == ["float32", "tf32", "bfloat16", "float16", "float64"]
+    assert gpu_slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
+    assert check_name("my-box_2.x") == "my-box_2.x"
+    for bad in ("../x", "a b", "x.yaml", "-x"):
+        with pytest.raises(CalibrationError):
+            check_name(bad)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
+def test_cuda_without_a_gpu_is_a_partc_error() -> None:
+    from partc.hardware.calibration import measure_cuda
+    with pytest.raises(PartcError, match="cannot calibrate cuda:0") as info:
+        measure_cuda("cuda", 1.0)
+    assert "--device cpu" in info.value.hint
+    with pytest.raises(CalibrationError, match="two visible CUDA GPUs"):
+        measure_nccl_link()
+
+
+# -- the command ---------------------------------------------------------------------------------
+
+def test_calibrate_command_writes_configs_that_compile(tmp_path: Path) -> None:
+    out = tmp_path / "cal"
+    proc = run("calibrate", "--seconds", "1", "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    device_path, cluster_path = out / "devices" / "cpu.yaml", out / "clusters" / "cpu.yaml"
+    assert f"wrote {device_path} and {cluster_path}" in proc.stderr
+    spec = load_device(device_path)
+    cluster = load_cluster(cluster_path)
+    assert cluster.device == spec and "partc calibrate" in spec.source  # not the shipped cpu
+    assert spec.op_overhead_s > 0
+    assert spec.backward_op_overhead_s is not None and spec.backward_op_overhead_s >= 0
+    assert cluster.backend == "gloo" and cluster.intra_node.bandwidth > 0
+    text = device_path.read_text()
+    assert "# Eager forward of torch.add" in text and "# Backward through a chain" in text
+    assert not list(out.rglob(".*.tmp"))  # atomic writes leave no temporary files
+
+    plan = tmp_path / "plan"
+    proc = run("compile", str(ROOT / "examples" / "mlp.py"), "--cluster", str(cluster_path),
+               "-b", "8", "-o", str(plan))
+    assert proc.returncode == 0, proc.stderr
+    assert (plan / "plan.yaml").is_file()
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--device", "tpu"], "partc: error: bad --device 'tpu' (hint: use cpu, cuda or cuda:N"),
+    (["--name", "../up"], "partc: error: bad --name '../up'"),
+])
+def test_calibrate_bad_options_are_one_line_errors(tmp_path: Path, args: list[str],
+                                                   message: str) -> None:
+    proc = run("calibrate", *args, "-o", str(tmp_path / "out"), timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith(message) and proc.stderr.count("\n") == 1, proc.stderr
+    assert not (tmp_path / "out" / "devices").exists()
+
+
+def test_calibrate_unwritable_output_is_a_one_line_error(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    proc = run("calibrate", "--seconds", "1", "-o", str(blocker / "sub"), timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith(f"partc: error: cannot write to {blocker / 'sub'}"), proc.stderr
+    assert proc.stderr.count("\n") == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
+def test_calibrate_cuda_without_a_gpu_is_a_one_line_error(tmp_path: Path) -> None:
+    proc = run("calibrate", "--device", "cuda:1", "-o", str(tmp_path), timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("partc: error: cannot calibrate cuda:1: "), proc.stderr
+    assert "(hint: " in proc.stderr and proc.stderr.count("\n") == 1
