@@ -18,6 +18,7 @@ import click
 from partc.errors import PartcError
 from partc.files import write_atomic
 from partc.options import (
+    COSTS_MODES,
     DEFAULT_CAPTURE_BATCH,
     PRECISIONS,
     PROFILE_METHODS,
@@ -275,8 +276,13 @@ def plan_options(default_cluster: str, compare: bool = False) -> Callable[[F], F
                      help="Global batch size (samples per training iteration over all replicas)."),
         click.option("--profile", "profile_path",
                      type=click.Path(readable=False, dir_okay=False, path_type=Path),
-                     help="Measured costs from `partc profile` (default: analytic, from the "
-                          "cluster's device config)."),
+                     help="Measured costs from `partc profile` (overrides --costs)."),
+        click.option("--costs", type=click.Choice(COSTS_MODES), default="auto",
+                     show_default=True,
+                     help="Without --profile: 'measured' profiles the model on this machine "
+                          "(cached), 'analytic' prices it from the cluster's device config; "
+                          "'auto' measures when the cluster is this machine (local, or a "
+                          "one-node CPU cluster)."),
         dataclass_options(SearchOptions, **strategy),
         dataclass_options(TrainingConfig),
         click.option("--capture-batch", type=click.IntRange(min=1), default=DEFAULT_CAPTURE_BATCH,
@@ -312,7 +318,7 @@ def _search_inputs(kw: dict[str, Any]) -> tuple[Any, TrainingConfig, SearchOptio
 def solve(model: Path, output: Path | None, timeline: Path | None, **kw: Any) -> None:
     """Find the best pipeline x data-parallel partition of MODEL for a cluster and global batch:
     coarsen, search shapes, cut stages (CP-SAT by default), simulate; print the plan."""
-    from partc.cost.plan_costs import plan_costs
+    from partc.cost.plan_costs import solve_costs
     from partc.frontend.capture import capture_graph
     from partc.progress import TerminalProgress
     from partc.solve.coarsen import coarsen
@@ -322,8 +328,8 @@ def solve(model: Path, output: Path | None, timeline: Path | None, **kw: Any) ->
     progress = TerminalProgress()
     cluster, training, options = _search_inputs(kw)
     result = capture_graph(model, kw["capture_batch"], onnx=False, progress=progress)
-    table = plan_costs(result, cluster.device, kw["profile_path"], progress,
-                       precision=training.precision)
+    table, _ = solve_costs(result, cluster, kw["batch_size"], profile=kw["profile_path"],
+                           costs=kw["costs"], precision=training.precision, progress=progress)
     with progress.step(f"coarsen to at most {options.max_blocks} blocks"):
         blocks = coarsen(table, options.max_blocks)
     if kw["strategy"] == "all":
@@ -369,7 +375,7 @@ def compile_command(model: Path, output: Path | None, **kw: Any) -> None:
     output = output if output is not None else Path("plans") / model.stem
     options = CompileOptions(batch_size=kw["batch_size"], search=search_options,
                              training=training, profile=kw["profile_path"],
-                             capture_batch=kw["capture_batch"])
+                             capture_batch=kw["capture_batch"], costs=kw["costs"])
     result = compile_model(model, cluster, output, options, progress)
     click.echo(format_plan(result.plan, solver_wall_s=result.partition.solver.wall_s))
     click.echo(f"wrote {output / 'plan.yaml'} and {result.plan.num_stages} stage files "

@@ -46,6 +46,10 @@ OPTIMIZERS: Final[tuple[Optimizer, ...]] = get_args(Optimizer)
 # always onnxruntime, or torch's profiler alone.
 ProfileMethod = Literal["auto", "onnxruntime", "torch"]
 PROFILE_METHODS: Final[tuple[ProfileMethod, ...]] = get_args(ProfileMethod)
+# Where compile's costs come from: measured on this machine, the analytic roofline, or auto
+# (measured when the cluster is this machine, docs/cost-model.md).
+CostsMode = Literal["auto", "measured", "analytic"]
+COSTS_MODES: Final[tuple[CostsMode, ...]] = get_args(CostsMode)
 
 # How stages are cut (partc.solve.strategies): CP-SAT over the block DAG, the exact contiguous DP,
 # and the two baselines users hand-pick today (equal layers, equal parameters).

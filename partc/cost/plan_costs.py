@@ -1,14 +1,18 @@
-"""The CostTable a plan is solved with: a checked-in profile, or the analytic roofline."""
+"""The CostTable a plan is solved with: a checked-in profile, a profile measured on this machine
+(cached), or the analytic roofline."""
 from __future__ import annotations
 
 from pathlib import Path
 
 from partc.cost.activations import saved_activations
+from partc.cost.measured import ProfileOptions
 from partc.cost.roofline import analytic_cost_table
 from partc.cost.table import CostTable
+from partc.errors import PartcError
 from partc.frontend.capture import CaptureResult
-from partc.hardware.specs import DeviceSpec
-from partc.options import Precision
+from partc.hardware.local import measurable_device
+from partc.hardware.specs import ClusterSpec, DeviceSpec
+from partc.options import CostsMode, Precision
 from partc.progress import Progress
 
 
@@ -25,3 +29,49 @@ def plan_costs(result: CaptureResult, device: DeviceSpec, profile: str | Path | 
     with progress.step(f"pricing {len(result.graph.nodes)} operators on {device.name} (roofline)"):
         saved = saved_activations(result.capture, target_kind=device.kind)
         return analytic_cost_table(result.graph, device, saved=saved, precision=precision)
+
+
+class CostsError(PartcError):
+    """Costs that cannot be had as asked: measuring a cluster this machine is not."""
+
+
+def measured_device(mode: CostsMode, cluster: ClusterSpec) -> str | None:
+    """The device compile measures costs on under `mode`, or None for the analytic roofline:
+    `auto` measures when the cluster is this machine (`measurable_device`), `measured` insists."""
+    if mode == "analytic":
+        return None
+    device = measurable_device(cluster)
+    if device is None and mode == "measured":
+        raise CostsError(f"--costs measured: cluster {cluster.name} is not this machine, so its "
+                         f"devices cannot be measured here",
+                         hint="use --cluster local (or a one-node CPU cluster), or --costs "
+                              "analytic to plan for a cluster you cannot run on")
+    return device
+
+
+def measurement(device: str, capture_batch: int, global_batch: int,
+                precision: Precision) -> ProfileOptions:
+    """How compile measures a model on this machine: torch timing (it runs the plan's autocast
+    and needs no ONNX export) at the capture batch B and a larger size near the micro-batches
+    the search picks (a quarter of the global batch, between 2B and 32B), so that the fitted
+    line interpolates rather than extrapolates far. One thread: partc runs one process per core.
+    """
+    high = min(max(global_batch // 4, 2 * capture_batch), 32 * capture_batch)
+    return ProfileOptions(device=device, batch_sizes=(capture_batch, high), method="torch",
+                          threads=1, precision=precision)
+
+
+def solve_costs(result: CaptureResult, cluster: ClusterSpec, global_batch: int, *,
+                profile: str | Path | None = None, costs: CostsMode = "auto",
+                precision: Precision = "fp32",
+                progress: Progress | None = None) -> tuple[CostTable, Path | None]:
+    """The CostTable compile and solve price a model with, and the measured profile behind it
+    when it was measured here (a cache file, `partc.cost.profile_cache`): `profile` when given,
+    else measured on this machine when `costs` says so (`measured_device`), else the roofline."""
+    device = None if profile is not None else measured_device(costs, cluster)
+    if device is None:
+        return plan_costs(result, cluster.device, profile, progress, precision=precision), None
+    from partc.cost.profile_cache import cached_profile
+
+    options = measurement(device, result.graph.batch_size, global_batch, precision)
+    return cached_profile(result, options, progress=progress)

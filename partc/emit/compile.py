@@ -17,22 +17,23 @@ from pathlib import Path
 import torch
 import torch.utils._pytree as pytree
 
-from partc.cost.plan_costs import plan_costs
+from partc.cost.plan_costs import solve_costs
 from partc.emit.stage_code import stage_bytes, trace_stage
 from partc.emit.stage_graph import MODEL_INPUT as SOURCE_INPUT
 from partc.emit.stage_graph import SplitProgram, flatten_inputs, split_program
 from partc.emit.stage_weights import set_stage_tensors, stage_tensors
 from partc.errors import PartcError
-from partc.files import write_atomic
+from partc.files import sha256_file, write_atomic
 from partc.frontend.capture import CaptureResult, capture_graph
 from partc.frontend.export import export_program
 from partc.frontend.model_file import inputs_to_meta
 from partc.hardware.specs import ClusterSpec
-from partc.options import DEFAULT_CAPTURE_BATCH, SearchOptions, TrainingConfig
+from partc.options import DEFAULT_CAPTURE_BATCH, CostsMode, SearchOptions, TrainingConfig
 from partc.plans.plan import (
     LOSS,
     MODEL_INPUT,
     PLAN_FILE,
+    PROFILE_FILE,
     WEIGHTS_AT_LAUNCH,
     WEIGHTS_IN_STAGE_FILES,
     ModelInfo,
@@ -65,6 +66,7 @@ class CompileOptions:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     profile: Path | None = None
     capture_batch: int = DEFAULT_CAPTURE_BATCH
+    costs: CostsMode = "auto"  # without --profile: measured here, analytic, or auto
 
 
 @dataclass
@@ -97,8 +99,10 @@ def _compile(model_path: str | Path, cluster: ClusterSpec, output_dir: Path,
     result = capture_graph(model_path, options.capture_batch, onnx=False, progress=progress)
     timings["capture_s"] = time.perf_counter() - start
     t = time.perf_counter()
-    table = plan_costs(result, cluster.device, options.profile, progress,
-                       precision=options.training.precision)
+    table, cached = solve_costs(result, cluster, options.batch_size, profile=options.profile,
+                                costs=options.costs, precision=options.training.precision,
+                                progress=progress)
+    measured_profile = cached.read_bytes() if cached is not None else None
     timings["costs_s"] = time.perf_counter() - t
     t = time.perf_counter()
     with progress.step(f"coarsen to at most {options.search.max_blocks} blocks"):
@@ -111,20 +115,31 @@ def _compile(model_path: str | Path, cluster: ClusterSpec, output_dir: Path,
     if partition.solver.wall_s is not None:  # always set by search; None only when read back
         timings["solver_wall_s"] = partition.solver.wall_s
     t = time.perf_counter()
-    costs = recorded_costs(options, output_dir)
-    plan = emit_plan(result, partition, cluster, output_dir, costs, progress)
+    costs = recorded_costs(options, output_dir, measured_profile)
+    plan = emit_plan(result, partition, cluster, output_dir, costs, progress,
+                     profile=measured_profile)
     timings["emit_s"] = time.perf_counter() - t
     timings["total_s"] = time.perf_counter() - start
     write_timings(output_dir, timings)
     return CompileResult(plan=plan, partition=partition, directory=output_dir, timings=timings)
 
 
-def recorded_costs(options: CompileOptions, output_dir: Path) -> PlanCosts:
+def recorded_costs(options: CompileOptions, output_dir: Path,
+                   measured_profile: bytes | None = None) -> PlanCosts:
     """plan.yaml's `costs`: every solve input besides the model, cluster and training settings,
-    so that `partc check` can re-solve exactly as compile did."""
-    return PlanCosts(source="profile" if options.profile else "analytic",
-                     profile=_relative(options.profile, output_dir) if options.profile else None,
-                     capture_batch_size=options.capture_batch, search=options.search)
+    so that `partc check` can re-solve exactly as compile did. A profile compile measured itself
+    is written into the plan directory (PROFILE_FILE); every profile is recorded with its
+    sha256, which check verifies."""
+    if measured_profile is not None:
+        return PlanCosts(source="profile", profile=PROFILE_FILE,
+                         capture_batch_size=options.capture_batch, search=options.search,
+                         profile_sha256=hashlib.sha256(measured_profile).hexdigest())
+    if options.profile:
+        return PlanCosts(source="profile", profile=_relative(options.profile, output_dir),
+                         capture_batch_size=options.capture_batch, search=options.search,
+                         profile_sha256=sha256_file(options.profile))
+    return PlanCosts(source="analytic", profile=None, capture_batch_size=options.capture_batch,
+                     search=options.search)
 
 
 def _prepare_output(directory: Path) -> None:
@@ -197,8 +212,10 @@ def _spec_text(spec: pytree.TreeSpec) -> str:
 
 def emit_plan(result: CaptureResult, partition: Partition, cluster: ClusterSpec,
               output_dir: str | Path, costs: PlanCosts,
-              progress: Progress | None = None) -> Plan:
-    """Write the stage files and plan.yaml of `partition` into `output_dir`; return the Plan."""
+              progress: Progress | None = None, profile: bytes | None = None) -> Plan:
+    """Write the stage files and plan.yaml of `partition` into `output_dir`; return the Plan.
+    `profile`: the measured profile the plan was solved with, written as PROFILE_FILE with the
+    stage files (a plan without one removes an earlier compile's)."""
     progress = progress or Progress()
     output_dir = Path(output_dir)
     cap = result.capture
@@ -217,6 +234,10 @@ def emit_plan(result: CaptureResult, partition: Partition, cluster: ClusterSpec,
 
     staged: dict[Path, Path] = {}  # stage file -> its staging name until the plan is complete
     try:
+        profile_path = output_dir / PROFILE_FILE
+        if profile is not None:
+            staged[profile_path] = write_atomic(
+                profile_path.with_name(f".{PROFILE_FILE}.staged"), profile)
         plan = _emit(result, partition, cluster, output_dir, costs, split, flat, staged, progress)
         validate_plan_dict(plan.to_dict(), "the plan being written")
         # Never leave a plan.yaml next to stage files it does not describe: drop the old one,
@@ -230,6 +251,9 @@ def emit_plan(result: CaptureResult, partition: Partition, cluster: ClusterSpec,
             _remove_stale_stages(output_dir, len(plan.stages))
         with progress.step("writing plan.yaml"):
             plan.save(output_dir)
+        if profile is None and costs.profile != PROFILE_FILE:
+            # an earlier compile's measured profile, which this plan does not use
+            profile_path.unlink(missing_ok=True)
     finally:
         for staging in staged.values():
             staging.unlink(missing_ok=True)

@@ -44,6 +44,19 @@ def local_cluster() -> ClusterSpec:
                           "costs of configs/devices/cpu.yaml")
 
 
+def measurable_device(cluster: ClusterSpec) -> str | None:
+    """The torch device ("cpu", "cuda:0") on which this machine can measure `cluster`'s device,
+    or None when the cluster is not this machine. `local` is this machine by definition; a CPU
+    cluster of one node is too (a CPU config describes gloo processes on the host that runs
+    them, and this host is the only one partc can measure); a GPU cluster is when it is `local`
+    (its device config was matched to this machine's GPU)."""
+    if cluster.name == LOCAL_CLUSTER:
+        return "cuda:0" if cluster.device.kind == "cuda" else "cpu"
+    if cluster.device.kind == "cpu" and cluster.num_nodes == 1:
+        return "cpu"
+    return None
+
+
 def _local_gpus(count: int, props: Any) -> ClusterSpec:
     gpu = str(props.name)
     memory = int(props.total_memory)

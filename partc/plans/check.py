@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from partc.errors import ModelFileError, PartcError
+from partc.files import sha256_file
 from partc.graph.opgraph import OpGraph
 from partc.options import DEFAULT_CAPTURE_BATCH, to_argv
 from partc.plans.diff import (
@@ -153,6 +154,13 @@ def check_plan(plan_path: str | Path, model: str | Path | None = None,
             raise PlanError(f"the profile {costs.profile} recorded in {path} is missing "
                             f"({profile})", hint="check the profile in next to the plan, or "
                                                  "recompile without --profile")
+        if costs.profile_sha256 is not None and sha256_file(profile) != costs.profile_sha256:
+            # the costs the plan was solved with are not the ones reviewed: never re-solve
+            # with them as if they were
+            report.current = False
+            report.reasons.append(f"profile {costs.profile} is not the one the plan was "
+                                  f"compiled with (sha256 differs from plan.yaml's)")
+            return report
         if changes.changed:
             report.reasons.append(f"profile {costs.profile} was measured on the old model: "
                                   "re-run partc profile before recompiling")

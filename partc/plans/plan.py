@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 
 SCHEMA_VERSION = 1
 PLAN_FILE = "plan.yaml"
+# The profile a compile measured on this machine, written beside plan.yaml (PlanCosts.profile).
+PROFILE_FILE = "profile.yaml"
 TIMINGS_FILE = "timings.yaml"
 SCHEMA_FILE = Path(__file__).parent / "schema" / "plan-v1.schema.json"
 WEIGHTS_IN_STAGE_FILES = "stage-files"
@@ -209,13 +211,15 @@ class PlanCosts:
     profile: str | None  # the profile file, relative to the plan directory
     capture_batch_size: int
     search: SearchOptions
+    profile_sha256: str | None = None  # of the profile file; check verifies it (None: older)
 
     # The search options a plan records; the others (workers, max_microbatches) are fixed.
     RECORDED: ClassVar[tuple[str, ...]] = ("max_blocks", "strategy", "time_limit_s", "refine")
 
     def to_dict(self) -> dict[str, Any]:
         search = to_dict(self.search)
-        return {"source": self.source, "profile": self.profile,
+        sha = {"profile_sha256": self.profile_sha256} if self.profile_sha256 else {}
+        return {"source": self.source, "profile": self.profile, **sha,
                 "capture_batch_size": self.capture_batch_size,
                 **{k: search[k] for k in self.RECORDED}, "pinned": self.search.pinned()}
 
@@ -224,7 +228,8 @@ class PlanCosts:
         search = from_dict(SearchOptions, {**{k: d[k] for k in cls.RECORDED},
                                            **(d.get("pinned") or {})})
         return cls(source=d["source"], profile=d["profile"],
-                   capture_batch_size=d["capture_batch_size"], search=search)
+                   capture_batch_size=d["capture_batch_size"], search=search,
+                   profile_sha256=d.get("profile_sha256"))
 
 
 @dataclass(frozen=True)
