@@ -362,8 +362,14 @@ def solve(model: Path, output: Path | None, timeline: Path | None, **kw: Any) ->
 @plan_options(default_cluster="local")
 @click.option("--output", "-o", type=click.Path(readable=False, file_okay=False, path_type=Path),
               help="Plan directory to write (plan.yaml + stage_<k>.pt) [default: plans/<model>].")
+@click.option("--calibrate-from", "calibrate_from",
+              type=click.Path(readable=False, dir_okay=False, path_type=Path),
+              help="A `partc launch --metrics` file of a plan of this model: scale each stage's "
+                   "operator costs so they predict what that run measured; the corrected costs "
+                   "are written as the plan's profile.yaml.")
 @debug_option
-def compile_command(model: Path, output: Path | None, **kw: Any) -> None:
+def compile_command(model: Path, output: Path | None, calibrate_from: Path | None,
+                    **kw: Any) -> None:
     """Compile MODEL into a plan directory: capture, price, coarsen, solve, simulate, then split
     the program into stages, trace each to TorchScript (stage_<k>.pt) and write plan.yaml."""
     from partc.emit.compile import CompileOptions, compile_model
@@ -375,7 +381,8 @@ def compile_command(model: Path, output: Path | None, **kw: Any) -> None:
     output = output if output is not None else Path("plans") / model.stem
     options = CompileOptions(batch_size=kw["batch_size"], search=search_options,
                              training=training, profile=kw["profile_path"],
-                             capture_batch=kw["capture_batch"], costs=kw["costs"])
+                             capture_batch=kw["capture_batch"], costs=kw["costs"],
+                             calibrate_from=calibrate_from)
     result = compile_model(model, cluster, output, options, progress)
     click.echo(format_plan(result.plan, solver_wall_s=result.partition.solver.wall_s))
     click.echo(f"wrote {output / 'plan.yaml'} and {result.plan.num_stages} stage files "

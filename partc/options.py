@@ -76,15 +76,19 @@ class OptimizerSpec:
 
 
 OPTIMIZER_SPECS: Final[dict[Optimizer, OptimizerSpec]] = {
-    # SGD reads p and g and writes p; momentum adds its buffer (read + write); Adam(W) two states.
+    # step_accesses: tensor-sized reads + writes of torch's default (foreach on GPUs, a loop
+    # over parameters on CPUs: the same passes), not a fused kernel's minimum. SGD: p += -lr*g
+    # (3). Momentum: buf.mul_().add_(g) (2 + 3), p.add_(buf) (3).
     "sgd": OptimizerSpec(states=0, step_accesses=3, step_temporary=False, lr=0.01,
                          weight_decay=0.0),
-    "sgd-momentum": OptimizerSpec(states=1, step_accesses=5, step_temporary=False, lr=0.01,
+    "sgd-momentum": OptimizerSpec(states=1, step_accesses=8, step_temporary=False, lr=0.01,
                                   weight_decay=0.0, momentum=0.9),
-    # torch's foreach Adam allocates sqrt(exp_avg_sq) for every parameter at once.
-    "adam": OptimizerSpec(states=2, step_accesses=7, step_temporary=True, lr=1e-3,
+    # Adam: m.lerp_(g) 3, v.mul_() 2, v.addcmul_(g, g) 3, sqrt(v) 2, div 2, add_(eps) 2,
+    # p.addcdiv_(m, denom) 4 = 18; AdamW's decoupled decay p.mul_() adds 2. The foreach path
+    # allocates sqrt(exp_avg_sq) for every parameter at once (step_temporary).
+    "adam": OptimizerSpec(states=2, step_accesses=18, step_temporary=True, lr=1e-3,
                           weight_decay=0.0),
-    "adamw": OptimizerSpec(states=2, step_accesses=7, step_temporary=True, lr=1e-3,
+    "adamw": OptimizerSpec(states=2, step_accesses=20, step_temporary=True, lr=1e-3,
                            weight_decay=0.01),
 }
 

@@ -9,6 +9,12 @@ from typing import Callable
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Compiles on this machine measure costs by default, cached per model: one cache for the whole
+# session (CLI subprocesses inherit it), never the user's ~/.cache.
+if "PARTC_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    os.environ["PARTC_CACHE_DIR"] = tempfile.mkdtemp(prefix="partc-test-profiles-")
 warnings.filterwarnings("ignore", category=FutureWarning)
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 

@@ -201,9 +201,13 @@ class CostTable:
         }
 
     def save(self, path: str | Path) -> Path:
-        """Write the table as a profile YAML (nodes one per line: method, then forward, backward
-        and saved-bytes as fixed/per-sample pairs)."""
-        path = Path(path)
+        """Write the table as a profile YAML (`dumps`)."""
+        return write_atomic(Path(path), self.dumps())
+
+    def dumps(self) -> str:
+        """The profile YAML `save` writes (nodes one per line: method, then forward, backward and
+        saved-bytes as fixed/per-sample pairs): for callers that need the bytes themselves (a
+        profile written into a plan directory with the stage files)."""
         d = self.to_dict()
         nodes = d.pop("nodes")
         header = ("# partc profile: per-node costs of one model on one device.\n"
@@ -216,7 +220,7 @@ class CostTable:
             lines.append(f"  {json.dumps(name)}: {json.dumps(row)}\n")
         if not nodes:
             lines[-1] = "nodes: {}\n"
-        return write_atomic(path, "".join(lines))
+        return "".join(lines)
 
     @classmethod
     def load(cls, path: str | Path, graph: OpGraph, precision: str | None = None) -> "CostTable":

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import operator
 import os
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +19,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from partc.cost.plan_costs import solve_costs
+from partc.cost.table import CostTable
 from partc.emit.stage_code import stage_bytes, trace_stage
 from partc.emit.stage_graph import MODEL_INPUT as SOURCE_INPUT
 from partc.emit.stage_graph import SplitProgram, flatten_inputs, split_program
@@ -46,6 +48,7 @@ from partc.plans.plan import (
     validate_plan_dict,
     write_timings,
 )
+from partc.plans.recalibrate import corrected_costs, load_launched_run
 from partc.progress import Progress
 from partc.solve.coarsen import coarsen
 from partc.solve.partition import Partition
@@ -67,6 +70,9 @@ class CompileOptions:
     profile: Path | None = None
     capture_batch: int = DEFAULT_CAPTURE_BATCH
     costs: CostsMode = "auto"  # without --profile: measured here, analytic, or auto
+    # a `partc launch --metrics` file: correct the costs by what that run measured
+    # (partc.plans.recalibrate); the corrected table is written as the plan's PROFILE_FILE
+    calibrate_from: Path | None = None
 
 
 @dataclass
@@ -103,6 +109,9 @@ def _compile(model_path: str | Path, cluster: ClusterSpec, output_dir: Path,
                                 costs=options.costs, precision=options.training.precision,
                                 progress=progress)
     measured_profile = cached.read_bytes() if cached is not None else None
+    if options.calibrate_from is not None:
+        table, measured_profile = calibrated_costs(result, table, cluster, options,
+                                                   options.calibrate_from, progress)
     timings["costs_s"] = time.perf_counter() - t
     t = time.perf_counter()
     with progress.step(f"coarsen to at most {options.search.max_blocks} blocks"):
@@ -124,12 +133,27 @@ def _compile(model_path: str | Path, cluster: ClusterSpec, output_dir: Path,
     return CompileResult(plan=plan, partition=partition, directory=output_dir, timings=timings)
 
 
+def calibrated_costs(result: CaptureResult, table: CostTable, cluster: ClusterSpec,
+                     options: CompileOptions, run: Path,
+                     progress: Progress) -> tuple[CostTable, bytes]:
+    """`table` corrected by the run `run` measured (partc.plans.recalibrate), and the profile
+    bytes the plan directory gets. The table returned is the one read back from those bytes:
+    the solve must use exactly the (rounded) costs `partc check` will load from the profile."""
+    with progress.step(f"calibrating costs from {run}"):
+        launched = load_launched_run(run, result, progress)
+        data = corrected_costs(table, launched, cluster.device).dumps().encode()
+    with tempfile.TemporaryDirectory(prefix="partc-calibrated-") as tmp:
+        path = Path(tmp) / PROFILE_FILE
+        path.write_bytes(data)
+        return CostTable.load(path, result.graph, precision=options.training.precision), data
+
+
 def recorded_costs(options: CompileOptions, output_dir: Path,
                    measured_profile: bytes | None = None) -> PlanCosts:
     """plan.yaml's `costs`: every solve input besides the model, cluster and training settings,
-    so that `partc check` can re-solve exactly as compile did. A profile compile measured itself
-    is written into the plan directory (PROFILE_FILE); every profile is recorded with its
-    sha256, which check verifies."""
+    so that `partc check` can re-solve exactly as compile did. A profile compile measured itself,
+    or corrected from a run (--calibrate-from), is written into the plan directory
+    (PROFILE_FILE); every profile is recorded with its sha256, which check verifies."""
     if measured_profile is not None:
         return PlanCosts(source="profile", profile=PROFILE_FILE,
                          capture_batch_size=options.capture_batch, search=options.search,

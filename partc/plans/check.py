@@ -19,6 +19,7 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from partc.errors import ModelFileError, PartcError
 from partc.files import sha256_file
@@ -33,9 +34,14 @@ from partc.plans.diff import (
     layout_of_partition,
     layout_of_plan,
 )
-from partc.plans.plan import PLAN_FILE, Plan, PlanError, load_plan
+from partc.plans.plan import PLAN_FILE, PROFILE_FILE, Plan, PlanError, load_plan
 from partc.progress import Progress
 from partc.version import __version__
+
+if TYPE_CHECKING:  # annotations only: check imports the capture and the solver when it runs
+    from partc.cost.table import CostTable
+    from partc.frontend.capture import CaptureResult
+    from partc.solve.partition import Partition
 
 _MAX_ITEMS = 12  # names listed per kind of model change before "... and N more"
 
@@ -114,10 +120,8 @@ def find_plans(paths: tuple[Path, ...] | list[Path]) -> list[Path]:
 def check_plan(plan_path: str | Path, model: str | Path | None = None,
                progress: Progress | None = None) -> CheckReport:
     """Check a plan against its model (module docstring); `model` overrides the plan's path."""
-    from partc.cost.plan_costs import plan_costs
     from partc.frontend.capture import capture_graph
-    from partc.solve.coarsen import coarsen
-    from partc.solve.search import InfeasibleMemoryError, search
+    from partc.solve.search import InfeasibleMemoryError
 
     progress = progress or Progress()
     plan = load_plan(plan_path)
@@ -147,13 +151,8 @@ def check_plan(plan_path: str | Path, model: str | Path | None = None,
         report.current = False
         report.reasons.append(f"the model changed since the plan was compiled (graph "
                               f"{changes.old_hash[:19]}.. -> {changes.new_hash[:19]}..)")
-    profile = None
-    if costs.source == "profile":
-        profile = (plan.directory or Path(".")) / str(costs.profile)
-        if not profile.is_file():
-            raise PlanError(f"the profile {costs.profile} recorded in {path} is missing "
-                            f"({profile})", hint="check the profile in next to the plan, or "
-                                                 "recompile without --profile")
+    profile = recorded_profile(plan, path)
+    if profile is not None:
         if costs.profile_sha256 is not None and sha256_file(profile) != costs.profile_sha256:
             # the costs the plan was solved with are not the ones reviewed: never re-solve
             # with them as if they were
@@ -162,17 +161,15 @@ def check_plan(plan_path: str | Path, model: str | Path | None = None,
                                   f"compiled with (sha256 differs from plan.yaml's)")
             return report
         if changes.changed:
-            report.reasons.append(f"profile {costs.profile} was measured on the old model: "
-                                  "re-run partc profile before recompiling")
+            report.reasons.append(
+                f"profile {costs.profile} was measured on the old model: recompile (on the "
+                f"machine it trains on, which measures the new model)"
+                if costs.profile == PROFILE_FILE else
+                f"profile {costs.profile} was measured on the old model: re-run partc profile "
+                "before recompiling")
             return report
-    # The cluster as recorded (not today's configs/ or this machine), the recorded options.
-    cluster, training, options = plan.cluster, plan.training.config, costs.search
-    table = plan_costs(result, cluster.device, profile, progress, precision=training.precision)
-    with progress.step(f"coarsen to at most {options.max_blocks} blocks"):
-        blocks = coarsen(table, options.max_blocks)
     try:
-        partition = search(table, cluster, plan.training.global_batch_size, training,
-                           options, blocks=blocks, progress=progress)
+        _, partition = solve_as_recorded(plan, result, profile, progress)
     except InfeasibleMemoryError as exc:
         report.current = False
         report.reasons.append(f"no plan fits any more: {exc.one_line()}")
@@ -186,6 +183,44 @@ def check_plan(plan_path: str | Path, model: str | Path | None = None,
         report.reasons.append("re-solving with the plan's recorded inputs gives a different plan"
                               if not changes.changed else "and the re-solved plan differs:")
     return report
+
+
+def recorded_profile(plan: Plan, plan_path: Path) -> Path | None:
+    """The profile file plan.yaml's `costs` names, resolved against the plan directory (None:
+    the plan was solved with the analytic roofline); PlanError when it is missing. Its sha256 is
+    the caller's to verify: check reports a mismatch as staleness, others refuse it."""
+    costs = plan.costs
+    if costs.source != "profile":
+        return None
+    profile = (plan.directory or Path(".")) / str(costs.profile)
+    if not profile.is_file():
+        raise PlanError(f"the profile {costs.profile} recorded in {plan_path} is missing "
+                        f"({profile})", hint="check the profile in next to the plan, or "
+                                             "recompile without --profile")
+    return profile
+
+
+def solve_as_recorded(plan: Plan, result: CaptureResult, profile: Path | None,
+                      progress: Progress | None = None) -> tuple[CostTable, Partition]:
+    """Re-solve `plan` as compile solved it: the CostTable it was solved with (`profile`, from
+    `recorded_profile`, or the analytic roofline on the recorded device) and the Partition the
+    search gives with the recorded cluster (not today's configs/ or this machine), training
+    settings and search options. `result` is a capture at the plan's capture batch. The solver
+    is deterministic, so for a current plan the Partition's layout equals the plan's, and its
+    stages name the OpGraph nodes each plan stage holds (which plan.yaml does not record).
+    Raises InfeasibleMemoryError when nothing fits any more."""
+    from partc.cost.plan_costs import plan_costs
+    from partc.solve.coarsen import coarsen
+    from partc.solve.search import search
+
+    progress = progress or Progress()
+    cluster, training, options = plan.cluster, plan.training.config, plan.costs.search
+    table = plan_costs(result, cluster.device, profile, progress, precision=training.precision)
+    with progress.step(f"coarsen to at most {options.max_blocks} blocks"):
+        blocks = coarsen(table, options.max_blocks)
+    partition = search(table, cluster, plan.training.global_batch_size, training, options,
+                       blocks=blocks, progress=progress)
+    return table, partition
 
 
 def _note_cluster_config(plan: Plan, report: CheckReport) -> None:

@@ -5,7 +5,10 @@ Both sides are reduced to a `Layout`: the pipeline shape, each stage's place, mo
 predicted costs, the predicted iteration and the solver's report, rounded exactly as plan.yaml
 rounds them. A Layout comes from a plan (`layout_of_plan`) or straight from a solver result
 (`layout_of_partition`, which `partc check` uses without writing stage files), so "the re-solved
-plan equals the checked-in plan" is plain equality of two Layouts.
+plan equals the checked-in plan" is plain equality of two Layouts. A plan's Layout also carries
+what it was priced with (`CostsInfo`: cost source, profile and its sha256, and what the profile
+file says it is: measured, analytic, calibrated from a run); `partc diff` shows a change of it,
+equality ignores it (a solver result has none).
 
 Stage boundaries are compared by module path at the granularity of the model's fingerprint
 (every module that calls operators itself): each such module is attributed to the stages whose
@@ -15,7 +18,10 @@ module lists name it or an ancestor of it, so two plans that list modules at dif
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Sequence
+
+import yaml
 
 from partc.plans.plan import Plan
 from partc.solve.partition import Partition, Prediction, SolverReport, TrainingSetup, round_seconds
@@ -43,6 +49,51 @@ class LayoutStage:
 
 
 @dataclass(frozen=True)
+class CostsInfo:
+    """What a plan was priced with, as `partc diff` shows it: plan.yaml's cost source and
+    profile, and what the profile file itself says it is (when it is in the plan directory)."""
+
+    source: str  # "analytic" | "profile" (plan.yaml's costs.source)
+    profile: str | None = None  # relative to the plan directory
+    profile_sha256: str | None = None
+    profile_kind: str | None = None  # the profile's own kind: "measured" | "analytic"; None:
+    #                                  not readable from the plan directory
+    calibrated_from: str | None = None  # the run a calibrated profile was corrected from
+
+    def describe(self) -> str:
+        if self.source != "profile":
+            return self.source
+        what = [w for w in (self.profile_kind,
+                            self.calibrated_from and f"calibrated from {self.calibrated_from}",
+                            self.profile_sha256 and f"sha256 {self.profile_sha256[:12]}")
+                if w]
+        return f"profile {self.profile}" + (f" ({', '.join(what)})" if what else "")
+
+
+def costs_of_plan(plan: Plan) -> CostsInfo:
+    """The plan's CostsInfo: its recorded costs, and the profile file's kind and calibration
+    read from the plan directory when the file is there (anything unreadable is left None)."""
+    costs = plan.costs
+    if costs.source != "profile" or costs.profile is None:
+        return CostsInfo(source=costs.source)
+    kind = run = None
+    path = (plan.directory or Path(".")) / costs.profile
+    try:
+        d = yaml.load(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        d = None  # diff describes what it can; `partc check` reports a broken profile
+    if isinstance(d, dict):
+        kind = str(d["kind"]) if "kind" in d else None
+        calibration = d.get("calibration")
+        # the key partc.plans.recalibrate writes (CALIBRATED_FROM; diff stays below it)
+        record = calibration.get("calibrated_from") if isinstance(calibration, dict) else None
+        if isinstance(record, dict) and record.get("run") is not None:
+            run = str(record["run"])
+    return CostsInfo(source=costs.source, profile=costs.profile,
+                     profile_sha256=costs.profile_sha256, profile_kind=kind, calibrated_from=run)
+
+
+@dataclass(frozen=True)
 class Layout:
     """The comparable content of a plan (module docstring). Fingerprints ride along for
     explanations and are not compared (the graph hash stands for them)."""
@@ -55,6 +106,9 @@ class Layout:
     predicted: Prediction
     solver: SolverReport  # as recorded: rounded, no wall time
     module_fingerprints: dict[str, str] = field(default_factory=dict, compare=False)
+    # What it was priced with (plans only; None from a solver result): diff shows a change,
+    # equality (check's "re-solves to the same plan") ignores it
+    costs: CostsInfo | None = field(default=None, compare=False)
 
     @property
     def devices_used(self) -> int:
@@ -80,7 +134,8 @@ def layout_of_plan(plan: Plan) -> Layout:
     return Layout(model=plan.model.name, graph_hash=plan.model.graph_hash,
                   cluster=plan.cluster.name, training=plan.training, stages=stages,
                   predicted=plan.predicted, solver=plan.solver,
-                  module_fingerprints=dict(plan.model.module_fingerprints))
+                  module_fingerprints=dict(plan.model.module_fingerprints),
+                  costs=costs_of_plan(plan))
 
 
 def layout_of_partition(partition: Partition, module_fingerprints: dict[str, str]) -> Layout:
@@ -178,10 +233,11 @@ class LayoutDiff:
     stages_changed: bool  # any stage's place, modules or predicted costs differ
     predicted_changed: bool
     solver_changed: bool
+    costs: tuple[CostsInfo, CostsInfo] | None = None  # (old, new) when both known and different
 
     @property
     def same(self) -> bool:
-        return self.old == self.new
+        return self.old == self.new and self.costs is None
 
 
 _SHAPE_KEYS = (("stages", "pipeline stages"), ("replicas", "replicas"),
@@ -215,7 +271,9 @@ def diff_layouts(old: Layout, new: Layout) -> LayoutDiff:
     return LayoutDiff(old=old, new=new, shape=shape, moves=moves,
                       stages_changed=old.stages != new.stages,
                       predicted_changed=old.predicted != new.predicted,
-                      solver_changed=old.solver != new.solver)
+                      solver_changed=old.solver != new.solver,
+                      costs=(old.costs, new.costs) if old.costs is not None and
+                      new.costs is not None and old.costs != new.costs else None)
 
 
 def _stages_text(stages: tuple[int, ...]) -> str:
@@ -261,6 +319,8 @@ def format_diff(diff: LayoutDiff, old_name: str = "a", new_name: str = "b",
                      f"{new.graph_hash[:19]}.. ({new_name})")
     for what, a, b in diff.shape:
         lines.append(f"{what}: {a} -> {b}")
+    if diff.costs is not None:
+        lines.append(f"costs: {diff.costs[0].describe()} -> {diff.costs[1].describe()}")
     if diff.moves:
         count = sum(len(m.modules) for m in diff.moves)
         lines.append(f"modules that change stage ({count}):")

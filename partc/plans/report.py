@@ -121,7 +121,9 @@ def format_measured(plan: Plan, metrics: RunMetrics) -> str:
         st = plan.stages[m.index]
         r = st.rank
         peak = "-" if m.peak_memory_bytes is None else f"{m.peak_memory_bytes / div:,.1f}"
-        pred_peak = p.peak_memory_bytes[r] if r < len(p.peak_memory_bytes) else 0
+        # the memory model's peak of the rank (what the plan promises to fit), not the
+        # simulator's timeline, which leaves out communication buffers and workspace
+        pred_peak = p.memory[r].total if r < len(p.memory) else 0
         lines.append(
             f"{m.index:>5} {r:>4} | {m.forward_s * 1e3:>8.3f} {st.forward_s * 1e3:>8.3f} | "
             f"{m.backward_s * 1e3:>8.3f} {st.backward_s * 1e3:>8.3f} | "

@@ -4,8 +4,9 @@ line, each with one `StageMetrics` per pipeline stage, and summaries of a whole 
 
 The launch runtime writes each line with `StepMetrics.to_dict` and this module reads it back with
 `StepMetrics.from_dict`: one definition of the keys. It sits in plans/ (no torch) so that `partc
-show` can draw a run beside its plan's prediction, and compile can later read a run to
-re-calibrate its costs. Metrics are run output, not plans: nothing here is written into a plan.
+show` can draw a run beside its plan's prediction, and `partc compile --calibrate-from` can read
+a run to correct its costs (partc.plans.recalibrate; each line names the plan it ran). Metrics
+are run output, not plans: nothing here is written into a plan.
 
 Units: seconds and bytes. `forward_s`/`backward_s` are per micro-batch (the mean over the step's
 micro-batches); every other time is per step. With data-parallel replicas each stage value is the
@@ -104,15 +105,22 @@ class StepMetrics:
     clock: str  # CLOCK_CPU or CLOCK_CUDA
     memory_method: str  # one of MEMORY_METHODS
     version: int = METRICS_VERSION
+    # The plan the run trained, as it was at launch: plan.yaml's absolute path and the sha256 of
+    # its bytes, so that `partc compile --calibrate-from` can find the plan and refuse a changed
+    # one. None on lines written before partc recorded them.
+    plan: str | None = None
+    plan_sha256: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
+        # plan keys only when known: lines without them read back as they were written
+        named = {"plan": self.plan, "plan_sha256": self.plan_sha256} if self.plan else {}
         return {"version": self.version, "step": self.step, "loss": self.loss,
                 "step_s": self.step_s, "samples_per_s": self.samples_per_s,
                 "stage_forward_s": list(self.stage_forward_s),
                 "stage_backward_s": list(self.stage_backward_s),
                 "stages": [s.to_dict() for s in self.stages],
                 "num_microbatches": self.num_microbatches, "replicas": self.replicas,
-                "clock": self.clock, "memory_method": self.memory_method}
+                "clock": self.clock, "memory_method": self.memory_method, **named}
 
     def to_json(self) -> str:
         """The metrics file's line for this step (without the newline)."""
@@ -126,7 +134,9 @@ class StepMetrics:
                    stage_backward_s=tuple(float(x) for x in d["stage_backward_s"]),
                    stages=tuple(StageMetrics.from_dict(s) for s in d["stages"]),
                    num_microbatches=int(d["num_microbatches"]), replicas=int(d["replicas"]),
-                   clock=str(d["clock"]), memory_method=str(d["memory_method"]))
+                   clock=str(d["clock"]), memory_method=str(d["memory_method"]),
+                   plan=_optional_str(d.get("plan")),
+                   plan_sha256=_optional_str(d.get("plan_sha256")))
 
     @property
     def profiled(self) -> bool:
@@ -213,20 +223,44 @@ class RunMetrics:
                 f"stage(s), {plan} has {num_stages}",
                 hint="pass the metrics of a `partc launch` of this plan")
 
+    def launched_plan(self) -> tuple[Path, str]:
+        """The plan.yaml the run trained and the sha256 its bytes had at launch (StepMetrics.plan,
+        .plan_sha256). RunMetricsError when the lines do not say (written by an older partc) or
+        name more than one plan (runs of several plans appended to one file)."""
+        named = {(s.plan, s.plan_sha256) for s in self.steps}
+        where = self.source or "(metrics)"
+        if any(plan is None or sha is None for plan, sha in named):
+            raise RunMetricsError(
+                f"metrics file {where} does not name the plan it ran (written by an older "
+                "partc)", hint="re-run `partc launch PLAN --metrics FILE` with this partc")
+        if len(named) > 1:
+            raise RunMetricsError(f"metrics file {where} mixes runs of {len(named)} plans "
+                                  "(or of a plan that changed between runs)",
+                                  hint="write each run to its own --metrics file")
+        plan, sha = named.pop()
+        assert plan is not None and sha is not None  # checked above
+        return Path(plan), sha
+
+    def strictly_timed_steps(self) -> tuple[StepMetrics, ...]:
+        """`timed_steps` without its fallback: possibly none (a run of one step, or of a
+        warm-up and a profiled step only)."""
+        first = self.steps[0].step
+        return tuple(s for s in self.steps if s.step != first and not s.profiled)
+
     def timed_steps(self) -> tuple[StepMetrics, ...]:
         """The steps time summaries use: all but the first (warm-up: lazy allocations, first
         communications) and those a profiler slowed; all steps if that leaves none."""
-        first = self.steps[0].step
-        kept = tuple(s for s in self.steps if s.step != first and not s.profiled)
-        return kept or self.steps
+        return self.strictly_timed_steps() or self.steps
 
     def median_step_s(self) -> float:
         """The median step time over `timed_steps`."""
         return statistics.median(s.step_s for s in self.timed_steps())
 
-    def stage_summaries(self) -> tuple[StageSummary, ...]:
-        """Per stage, the median of each value over `timed_steps` (see StageSummary)."""
-        timed = self.timed_steps()
+    def stage_summaries(self, steps: tuple[StepMetrics, ...] | None = None
+                        ) -> tuple[StageSummary, ...]:
+        """Per stage, the median of each value over `steps` (default: `timed_steps`; see
+        StageSummary)."""
+        timed = steps if steps is not None else self.timed_steps()
         out = []
         for k in range(self.num_stages):
             rows = [s.stages[k] for s in timed]
@@ -252,6 +286,10 @@ class RunMetrics:
         """How peak memory was measured in this run (MEMORY_NONE if on no step)."""
         methods = [s.memory_method for s in self.steps if s.memory_method != MEMORY_NONE]
         return methods[-1] if methods else MEMORY_NONE
+
+
+def _optional_str(value: Any) -> str | None:
+    return None if value is None else str(value)
 
 
 def _median(values: Iterable[float]) -> float:

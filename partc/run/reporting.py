@@ -3,11 +3,13 @@ metrics as JSON lines (`StepMetrics.to_json`, read back by partc.plans.run_metri
 summary with measured vs predicted times on stdout (the table `partc show --metrics` prints)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import TextIO
 
+from partc.files import sha256_file
 from partc.options import TrainOptions
-from partc.plans.plan import Plan
+from partc.plans.plan import PLAN_FILE, Plan
 from partc.plans.report import format_measured
 from partc.plans.run_metrics import RunMetrics, StepMetrics
 from partc.run.checkpoint import Checkpoint
@@ -40,6 +42,11 @@ class Reporter:
         self.err = err
         self.tty = bool(getattr(err, "isatty", lambda: False)())
         self.samples = plan.training.global_batch_size
+        # Which plan this run trains, read once at launch: every metrics line names it, so a
+        # later `partc compile --calibrate-from` finds it and sees if it changed since.
+        plan_file = ((plan.directory or Path(".")) / PLAN_FILE).resolve()
+        self.plan_file = str(plan_file)
+        self.plan_sha256 = sha256_file(plan_file)
         self.metrics = None
         if options.metrics is not None:
             options.metrics.parent.mkdir(parents=True, exist_ok=True)
@@ -62,6 +69,10 @@ class Reporter:
             self.err.write("\r\033[K")
         self.err.write(f"partc launch: {text}\n")
         self.err.flush()
+
+    def stamp(self, metrics: StepMetrics) -> StepMetrics:
+        """`metrics` naming the plan of this run (StepMetrics.plan, .plan_sha256)."""
+        return replace(metrics, plan=self.plan_file, plan_sha256=self.plan_sha256)
 
     def step(self, metrics: StepMetrics) -> None:
         done, total = metrics.step, self.options.steps

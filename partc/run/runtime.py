@@ -26,6 +26,7 @@ Per rank, in order:
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import sys
 from pathlib import Path
@@ -182,11 +183,11 @@ def _train(run: RankRun, reporter: Reporter | None) -> RunSummary | None:
 
 def _memory_method(run: RankRun, step: int) -> str:
     """How this step's peak memory is measured: every step on CUDA (the allocator keeps the
-    peak); on CPU the profiler watches one step, the second of the run (optimizer state and
-    gradients exist, as measure_training_peak measures), or the only one."""
+    peak); on CPU the profiler watches one step: the third of the run (optimizer state exists,
+    and DDP rebuilt its gradient buckets in the second), else the last."""
     if run.device.type == "cuda":
         return MEMORY_CUDA
-    watched = run.start + 1 if run.options.steps > run.start + 1 else run.start
+    watched = min(run.start + 2, run.options.steps - 1)
     return MEMORY_CPU_PROFILER if step == watched else MEMORY_NONE
 
 
@@ -202,15 +203,11 @@ class _MemoryProbe:
         if self.method == MEMORY_CUDA:
             torch.cuda.reset_peak_memory_stats(self.run.device)
         elif self.method == MEMORY_CPU_PROFILER:
-            # measure_training_peak's method: the tensors held at step start (before zero_grad,
-            # so freeing last step's gradients shows as frees) + the profiler's peak above that
-            tensors: list[torch.Tensor] = []
-            for local in self.run.stages:
-                tensors += [*local.module.parameters(), *local.module.buffers()]
-                tensors += [p.grad for p in local.module.parameters() if p.grad is not None]
-                if local.optimizer is not None:
-                    tensors += [v for state in local.optimizer.state.values()
-                                for v in state.values() if isinstance(v, torch.Tensor)]
+            # every tensor alive at step start (after zero_grad: torch.profiler never reports
+            # the free of memory allocated before it started, so last step's gradients would
+            # count twice), pipeline receive buffers and DDP buckets included, + the
+            # profiler's peak above that
+            tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
             self.live = storage_bytes(tensors)
             self.profiler = torch.profiler.profile(
                 activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
@@ -259,10 +256,11 @@ def _step(run: RankRun, step: int, memory_method: str) -> list[torch.Tensor] | N
     rank 0 (one gather per step, see `_step_metrics`), None elsewhere."""
     torch.manual_seed(step_seed(run.options.seed, step, run.rank))
     run.p2p.seconds = 0.0
+    for local in run.stages:
+        if local.optimizer is not None:
+            local.optimizer.zero_grad(set_to_none=True)
     with _MemoryProbe(run, memory_method) as memory:
         for local in run.stages:
-            if local.optimizer is not None:
-                local.optimizer.zero_grad(set_to_none=True)
             assert local.pipe is not None
             local.pipe.forward_s = local.pipe.backward_s = 0.0
             if local.grad_sync is not None:
@@ -340,6 +338,7 @@ def _step_metrics(run: RankRun, step: int, step_s: float, gathered: list[torch.T
 
 
 def _record(summary: RunSummary, reporter: Reporter, metrics: StepMetrics) -> None:
+    metrics = reporter.stamp(metrics)
     step = metrics.step - 1
     summary.losses[step] = metrics.loss
     summary.step_s[step] = metrics.step_s

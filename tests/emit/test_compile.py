@@ -83,7 +83,7 @@ def test_plans_are_byte_identical_across_runs(tmp_path: Path) -> None:
         assert proc.returncode == 0, proc.stderr[-2000:]
         dirs.append(out)
     files = sorted(p.name for p in dirs[0].iterdir() if p.name != "timings.yaml")
-    assert files == ["plan.yaml", "stage_0.pt", "stage_1.pt"]
+    assert files == ["plan.yaml", "profile.yaml", "stage_0.pt", "stage_1.pt"]
     for name in files:
         assert (dirs[0] / name).read_bytes() == (dirs[1] / name).read_bytes(), name
     # and within one process (each stage traced in a fresh TorchScript compilation unit)

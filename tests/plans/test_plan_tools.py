@@ -28,9 +28,11 @@ def compile_plan(out: Path, model: Path, *flags: str) -> Path:
 
 @pytest.fixture(scope="module")
 def bert2(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """HF BERT in 2 stages (pinned), compiled once for this module."""
+    """HF BERT in 2 stages (pinned), compiled once for this module. Analytic costs: check can
+    re-solve an edited model with them and show what moves (a measured plan cannot: see
+    test_check_of_a_measured_plan_asks_to_recompile)."""
     return compile_plan(tmp_path_factory.mktemp("bert") / "bert2", EXAMPLES / "bert.py",
-                        "-b", "8", "--stages", "2")
+                        "-b", "8", "--stages", "2", "--costs", "analytic")
 
 
 @pytest.fixture
@@ -172,11 +174,30 @@ def test_check_reuses_a_checked_in_profile(tmp_path: Path) -> None:
         row[1:5] = [x * 3 for x in row[1:5]]
     profile.write_text(yaml.safe_dump(data, sort_keys=True))
     proc = run("check", str(plan_dir))
-    assert proc.returncode == 1 and "gives a different plan" in proc.stdout, proc.stdout
+    assert proc.returncode == 1 and "is not the one the plan was compiled with" in proc.stdout, \
+        proc.stdout
     profile.unlink()
     proc = run("check", str(plan_dir))
     assert proc.returncode == 2 and "profile.yaml recorded in" in proc.stderr
     assert "(hint: " in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_check_of_a_measured_plan_asks_to_recompile(tmp_path: Path) -> None:
+    """The default compile on this machine measures its costs into profile.yaml; check re-solves
+    from that file, and when the model changed it says to recompile (which measures again)."""
+    plan_dir = compile_plan(tmp_path / "tf", EXAMPLES / "transformer.py", "-b", "8",
+                            "--stages", "2")
+    plan = yaml.safe_load((plan_dir / "plan.yaml").read_text())
+    assert plan["costs"]["source"] == "profile" and plan["costs"]["profile"] == "profile.yaml"
+    assert len(plan["costs"]["profile_sha256"]) == 64
+    assert run("check", str(plan_dir)).returncode == 0
+    text = (EXAMPLES / "transformer.py").read_text()
+    edited = tmp_path / "transformer_edited.py"
+    assert "LAYERS = 4" in text
+    edited.write_text(text.replace("LAYERS = 4", "LAYERS = 5"))
+    proc = run("check", str(plan_dir), "--model", str(edited))
+    assert proc.returncode == 1, proc.stdout + proc.stderr[-2000:]
+    assert "STALE" in proc.stdout and "recompile" in proc.stdout, proc.stdout
 
 
 def test_check_several_plans_reports_each(bert2: Path, tmp_path: Path) -> None:

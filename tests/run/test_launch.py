@@ -350,12 +350,12 @@ def test_metrics_per_stage_and_show_beside_the_prediction(tmp_path: Path) -> Non
             assert s.ddp_allreduce_s == 0.0  # no replicas
         # the legacy keys agree with the stages (one replica: mean == max)
         assert step.stage_forward_s == tuple(s.forward_s for s in step.stages)
-    # CPU: the profiler measures the second step only (and it is left out of time medians)
-    assert [s.memory_method for s in run.steps] == [MEMORY_NONE, MEMORY_CPU_PROFILER,
-                                                   MEMORY_NONE, MEMORY_NONE]
-    peaks = [s.peak_memory_bytes for s in run.steps[1].stages]
+    # CPU: the profiler measures the third step only (and it is left out of time medians)
+    assert [s.memory_method for s in run.steps] == [MEMORY_NONE, MEMORY_NONE,
+                                                   MEMORY_CPU_PROFILER, MEMORY_NONE]
+    peaks = [s.peak_memory_bytes for s in run.steps[2].stages]
     assert all(p is not None and p > 0 for p in peaks)
-    assert [s.step for s in run.timed_steps()] == [3, 4]
+    assert [s.step for s in run.timed_steps()] == [2, 4]
     # one definition of the keys: the file's lines are the dataclasses' JSON
     assert [s.to_json() for s in run.steps] == metrics.read_text().splitlines()
     assert "p2p ms" in result.stdout and "peak" in result.stdout
@@ -364,7 +364,7 @@ def test_metrics_per_stage_and_show_beside_the_prediction(tmp_path: Path) -> Non
                            capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert shown.returncode == 0, shown.stderr
     out = shown.stdout
-    assert "measured (4 step(s); medians over step(s) 3..4" in out
+    assert "measured (4 step(s); medians over step(s) 2..4" in out
     assert "iteration" in out and "(median)" in out and "Peak memory: torch.profiler" in out
     rows = [ln for ln in out.splitlines() if ln.split("|")[0].split()[:1] in (["0"], ["1"])
             and ln.count("|") == 6]

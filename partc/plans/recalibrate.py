@@ -1,0 +1,240 @@
+"""The closed loop: costs corrected by what a launched plan measured (`partc compile
+--calibrate-from RUN.jsonl`).
+
+A run's metrics (partc.plans.run_metrics) name the plan they trained (plan.yaml's absolute path and
+the sha256 of its bytes at launch) and give, per stage, the median forward and backward time per
+micro-batch over the timed steps. `load_launched_run` finds that plan, refuses what cannot be
+compared (another model, a plan that changed or vanished, a run without timed steps, a stage
+count that differs) and works out which OpGraph nodes each of its stages held: plan.yaml does not
+list them, so the plan is re-solved exactly as `partc check` re-solves it
+(`partc.plans.check.solve_as_recorded`) and the re-solved layout must equal the plan's.
+
+`corrected_costs` then scales, per stage, every node's forward `Linear` by one factor and its
+backward `Linear` by another, chosen so that the corrected table predicts the measured times for
+that stage at the plan's micro-batch size:
+
+    forward factor  = (measured forward  - overhead) / forward work of the stage's nodes
+    backward factor = (measured backward - overhead [- recomputed forward]) / backward work
+
+`overhead` is the device's `microbatch_overhead_s`, which the solver adds once per stage and
+pass; with activation checkpointing the measured backward includes the recomputed forward, priced
+at its corrected value. The work is summed from the table being corrected (the new compile's),
+so a recompile of the same shape and cut predicts exactly the measured stage times, whatever
+costs the launched plan was solved with. Fixed and per-sample parts scale alike: other
+micro-batch sizes move proportionally. A stage whose work is zero keeps factor 1.
+
+The corrected table keeps its `kind` (what distributed time over nodes: "measured" or
+"analytic") and records the correction in `calibration["calibrated_from"]` (CALIBRATED_FROM):
+run and plan paths, the plan's sha256, the steps used and each stage's factors and times. Plans
+layer: no torch is imported here (the capture is the caller's).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from partc.cost.table import CostTable, Linear, NodeCost
+from partc.errors import PartcError
+from partc.files import sha256_file
+from partc.hardware.specs import DeviceSpec
+from partc.plans.check import recorded_profile, solve_as_recorded
+from partc.plans.diff import layout_of_partition, layout_of_plan
+from partc.plans.plan import Plan, load_plan
+from partc.plans.run_metrics import RunMetrics
+from partc.progress import Progress
+
+if TYPE_CHECKING:  # annotations only: the caller captures the model
+    from partc.frontend.capture import CaptureResult
+
+# The key of CostSource.calibration that marks a table corrected from a run (and of the profile
+# file's `calibration` mapping).
+CALIBRATED_FROM = "calibrated_from"
+
+
+class CalibrationError(PartcError):
+    """A run that cannot calibrate this compile: another model, a changed or missing plan, no
+    timed steps, a different stage count or device."""
+
+
+def _hint(run: Path | str) -> str:
+    return f"launch the current plan again: `partc launch PLAN --steps 5 --metrics {run}`"
+
+
+@dataclass(frozen=True)
+class StageCalibration:
+    """One stage of the launched plan: measured and predicted times per micro-batch, and the
+    factors its nodes' forward and backward costs are scaled by."""
+
+    index: int
+    measured_forward_s: float  # median over the timed steps
+    measured_backward_s: float
+    predicted_forward_s: float  # the launched plan's prediction (plan.yaml)
+    predicted_backward_s: float
+    forward_factor: float
+    backward_factor: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"index": self.index, "measured_forward_s": _round(self.measured_forward_s),
+                "measured_backward_s": _round(self.measured_backward_s),
+                "predicted_forward_s": _round(self.predicted_forward_s),
+                "predicted_backward_s": _round(self.predicted_backward_s),
+                "forward_factor": _round(self.forward_factor),
+                "backward_factor": _round(self.backward_factor)}
+
+
+@dataclass(frozen=True)
+class LaunchedRun:
+    """A run and the plan it trained, checked against each other and the model being compiled
+    (`load_launched_run`)."""
+
+    run: RunMetrics
+    run_path: Path  # absolute
+    plan: Plan
+    plan_path: Path  # absolute, as the metrics record it
+    plan_sha256: str
+    stage_nodes: tuple[tuple[str, ...], ...]  # OpGraph nodes of each (virtual) stage
+    steps: tuple[int, ...]  # the timed steps the medians are taken over
+
+    @property
+    def microbatch_size(self) -> int:
+        return self.plan.training.shape.microbatch_size
+
+
+def load_launched_run(run_path: str | Path, result: CaptureResult,
+                      progress: Progress | None = None) -> LaunchedRun:
+    """Read a metrics file and the plan it names; check both against `result` (the capture of
+    the model being compiled) and each other; find each stage's nodes (module docstring).
+    CalibrationError (or the RunMetricsError/PlanError of an unreadable file) otherwise."""
+    progress = progress or Progress()
+    run_path = Path(run_path).resolve()
+    run = RunMetrics.load(run_path)
+    plan_path, sha = run.launched_plan()
+    if not plan_path.is_file():
+        raise CalibrationError(f"the plan {plan_path} that {run_path.name} is a run of is gone",
+                               hint="calibrate from a run of a plan that is still there")
+    if sha256_file(plan_path) != sha:
+        raise CalibrationError(
+            f"{plan_path} changed since the run {run_path.name} launched it (sha256 differs "
+            "from the metrics' plan_sha256)", hint=_hint(run_path))
+    plan = load_plan(plan_path)
+    graph = result.graph
+    if plan.costs.capture_batch_size != graph.batch_size:
+        raise CalibrationError(
+            f"the plan {plan_path} was captured at batch size {plan.costs.capture_batch_size}, "
+            f"this compile at {graph.batch_size}",
+            hint=f"compile with --capture-batch {plan.costs.capture_batch_size}")
+    if plan.model.graph_hash != graph.content_hash():
+        raise CalibrationError(
+            f"{run_path.name} is a run of another model: its plan {plan_path} has graph "
+            f"{plan.model.graph_hash[:19]}.., this model {graph.content_hash()[:19]}..",
+            hint="calibrate from a run of a plan of this model (recompile and launch it first)")
+    if run.num_stages != plan.num_stages:
+        raise CalibrationError(f"{run_path.name} measured {run.num_stages} stage(s), its plan "
+                               f"{plan_path} has {plan.num_stages}", hint=_hint(run_path))
+    timed = run.strictly_timed_steps()
+    if not timed:
+        raise CalibrationError(
+            f"{run_path.name} has no timed steps (the first step is warm-up and profiled steps "
+            "are slowed by the profiler)", hint=_hint(run_path))
+    profile = recorded_profile(plan, plan_path)
+    if profile is not None and plan.costs.profile_sha256 is not None and \
+            sha256_file(profile) != plan.costs.profile_sha256:
+        raise CalibrationError(f"the profile {profile} of {plan_path} is not the one the plan "
+                               "was compiled with (sha256 differs from plan.yaml's)",
+                               hint=f"`partc check {plan_path}`, recompile and launch again")
+    with progress.step(f"re-solving {plan_path} to find its stages' operators"):
+        _, partition = solve_as_recorded(plan, result, profile, progress)
+    if layout_of_partition(partition, graph.module_fingerprints()) != layout_of_plan(plan):
+        raise CalibrationError(
+            f"{plan_path} no longer re-solves to itself, so which operators its stages held "
+            "is unknown", hint=f"`partc check {plan_path}` says why; recompile and launch again")
+    return LaunchedRun(run=run, run_path=run_path, plan=plan, plan_path=plan_path,
+                       plan_sha256=sha, stage_nodes=tuple(st.nodes for st in partition.stages),
+                       steps=tuple(s.step for s in timed))
+
+
+def stage_calibrations(table: CostTable, launched: LaunchedRun,
+                       device: DeviceSpec) -> tuple[StageCalibration, ...]:
+    """Per stage of the launched plan, the factors that make `table` predict its measured times
+    on `device` (module docstring)."""
+    plan = launched.plan
+    if device.name != plan.cluster.device.name:
+        raise CalibrationError(
+            f"{launched.run_path.name} ran on {plan.cluster.device.name} devices, this compile "
+            f"plans for {device.name}", hint="calibrate from a run on the cluster compiled for")
+    m = launched.microbatch_size
+    ckpt = plan.training.shape.activation_checkpointing
+    overhead = device.microbatch_overhead_s
+    timed = tuple(s for s in launched.run.steps if s.step in set(launched.steps))
+    out = []
+    for summary, nodes, stage in zip(launched.run.stage_summaries(timed), launched.stage_nodes,
+                                     plan.stages, strict=True):
+        fwd_work = table.sum_forward_s(nodes, m)
+        bwd_work = table.sum_backward_s(nodes, m)
+        f = _factor(summary.forward_s - overhead, fwd_work, stage.index, "forward", launched)
+        # under checkpointing the measured backward recomputes the forward first
+        recompute = f * fwd_work if ckpt else 0.0
+        b = _factor(summary.backward_s - overhead - recompute, bwd_work, stage.index,
+                    "backward", launched)
+        out.append(StageCalibration(
+            index=stage.index, measured_forward_s=summary.forward_s,
+            measured_backward_s=summary.backward_s, predicted_forward_s=stage.forward_s,
+            predicted_backward_s=stage.backward_s, forward_factor=f, backward_factor=b))
+    return tuple(out)
+
+
+def _factor(measured_work: float, predicted_work: float, stage: int, what: str,
+            launched: LaunchedRun) -> float:
+    if predicted_work <= 0:
+        return 1.0  # nothing to scale (views only): keep the costs as they are
+    if measured_work <= 0:
+        raise CalibrationError(
+            f"stage {stage}'s measured {what} in {launched.run_path.name} is not above the "
+            "device's microbatch_overhead_s: there is no work left to calibrate",
+            hint="lower microbatch_overhead_s in the device config, or launch with larger "
+                 "micro-batches")
+    return measured_work / predicted_work
+
+
+def corrected_costs(table: CostTable, launched: LaunchedRun, device: DeviceSpec) -> CostTable:
+    """`table` (the new compile's costs) with every node's forward and backward `Linear` scaled by
+    its stage's factor in the launched plan (`stage_calibrations`); saved bytes unchanged. The
+    source keeps its kind and records the correction under calibration[CALIBRATED_FROM]."""
+    stages = stage_calibrations(table, launched, device)
+    factor_of: dict[str, StageCalibration] = {}
+    for stage, members in zip(stages, launched.stage_nodes, strict=True):
+        for n in members:
+            factor_of[n] = stage
+    nodes: dict[str, NodeCost] = {}
+    for name, cost in table.nodes.items():
+        st = factor_of.get(name)
+        if st is None:  # in no stage (nothing runs it): unchanged
+            nodes[name] = cost
+            continue
+        nodes[name] = NodeCost(_scaled(cost.forward, st.forward_factor),
+                               _scaled(cost.backward, st.backward_factor), cost.saved,
+                               cost.method)
+    record = {"run": str(launched.run_path), "plan": str(launched.plan_path),
+              "plan_sha256": launched.plan_sha256, "steps": list(launched.steps),
+              "microbatch_size": launched.microbatch_size,
+              "stages": [st.to_dict() for st in stages]}
+    source = replace(table.source, calibration={**table.source.calibration,
+                                                CALIBRATED_FROM: record})
+    return CostTable(graph=table.graph, source=source, nodes=nodes)
+
+
+def calibrated_from(calibration: dict[str, Any]) -> dict[str, Any] | None:
+    """The correction a CostSource.calibration (or a profile file's `calibration`) records, or
+    None for costs not corrected from a run."""
+    record = calibration.get(CALIBRATED_FROM)
+    return record if isinstance(record, dict) else None
+
+
+def _scaled(cost: Linear, factor: float) -> Linear:
+    return Linear(cost.fixed * factor, cost.per_sample * factor)
+
+
+def _round(x: float) -> float:
+    """12 significant digits, as profiles round their costs: stable text."""
+    return float(f"{x:.12g}")

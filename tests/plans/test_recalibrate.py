@@ -1,0 +1,187 @@
+"""The closed loop (partc.plans.recalibrate, `partc compile --calibrate-from`): a real 2-process
+gloo launch of a small plan writes metrics naming its plan; a compile calibrated from them
+predicts the measured stage times for the same cut, writes the corrected costs as profile.yaml,
+checks as current and diffs as a change of cost source; and every run that cannot calibrate the
+compile is refused with a one-line error."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import EXAMPLES, ROOT
+
+from partc.emit.compile import CompileOptions, compile_model
+from partc.files import sha256_file
+from partc.frontend.capture import CaptureResult, capture_graph
+from partc.hardware.configs import load_cluster
+from partc.options import SearchOptions
+from partc.plans.check import check_plan
+from partc.plans.plan import load_plan
+from partc.plans.recalibrate import CalibrationError, load_launched_run
+from partc.plans.run_metrics import (
+    MEMORY_CPU_PROFILER,
+    RunMetrics,
+    RunMetricsError,
+    StepMetrics,
+)
+
+PARTC = str(Path(sys.executable).parent / "partc")
+CPU4 = load_cluster("cpu-4")
+MLP = EXAMPLES / "mlp.py"
+STEPS = 4  # step 1 is warm-up and one is profiled (CPU peak memory): the other two are timed
+# The shape both compiles pin, so the calibrated compile cuts the same stages (uniform: cheap and
+# deterministic) and its predictions can be compared with the run stage by stage.
+SHAPE = SearchOptions(stages=2, replicas=1, num_microbatches=4, strategy="uniform")
+
+
+def compile_mlp(out: Path, calibrate_from: Path | None = None, model: Path = MLP) -> Path:
+    compile_model(model, CPU4, out, CompileOptions(batch_size=16, search=SHAPE, costs="analytic",
+                                                   calibrate_from=calibrate_from))
+    return out / "plan.yaml"
+
+
+@dataclasses.dataclass(frozen=True)
+class Launched:
+    plan: Path
+    run: Path
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory: pytest.TempPathFactory) -> Launched:
+    """One real launch for the whole module: the analytic plan of the MLP, 4 steps, metrics."""
+    tmp = tmp_path_factory.mktemp("launched")
+    plan = compile_mlp(tmp / "a")
+    run = tmp / "run.jsonl"
+    result = subprocess.run([PARTC, "launch", str(plan), "--steps", str(STEPS), "--metrics",
+                             str(run)], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return Launched(plan=plan, run=run)
+
+
+@pytest.fixture(scope="module")
+def mlp_capture() -> CaptureResult:
+    return capture_graph(MLP, 2, onnx=False)
+
+
+def test_metrics_name_their_plan(launched: Launched) -> None:
+    run = RunMetrics.load(launched.run)
+    plan, sha = run.launched_plan()
+    assert plan == launched.plan.resolve() and sha == sha256_file(launched.plan)
+    assert all(s.plan == str(plan) and s.plan_sha256 == sha for s in run.steps)
+
+
+def test_old_metrics_lines_read_without_plan(launched: Launched, tmp_path: Path) -> None:
+    """Lines written before the plan keys existed read back with None, and the round trip of a
+    line without them leaves them out."""
+    rows = [json.loads(x) for x in launched.run.read_text().splitlines()]
+    for row in rows:
+        del row["plan"], row["plan_sha256"]
+    old = tmp_path / "old.jsonl"
+    old.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = RunMetrics.load(old)
+    assert all(s.plan is None and s.plan_sha256 is None for s in run.steps)
+    assert "plan" not in run.steps[0].to_dict()
+    with pytest.raises(RunMetricsError, match="does not name the plan"):
+        run.launched_plan()
+
+
+def test_calibrated_compile_predicts_the_measured_stage_times(launched: Launched,
+                                                              tmp_path: Path) -> None:
+    plan_path = compile_mlp(tmp_path / "b", calibrate_from=launched.run)
+    plan = load_plan(plan_path)
+    old = load_plan(launched.plan)
+    assert [s.modules for s in plan.stages] == [s.modules for s in old.stages]  # the same cut
+    assert plan.training.shape == old.training.shape
+    run = RunMetrics.load(launched.run)
+    measured = run.stage_summaries(run.strictly_timed_steps())
+    for stage, m in zip(plan.stages, measured, strict=True):
+        # equal up to plan.yaml's 1 ns and the profile's 12 significant digits
+        assert stage.forward_s == pytest.approx(m.forward_s, abs=2e-9)
+        assert stage.backward_s == pytest.approx(m.backward_s, abs=2e-9)
+    # plan.yaml names the profile with its sha256; the profile records where it came from
+    profile = plan_path.parent / "profile.yaml"
+    assert plan.costs.source == "profile" and plan.costs.profile == "profile.yaml"
+    assert plan.costs.profile_sha256 == sha256_file(profile)
+    source = yaml.safe_load(profile.read_text())
+    record = source["calibration"]["calibrated_from"]
+    assert source["kind"] == "analytic"  # what distributed the time over nodes: kept
+    assert record["run"] == str(launched.run.resolve())
+    assert record["plan"] == str(launched.plan.resolve())
+    assert record["plan_sha256"] == sha256_file(launched.plan)
+    assert record["steps"] == [s.step for s in run.strictly_timed_steps()]
+    assert len(record["steps"]) >= 1 and len(record["stages"]) == 2
+    assert all(s["forward_factor"] > 0 and s["backward_factor"] > 0 for s in record["stages"])
+    # partc check re-solves from the calibrated profile to the same plan
+    report = check_plan(plan_path)
+    assert report.current, report.reasons
+    # the same inputs give the same bytes
+    again = compile_mlp(tmp_path / "c", calibrate_from=launched.run)
+    assert again.read_bytes() == plan_path.read_bytes()
+    assert (again.parent / "profile.yaml").read_bytes() == profile.read_bytes()
+
+    # partc diff shows the change of cost source
+    diff = subprocess.run([PARTC, "diff", str(launched.plan), str(plan_path)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert diff.returncode == 0, diff.stderr
+    assert (f"costs: analytic -> profile profile.yaml (analytic, calibrated from "
+            f"{launched.run.resolve()}, sha256 {plan.costs.profile_sha256[:12]})") in diff.stdout
+    # between two calibrated plans with equal profiles nothing differs
+    same = subprocess.run([PARTC, "diff", str(plan_path), str(again)], capture_output=True,
+                          text=True, cwd=ROOT, timeout=120)
+    assert same.stdout.rstrip().endswith("no differences"), same.stdout
+
+
+def _rewrite(src: Path, dst: Path, **changes: object) -> Path:
+    """The run's lines with StepMetrics fields replaced (None: a key not written at all)."""
+    steps = [dataclasses.replace(StepMetrics.from_dict(json.loads(x)),
+                                 **changes)  # type: ignore[arg-type]
+             for x in src.read_text().splitlines()]
+    dst.write_text("".join(s.to_json() + "\n" for s in steps))
+    return dst
+
+
+def test_refusals(launched: Launched, mlp_capture: CaptureResult, tmp_path: Path) -> None:
+    run = launched.run
+    # the plan changed since the run launched it
+    changed = tmp_path / "changed"
+    shutil.copytree(launched.plan.parent, changed)
+    with (changed / "plan.yaml").open("a") as f:
+        f.write("# edited\n")
+    cases = {
+        "changed since the run": _rewrite(run, tmp_path / "c.jsonl",
+                                          plan=str(changed / "plan.yaml")),
+        "is gone": _rewrite(run, tmp_path / "g.jsonl", plan=str(tmp_path / "nowhere.yaml")),
+        "does not name the plan": _rewrite(run, tmp_path / "o.jsonl", plan=None),
+    }
+    steps = [json.loads(x) for x in run.read_text().splitlines()]
+    warmup_only = tmp_path / "w.jsonl"  # the warm-up and the profiled step: nothing timed
+    warmup_only.write_text("".join(json.dumps(r) + "\n" for r in steps
+                                   if r["step"] == 1 or r["memory_method"] == MEMORY_CPU_PROFILER))
+    cases["no timed steps"] = warmup_only
+    one_stage = tmp_path / "s.jsonl"
+    first = [StepMetrics.from_dict(r) for r in steps]
+    one_stage.write_text("".join(dataclasses.replace(
+        s, stages=s.stages[:1], stage_forward_s=s.stage_forward_s[:1],
+        stage_backward_s=s.stage_backward_s[:1]).to_json() + "\n" for s in first))
+    cases["measured 1 stage"] = one_stage
+    for needle, path in cases.items():
+        with pytest.raises((CalibrationError, RunMetricsError), match=needle) as info:
+            load_launched_run(path, mlp_capture)
+        assert info.value.hint and "\n" not in info.value.one_line()
+
+    # another model's compile, through the CLI: one line, exit 2, no plan written
+    out = tmp_path / "other"
+    result = subprocess.run(
+        [PARTC, "compile", str(EXAMPLES / "transformer.py"), "-b", "16", "--cluster", "cpu-4",
+         "--costs", "analytic", "--calibrate-from", str(run), "-o", str(out)],
+        capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert result.returncode == 2, result.stderr[-2000:]
+    errors = [x for x in result.stderr.splitlines() if x.startswith("partc: error:")]
+    assert len(errors) == 1 and "is a run of another model" in errors[0], result.stderr[-2000:]
+    assert not (out / "plan.yaml").exists()

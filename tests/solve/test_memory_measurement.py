@@ -1,0 +1,69 @@
+"""The CPU peak-memory measurement the memory model is checked against, on a toy step.
+
+torch.profiler (profile_memory=True) reports no free for a block allocated before the profiler
+started (torch warns "Memory block of unknown size was allocated before the profiling started,
+profiler results will not include the deallocation event"). A measurement "bytes live at step
+start + the profiler's peak above that" must therefore take its snapshot after anything the step
+frees of what existed before it: otherwise the freed tensors stay counted and their replacements
+are counted again. `partc launch --metrics` on CPU took it before `zero_grad(set_to_none=True)`
+and so counted every gradient twice (docs/memory-model.md, "Checking `partc launch --metrics` on
+CPU"); these tests pin the profiler behaviour and the correct order.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
+from partc.run.reference import peak_above_start, storage_bytes  # noqa: E402
+
+_N = 1 << 16  # elements of each toy tensor (256 KiB in fp32)
+
+
+def _profiled(fn):  # type: ignore[no-untyped-def]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                profile_memory=True) as prof:
+        fn()
+    return peak_above_start(prof)
+
+
+def test_profiler_reports_no_free_of_a_block_allocated_before_it() -> None:
+    held = [torch.ones(_N)]
+
+    def step() -> None:
+        held.pop()  # frees the pre-existing block: the profiler does not see it
+        held.append(torch.ones(_N))  # the replacement: seen
+
+    assert _profiled(step) == 4 * _N
+
+
+def test_snapshot_after_the_frees_gives_the_true_peak() -> None:
+    """A toy training step with gradients freed by zero_grad(set_to_none=True) and made again by
+    the backward: the true peak is weights + gradients + the backward's temporaries."""
+    w = torch.nn.Parameter(torch.ones(_N))
+    x = torch.ones(_N)
+    (w * x).sum().backward()  # last step's gradient exists at step start
+    weights = grads = 4 * _N
+
+    def zero_grad() -> None:
+        w.grad = None
+
+    def step() -> None:
+        (w * x).sum().backward()
+
+    # snapshot before zero_grad (what the launch measurement did): the gradient counts twice
+    before = storage_bytes([w, w.grad, x])
+
+    def zero_then_step() -> None:
+        zero_grad()
+        step()
+
+    over = before + _profiled(zero_then_step)
+    # snapshot after zero_grad: counted once
+    zero_grad()
+    after = storage_bytes([w, x]) + _profiled(step)
+    assert over - after == grads
+    assert after >= weights + grads + 4 * _N  # x and the fresh gradient: no double counting
+    assert after < weights + grads + 4 * _N + 3 * 4 * _N  # and only a few temporaries on top
