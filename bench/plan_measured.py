@@ -74,6 +74,7 @@ from typing import Any
 import yaml
 
 from partc.options import STRATEGIES
+from partc.plans.run_metrics import MEMORY_NONE, RunMetrics
 
 ROOT = Path(__file__).resolve().parent.parent
 PARTC = str(Path(sys.executable).parent / "partc")
@@ -103,6 +104,8 @@ class Plan:
     same_as: str | None = None  # the strategy whose identical plan is launched instead
     steps_s: list[float] = field(default_factory=list)  # measured step time per repeat
     launch_s: list[float] = field(default_factory=list)  # wall time of each launch
+    predicted_peaks: list[int] = field(default_factory=list)  # memory model, per stage
+    peaks: list[list[int]] = field(default_factory=list)  # measured per stage, per repeat
 
 
 def last_line(text: str) -> str:
@@ -134,6 +137,8 @@ def compile_plan(model: str, processes: int, strategy: str, out: Path,
     # The stage hashes fix the cut (and the micro-batch shape the stages were traced at); the
     # shape adds what the stage files do not show (schedule, replicas, checkpointing).
     plan.key = (tuple(s["sha256"] for s in doc["stages"]), tuple(sorted(plan.shape.items())))
+    ranks = [s["rank"] for s in doc["stages"]]
+    plan.predicted_peaks = [int(doc["predicted"]["memory"][r]["total"]) for r in ranks]
     plan.predicted_iteration_s = float(doc["predicted"]["iteration_s"])
     plan.predicted_samples_per_s = float(doc["predicted"]["samples_per_s"])
     return plan
@@ -151,8 +156,14 @@ def launch(plan: Plan, steps: int) -> None:
     if proc.returncode != 0 or not metrics.exists():
         plan.error = f"launch failed: {last_line(proc.stderr)}"
         return
-    rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
-    plan.steps_s.append(statistics.median(r["step_s"] for r in rows[WARMUP:] or rows))
+    run = RunMetrics.load(metrics)
+    # steps after the warm-up, without the one the CPU memory profiler watched (it is slower)
+    timed = [st for st in run.steps[WARMUP:] if st.memory_method == MEMORY_NONE] or \
+        list(run.timed_steps())
+    plan.steps_s.append(statistics.median(st.step_s for st in timed))
+    peaks = [st for st in run.steps if st.memory_method != MEMORY_NONE]
+    if peaks:
+        plan.peaks.append([int(sm.peak_memory_bytes or 0) for sm in peaks[-1].stages])
 
 
 def shape_text(shape: dict[str, Any]) -> str:
@@ -295,6 +306,8 @@ def main() -> None:
                    "measured_samples_per_s": batch / step if step else None,
                    "measured_over_predicted": (step / plan.predicted_iteration_s
                                                if step and plan.predicted_iteration_s else None),
+                   "predicted_peak_bytes": plan.predicted_peaks,
+                   "measured_peak_bytes": m.peaks,
                    "same_plan_as": plan.same_as, "error": error,
                    "compile_s": plan.compile_s, "launch_s": list(plan.launch_s)}
             rows.append(row)
@@ -337,6 +350,18 @@ def main() -> None:
         rate = f"{BATCH[model] / statistics.median(cp.steps_s):,.0f}" if ok else "-"
         print(f"| {model} | {n} | {rate} | {' | '.join(cells)} | {pred or '-'} | {meas or '-'} "
               f"| {match} |")
+
+    print("\n| model | processes | strategy | stage | measured peak MiB (median) "
+          "| predicted MiB | predicted/measured |")
+    print("|---|---|---|---|---|---|---|")
+    for (model, n), plans in cases.items():
+        for strategy, plan in plans.items():
+            if plan.error or plan.same_as or not plan.peaks:
+                continue
+            for k, pred in enumerate(plan.predicted_peaks):
+                got = statistics.median(r[k] for r in plan.peaks)
+                print(f"| {model} | {n} | {strategy} | {k} | {got / 2**20:,.1f} "
+                      f"| {pred / 2**20:,.1f} | {pred / got if got else 0:.3f} |")
 
     launches = [s for plans in cases.values() for p in plans.values() for s in p.launch_s]
     compiles = [p.compile_s for plans in cases.values() for p in plans.values()]

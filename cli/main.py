@@ -168,6 +168,9 @@ def _batch_sizes(_ctx: click.Context, _param: click.Parameter,
                    "measuring (a name from configs/devices/ or a YAML path).")
 @click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
               help="Intra-op threads on CPU (partc runs one process per core).")
+@click.option("--neighbours", type=click.IntRange(min=0), default=0, show_default=True,
+              help="CPU: processes kept training the same model while measuring (the other "
+                   "devices of the node, busy in training; compile uses devices per node - 1).")
 @click.option("--runs", type=click.IntRange(min=1), default=10, show_default=True,
               help="Timed runs per measurement (median).")
 @click.option("--warmup", type=click.IntRange(min=0), default=3, show_default=True,
@@ -177,7 +180,7 @@ def _batch_sizes(_ctx: click.Context, _param: click.Parameter,
 @debug_option
 def profile(model: Path, device: str, batch_size: int, batch_sizes: tuple[int, ...],
             method: ProfileMethod, precision: Precision, analytic_device: str | None,
-            threads: int, runs: int, warmup: int, output: Path) -> None:
+            threads: int, neighbours: int, runs: int, warmup: int, output: Path) -> None:
     """Measure (or compute) the cost of every operator of MODEL: forward and backward time and
     activation bytes per node, as a function of the micro-batch size."""
     from partc.cost.table import format_cost_summary
@@ -185,22 +188,19 @@ def profile(model: Path, device: str, batch_size: int, batch_sizes: tuple[int, .
 
     progress = TerminalProgress()
     if analytic_device is not None:
-        from partc.cost.activations import saved_activations
-        from partc.cost.roofline import analytic_cost_table
+        from partc.cost.plan_costs import plan_costs
         from partc.frontend.capture import capture_graph
         from partc.hardware.configs import load_device
 
         spec = load_device(analytic_device)
         result = capture_graph(model, batch_size, onnx=False, progress=progress)
-        with progress.step("measuring saved activations (meta-safe) and pricing by roofline"):
-            table = analytic_cost_table(result.graph, spec,
-                                        saved=saved_activations(result.capture),
-                                        precision=precision)
+        table = plan_costs(result, spec, progress=progress, precision=precision)
     else:
         from partc.cost.measured import ProfileOptions, profile_model
 
         options = ProfileOptions(device=device, batch_sizes=batch_sizes, method=method,
-                                 threads=threads, warmup=warmup, runs=runs, precision=precision)
+                                 threads=threads, warmup=warmup, runs=runs, precision=precision,
+                                 neighbours=neighbours)
         table = profile_model(model, batch_size, options, progress)
     with writing_to(output):
         output.parent.mkdir(parents=True, exist_ok=True)

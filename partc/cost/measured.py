@@ -39,6 +39,7 @@ import torch
 from torch.export import ExportedProgram
 
 from partc.cost.activations import buffers_restored, saved_activation_bytes
+from partc.cost.neighbours import busy_neighbours
 from partc.cost.ort_profiler import (
     OrtTiming,
     ProfileError,
@@ -80,6 +81,9 @@ class ProfileOptions:
     warmup: int = 3
     runs: int = 10
     precision: Precision = "fp32"  # bf16-mixed: forward under bf16 autocast, timed in torch
+    # CPU: processes kept busy training the same model while measuring (partc.cost.neighbours):
+    # the other devices of the host, which run at the same time in training
+    neighbours: int = 0
 
 
 def check_options(options: ProfileOptions) -> None:
@@ -267,7 +271,9 @@ def measure_costs(result: CaptureResult, device: torch.device, options: ProfileO
                            hint="use --method torch (or auto)")
     if choice.provider is not None and not exported and result.onnx is not None:
         progress.warn("pricing every node in torch (no ONNX export)")
-    measurements = [_measure(result, b, device, use_ort, options, progress) for b in sizes]
+    neighbours = options.neighbours if device.type == "cpu" else 0
+    with busy_neighbours(neighbours, result.capture.model_file.path, max(sizes)):
+        measurements = [_measure(result, b, device, use_ort, options, progress) for b in sizes]
     return combine(graph, measurements, device, options, use_ort, fallback=choice.fallback)
 
 
@@ -351,6 +357,8 @@ def combine(graph: OpGraph, measurements: list[_Measurement], device: torch.devi
         versions=_versions(),
         calibration={"backward_ratios": {k: _r(v) for k, v in ratios.items()},
                      "measured": validation, "warmup": options.warmup, "runs": options.runs,
+                     **({"busy_neighbours": options.neighbours}
+                        if options.neighbours and device.type == "cpu" else {}),
                      **({"fallback": fallback} if fallback else {})})
     return CostTable(graph=graph, source=source, nodes=nodes)
 

@@ -50,15 +50,18 @@ def measured_device(mode: CostsMode, cluster: ClusterSpec) -> str | None:
 
 
 def measurement(device: str, capture_batch: int, global_batch: int,
-                precision: Precision) -> ProfileOptions:
+                precision: Precision, neighbours: int = 0) -> ProfileOptions:
     """How compile measures a model on this machine: torch timing (it runs the plan's autocast
     and needs no ONNX export) at the capture batch B and a larger size near the micro-batches
     the search picks (a quarter of the global batch, between 2B and 32B), so that the fitted
     line interpolates rather than extrapolates far. One thread: partc runs one process per core.
+    On a CPU, `neighbours` processes train the same model meanwhile: the node's other devices,
+    which share its caches, memory bandwidth and (oversubscribed) cores in training.
     """
     high = min(max(global_batch // 4, 2 * capture_batch), 32 * capture_batch)
     return ProfileOptions(device=device, batch_sizes=(capture_batch, high), method="torch",
-                          threads=1, precision=precision)
+                          threads=1, precision=precision,
+                          neighbours=neighbours if device == "cpu" else 0)
 
 
 def solve_costs(result: CaptureResult, cluster: ClusterSpec, global_batch: int, *,
@@ -73,5 +76,6 @@ def solve_costs(result: CaptureResult, cluster: ClusterSpec, global_batch: int, 
         return plan_costs(result, cluster.device, profile, progress, precision=precision), None
     from partc.cost.profile_cache import cached_profile
 
-    options = measurement(device, result.graph.batch_size, global_batch, precision)
+    options = measurement(device, result.graph.batch_size, global_batch, precision,
+                          neighbours=cluster.devices_per_node - 1)
     return cached_profile(result, options, progress=progress)

@@ -2,7 +2,8 @@
 
 An entry is one profile file (`CostTable.save`) keyed by everything that changes what a
 measurement gives: the OpGraph content hash (the model; it does not depend on the capture batch
-size), the device label (the device model, not just "cpu"), the precision, the CPU threads, the
+size), the device label (the device model, not just "cpu"), the precision, the CPU threads and
+busy neighbours, the
 profiled micro-batch sizes and the timing method. A missing entry is measured and written
 atomically (`partc.files.write_atomic`, through `CostTable.save`), so concurrent compiles see a
 whole file or none; an entry that cannot be read or that does not match its key (a corrupt or
@@ -50,13 +51,13 @@ def _slug(text: str) -> str:
 
 
 def _entry_name(graph_hash: str, device: str, precision: str, threads: int,
-                batch_sizes: tuple[int, ...], timing: str) -> str:
+                batch_sizes: tuple[int, ...], timing: str, neighbours: int = 0) -> str:
     """An entry's file name: readable parts, then a digest of the whole key (the readable parts
     are shortened and slugged, so they alone could collide)."""
     full = "\n".join([graph_hash, device, precision, str(threads),
-                      ",".join(str(b) for b in batch_sizes), timing])
+                      ",".join(str(b) for b in batch_sizes), timing, f"n{neighbours}"])
     digest = hashlib.sha256(full.encode()).hexdigest()[:16]
-    parts = [graph_hash.removeprefix("sha256:")[:12], device, precision, f"t{threads}",
+    parts = [graph_hash.removeprefix("sha256:")[:12], device, precision, f"t{threads}n{neighbours}",
              "b" + "-".join(str(b) for b in batch_sizes), timing, digest]
     return "_".join(_slug(p) for p in parts) + ".yaml"
 
@@ -87,8 +88,9 @@ def cached_profile(result: CaptureResult, options: ProfileOptions,
     label = device_label(device)
     threads = options.threads if device.type == "cpu" else 0
     directory = cache_dir if cache_dir is not None else profile_cache_dir()
+    neighbours = options.neighbours if device.type == "cpu" else 0
     path = directory / _entry_name(graph.content_hash(), label, options.precision, threads,
-                                   sizes, timing)
+                                   sizes, timing, neighbours)
     if path.is_file():
         try:
             table = CostTable.load(path, graph, precision=options.precision)
@@ -98,6 +100,7 @@ def cached_profile(result: CaptureResult, options: ProfileOptions,
         else:
             src = table.source
             if (src.kind == "measured" and src.device == label and src.threads == threads
+                    and src.calibration.get("busy_neighbours", 0) == neighbours
                     and src.batch_sizes == sizes and src.precision == options.precision
                     and (src.provider or "torch") == timing and _complete(table, graph)):
                 return table, path
