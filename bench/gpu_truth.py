@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import inspect
 import json
 import platform
 import statistics
@@ -229,14 +228,9 @@ def measure_model(module: ModuleType, batch_size: int, device: torch.device, pre
 # Predicting
 
 def price(result: CaptureResult, device: DeviceSpec, precision: str) -> tuple[CostTable, str]:
-    """partc's CostTable at `precision` where its pricing API takes a precision, and a note on
-    how the precision was priced."""
-    if "precision" in inspect.signature(plan_costs).parameters:
-        costs: Any = plan_costs  # a newer partc: plan_costs(..., precision=...)
-        return costs(result, device, precision=precision), f"priced at {precision}"
-    note = "priced as fp32: partc's analytic cost table has no precision parameter" \
-        if precision != "fp32" else "priced at fp32"
-    return plan_costs(result, device), note
+    """partc's analytic CostTable at `precision` (attention saved as the device's kernels keep
+    it), and a note on how it was priced."""
+    return plan_costs(result, device, precision=precision), f"priced at {precision}"  # type: ignore[arg-type]
 
 
 def predict(result: CaptureResult, device: DeviceSpec, precision: str,

@@ -73,7 +73,7 @@ from typing import Any
 
 import yaml
 
-from partc.options import STRATEGIES
+from partc.options import PRECISIONS, STRATEGIES
 from partc.plans.run_metrics import MEMORY_NONE, RunMetrics
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -114,10 +114,11 @@ def last_line(text: str) -> str:
 
 
 def compile_plan(model: str, processes: int, strategy: str, out: Path,
-                 microbatches: int | None = None) -> Plan:
+                 microbatches: int | None = None, precision: str = "fp32") -> Plan:
     cluster, pinned = CASES[processes]
     if microbatches:
         pinned = [*pinned, "--microbatches", str(microbatches)]
+    pinned = [*pinned, "--precision", precision]
     start = time.perf_counter()
     proc = subprocess.run([PARTC, "compile", f"examples/{model}.py", "-b", str(BATCH[model]),
                            "--cluster", cluster, *pinned, "--strategy", strategy, "-o", str(out)],
@@ -218,6 +219,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--microbatches", type=int,
                         help="pin the micro-batch count for every strategy (default: searched)")
+    parser.add_argument("--precision", default="fp32", choices=PRECISIONS,
+                        help="the training precision every plan is compiled for")
     parser.add_argument("--json", type=Path, help="write the raw rows here")
     args = parser.parse_args()
     models = ["mlp", "bert"] if args.quick else MODELS
@@ -241,13 +244,13 @@ def main() -> None:
     config = {"models": models, "processes": processes, "repeats": repeats, "steps": steps,
               "warmup_steps": WARMUP, "batch": {m: BATCH[m] for m in models},
               "clusters": {p: CASES[p][0] for p in processes}, "omp_num_threads": 1,
-              "microbatches": args.microbatches or "searched"}
+              "microbatches": args.microbatches or "searched", "precision": args.precision}
     print(f"machine: {machine['processor']} ({machine['cpu_model']}), {machine['cpu_count']} "
           f"cpus, python {machine['python']}, torch {machine['torch']}, load average "
           f"{machine['load_average_1m']} at start")
     print(f"config: {repeats} repeats x {steps} steps (median of steps after {WARMUP} warm-up), "
           f"OMP_NUM_THREADS=1, batch {', '.join(f'{m} {BATCH[m]}' for m in models)}, "
-          f"micro-batches {args.microbatches or 'searched'}\n",
+          f"micro-batches {args.microbatches or 'searched'}, precision {args.precision}\n",
           flush=True)
 
     began = time.perf_counter()
@@ -259,7 +262,7 @@ def main() -> None:
                 plans: dict[str, Plan] = {}
                 for strategy in STRATEGIES:
                     plan = compile_plan(model, n, strategy, tmp / f"{model}-{n}-{strategy}",
-                                        args.microbatches)
+                                        args.microbatches, args.precision)
                     same = [s for s, p in plans.items()
                             if p.error is None and not p.same_as and p.key == plan.key]
                     if plan.error is None and same:
