@@ -136,7 +136,7 @@ def analytic_cost_table(graph: OpGraph, device: DeviceSpec,
         nodes[node.name] = NodeCost(forward, backward, saved_cost, "none" if free else "analytic")
     source = CostSource(kind="analytic", device=device.name, device_kind=device.kind, provider="",
                         threads=0, graph_hash=graph.content_hash(), model=graph.model_name,
-                        batch_sizes=(b1,), precision=precision,
+                        batch_sizes=(b1, 2 * b1), precision=precision,
                         calibration={"backward_ratios": dict(sorted(ratios.items())),
                                      "forward": "upper envelope of the roofline",
                                      "saved_bytes": "measured on meta" if saved is not None
