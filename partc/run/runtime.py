@@ -29,6 +29,7 @@ import contextlib
 import gc
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Iterator, TextIO
 
@@ -207,7 +208,9 @@ class _MemoryProbe:
             # the free of memory allocated before it started, so last step's gradients would
             # count twice), pipeline receive buffers and DDP buckets included, + the
             # profiler's peak above that
-            tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+            with warnings.catch_warnings():  # isinstance on torch's deprecated aliases warns
+                warnings.simplefilter("ignore")
+                tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
             self.live = storage_bytes(tensors)
             self.profiler = torch.profiler.profile(
                 activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
