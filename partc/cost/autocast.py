@@ -139,7 +139,7 @@ def autocast_dtypes(graph: OpGraph, precision: Precision) -> AutocastDtypes:
             write_old += t.numel * dtype_bytes(t.dtype)
             write_new += t.numel * dtype_bytes(new)
         old, new_total = read_old + write_old, read_new + write_new
-        compute = low if target == low else _compute_dtype_of(node, dtypes)
+        compute = low if target == low else compute_dtype(node, dtypes)
         nodes[node.name] = NodeCast(compute_dtype=compute,
                                     scale=new_total / old if old else 1.0,
                                     cast_bytes=cast_bytes, cast_bytes_per_sample=cast_per_sample,
@@ -147,17 +147,11 @@ def autocast_dtypes(graph: OpGraph, precision: Precision) -> AutocastDtypes:
     return AutocastDtypes(precision=precision, tensors=dtypes, nodes=nodes)
 
 
-def _compute_dtype_of(node: OpNode, dtypes: dict[str, str]) -> str:
-    """The dtype a node computes in under autocast: its first floating output's."""
+def compute_dtype(node: OpNode, dtypes: dict[str, str] | None = None) -> str:
+    """The dtype a node computes in: its first floating output's, as `dtypes` (a replay of
+    autocast) gives it, else as captured."""
     for t in node.outputs:
-        if dtypes.get(t.name, t.dtype) in FLOATING_DTYPES:
-            return dtypes.get(t.name, t.dtype)
-    return "float32"
-
-
-def compute_dtype(node: OpNode) -> str:
-    """The dtype a node computes in without autocast: its first floating output's."""
-    for t in node.outputs:
-        if t.dtype in FLOATING_DTYPES:
-            return t.dtype
+        dtype = (dtypes or {}).get(t.name, t.dtype)
+        if dtype in FLOATING_DTYPES:
+            return dtype
     return "float32"

@@ -367,16 +367,9 @@ def measure_cpu(threads: int = 1, seconds: float = 20.0) -> CpuCalibration:
         "attention": round(min(1.0, attn_rate / peak32), 3),
         **DEFAULT_EFFICIENCY,
     }
-    spec = DeviceSpec(
-        name="cpu",
-        kind="cpu",
-        memory_bytes=ram // devices,
-        peak_flops={k: _snap(peaks[k], "FLOP/s") for k in sorted(peaks)},
-        memory_bandwidth=_snap(peak_bw, "B/s"),
-        efficiency=efficiency,
-        bandwidth_efficiency=round(bandwidth_eff, 3),
-        op_overhead_s=_snap(found["op_overhead_s"], "s", 3),
-        backward_op_overhead_s=_snap(found["backward_op_overhead_s"], "s", 3),
+    spec = _measured_spec(
+        found, name="cpu", kind="cpu", memory_bytes=ram // devices, peaks=peaks,
+        bandwidth=peak_bw, bandwidth_eff=bandwidth_eff, efficiency=efficiency,
         description=(f"This machine's CPU ({model}, {cores} physical cores, "
                      f"{ram / 2**30:.1f} GiB RAM) as {devices} device(s) of {threads} core(s) "
                      f"each, eager PyTorch with {threads} thread(s) per device"),
@@ -574,20 +567,23 @@ def cuda_device_spec(found: dict[str, float], *, name: str, total_memory: int,
         **DEFAULT_EFFICIENCY,
     }
     bandwidth, bandwidth_eff = _bandwidth_terms(found)
+    return _measured_spec(found, name=name, kind="cuda", memory_bytes=int(total_memory),
+                          peaks=peaks, bandwidth=bandwidth, bandwidth_eff=bandwidth_eff,
+                          efficiency=efficiency, description=description, source=source)
+
+
+def _measured_spec(found: dict[str, float], *, name: str, kind: str, memory_bytes: int,
+                   peaks: dict[str, float], bandwidth: float, bandwidth_eff: float,
+                   efficiency: dict[str, float], description: str, source: str) -> DeviceSpec:
+    """A DeviceSpec from measured numbers, rounded so that its YAML text reads back equal."""
     return DeviceSpec(
-        name=name,
-        kind="cuda",
-        memory_bytes=int(total_memory),
+        name=name, kind=kind, memory_bytes=memory_bytes,
         peak_flops={k: _snap(peaks[k], "FLOP/s") for k in sorted(peaks)},
-        memory_bandwidth=_snap(bandwidth, "B/s"),
-        efficiency=efficiency,
+        memory_bandwidth=_snap(bandwidth, "B/s"), efficiency=efficiency,
         bandwidth_efficiency=round(bandwidth_eff, 3),
         op_overhead_s=_snap(found["op_overhead_s"], "s", 3),
         backward_op_overhead_s=_snap(found["backward_op_overhead_s"], "s", 3),
-        allow_tf32=False,
-        description=description,
-        source=source,
-    )
+        description=description, source=source)
 
 
 def gpu_slug(gpu_name: str) -> str:
