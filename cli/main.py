@@ -318,31 +318,28 @@ def _search_inputs(kw: dict[str, Any]) -> tuple[Any, TrainingConfig, SearchOptio
 def solve(model: Path, output: Path | None, timeline: Path | None, **kw: Any) -> None:
     """Find the best pipeline x data-parallel partition of MODEL for a cluster and global batch:
     coarsen, search shapes, cut stages (CP-SAT by default), simulate; print the plan."""
-    from partc.cost.plan_costs import solve_costs
     from partc.frontend.capture import capture_graph
+    from partc.plans.priced_search import priced_search
     from partc.progress import TerminalProgress
-    from partc.solve.coarsen import coarsen
     from partc.solve.partition import format_comparison, format_partition
-    from partc.solve.search import compare_strategies, search
+    from partc.solve.search import compare_strategies
 
     progress = TerminalProgress()
     cluster, training, options = _search_inputs(kw)
     result = capture_graph(model, kw["capture_batch"], onnx=False, progress=progress)
-    table, _ = solve_costs(result, cluster, kw["batch_size"], profile=kw["profile_path"],
-                           costs=kw["costs"], precision=training.precision, progress=progress)
-    with progress.step(f"coarsen to at most {options.max_blocks} blocks"):
-        blocks = coarsen(table, options.max_blocks)
+    # (with --strategy all, `options` asks for cpsat: every strategy is then compared on the
+    # costs measured for cpsat's plan)
+    priced = priced_search(result, cluster, kw["batch_size"], training, options,
+                           profile=kw["profile_path"], costs=kw["costs"], progress=progress)
+    partition = priced.partition
     if kw["strategy"] == "all":
-        results = compare_strategies(table, cluster, kw["batch_size"], training, options,
-                                     blocks=blocks, progress=progress)
+        results = compare_strategies(priced.table, cluster, kw["batch_size"], training, options,
+                                     blocks=priced.blocks, progress=progress)
         click.echo(format_comparison(results))
         chosen = results["cpsat"]
         if isinstance(chosen, PartcError):
             raise chosen
         partition = chosen
-    else:
-        partition = search(table, cluster, kw["batch_size"], training, options, blocks=blocks,
-                           progress=progress)
     click.echo(format_partition(partition))
     if output is not None:
         with writing_to(output):
@@ -534,10 +531,10 @@ def calibrate(device: str, threads: int, seconds: float, name: str | None,
     """Measure this machine's CPU or a CUDA GPU and write a device and a cluster config
     (OUT/devices/NAME.yaml, OUT/clusters/NAME.yaml) for `partc compile --cluster
     OUT/clusters/NAME.yaml`. Run it on an idle machine."""
-    from partc.hardware.calibration import calibrate as run_calibration
     from partc.hardware.calibration import format_calibration
+    from partc.run.overhead import calibrate_machine
 
-    result = run_calibration(out_dir, device, name=name, threads=threads, seconds=seconds)
+    result = calibrate_machine(out_dir, device, name=name, threads=threads, seconds=seconds)
     if result.other_processes_cores > 0.1:
         click.echo(f"partc: warning: other processes used {result.other_processes_cores:.0%} "
                    "of a core meanwhile; the numbers are low, rerun on an idle machine", err=True)

@@ -34,7 +34,7 @@ _DEFINED_IN: dict[str, tuple[str, ...]] = {
     "partc.graph.opgraph": ("OpGraph", "OpNode", "Edge", "GraphOutput", "Param", "TensorSpec"),
     "partc.hardware.specs": ("DeviceSpec", "ClusterSpec"),
     "partc.hardware.configs": ("load_device", "load_cluster"),
-    "partc.cost.table": ("CostTable", "Linear", "NodeCost"),
+    "partc.cost.table": ("CostTable", "Curve", "Linear", "NodeCost"),
     "partc.cost.roofline": ("analytic_cost_table",),
     "partc.cost.plan_costs": ("plan_costs",),
     "partc.cost.measured": ("ProfileOptions", "profile_model"),

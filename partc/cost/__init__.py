@@ -1,7 +1,7 @@
 """Cost: what every OpGraph node costs on a device, at any micro-batch size.
 
 In: an OpGraph (and its capture) and a DeviceSpec. Out: a `CostTable` (partc.cost.table): per node
-forward and backward seconds and bytes saved for backward, each a `Linear` function of the
+forward and backward seconds and bytes saved for backward, each a `Curve` (piecewise linear) of the
 micro-batch size. Two sources: the analytic roofline (`roofline`, from the device config, with
 saved activations measured on meta by `activations`) and measurement on the device itself
 (`measured`: `partc profile`, through `torch_profiler` and `ort_profiler`). `plan_costs` picks the

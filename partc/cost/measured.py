@@ -14,7 +14,7 @@ up to T_f(b). Backward: per op kind, ratio r_k = sum(torch bwd) / sum(torch fwd)
 that kind that have a backward; a node's backward is its forward x r_k ("torch"-priced nodes keep
 their own torch backward share), scaled per batch size so that the sum is T_b(b) (this spreads
 AccumulateGrad and the autograd engine's own time). Nodes without a backward get 0.
-Each node's forward, backward and saved bytes are then fitted as fixed + per_sample * m over the
+Each node's forward, backward and saved bytes are then a `Curve` through its values at the
 profiled sizes.
 
 When the model has no ONNX export (or `method="torch"`, or `auto` on a device onnxruntime has no
@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
+import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
 
 from partc.cost.activations import buffers_restored, saved_activation_bytes
@@ -48,7 +49,7 @@ from partc.cost.ort_profiler import (
     onnx_feeds,
     time_onnx,
 )
-from partc.cost.table import CostSource, CostTable, Linear, NodeCost, needs_backward
+from partc.cost.table import CostSource, CostTable, Curve, NodeCost, needs_backward
 from partc.cost.torch_profiler import (
     TorchTiming,
     flat_inputs,
@@ -56,15 +57,17 @@ from partc.cost.torch_profiler import (
     node_owner,
     precision_autocast,
     program_module,
+    time_loss,
     time_nodes,
     to_device,
 )
-from partc.errors import PartcError
+from partc.errors import ModelFileError, PartcError, summarize_exception
 from partc.frontend.capture import CaptureResult, capture_graph
 from partc.frontend.export import export_program
-from partc.frontend.model_file import inputs_to_meta
+from partc.frontend.model_file import Inputs, ModelFile, inputs_to_meta
 from partc.frontend.onnx_export import OnnxExport, export_onnx
 from partc.graph.opgraph import OpGraph
+from partc.hardware.local import pinned_to_core
 from partc.options import PRECISIONS, PROFILE_METHODS, Precision, ProfileMethod
 from partc.progress import Progress
 from partc.version import __version__
@@ -189,6 +192,7 @@ class _Measurement:
     torch: TorchTiming
     ort: OrtTiming | None
     saved: dict[str, int]
+    loss_s: tuple[float, float]  # the loss function's (forward, backward)
 
 
 def _measure(result: CaptureResult, b: int, device: torch.device, use_ort: bool,
@@ -207,6 +211,8 @@ def _measure(result: CaptureResult, b: int, device: torch.device, use_ort: bool,
                 saved = saved_activation_bytes(module, inputs)
             timing = time_nodes(module, inputs, b, device, warmup=options.warmup,
                                 runs=max(3, options.runs // 2), precision=options.precision)
+    with progress.step(f"torch: the loss function at batch {b}"):
+        loss_s = _time_loss(cap.model_file, module, inputs, b, device, options)
     ort_timing = None
     if use_ort:
         export = _onnx_at(result, b, program, progress)
@@ -234,7 +240,30 @@ def _measure(result: CaptureResult, b: int, device: torch.device, use_ort: bool,
                 del feeds
     del module, inputs
     gc.collect()
-    return _Measurement(batch_size=b, torch=timing, ort=ort_timing, saved=saved)
+    return _Measurement(batch_size=b, torch=timing, ort=ort_timing, saved=saved, loss_s=loss_s)
+
+
+def _time_loss(model_file: ModelFile, module: torch.fx.GraphModule, inputs: Inputs, b: int,
+               device: torch.device, options: ProfileOptions) -> tuple[float, float]:
+    """The model file's loss function timed on the program's outputs at batch b, with the
+    target of its first batch of b samples (`ModelFile.data`, synthetic without batches())."""
+    with torch.no_grad(), precision_autocast(options.precision, device.type):
+        out = module(*inputs[0], **inputs[1])
+    first = next((t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)), None)
+    shape = tuple(first.shape) if first is not None else None
+    del out
+    _, target = next(iter(model_file.data(b, output_shape=shape)))
+    target = pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t,
+                             target)
+    try:
+        return time_loss(module, inputs, model_file.loss(), target, device,
+                         warmup=options.warmup, runs=max(3, options.runs // 2),
+                         precision=options.precision)
+    except Exception as exc:  # the user's loss_fn: one line, as verify reports it
+        raise ModelFileError(f"loss_fn(output, target) in {model_file.path} raised "
+                             f"{summarize_exception(exc)}",
+                             hint="check loss_fn against the model's output and batches()' "
+                                  "target (partc verify runs it too)") from exc
 
 
 def profile_model(model_path: str | Path, batch_size: int, options: ProfileOptions | None = None,
@@ -254,13 +283,21 @@ def profile_model(model_path: str | Path, batch_size: int, options: ProfileOptio
 def measure_costs(result: CaptureResult, device: torch.device, options: ProfileOptions,
                   progress: Progress) -> CostTable:
     """The measured CostTable of a capture (see the module docstring for the method)."""
-    check_options(options)
     graph = result.graph
     sizes = options.batch_sizes or (graph.batch_size, 2 * graph.batch_size)
     sizes = tuple(sorted(set(sizes)))
     if len(sizes) < 2:
         raise PartcError(f"profiling needs two or more batch sizes, got {list(sizes)}",
                          hint="pass --batch-sizes with at least two values, e.g. 2,4")
+    return measure_sizes(result, device, replace(options, batch_sizes=sizes), progress)
+
+
+def measure_sizes(result: CaptureResult, device: torch.device, options: ProfileOptions,
+                  progress: Progress) -> CostTable:
+    """`measure_costs` at `options.batch_sizes`, one or more (a single size gives costs
+    proportional to the micro-batch: the part of a table `CostTable.merged` adds to another)."""
+    check_options(options)
+    sizes = tuple(sorted(set(options.batch_sizes)))
     choice = timing_choice(options, device)
     if choice.fallback:
         progress.warn(choice.fallback)
@@ -272,14 +309,18 @@ def measure_costs(result: CaptureResult, device: torch.device, options: ProfileO
     if choice.provider is not None and not exported and result.onnx is not None:
         progress.warn("pricing every node in torch (no ONNX export)")
     neighbours = options.neighbours if device.type == "cpu" else 0
-    with busy_neighbours(neighbours, result.capture.model_file.path, max(sizes)):
+    # on a CPU this process is the node's device 0, pinned to its core as launch pins rank 0
+    pinned = pinned_to_core(0) if device.type == "cpu" else contextlib.nullcontext()
+    # (the neighbours start first: a child inherits its parent's pinning)
+    with busy_neighbours(neighbours, result.capture.model_file.path, max(sizes)), pinned:
         measurements = [_measure(result, b, device, use_ort, options, progress) for b in sizes]
-    return combine(graph, measurements, device, options, use_ort, fallback=choice.fallback)
+    return combine(result.graph, measurements, device, options, use_ort,
+                   fallback=choice.fallback)
 
 
 def combine(graph: OpGraph, measurements: list[_Measurement], device: torch.device,
             options: ProfileOptions, use_ort: bool, fallback: str = "") -> CostTable:
-    """Join torch and onnxruntime measurements into per-node Linear costs; `fallback` (why `auto`
+    """Join torch and onnxruntime measurements into per-node `Curve`s; `fallback` (why `auto`
     timed in torch) is recorded in the calibration."""
     kinds = {n.name: n.kind for n in graph.nodes}
     names = [n.name for n in graph.nodes]
@@ -339,6 +380,8 @@ def combine(graph: OpGraph, measurements: list[_Measurement], device: torch.devi
         validation[str(m.batch_size)] = {
             "torch_forward_s": _r(t.model_forward_s),
             "torch_backward_s": _r(t.model_backward_s),
+            "loss_forward_s": _r(m.loss_s[0]),
+            "loss_backward_s": _r(m.loss_s[1]),
             "ort_forward_s": _r(m.ort.model_run_s) if m.ort is not None else None,
             "ort_kernels_s": _r(sum(m.ort.node_forward_s.values()) + m.ort.unmapped_s)
             if m.ort is not None else None,
@@ -346,8 +389,13 @@ def combine(graph: OpGraph, measurements: list[_Measurement], device: torch.devi
     nodes = {}
     for n in names:
         p = per_node[n]
-        nodes[n] = NodeCost(forward=Linear.fit(p["forward"]), backward=Linear.fit(p["backward"]),
-                            saved=Linear.fit(p["saved"]), method=method.get(n, "none"))
+        nodes[n] = NodeCost(forward=Curve.measured(p["forward"]),
+                            backward=Curve.measured(p["backward"]),
+                            saved=Curve.measured(p["saved"]), method=method.get(n, "none"))
+    loss = NodeCost(forward=Curve.measured([(m.batch_size, m.loss_s[0]) for m in measurements]),
+                    backward=Curve.measured([(m.batch_size, m.loss_s[1]) for m in measurements]),
+                    saved=Curve.measured([(m.batch_size, 0.0) for m in measurements]),
+                    method="torch")
     provider = next((m.ort.provider for m in measurements if m.ort is not None), "")
     source = CostSource(
         kind="measured", device=device_label(device), device_kind=device.type, provider=provider,
@@ -360,7 +408,7 @@ def combine(graph: OpGraph, measurements: list[_Measurement], device: torch.devi
                      **({"busy_neighbours": options.neighbours}
                         if options.neighbours and device.type == "cpu" else {}),
                      **({"fallback": fallback} if fallback else {})})
-    return CostTable(graph=graph, source=source, nodes=nodes)
+    return CostTable(graph=graph, source=source, nodes=nodes, loss=loss)
 
 
 def _r(x: float) -> float:

@@ -11,8 +11,12 @@ neighbours a pipeline stage has are other stages of it) for as long as the measu
 lasts; a model built on the meta device, or one that fails to run eagerly, is replaced by a
 generic train-like loop (a GEMM, then a stream over a tensor larger than the caches).
 
-Run as `python -m partc.cost.neighbours [MODEL BATCH]` it is one such neighbour: it prints
-"ready" once its first step ran and loops until killed.
+Processes are pinned as launch pins its workers (partc.hardware.local.pin_to_core): the
+measuring process on core 0, neighbour i on core i + 1, modulo the cores.
+
+Run as `python -m partc.cost.neighbours CPUS [MODEL BATCH]` it is one such neighbour, pinned to
+the logical CPUs CPUS (a comma list, or - for none): it prints "ready" once its first step ran
+and loops until killed.
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from partc.errors import PartcError
+from partc.hardware.local import core_cpus, set_affinity
 
 _READY = "ready"
 
@@ -36,9 +41,14 @@ def busy_neighbours(count: int, model: str | Path | None = None,
     Ctrl-C)."""
     procs: list[subprocess.Popen[str]] = []
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    what = [str(model), str(batch_size)] if model is not None else []
+    cores = core_cpus()  # this process's, before anything pins it: children inherit a pinning
     try:
-        for _ in range(count):
+        for index in range(count):
+            # neighbour i is the node's device i + 1: on core i + 1 (modulo the cores), as
+            # launch pins its local ranks, the measuring process being device 0
+            cpus = ",".join(str(c) for c in sorted(cores[(index + 1) % len(cores)])) \
+                if cores else "-"
+            what = [cpus, str(model), str(batch_size)] if model is not None else [cpus]
             procs.append(subprocess.Popen([sys.executable, "-m", "partc.cost.neighbours", *what],
                                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                           text=True, env=env))
@@ -102,8 +112,11 @@ def _loop(model: str | None, batch_size: int) -> None:
 
 
 if __name__ == "__main__":
+    # python -m partc.cost.neighbours CPUS [MODEL BATCH]: CPUS a comma list, or - (unpinned)
+    if sys.argv[1] != "-":
+        set_affinity(frozenset(int(c) for c in sys.argv[1].split(",")))
     try:
-        _loop(sys.argv[1] if len(sys.argv) > 2 else None,
-              int(sys.argv[2]) if len(sys.argv) > 2 else 2)
+        _loop(sys.argv[2] if len(sys.argv) > 3 else None,
+              int(sys.argv[3]) if len(sys.argv) > 3 else 2)
     except KeyboardInterrupt:
         pass

@@ -50,7 +50,8 @@ def measured_device(mode: CostsMode, cluster: ClusterSpec) -> str | None:
 
 
 def measurement(device: str, capture_batch: int, global_batch: int,
-                precision: Precision, neighbours: int = 0) -> ProfileOptions:
+                precision: Precision, neighbours: int = 0,
+                extra_sizes: tuple[int, ...] = ()) -> ProfileOptions:
     """How compile measures a model on this machine: torch timing (it runs the plan's autocast
     and needs no ONNX export) at the capture batch B and a larger size near the micro-batches
     the search picks (a quarter of the global batch, between 2B and 32B), so that the fitted
@@ -59,23 +60,26 @@ def measurement(device: str, capture_batch: int, global_batch: int,
     which share its caches, memory bandwidth and (oversubscribed) cores in training.
     """
     high = min(max(global_batch // 4, 2 * capture_batch), 32 * capture_batch)
-    return ProfileOptions(device=device, batch_sizes=(capture_batch, high), method="torch",
+    sizes = tuple(sorted({capture_batch, high, *extra_sizes}))
+    return ProfileOptions(device=device, batch_sizes=sizes, method="torch",
                           threads=1, precision=precision,
                           neighbours=neighbours if device == "cpu" else 0)
 
 
 def solve_costs(result: CaptureResult, cluster: ClusterSpec, global_batch: int, *,
                 profile: str | Path | None = None, costs: CostsMode = "auto",
-                precision: Precision = "fp32",
+                precision: Precision = "fp32", extra_sizes: tuple[int, ...] = (),
                 progress: Progress | None = None) -> tuple[CostTable, Path | None]:
     """The CostTable compile and solve price a model with, and the measured profile behind it
     when it was measured here (a cache file, `partc.cost.profile_cache`): `profile` when given,
-    else measured on this machine when `costs` says so (`measured_device`), else the roofline."""
+    else measured on this machine when `costs` says so (`measured_device`; at `extra_sizes`
+    too), else the roofline."""
     device = None if profile is not None else measured_device(costs, cluster)
     if device is None:
         return plan_costs(result, cluster.device, profile, progress, precision=precision), None
     from partc.cost.profile_cache import cached_profile
 
+    # the node's other cores busy; a core's own time-sharing is the simulator's (core_sharing)
     options = measurement(device, result.graph.batch_size, global_batch, precision,
-                          neighbours=cluster.devices_per_node - 1)
+                          neighbours=cluster.busy_cores_per_node - 1, extra_sizes=extra_sizes)
     return cached_profile(result, options, progress=progress)

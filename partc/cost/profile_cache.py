@@ -13,11 +13,13 @@ Where: `$PARTC_CACHE_DIR`, else `$XDG_CACHE_HOME/partc/profiles`, else `~/.cache
 """
 from __future__ import annotations
 
+import glob
 import hashlib
-import math
 import os
 import re
+from dataclasses import replace
 from pathlib import Path
+from typing import Callable
 
 from partc.cost.measured import (
     ProfileOptions,
@@ -25,11 +27,12 @@ from partc.cost.measured import (
     device_label,
     intra_op_threads,
     measure_costs,
+    measure_sizes,
     parse_device,
     timing_choice,
 )
 from partc.cost.ort_profiler import ProfileError
-from partc.cost.table import CostTable, ProfileFileError
+from partc.cost.table import PROFILE_VERSION, CostTable, ProfileFileError
 from partc.frontend.capture import CaptureResult
 from partc.graph.opgraph import OpGraph
 from partc.progress import Progress
@@ -54,8 +57,11 @@ def _entry_name(graph_hash: str, device: str, precision: str, threads: int,
                 batch_sizes: tuple[int, ...], timing: str, neighbours: int = 0) -> str:
     """An entry's file name: readable parts, then a digest of the whole key (the readable parts
     are shortened and slugged, so they alone could collide)."""
+    # the format version too: a new one measures more or differently (entries of an older partc
+    # are never found, rather than found and refused)
     full = "\n".join([graph_hash, device, precision, str(threads),
-                      ",".join(str(b) for b in batch_sizes), timing, f"n{neighbours}"])
+                      ",".join(str(b) for b in batch_sizes), timing, f"n{neighbours}",
+                      f"v{PROFILE_VERSION}"])
     digest = hashlib.sha256(full.encode()).hexdigest()[:16]
     parts = [graph_hash.removeprefix("sha256:")[:12], device, precision, f"t{threads}n{neighbours}",
              "b" + "-".join(str(b) for b in batch_sizes), timing, digest]
@@ -67,8 +73,26 @@ def _complete(table: CostTable, graph: OpGraph) -> bool:
     edited by hand still parses, and a node it lacks would silently cost nothing."""
     if set(table.nodes) != {n.name for n in graph.nodes}:
         return False
-    return all(math.isfinite(x) for c in table.nodes.values()
-               for line in (c.forward, c.backward, c.saved) for x in (line.fixed, line.per_sample))
+    return all(curve.is_finite() for c in [*table.nodes.values(), table.loss]
+               for curve in (c.forward, c.backward, c.saved))
+
+
+def _largest_subset(directory: Path, graph: OpGraph, precision: str, sizes: tuple[int, ...],
+                    matches: Callable[[CostTable], bool]) -> CostTable | None:
+    """The cached entry of the same model, device and conditions (`matches`) whose sizes are
+    the most of `sizes` (a proper subset), or None."""
+    prefix = _slug(graph.content_hash().removeprefix("sha256:")[:12]) + "_"
+    best: CostTable | None = None
+    for candidate in sorted(directory.glob(glob.escape(prefix) + "*.yaml")):
+        try:
+            table = CostTable.load(candidate, graph, precision=precision)
+        except ProfileFileError:
+            continue
+        have = set(table.source.batch_sizes)
+        if have < set(sizes) and matches(table) and (
+                best is None or len(have) > len(best.source.batch_sizes)):
+            best = table
+    return best
 
 
 def cached_profile(result: CaptureResult, options: ProfileOptions,
@@ -91,6 +115,15 @@ def cached_profile(result: CaptureResult, options: ProfileOptions,
     neighbours = options.neighbours if device.type == "cpu" else 0
     path = directory / _entry_name(graph.content_hash(), label, options.precision, threads,
                                    sizes, timing, neighbours)
+
+    def matches(table: CostTable) -> bool:
+        """Measured as asked, at any sizes (the key's other parts)."""
+        src = table.source
+        return (src.kind == "measured" and src.device == label and src.threads == threads
+                and src.calibration.get("busy_neighbours", 0) == neighbours
+                and src.precision == options.precision and (src.provider or "torch") == timing
+                and _complete(table, graph))
+
     if path.is_file():
         try:
             table = CostTable.load(path, graph, precision=options.precision)
@@ -98,15 +131,20 @@ def cached_profile(result: CaptureResult, options: ProfileOptions,
             progress.warn(f"re-measuring: cached profile {path.name} is unreadable "
                           f"({exc.message})")
         else:
-            src = table.source
-            if (src.kind == "measured" and src.device == label and src.threads == threads
-                    and src.calibration.get("busy_neighbours", 0) == neighbours
-                    and src.batch_sizes == sizes and src.precision == options.precision
-                    and (src.provider or "torch") == timing and _complete(table, graph)):
+            if matches(table) and table.source.batch_sizes == sizes:
                 return table, path
             progress.warn(f"re-measuring: cached profile {path.name} does not match its key")
+    # an entry at some of the sizes (a compile measuring one more micro-batch size than
+    # before): measure only the others
+    part = _largest_subset(directory, graph, options.precision, sizes, matches) \
+        if directory.is_dir() else None
     with intra_op_threads(device, options.threads):
-        table = measure_costs(result, device, options, progress)
+        if part is None:
+            table = measure_costs(result, device, options, progress)
+        else:
+            missing = tuple(b for b in sizes if b not in part.source.batch_sizes)
+            table = part.merged(measure_sizes(result, device,
+                                              replace(options, batch_sizes=missing), progress))
     try:
         directory.mkdir(parents=True, exist_ok=True)
         with progress.step(f"caching the profile in {path}"):
@@ -114,4 +152,5 @@ def cached_profile(result: CaptureResult, options: ProfileOptions,
     except OSError as exc:
         raise ProfileError(f"cannot write the profile cache {path}: {exc.strerror or exc}",
                            hint="set PARTC_CACHE_DIR to a writable directory") from exc
-    return table, path
+    # the costs as the file holds them (rounded): what a plan's check will load from its copy
+    return CostTable.load(path, graph, precision=options.precision), path

@@ -10,8 +10,16 @@ from __future__ import annotations
 
 from partc.cost.autocast import NodeCast, autocast_dtypes, compute_dtype
 from partc.cost.op_classes import FREE_KINDS, op_class
-from partc.cost.table import CostSource, CostTable, Linear, NodeCost, needs_backward
-from partc.graph.opgraph import OpGraph, OpNode
+from partc.cost.table import (
+    NO_COST,
+    ZERO,
+    CostSource,
+    CostTable,
+    Linear,
+    NodeCost,
+    needs_backward,
+)
+from partc.graph.opgraph import FLOATING_DTYPES, OpGraph, OpNode, dtype_bytes
 from partc.hardware.specs import DeviceSpec
 from partc.options import Precision
 
@@ -133,15 +141,56 @@ def analytic_cost_table(graph: OpGraph, device: DeviceSpec,
             saved_cost = _output_bytes(node, graph)
         else:
             saved_cost = Linear(0.0, 0.0)
-        nodes[node.name] = NodeCost(forward, backward, saved_cost, "none" if free else "analytic")
+        nodes[node.name] = NodeCost(forward.curve(), backward.curve(), saved_cost.curve(),
+                                    "none" if free else "analytic")
+    loss = analytic_loss(graph, device)
     source = CostSource(kind="analytic", device=device.name, device_kind=device.kind, provider="",
                         threads=0, graph_hash=graph.content_hash(), model=graph.model_name,
                         batch_sizes=(b1, 2 * b1), precision=precision,
                         calibration={"backward_ratios": dict(sorted(ratios.items())),
                                      "forward": "upper envelope of the roofline",
                                      "saved_bytes": "measured on meta" if saved is not None
-                                     else "upper bound: outputs of differentiable nodes"})
-    return CostTable(graph=graph, source=source, nodes=nodes)
+                                     else "upper bound: outputs of differentiable nodes",
+                                     "loss": f"{LOSS_PASSES} fp32 passes over the floating "
+                                             "outputs each way"})
+    return CostTable(graph=graph, source=source, nodes=nodes, loss=loss)
+
+
+# The loss function is the model file's code, outside the graph: priced as a cross-entropy-like
+# reduction of the floating outputs in fp32 (autocast runs losses in fp32): forward a max, a sum
+# of exponentials, the normalised log-probabilities written and the targets' entries read; the
+# backward as many passes to form the gradient. Two operators each way.
+LOSS_PASSES = 4
+LOSS_OPERATORS = 2
+
+
+def analytic_loss(graph: OpGraph, device: DeviceSpec) -> NodeCost:
+    """The loss function's forward and backward on `device` as bandwidth over the model's
+    floating outputs (see LOSS_PASSES). What it keeps for its backward is the memory model's
+    (partc.solve.memory: the loss's tensors on the last stage), not a saved-bytes line here."""
+    fixed = per_sample = 0.0
+    for out in graph.outputs:
+        spec = graph.tensor(out.tensor)
+        if spec.dtype not in FLOATING_DTYPES:
+            continue
+        fp32 = spec.nbytes / dtype_bytes(spec.dtype) * 4
+        if spec.batch_dim is None:
+            fixed += fp32
+        else:
+            per_sample += fp32 / graph.batch_size
+    if not fixed and not per_sample:
+        return NO_COST
+    bw = device.bytes_per_s()
+    host = device.op_overhead_s * LOSS_OPERATORS
+    back = device.backward_overhead_s() * LOSS_OPERATORS
+    passes = LOSS_PASSES / bw
+    if device.kind == "cuda":  # dispatch overlaps the queued kernels (`node_time`)
+        forward = Linear(max(host, fixed * passes), per_sample * passes)
+        backward = Linear(max(back, fixed * passes), per_sample * passes)
+    else:
+        forward = Linear(host + fixed * passes, per_sample * passes)
+        backward = Linear(back + fixed * passes, per_sample * passes)
+    return NodeCost(forward.curve(), backward.curve(), ZERO, "analytic")
 
 
 def _output_bytes(node: OpNode, graph: OpGraph) -> Linear:

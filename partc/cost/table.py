@@ -1,9 +1,12 @@
 """CostTable: what every OpGraph node costs on a target device, at any micro-batch size.
 
 For each node the table holds forward time, backward time and bytes saved for backward, each as a
-`Linear` function of the micro-batch size m (value = fixed + per_sample * m), so the solver prices
-any micro-batch without re-profiling. Parameter bytes and boundary-tensor bytes come from the
-OpGraph the table belongs to (`CostTable.graph`).
+`Curve` of the micro-batch size m: piecewise linear through the values measured at the profiled
+sizes (or a line, for the analytic roofline), so the solver prices any micro-batch without
+re-profiling, and exactly at the sizes that were measured; `loss` holds the same for the model
+file's loss function (run by the last pipeline stage on the model's outputs, outside the graph).
+Parameter bytes and boundary-tensor bytes come from the OpGraph the table belongs to
+(`CostTable.graph`).
 
 Two ways to fill it (docs/cost-model.md):
 - measured (`partc.cost.measured`): onnxruntime per-node forward times on the target execution
@@ -16,9 +19,11 @@ loading it against a different graph is refused.
 """
 from __future__ import annotations
 
+import bisect
 import json
 import math
-from dataclasses import asdict, dataclass, field
+import statistics
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -29,7 +34,8 @@ from partc.files import write_atomic
 from partc.graph.opgraph import INTEGER_DTYPES, OpGraph
 
 PROFILE_FORMAT = "partc-profile"
-PROFILE_VERSION = 1
+# 2: the loss function's costs (`loss`), and measurements pinned to a core
+PROFILE_VERSION = 2
 
 
 class ProfileFileError(PartcError):
@@ -70,15 +76,98 @@ class Linear:
         return cls(intercept, slope)
 
 
+    def curve(self) -> "Curve":
+        """The same line as a `Curve`."""
+        return Curve.line(self.fixed, self.per_sample)
+
+
+@dataclass(frozen=True)
+class Curve:
+    """A cost as a function of the micro-batch size m: piecewise linear through `points` ((m,
+    value) pairs, m ascending and distinct), continued beyond the first and the last point along
+    the end segments, never below 0. One point: proportional to m; none: 0.
+
+    Costs are not lines in m on real devices (caches, kernel choices), so a measured cost keeps
+    the value measured at each profiled size rather than a fitted line, and is exact there."""
+
+    points: tuple[tuple[float, float], ...]
+
+    def at(self, m: float) -> float:
+        p = self.points
+        if len(p) < 2:
+            if not p:
+                return 0.0
+            m0, v0 = p[0]
+            return max(0.0, v0 * m / m0) if m0 else max(0.0, v0)
+        if m <= p[0][0]:
+            i = 0
+        elif m >= p[-1][0]:
+            i = len(p) - 2
+        else:
+            i = bisect.bisect_right(p, (m, math.inf)) - 1
+        (a, va), (b, vb) = p[i], p[i + 1]
+        return max(0.0, va + (vb - va) * (m - a) / (b - a))
+
+    @classmethod
+    def line(cls, fixed: float, per_sample: float) -> "Curve":
+        """fixed + per_sample * m (clamped at 0)."""
+        return cls(((0.0, float(fixed)), (1.0, float(fixed + per_sample))))
+
+    @classmethod
+    def through(cls, points: Sequence[tuple[float, float]]) -> "Curve":
+        """Exactly through the points (distinct sizes), in size order."""
+        ordered = tuple(sorted((float(m), float(v)) for m, v in points))
+        if len({m for m, _ in ordered}) != len(ordered):
+            raise ValueError(f"a curve's sizes must be distinct, got {[m for m, _ in ordered]}")
+        return cls(ordered)
+
+    @classmethod
+    def measured(cls, points: Sequence[tuple[float, float]]) -> "Curve":
+        """Through measured (size, value) points, kept non-negative and non-decreasing in the
+        size: the median where a size repeats, and a value below the one at a smaller size
+        (timing noise on an operator that does not grow) raised to it."""
+        by_size: dict[float, list[float]] = {}
+        for m, v in points:
+            by_size.setdefault(float(m), []).append(max(0.0, float(v)))
+        ordered: list[tuple[float, float]] = []
+        for m in sorted(by_size):
+            value = statistics.median(by_size[m])
+            ordered.append((m, max(value, ordered[-1][1]) if ordered else value))
+        return cls(tuple(ordered))
+
+    @classmethod
+    def total(cls, curves: Iterable["Curve"]) -> "Curve":
+        """The sum of curves (exact: piecewise linear on the union of their points)."""
+        items = [c for c in curves if c.points]
+        sizes = sorted({m for c in items for m, _ in c.points})
+        if len(sizes) == 1 and all(len(c.points) == 1 for c in items):
+            return cls(((sizes[0], sum(c.points[0][1] for c in items)),))
+        if len(sizes) == 1:  # lines and a point at one size: the lines have 2+ points
+            sizes.append(sizes[0] + 1.0)
+        return cls(tuple((m, sum(c.at(m) for c in items)) for m in sizes))
+
+    def scaled(self, factor: float) -> "Curve":
+        return Curve(tuple((m, v * factor) for m, v in self.points))
+
+    def is_finite(self) -> bool:
+        return all(math.isfinite(m) and math.isfinite(v) for m, v in self.points)
+
+
+ZERO = Curve(())
+
+
 @dataclass(frozen=True)
 class NodeCost:
     """One node's costs: seconds forward and backward, bytes saved for backward; and what priced
     it ("onnxruntime", "torch", "analytic", or "none" for nodes with nothing to run)."""
 
-    forward: Linear
-    backward: Linear
-    saved: Linear
+    forward: Curve
+    backward: Curve
+    saved: Curve
     method: str
+
+
+NO_COST = NodeCost(ZERO, ZERO, ZERO, "none")
 
 
 @dataclass(frozen=True)
@@ -107,10 +196,13 @@ class CostTable:
     graph: OpGraph
     source: CostSource
     nodes: dict[str, NodeCost]
+    # the loss function on the model's outputs, per micro-batch: forward, backward (into the
+    # outputs' gradients) and what it keeps for its backward; the last stage runs it
+    loss: NodeCost = NO_COST
 
     # ---- per node ------------------------------------------------------------------------------
     def cost(self, node: str) -> NodeCost:
-        return self.nodes.get(node, _ZERO)
+        return self.nodes.get(node, NO_COST)
 
     def forward_s(self, node: str, m: float) -> float:
         return self.cost(node).forward.at(m)
@@ -175,16 +267,43 @@ class CostTable:
             counts[c.method] = counts.get(c.method, 0) + 1
         return dict(sorted(counts.items()))
 
+    def merged(self, other: "CostTable") -> "CostTable":
+        """This measured table and `other` (the same graph, device and conditions, at other batch
+        sizes) as one: every cost through the points of both, the sizes and the per-size
+        measurements of both."""
+        if other.graph.content_hash() != self.graph.content_hash():
+            raise ValueError("cannot merge the costs of two different graphs")
+        sizes = tuple(sorted(set(self.source.batch_sizes) | set(other.source.batch_sizes)))
+
+        def union(a: NodeCost, b: NodeCost) -> NodeCost:
+            def curve(x: Curve, y: Curve) -> Curve:
+                points = dict(x.points)
+                points.update(y.points)  # a size measured in both: the newer measurement
+                return Curve.through(sorted(points.items()))
+            method = a.method if a.method != "none" else b.method
+            return NodeCost(curve(a.forward, b.forward), curve(a.backward, b.backward),
+                            curve(a.saved, b.saved), method)
+
+        calibration = {**self.source.calibration, **other.source.calibration,
+                       "measured": {**self.source.calibration.get("measured", {}),
+                                    **other.source.calibration.get("measured", {})}}
+        source = replace(self.source, batch_sizes=sizes, calibration=calibration)
+        names = sorted(set(self.nodes) | set(other.nodes))
+        return CostTable(graph=self.graph, source=source,
+                         nodes={n: union(self.cost(n), other.cost(n)) for n in names},
+                         loss=union(self.loss, other.loss))
+
     # ---- files ---------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         src = asdict(self.source)
         src["batch_sizes"] = list(self.source.batch_sizes)
-        # Totals are summed from the rounded rows the file holds, so a loaded profile saves back
-        # to the same bytes (summing unrounded values could differ in the last digit).
+        # Every cost is written as its values at the profiled sizes (exact for a measured curve,
+        # whose points they are, and for a line). Totals are summed from the rounded rows the file
+        # holds, so a loaded profile saves back to the same bytes.
+        sizes = self.source.batch_sizes
         written = CostTable(self.graph, self.source, {
-            name: NodeCost(_round_linear(c.forward), _round_linear(c.backward),
-                           _round_linear(c.saved), c.method)
-            for name, c in sorted(self.nodes.items())})  # sorted: the file's order, same sums
+            name: _at_sizes(c, sizes) for name, c in sorted(self.nodes.items())},  # file order
+            loss=_at_sizes(self.loss, sizes))
         return {
             "format": PROFILE_FORMAT,
             "format_version": PROFILE_VERSION,
@@ -195,9 +314,8 @@ class CostTable:
                          "backward_s": _round(written.total_backward_s(b)),
                          "saved_bytes": int(written.total_saved_bytes(b))}
                 for b in self.source.batch_sizes},
-            "nodes": {name: [c.method, c.forward.fixed, c.forward.per_sample, c.backward.fixed,
-                             c.backward.per_sample, c.saved.fixed, c.saved.per_sample]
-                      for name, c in written.nodes.items()},
+            "loss": _row(written.loss, sizes),
+            "nodes": {name: _row(c, sizes) for name, c in written.nodes.items()},
         }
 
     def save(self, path: str | Path) -> Path:
@@ -205,14 +323,15 @@ class CostTable:
         return write_atomic(Path(path), self.dumps())
 
     def dumps(self) -> str:
-        """The profile YAML `save` writes (nodes one per line: method, then forward, backward and
-        saved-bytes as fixed/per-sample pairs): for callers that need the bytes themselves (a
-        profile written into a plan directory with the stage files)."""
+        """The profile YAML `save` writes (nodes one per line: method, then forward seconds,
+        backward seconds and saved bytes at each of `batch_sizes`): for callers that need the
+        bytes themselves (a profile written into a plan directory with the stage files)."""
         d = self.to_dict()
         nodes = d.pop("nodes")
         header = ("# partc profile: per-node costs of one model on one device.\n"
-                  "# nodes: name: [method, fwd_fixed_s, fwd_per_sample_s, bwd_fixed_s, "
-                  "bwd_per_sample_s, saved_fixed_bytes, saved_per_sample_bytes]\n")
+                  "# nodes (and loss, the loss function's): name: [method, [forward s], "
+                  "[backward s], [saved bytes]], each at batch_sizes; a cost between and beyond\n"
+                  "# them is piecewise linear (docs/cost-model.md)\n")
         body = yaml.safe_dump(d, sort_keys=True, default_flow_style=False, width=100)
         lines = [header, body, "nodes:\n"]
         for name, row in nodes.items():
@@ -258,12 +377,12 @@ class CostTable:
                 versions=dict(d.get("versions") or {}),
                 calibration=dict(d.get("calibration") or {}),
                 precision=str(d.get("precision", "fp32")))
-            nodes = {}
-            for name, row in (d.get("nodes") or {}).items():
-                method, ff, fp, bf, bp, sf, sp = row
-                nodes[str(name)] = NodeCost(Linear(float(ff), float(fp)),
-                                            Linear(float(bf), float(bp)),
-                                            Linear(float(sf), float(sp)), str(method))
+            sizes = source.batch_sizes
+            if len(sizes) < 2 or len(set(sizes)) != len(sizes):
+                raise ValueError(f"batch_sizes must be two or more distinct sizes, got {sizes}")
+            nodes = {str(name): _cost(row, sizes)
+                     for name, row in (d.get("nodes") or {}).items()}
+            loss = _cost(d["loss"], sizes)
         # AttributeError: a key of the wrong type (`nodes: [...]`)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ProfileFileError(f"malformed profile {path}: {exc!r}",
@@ -277,19 +396,41 @@ class CostTable:
             raise ProfileFileError(f"profile {path} prices nodes the model does not have: "
                                    f"{', '.join(unknown[:3])}",
                                    hint="re-create it with partc profile")
-        return cls(graph=graph, source=source, nodes=nodes)
+        return cls(graph=graph, source=source, nodes=nodes, loss=loss)
 
 
-_ZERO = NodeCost(Linear(0.0, 0.0), Linear(0.0, 0.0), Linear(0.0, 0.0), "none")
+def _row(c: NodeCost, sizes: Sequence[int]) -> list[Any]:
+    """A cost as one row of a profile file: its values at the profiled sizes."""
+    return [c.method, *([curve.at(b) for b in sizes] for curve in (c.forward, c.backward,
+                                                                   c.saved))]
+
+
+def _cost(row: Any, sizes: Sequence[int]) -> NodeCost:
+    """A profile file's row as a cost (TypeError/ValueError for a malformed one)."""
+    method, *columns = row
+    if len(columns) != 3:
+        raise ValueError(f"a row holds a method and 3 lists, got {row!r}")
+    curves = []
+    for values in columns:
+        if not isinstance(values, list) or len(values) != len(sizes):
+            raise ValueError(f"expected {len(sizes)} values (one per batch size) in {row!r}")
+        floats = [float(x) for x in values]
+        if not all(math.isfinite(x) and x >= 0 for x in floats):
+            raise ValueError(f"negative or non-finite cost in {row!r}")
+        curves.append(Curve.through(list(zip(sizes, floats, strict=True))))
+    return NodeCost(curves[0], curves[1], curves[2], str(method))
+
+
+def _at_sizes(c: NodeCost, sizes: Sequence[int]) -> NodeCost:
+    """The cost as the file keeps it: through its rounded values at the profiled sizes."""
+    def curve(x: Curve) -> Curve:
+        return Curve.through([(b, _round(x.at(b))) for b in sizes])
+    return NodeCost(curve(c.forward), curve(c.backward), curve(c.saved), c.method)
 
 
 def _round(x: float) -> float:
     """12 significant digits: stable text without losing anything a timer can tell."""
     return float(f"{x:.12g}")
-
-
-def _round_linear(x: Linear) -> Linear:
-    return Linear(_round(x.fixed), _round(x.per_sample))
 
 
 def _yaml_loader() -> type:
@@ -337,6 +478,9 @@ def format_cost_summary(table: CostTable, top: int = 8) -> str:
     ranked = sorted(by_kind.items(), key=lambda kv: (-kv[1], kv[0]))[:top]
     lines.append(f"fwd+bwd by op kind at micro-batch {b}: " + ", ".join(
         f"{k} {100 * v / total:.0f}%" for k, v in ranked if v > 0))
+    if table.loss.method != "none":
+        lines.append(f"loss function at micro-batch {b} (on the last stage): forward "
+                     f"{_ms(table.loss.forward.at(b))}, backward {_ms(table.loss.backward.at(b))}")
     measured = src.calibration.get("measured") or {}
     for size, m in sorted(measured.items(), key=lambda kv: int(kv[0])):
         if m.get("ort_forward_s") is not None:

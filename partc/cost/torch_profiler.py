@@ -4,12 +4,23 @@ The captured program is run node by node (`NodeRunner`, a torch.fx.Interpreter o
 `ep.module()`), so every measurement lands on an OpGraph node by name (partc.cost.activations
 measures saved bytes the same way).
 
-torch.profiler with one `record_function` range per node gives its forward time. The autograd nodes
-a forward node creates are found by walking `grad_fn` from its outputs to the autograd nodes
-already claimed by earlier nodes; the profiler's `autograd::engine::evaluate_function` events carry
-the same sequence numbers, which gives each node its backward time. Profiling inflates small ops,
-so the per-node figures are used as shares and rescaled to whole-model fwd/bwd times measured
-without the profiler (median of runs).
+The autograd nodes a forward node creates are found by walking `grad_fn` from its outputs to the
+autograd nodes already claimed by earlier nodes (a parameter's AccumulateGrad belongs to the first
+node that uses it). Two ways to time them:
+
+- CPU (`_clock_once`): wall clock. The forward of each node is timed around its call, and each of
+  its autograd nodes between a pre-hook and a hook (the engine runs a CPU backward on the calling
+  thread, one autograd node at a time). The figures are the nodes' own times, medians over runs;
+  the engine's time between autograd nodes (the whole backward minus their sum) is spread over
+  the nodes by their autograd-node count. No profiler: its per-event cost is 10-100 us and
+  uneven (measured here: a 17 us ReLU profiled at 26-117 us), which skewed the cuts. The shares
+  are then rescaled to the whole program traced to TorchScript, as launch runs its stage files
+  (the FX interpreter around each node costs a few microseconds more: measured 10-15% on the
+  transformer examples' forwards).
+- CUDA (`_profile_once`): torch.profiler with one `record_function` range per node gives its
+  device time; the profiler's `autograd::engine::evaluate_function` events carry the autograd
+  nodes' sequence numbers, which gives each node its backward. These figures are used as shares,
+  rescaled to whole-model fwd/bwd times measured without the profiler (median of runs).
 """
 from __future__ import annotations
 
@@ -17,8 +28,10 @@ import contextlib
 import copy
 import statistics
 import time
+import warnings
 from dataclasses import dataclass
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx
@@ -218,18 +231,21 @@ def _zero_grads(module: torch.nn.Module) -> None:
         p.grad = None
 
 
-def time_model(module: torch.fx.GraphModule, inputs: Inputs, device: torch.device,
-               warmup: int = 2, runs: int = 5,
-               precision: Precision = "fp32") -> tuple[float, float]:
+def time_model(module: torch.nn.Module, inputs: Inputs, device: torch.device,
+               warmup: int = 2, runs: int = 5, precision: Precision = "fp32",
+               cold: bool = False) -> tuple[float, float]:
     """Median (forward, backward) wall time of a whole training step of the program, without the
     loss: backward starts from all-ones output gradients, so only the model is timed. The forward
     runs under `precision_autocast`, as in launch. On CUDA every clock read follows a
-    synchronize: kernels run asynchronously, so the clock alone would time their launch."""
+    synchronize: kernels run asynchronously, so the clock alone would time their launch. `cold`:
+    the CPU caches are flushed before each run (`flush_cpu_caches`)."""
     args, kwargs = inputs
     fwd: list[float] = []
     bwd: list[float] = []
     for i in range(warmup + runs):
         _zero_grads(module)
+        if cold:
+            flush_cpu_caches()
         _sync(device)
         t0 = time.perf_counter()
         with precision_autocast(precision, device.type):
@@ -246,6 +262,39 @@ def time_model(module: torch.fx.GraphModule, inputs: Inputs, device: torch.devic
             fwd.append(t1 - t0)
             bwd.append(t2 - t1)
     _zero_grads(module)
+    return statistics.median(fwd), statistics.median(bwd)
+
+
+def time_loss(module: torch.fx.GraphModule, inputs: Inputs, loss_fn: Callable[[Any, Any], Any],
+              target: Any, device: torch.device, warmup: int = 2, runs: int = 5,
+              precision: Precision = "fp32") -> tuple[float, float]:
+    """Median (forward, backward) wall time of the loss function alone, as launch's last stage
+    runs it: on the model's outputs (computed under `precision_autocast`, floating ones in fp32
+    as the last stage hands them over), outside autocast, its backward ending at the outputs'
+    gradients. `target` is one batch's target at the inputs' batch size, on `device`."""
+    args, kwargs = inputs
+    with torch.no_grad(), precision_autocast(precision, device.type):
+        out = module(*args, **kwargs)
+    flat, spec = pytree.tree_flatten(out)
+    fwd: list[float] = []
+    bwd: list[float] = []
+    for i in range(warmup + runs):
+        leaves = [t.detach().float().requires_grad_(True)
+                  if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in flat]
+        outputs = pytree.tree_unflatten(leaves, spec)
+        _sync(device)
+        t0 = time.perf_counter()
+        loss = loss_fn(outputs, target)
+        _sync(device)
+        t1 = time.perf_counter()
+        if isinstance(loss, torch.Tensor) and loss.requires_grad:
+            loss.backward()
+        _sync(device)
+        t2 = time.perf_counter()
+        del loss, outputs, leaves
+        if i >= warmup:
+            fwd.append(t1 - t0)
+            bwd.append(t2 - t1)
     return statistics.median(fwd), statistics.median(bwd)
 
 
@@ -312,13 +361,83 @@ def _profile_once(module: torch.fx.GraphModule, flat: list[Any], device: torch.d
     return fwd, bwd, unattributed, set(seq_owner.values())
 
 
+def _clock_once(module: torch.fx.GraphModule, flat: list[Any], device: torch.device,
+                precision: Precision = "fp32"
+                ) -> tuple[dict[str, float], dict[str, float], float, set[str], dict[str, int]]:
+    """One fwd+bwd timed by the wall clock on the CPU (module docstring): per-node forward and
+    backward microseconds, the backward's unattributed microseconds (the engine between autograd
+    nodes), the nodes with a backward and each one's autograd-node count."""
+    owner = node_owner(module)
+    claimed: set[Any] = set()
+    fwd: dict[str, float] = {}
+    bwd: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    handles: list[Any] = []
+    started: dict[int, float] = {}
+
+    def timed(fn: Any, name: str) -> None:
+        key = id(fn)
+
+        def pre(*_: Any) -> None:
+            started[key] = time.perf_counter()
+
+        def post(*_: Any) -> None:
+            bwd[name] = bwd.get(name, 0.0) + (time.perf_counter() - started.pop(key)) * 1e6
+
+        handles.append(fn.register_prehook(pre))
+        handles.append(fn.register_hook(post))
+        counts[name] = counts.get(name, 0) + 1
+
+    def after(n: torch.fx.Node, result: Any) -> None:
+        name = owner.get(n.name, n.name)
+        stack: list[torch.autograd.graph.Node | None] = [
+            t.grad_fn for t in pytree.tree_leaves(result)
+            if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        while stack:
+            fn = stack.pop()
+            if fn is None or fn in claimed:
+                continue
+            claimed.add(fn)
+            timed(fn, name)
+            if type(fn).__name__ != "AccumulateGrad":
+                stack.extend(g for g, _ in fn.next_functions)
+
+    @contextlib.contextmanager
+    def around(n: torch.fx.Node) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            name = owner.get(n.name, n.name)
+            fwd[name] = fwd.get(name, 0.0) + (time.perf_counter() - start) * 1e6
+
+    _zero_grads(module)
+    flush_cpu_caches()
+    try:
+        with precision_autocast(precision, device.type):
+            out = NodeRunner(module, around, after).run(*flat)
+        tensors, grads = _output_grads(out)
+        start = time.perf_counter()
+        if tensors:
+            torch.autograd.backward(tensors, grads)
+        total = (time.perf_counter() - start) * 1e6
+    finally:
+        for handle in handles:
+            handle.remove()
+    _zero_grads(module)
+    unattributed = max(0.0, total - sum(bwd.values()))
+    return fwd, bwd, unattributed, set(counts), counts
+
+
 def time_nodes(module: torch.fx.GraphModule, inputs: Inputs, batch_size: int,
                device: torch.device, warmup: int = 3, runs: int = 5,
                precision: Precision = "fp32") -> TorchTiming:
     """Whole-model and per-node forward/backward times of the program on `device`, forward under
-    `precision_autocast(precision)`."""
-    model_fwd, model_bwd = time_model(module, inputs, device, warmup, runs, precision)
+    `precision_autocast(precision)` (the module docstring says how, per device)."""
     flat = flat_inputs(module, inputs)
+    if device.type == "cpu":
+        return _clocked_nodes(module, flat, batch_size, device, warmup, runs, precision)
+    model_fwd, model_bwd = time_model(module, inputs, device, warmup, runs, precision)
     per_run: list[tuple[dict[str, float], dict[str, float], float]] = []
     differentiable: set[str] = set()
     # Profiled runs need their own warm-up: the first few are slow again (allocator and
@@ -337,3 +456,79 @@ def time_nodes(module: torch.fx.GraphModule, inputs: Inputs, batch_size: int,
                        node_backward_s={n: v for n, v in node_bwd.items() if v > 0},
                        unattributed_backward_s=median([u for _, _, u in per_run]),
                        differentiable=frozenset(differentiable), runs=runs)
+
+
+def _clocked_nodes(module: torch.fx.GraphModule, flat: list[Any], batch_size: int,
+                   device: torch.device, warmup: int, runs: int,
+                   precision: Precision) -> TorchTiming:
+    """`time_nodes` on the CPU: wall-clock medians per node (`_clock_once`), the engine's time
+    between autograd nodes spread by autograd-node count; the model's times are their sums."""
+    per_run: list[tuple[dict[str, float], dict[str, float], float]] = []
+    differentiable: set[str] = set()
+    counts: dict[str, int] = {}
+    # the first runs are slow (allocator and interpreter paths)
+    for i in range(warmup + runs):
+        fwd, bwd, unattributed, with_backward, counts = _clock_once(module, flat, device,
+                                                                    precision)
+        differentiable |= with_backward
+        if i >= warmup:
+            per_run.append((fwd, bwd, unattributed))
+    names = sorted({n for f, b, _ in per_run for n in (*f, *b)})
+    median = lambda vals: statistics.median(vals) * 1e-6  # noqa: E731  (us -> s)
+    node_fwd = {n: median([f.get(n, 0.0) for f, _, _ in per_run]) for n in names}
+    node_bwd = {n: median([b.get(n, 0.0) for _, b, _ in per_run]) for n in names}
+    engine = median([u for _, _, u in per_run])
+    autograd_nodes = sum(counts.values())
+    if autograd_nodes:
+        for n, count in counts.items():
+            node_bwd[n] = node_bwd.get(n, 0.0) + engine * count / autograd_nodes
+    node_fwd = {n: v for n, v in node_fwd.items() if v > 0}
+    node_bwd = {n: v for n, v in node_bwd.items() if v > 0}
+    model_fwd, model_bwd = sum(node_fwd.values()), sum(node_bwd.values())
+    scripted = script_program(module, flat)
+    if scripted is not None:  # the totals launch's stage files run in
+        with torch.jit.optimized_execution(False):
+            model_fwd, model_bwd = time_model(scripted, (tuple(flat), {}), device, warmup, runs,
+                                              precision, cold=True)
+    return TorchTiming(batch_size=batch_size, model_forward_s=model_fwd,
+                       model_backward_s=model_bwd, node_forward_s=node_fwd,
+                       node_backward_s=node_bwd, unattributed_backward_s=0.0,
+                       differentiable=frozenset(differentiable), runs=runs)
+
+
+_FLUSH: list[torch.Tensor] = []
+
+
+def flush_cpu_caches() -> None:
+    """Write a buffer twice the last-level cache (32 MiB when sysfs does not say): a pipeline
+    stage's passes start cold, other micro-batches' work and transfers having run in between,
+    while back-to-back timing runs find the previous run's data cached (measured on a BERT stage
+    here: 5% slower forward from cold)."""
+    if not _FLUSH:
+        size = 32 << 20
+        try:
+            text = Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip()
+            size = int(text[:-1]) << (10 if text.endswith("K") else 20 if text.endswith("M")
+                                      else 0)
+        except (OSError, ValueError):
+            pass
+        _FLUSH.append(torch.empty(min(2 * size, 1 << 30), dtype=torch.uint8))
+    _FLUSH[0].add_(1)
+
+
+def script_program(module: torch.fx.GraphModule,
+                   flat: list[Any]) -> torch.jit.ScriptModule | None:
+    """The program as TorchScript, traced from its graph at these flat inputs the way compile
+    traces stage files (partc.emit.stage_code), or None when it cannot be (a non-tensor input,
+    an op the tracer rejects): the caller then keeps the interpreter's times."""
+    if not all(isinstance(t, torch.Tensor) for t in flat):
+        return None
+    graph = copy.deepcopy(module.graph)
+    graph._codegen = torch.fx.graph.CodeGen()  # flat placeholders in, flat outputs out
+    flat_module = torch.fx.GraphModule(module, graph)
+    try:
+        with warnings.catch_warnings(), torch.jit.optimized_execution(False):
+            warnings.simplefilter("ignore")  # TracerWarnings on export graphs
+            return torch.jit.trace(flat_module, tuple(flat), check_trace=False, strict=False)
+    except Exception:  # tracing is an optimisation of the totals here, never a requirement
+        return None

@@ -48,6 +48,7 @@ from partc.plans.plan import (
     validate_plan_dict,
     write_timings,
 )
+from partc.plans.priced_search import priced_search
 from partc.plans.recalibrate import corrected_costs, load_launched_run
 from partc.progress import Progress
 from partc.solve.coarsen import coarsen
@@ -105,22 +106,26 @@ def _compile(model_path: str | Path, cluster: ClusterSpec, output_dir: Path,
     result = capture_graph(model_path, options.capture_batch, onnx=False, progress=progress)
     timings["capture_s"] = time.perf_counter() - start
     t = time.perf_counter()
-    table, cached = solve_costs(result, cluster, options.batch_size, profile=options.profile,
-                                costs=options.costs, precision=options.training.precision,
-                                progress=progress)
-    measured_profile = cached.read_bytes() if cached is not None else None
-    if options.calibrate_from is not None:
+    if options.calibrate_from is None:
+        # costs, cuts, and more measuring where the plan runs (partc.plans.priced_search)
+        priced = priced_search(result, cluster, options.batch_size, options.training,
+                               options.search, profile=options.profile, costs=options.costs,
+                               progress=progress)
+        partition = priced.partition
+        measured_profile = priced.profile.read_bytes() if priced.profile is not None else None
+        timings["costs_s"] = priced.costs_s
+        timings["solve_s"] = priced.search_s
+    else:
+        table, cached = solve_costs(result, cluster, options.batch_size,
+                                    profile=options.profile, costs=options.costs,
+                                    precision=options.training.precision, progress=progress)
         table, measured_profile = calibrated_costs(result, table, cluster, options,
                                                    options.calibrate_from, progress)
-    timings["costs_s"] = time.perf_counter() - t
-    t = time.perf_counter()
-    with progress.step(f"coarsen to at most {options.search.max_blocks} blocks"):
-        blocks = coarsen(table, options.search.max_blocks)
-    timings["coarsen_s"] = time.perf_counter() - t
-    t = time.perf_counter()
-    partition = search(table, cluster, options.batch_size, options.training, options.search,
-                       blocks=blocks, progress=progress)
-    timings["solve_s"] = time.perf_counter() - t
+        with progress.step(f"coarsen to at most {options.search.max_blocks} blocks"):
+            blocks = coarsen(table, options.search.max_blocks)
+        partition = search(table, cluster, options.batch_size, options.training,
+                           options.search, blocks=blocks, progress=progress)
+        timings["costs_s"] = timings["solve_s"] = time.perf_counter() - t
     if partition.solver.wall_s is not None:  # always set by search; None only when read back
         timings["solver_wall_s"] = partition.solver.wall_s
     t = time.perf_counter()

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence, Union
 from partc.errors import PartcError
 from partc.files import write_atomic
 from partc.hardware.configs import list_clusters, load_cluster, load_device
-from partc.hardware.local import cpu_model, physical_cores, ram_bytes
+from partc.hardware.local import cpu_model, physical_cores, pin_to_core, ram_bytes
 from partc.hardware.specs import OP_CLASSES, ClusterSpec, DeviceSpec, LinkSpec
 from partc.hardware.units import format_quantity, parse_quantity
 
@@ -634,8 +634,14 @@ def link_from_pingpong(latency_s: float, big_s: float, nbytes: int) -> LinkSpec:
 
 def _pingpong_worker(rank: int, backend: str, port: int, threads: int, out: str,
                      small_reps: int, big_reps: int, nbytes: int, allreduce: bool) -> None:
-    """One of two processes: ping-pong a tiny and an `nbytes` message (and, with `allreduce`,
-    time all-reduces), rank 0 writing the medians to `out` as JSON."""
+    """One of two processes timing a tiny and an `nbytes` message one way (and, with
+    `allreduce`, all-reduces), rank 0 writing the times to `out` as JSON.
+
+    NCCL: half a ping-pong, medians. gloo: as a pipeline uses it, each process pinned to its
+    own core as launch pins its workers, both sending to each other at once (torch's schedules
+    post a send and a receive together), and the mean: on a small VM about one exchange in ten
+    stalls ~4 ms whatever its size (measured on this repository's 2-core machine: 1 B 0.07 ms
+    median, 0.51 ms mean), and a step of many transfers pays the mean, not the median."""
     import torch
     import torch.distributed as dist
 
@@ -644,10 +650,14 @@ def _pingpong_worker(rank: int, backend: str, port: int, threads: int, out: str,
     if backend == "nccl":
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
+    else:
+        pin_to_core(rank)
     sync = _synchronizer(device)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2)
     peer = 1 - rank
+
+    average = statistics.median if backend == "nccl" else statistics.mean
 
     def timed(step: Callable[[], None], reps: int) -> float:
         times = []
@@ -659,10 +669,20 @@ def _pingpong_worker(rank: int, backend: str, port: int, threads: int, out: str,
             sync()
             if i:
                 times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        return average(times)
 
     def one_way_s(tensor: torch.Tensor, reps: int) -> float:
-        """Half a ping-pong: rank 0 sends, rank 1 sends it back."""
+        """NCCL: half a ping-pong, rank 0 sends, rank 1 sends it back. gloo: an exchange, each
+        process sending its tensor to the other while receiving the other's."""
+        if backend != "nccl":
+            received = torch.empty_like(tensor)
+
+            def exchange() -> None:
+                for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, peer),
+                                                    dist.P2POp(dist.irecv, received, peer)]):
+                    work.wait()
+            return timed(exchange, reps)
+
         def step() -> None:
             if rank == 0:
                 dist.send(tensor, peer)
@@ -698,15 +718,16 @@ def _pingpong(backend: str, threads: int, small_reps: int, big_reps: int, nbytes
 
 def measure_gloo_link(threads: int = 1, small_reps: int = 500, big_reps: int = 20,
                       nbytes: int = LINK_BYTES) -> LinkCalibration:
-    """Point-to-point gloo link between two processes of this machine (TCP over loopback):
-    latency = half the median round trip of 1 B, bandwidth = `nbytes` / (half its median round
-    trip - latency)."""
+    """Point-to-point gloo link between two processes of this machine (TCP over loopback), as
+    a pipeline uses it (`_pingpong_worker`): latency = the mean exchange of 1 B, bandwidth =
+    `nbytes` / (its mean exchange - latency)."""
     found = _pingpong("gloo", threads, small_reps, big_reps, nbytes, allreduce=False)
     found["message_bytes"] = float(nbytes)
     link = link_from_pingpong(found["latency_s"], found["big_s"], nbytes)
-    how = ("measured by partc calibrate: gloo send/recv between two local processes (TCP over "
-           f"loopback) on {cpu_model()}; latency = half the median round trip of 1 B, "
-           f"bandwidth = {nbytes >> 20} MiB / (half its median round trip - latency)")
+    how = ("measured by partc calibrate: gloo between two local processes (TCP over loopback), "
+           f"each pinned to a core, sending to each other at once, on {cpu_model()}; latency = "
+           f"the mean exchange of 1 B, bandwidth = {nbytes >> 20} MiB / (its mean exchange - "
+           "latency)")
     return LinkCalibration(link=link, measured=True, source=how, measurements=found)
 
 
@@ -911,6 +932,14 @@ def device_yaml(cal: DeviceCalibration, command: str = "partc calibrate") -> str
         *bandwidth_classes]
     comments["op_overhead_s"] = forward
     comments["backward_op_overhead_s"] = backward
+    if "pipeline_forward_overhead_s" in m:
+        comments["microbatch_overhead_s"] = [
+            "# The pipelining runtime's time per stage forward and backward beyond the stage's "
+            "operators",
+            "# (a two-stage pipeline of launch's own classes on two processes, partc.run.overhead):"
+            f" forward {_q(m['pipeline_forward_overhead_s'], 's')},",
+            f"# backward {_q(m['pipeline_backward_overhead_s'], 's')}; the solver adds their mean "
+            "to every stage's passes."]
     return "\n".join([*header, *_device_lines(spec, comments)]) + "\n"
 
 
@@ -1002,7 +1031,8 @@ def output_paths(out_dir: str | Path, name: str) -> tuple[Path, Path]:
 
 def calibrate(out_dir: str | Path, device: str = "cpu", *, name: str | None = None,
               threads: int = 1, seconds: float = 20.0, measure_link: bool = True,
-              command: str | None = None) -> CalibrationResult:
+              command: str | None = None,
+              runtime: tuple[float, dict[str, float]] | None = None) -> CalibrationResult:
     """Measure `device` (`cpu`, `cuda`, `cuda:N`) and write `out_dir/devices/NAME.yaml` and
     `out_dir/clusters/NAME.yaml` atomically; both are read back through the config loader.
 
@@ -1010,8 +1040,11 @@ def calibrate(out_dir: str | Path, device: str = "cpu", *, name: str | None = No
     CPU one device is `threads` cores and the link is gloo between two local processes; on a GPU
     the cluster is one node of every visible GPU, its link NCCL between GPUs 0 and 1 (with one GPU:
     the shipped configs' link for that GPU, marked not measured). `measure_link=False` skips the
-    link measurement (the CPU link is then a placeholder). Raises CalibrationError (a PartcError)
-    for a bad device or name, a missing GPU or an unwritable `out_dir`.
+    link measurement (the CPU link is then a placeholder). `runtime` is the pipelining
+    runtime's measured overhead per stage pass and its raw measurements (partc.run.overhead, a
+    layer above this one), written as the device's `microbatch_overhead_s`. Raises
+    CalibrationError (a PartcError) for a bad device or name, a missing GPU or an unwritable
+    `out_dir`.
     """
     kind = parse_calibration_device(device)
     if threads < 1:
@@ -1055,6 +1088,10 @@ def calibrate(out_dir: str | Path, device: str = "cpu", *, name: str | None = No
                                      big_reps=3 if quick else 20)
         else:
             link = shipped_cuda_link(cal.gpu_name, cal.spec.memory_bytes)
+    if runtime is not None:
+        overhead, raw = runtime
+        cal = replace(cal, spec=replace(cal.spec, microbatch_overhead_s=_snap(overhead, "s", 3)),
+                      measurements={**cal.measurements, **raw})
     wall = time.perf_counter() - t0
     busy1, own1 = _cpu_clock()
     others = max(0.0, (busy1 - busy0) - (own1 - own0)) / wall if wall > 0 else math.nan

@@ -240,6 +240,7 @@ def cluster_from_dict(d: dict[str, Any], where: str) -> ClusterSpec:
         backend=backend,
         description=m.string("description", required=False),
         source=m.string("source", required=False),
+        cores_per_node=m.integer("cores_per_node") if m.has("cores_per_node") else None,
     )
     m.finish()
     return spec

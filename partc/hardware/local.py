@@ -2,10 +2,11 @@
 about it other passes need (physical cores, RAM, CPU model)."""
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from partc.hardware.configs import (
     ConfigError,
@@ -105,8 +106,15 @@ def cpu_model() -> str:
 
 def physical_cores() -> int:
     """Physical cores available to this process (hyper-threads of one core count once)."""
+    return len(core_cpus()) or os.cpu_count() or 1
+
+
+def core_cpus() -> list[frozenset[int]]:
+    """The logical CPUs of each physical core this process may run on (its affinity), in CPU
+    order: one set per core, its hyper-threads together. Without /proc/cpuinfo every allowed
+    logical CPU counts as a core."""
     allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
-    cores: set[tuple[str, str]] = set()
+    cores: dict[tuple[str, str], set[int]] = {}
     try:
         block: dict[str, str] = {}
         for line in Path("/proc/cpuinfo").read_text().splitlines() + [""]:
@@ -115,12 +123,57 @@ def physical_cores() -> int:
                 block[k.strip()] = v.strip()
             elif block:
                 cpu = int(block.get("processor", "-1"))
-                if allowed is None or cpu in allowed:
-                    cores.add((block.get("physical id", "0"), block.get("core id", str(cpu))))
+                if cpu >= 0 and (allowed is None or cpu in allowed):
+                    key = (block.get("physical id", "0"), block.get("core id", str(cpu)))
+                    cores.setdefault(key, set()).add(cpu)
                 block = {}
     except (OSError, ValueError):
-        pass
-    return len(cores) or len(allowed or ()) or os.cpu_count() or 1
+        cores = {}
+    if not cores and allowed:
+        return [frozenset({cpu}) for cpu in sorted(allowed)]
+    return sorted((frozenset(c) for c in cores.values()), key=min)
+
+
+def pin_to_core(index: int) -> frozenset[int] | None:
+    """Bind this process (every thread it has, and those it starts later) to physical core
+    `index` modulo the cores it may run on: a partc CPU device is one core, and a process the
+    scheduler moves between cores loses its caches and lands beside another device's work
+    (measured on a 2-core VM: a 2-stage gloo pipeline trains 1.3x faster pinned). Returns the
+    CPUs bound to, or None where affinity cannot be set (not Linux, or forbidden)."""
+    cores = core_cpus() if hasattr(os, "sched_setaffinity") else []
+    if not cores:
+        return None
+    cpus = cores[index % len(cores)]
+    return cpus if set_affinity(cpus) else None
+
+
+@contextlib.contextmanager
+def pinned_to_core(index: int) -> Iterator[frozenset[int] | None]:
+    """`pin_to_core(index)` for the duration of the block, the previous affinity restored
+    after (a measurement inside a longer-lived process)."""
+    before = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    try:
+        yield pin_to_core(index)
+    finally:
+        if before is not None:
+            set_affinity(frozenset(before))
+
+
+def set_affinity(cpus: frozenset[int]) -> bool:
+    """Every thread of this process onto `cpus` (sched_setaffinity(0) moves the calling thread
+    only; threads started later inherit it)."""
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        tids = [0]
+    done = False
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, cpus)
+            done = True
+        except OSError:  # a thread that ended meanwhile, or a container that forbids it
+            continue
+    return done
 
 
 def ram_bytes() -> int:

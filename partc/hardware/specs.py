@@ -184,16 +184,48 @@ class ClusterSpec:
     backend: str  # "nccl" | "gloo"
     description: str = ""
     source: str = ""
+    # CPU processes of a node share this many physical cores, device i pinned to core
+    # i % cores_per_node (partc.hardware.local.pin_to_core); None: a core (or GPU) per device
+    cores_per_node: int | None = None
 
     def __post_init__(self) -> None:
         if self.devices_per_node < 1 or self.num_nodes < 1:
             raise ValueError("devices_per_node and num_nodes must be >= 1")
+        if self.cores_per_node is not None and not 1 <= self.cores_per_node:
+            raise ValueError("cores_per_node must be >= 1")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend {self.backend!r} is not one of {BACKENDS}")
 
     @property
     def num_devices(self) -> int:
         return self.devices_per_node * self.num_nodes
+
+    @property
+    def busy_cores_per_node(self) -> int:
+        """Cores a node's devices keep busy at once (one per device, or every shared core)."""
+        return min(self.devices_per_node, self.cores_per_node or self.devices_per_node)
+
+    @property
+    def devices_per_core(self) -> float:
+        """Devices time-sharing one core (1 when each has its own)."""
+        if self.cores_per_node is None or self.cores_per_node >= self.devices_per_node:
+            return 1.0
+        return self.devices_per_node / self.cores_per_node
+
+    def core_of(self, device_index: int) -> tuple[int, int]:
+        """(node, core) a device runs on: its own core unless cores are shared."""
+        node = self.node_of(device_index)
+        local = device_index % self.devices_per_node
+        cores = self.cores_per_node or self.devices_per_node
+        return node, local % cores
+
+    @property
+    def host_sends(self) -> bool:
+        """Whether a point-to-point send occupies the sending process for its transfer: gloo
+        copies a send into the socket on the caller's thread (measured on this repository's
+        CPU machine: 47 us + 0.33 us/KiB per isend, waits ~0), while NCCL runs transfers on its
+        own streams and the sender goes on."""
+        return self.backend == "gloo"
 
     def node_of(self, device_index: int) -> int:
         """The node that device `device_index` (0 .. num_devices-1) belongs to."""
@@ -238,5 +270,7 @@ class ClusterSpec:
             "backend": self.backend,
             "intra_node": self.intra_node.to_dict(),
             "inter_node": self.inter_node.to_dict(),
+            **({"cores_per_node": self.cores_per_node} if self.cores_per_node is not None
+               else {}),
         }
 

@@ -9,15 +9,17 @@ count that differs) and works out which OpGraph nodes each of its stages held: p
 list them, so the plan is re-solved exactly as `partc check` re-solves it
 (`partc.plans.check.solve_as_recorded`) and the re-solved layout must equal the plan's.
 
-`corrected_costs` then scales, per stage, every node's forward `Linear` by one factor and its
-backward `Linear` by another, chosen so that the corrected table predicts the measured times for
+`corrected_costs` then scales, per stage, every node's forward `Curve` by one factor and its
+backward `Curve` by another, chosen so that the corrected table predicts the measured times for
 that stage at the plan's micro-batch size:
 
-    forward factor  = (measured forward  - overhead) / forward work of the stage's nodes
-    backward factor = (measured backward - overhead [- recomputed forward]) / backward work
+    forward factor  = (measured forward  - fixed) / forward work of the stage's nodes
+    backward factor = (measured backward - fixed [- recomputed forward]) / backward work
 
-`overhead` is the device's `microbatch_overhead_s`, which the solver adds once per stage and
-pass; with activation checkpointing the measured backward includes the recomputed forward, priced
+`fixed` is what the solver adds to a stage's passes besides its operators
+(partc.solve.stage_problem.stage_fixed_s): the device's `microbatch_overhead_s`, and on the last
+stage the loss function's forward and backward (launch's metrics count the loss in that stage's
+times); with activation checkpointing the measured backward includes the recomputed forward, priced
 at its corrected value. The work is summed from the table being corrected (the new compile's),
 so a recompile of the same shape and cut predicts exactly the measured stage times, whatever
 costs the launched plan was solved with. Fixed and per-sample parts scale alike: other
@@ -34,7 +36,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from partc.cost.table import CostTable, Linear, NodeCost
+from partc.cost.table import CostTable, NodeCost
 from partc.errors import PartcError
 from partc.files import sha256_file
 from partc.hardware.specs import DeviceSpec
@@ -43,6 +45,7 @@ from partc.plans.diff import layout_of_partition, layout_of_plan
 from partc.plans.plan import Plan, load_plan
 from partc.plans.run_metrics import RunMetrics
 from partc.progress import Progress
+from partc.solve.stage_problem import stage_fixed_s
 
 if TYPE_CHECKING:  # annotations only: the caller captures the model
     from partc.frontend.capture import CaptureResult
@@ -165,17 +168,19 @@ def stage_calibrations(table: CostTable, launched: LaunchedRun,
             f"plans for {device.name}", hint="calibrate from a run on the cluster compiled for")
     m = launched.microbatch_size
     ckpt = plan.training.shape.activation_checkpointing
-    overhead = device.microbatch_overhead_s
+    # what every stage pays besides its operators: the runtime's overhead, the loss on the last
+    fixed = stage_fixed_s(table, replace(plan.cluster, device=device), plan.training.shape)
     timed = tuple(s for s in launched.run.steps if s.step in set(launched.steps))
     out = []
     for summary, nodes, stage in zip(launched.run.stage_summaries(timed), launched.stage_nodes,
                                      plan.stages, strict=True):
         fwd_work = table.sum_forward_s(nodes, m)
         bwd_work = table.sum_backward_s(nodes, m)
-        f = _factor(summary.forward_s - overhead, fwd_work, stage.index, "forward", launched)
+        fwd_fixed, bwd_fixed = fixed[stage.index]
+        f = _factor(summary.forward_s - fwd_fixed, fwd_work, stage.index, "forward", launched)
         # under checkpointing the measured backward recomputes the forward first
         recompute = f * fwd_work if ckpt else 0.0
-        b = _factor(summary.backward_s - overhead - recompute, bwd_work, stage.index,
+        b = _factor(summary.backward_s - bwd_fixed - recompute, bwd_work, stage.index,
                     "backward", launched)
         out.append(StageCalibration(
             index=stage.index, measured_forward_s=summary.forward_s,
@@ -191,7 +196,8 @@ def _factor(measured_work: float, predicted_work: float, stage: int, what: str,
     if measured_work <= 0:
         raise CalibrationError(
             f"stage {stage}'s measured {what} in {launched.run_path.name} is not above the "
-            "device's microbatch_overhead_s: there is no work left to calibrate",
+            "device's microbatch_overhead_s (and the loss's): there is no work left to "
+            "calibrate",
             hint="lower microbatch_overhead_s in the device config, or launch with larger "
                  "micro-batches")
     return measured_work / predicted_work
@@ -212,8 +218,8 @@ def corrected_costs(table: CostTable, launched: LaunchedRun, device: DeviceSpec)
         if st is None:  # in no stage (nothing runs it): unchanged
             nodes[name] = cost
             continue
-        nodes[name] = NodeCost(_scaled(cost.forward, st.forward_factor),
-                               _scaled(cost.backward, st.backward_factor), cost.saved,
+        nodes[name] = NodeCost(cost.forward.scaled(st.forward_factor),
+                               cost.backward.scaled(st.backward_factor), cost.saved,
                                cost.method)
     record = {"run": str(launched.run_path), "plan": str(launched.plan_path),
               "plan_sha256": launched.plan_sha256, "steps": list(launched.steps),
@@ -221,7 +227,7 @@ def corrected_costs(table: CostTable, launched: LaunchedRun, device: DeviceSpec)
               "stages": [st.to_dict() for st in stages]}
     source = replace(table.source, calibration={**table.source.calibration,
                                                 CALIBRATED_FROM: record})
-    return CostTable(graph=table.graph, source=source, nodes=nodes)
+    return CostTable(graph=table.graph, source=source, nodes=nodes, loss=table.loss)
 
 
 def calibrated_from(calibration: dict[str, Any]) -> dict[str, Any] | None:
@@ -230,9 +236,6 @@ def calibrated_from(calibration: dict[str, Any]) -> dict[str, Any] | None:
     record = calibration.get(CALIBRATED_FROM)
     return record if isinstance(record, dict) else None
 
-
-def _scaled(cost: Linear, factor: float) -> Linear:
-    return Linear(cost.fixed * factor, cost.per_sample * factor)
 
 
 def _round(x: float) -> float:

@@ -30,7 +30,8 @@ from partc.solve.simulator import Simulation, simulate
 
 # One colour per kind of work; micro-batches alternate between two shades of it.
 _COLOURS = {"forward": ("#4C78A8", "#72A0CF"), "backward": ("#E45756", "#F08A89"),
-            "allreduce": ("#54A24B", "#54A24B"), "optimizer": ("#B279A2", "#B279A2")}
+            "allreduce": ("#54A24B", "#54A24B"), "tied": ("#EECA3B", "#EECA3B"),
+            "optimizer": ("#B279A2", "#B279A2")}
 _IDLE = "#B8B8B8"
 _MEMORY_KINDS = (("parameters", "parameters", "#4C78A8"), ("gradients", "gradients", "#F58518"),
                  ("optimizer_state", "optimizer state", "#B279A2"),
@@ -98,6 +99,17 @@ def predicted_transfer_s(plan: Plan, k: int) -> float:
     return M * (own + before + after)
 
 
+def _tied_span_s(plan: Plan) -> list[float]:
+    """Per rank, the simulated time from its arrival at the tied-gradient sums to their end
+    (waiting for the other ranks included, as launch measures it)."""
+    span = [0.0] * plan.training.shape.stages
+    if plan.predicted.tied_sync:
+        for e in simulate(plan.pipeline_spec()).events:
+            if e.kind == "tied":
+                span[e.rank] += e.end_s - e.start_s
+    return span
+
+
 def format_measured(plan: Plan, metrics: RunMetrics) -> str:
     """Measured (a run's medians, `RunMetrics.stage_summaries`) vs predicted per stage, and the
     iteration. RunMetricsError if the run had another number of stages than the plan."""
@@ -117,6 +129,7 @@ def format_measured(plan: Plan, metrics: RunMetrics) -> str:
               f"{'pred':>8} | {'p2p ms':>8} {'pred':>8} | {'opt ms':>8} {'pred':>8} | "
               f"{'sync ms':>8} {'pred':>8} | {'peak ' + unit:>9} {'pred':>9}")
     lines.append(header)
+    tied = _tied_span_s(plan)
     for m in metrics.stage_summaries():
         st = plan.stages[m.index]
         r = st.rank
@@ -130,7 +143,8 @@ def format_measured(plan: Plan, metrics: RunMetrics) -> str:
             f"{m.p2p_s * 1e3:>8.3f} {predicted_transfer_s(plan, m.index) * 1e3:>8.3f} | "
             f"{m.optimizer_s * 1e3:>8.3f} {_at(p.optimizer_s, r) * 1e3:>8.3f} | "
             f"{(m.ddp_allreduce_s + m.tied_sync_s) * 1e3:>8.3f} "
-            f"{_at(p.allreduce_s, r) * 1e3:>8.3f} | {peak:>9} {pred_peak / div:>9,.1f}")
+            f"{(_at(p.allreduce_s, r) + tied[r]) * 1e3:>8.3f} | {peak:>9} "
+            f"{pred_peak / div:>9,.1f}")
     lines.append("fwd/bwd: per micro-batch; p2p, opt(imizer) and (gradient) sync: per step. "
                  "Measured p2p is posting and waiting, so it includes waiting for the neighbour "
                  "stages (bubbles); predicted is the transfers alone. p2p, tied sync and peak "
@@ -204,7 +218,8 @@ def _draw_schedule(ax: Any, plan: Plan, sim: Simulation) -> None:
     ax.grid(axis="x", linestyle=":", linewidth=0.5)
     labels = {"forward": "forward", "backward": "backward" + (
         " (with recompute)" if plan.training.shape.activation_checkpointing else ""),
-        "allreduce": "gradient all-reduce", "optimizer": "optimizer step"}
+        "allreduce": "gradient all-reduce", "tied": "tied-gradient sum (waits for the others)",
+        "optimizer": "optimizer step"}
     present = {e.kind for e in sim.events if e.end_s > e.start_s}
     handles = [Patch(facecolor=_COLOURS[k][0], label=text) for k, text in labels.items()
                if k in present]

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from partc.errors import LaunchError
+from partc.hardware.local import pin_to_core
 from partc.options import TrainOptions
 from partc.plans.plan import Plan, TiedParameter
 from partc.run.checkpoint import Checkpoint, CheckpointError, checkpoint_at, choose_resume
@@ -54,6 +55,9 @@ def init_process_group(plan: Plan, env: RankEnv) -> torch.device:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
+        # one partc CPU device is one core: local rank r on core r (modulo the cores), before
+        # the process group starts gloo's threads so that they inherit it
+        pin_to_core(env.local_rank)
     dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size,
                             device_id=device if device.type == "cuda" else None)
     return device

@@ -140,7 +140,8 @@ def _set_up(plan: Plan, layout: RankLayout, env: RankEnv, device: torch.device,
         batched = batched_flags(flat_model_inputs(pending[0], in_spec),
                                 plan.training.global_batch_size)
         chunk_spec = tuple(TensorChunkSpec(0) if b else _Replicate() for b in batched)
-    loss_fn = StageLoss(model_file.loss(), output_spec(plan, model_file)) if last else None
+    loss_fn = StageLoss(model_file.loss(), output_spec(plan, model_file), device) if last \
+        else None
     pipes = [s.pipe for s in stages if s.pipe is not None]
     schedule = build_schedule(plan, pipes, plan.training.shape.num_microbatches,
                               loss_fn if loss_fn is not None else no_loss, chunk_spec)
@@ -293,7 +294,10 @@ def _step(run: RankRun, step: int, memory_method: str) -> list[torch.Tensor] | N
         assert local.pipe is not None
         at = _RANK_FIELDS + _STAGE_FIELDS * local.spec.index
         row[at + _PRESENT] = 1.0
-        row[at + _FORWARD] = local.pipe.forward_s / M
+        # the last stage's forward includes the loss's, as the prediction does
+        loss_s = run.loss_fn.forward_s if run.loss_fn is not None and \
+            local.spec.index == V - 1 else 0.0
+        row[at + _FORWARD] = (local.pipe.forward_s + loss_s) / M
         row[at + _BACKWARD] = local.pipe.backward_s / M
         row[at + _OPTIMIZER] = local.optimizer_s
         row[at + _ALLREDUCE] = (local.grad_sync.seconds() if local.grad_sync is not None

@@ -72,24 +72,34 @@ class StageLoss:
     tensor whose dim 0 is the batch) with its contiguous chunk of indices.
     """
 
-    def __init__(self, loss_fn: Callable[[Any, Any], torch.Tensor], spec: pytree.TreeSpec) -> None:
+    def __init__(self, loss_fn: Callable[[Any, Any], torch.Tensor], spec: pytree.TreeSpec,
+                 device: torch.device) -> None:
         self.loss_fn = loss_fn
         self.spec = spec
+        self.device = device
         self.target: Any = None  # this replica's target of the current step
         self.batch = 0
+        # this step's time in the loss's forwards (the schedule calls it after each forward of
+        # the last stage, outside the stage's own timing; its backward is inside the stage's)
+        self.forward_s = 0.0
 
     def set_target(self, target: Any, batch: int) -> torch.Tensor:
         """Remember this step's target; returns the index tensor to hand the schedule."""
         self.target, self.batch = target, batch
+        self.forward_s = 0.0
         return torch.arange(batch)
 
     def __call__(self, outputs: Any, index: torch.Tensor) -> torch.Tensor:
+        start = synced_clock(self.device)
         lo, hi = int(index[0]), int(index[-1]) + 1
         target = pytree.tree_map(
             lambda t: t[lo:hi] if isinstance(t, torch.Tensor) and t.dim() and
             t.shape[0] == self.batch else t, self.target)
         flat = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
-        return self.loss_fn(pytree.tree_unflatten(flat, self.spec), target)
+        try:
+            return self.loss_fn(pytree.tree_unflatten(flat, self.spec), target)
+        finally:
+            self.forward_s += synced_clock(self.device) - start
 
 
 def build_schedule(plan: Plan, pipes: Sequence[TimedStage], M: int, loss_fn: Callable[..., Any],

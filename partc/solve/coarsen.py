@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from partc.cost.op_classes import FREE_KINDS
-from partc.cost.table import CostTable, Linear
+from partc.cost.table import CostTable, Curve, Linear
 from partc.errors import PartcError
 from partc.graph.opgraph import OpGraph
 from partc.options import DEFAULT_MAX_BLOCKS
@@ -44,16 +44,16 @@ class CoarsenError(PartcError):
 class Block:
     """A convex group of OpGraph nodes, the unit the stage solver places.
 
-    Costs are sums over the nodes, as Linear functions of the micro-batch size. `params` are the
+    Costs are sums over the nodes, as Curves of the micro-batch size. `params` are the
     canonical names of the parameters, buffers and constants its nodes use (tied ones once).
     """
 
     index: int
     nodes: tuple[str, ...]  # in graph (topological) order
     modules: tuple[str, ...]  # module paths of its nodes, in order of first use
-    forward: Linear
-    backward: Linear
-    saved: Linear
+    forward: Curve
+    backward: Curve
+    saved: Curve
     params: tuple[str, ...]
 
     @property
@@ -412,7 +412,7 @@ def _build_block_graph(table: CostTable, groups: list[list[int]],
                                 if not nodes[p].is_view and nodes[p].kind not in FREE_KINDS)
         blocks.append(Block(
             index=b, nodes=names, modules=tuple(modules) or (nodes[positions[0]].module,),
-            forward=_sum_linear(fwd), backward=_sum_linear(bwd), saved=_sum_linear(saved),
+            forward=Curve.total(fwd), backward=Curve.total(bwd), saved=Curve.total(saved),
             params=tuple(params)))
     position = {n.name: i for i, n in enumerate(nodes)}
     edges: set[tuple[int, int]] = set()
@@ -452,5 +452,4 @@ def _build_block_graph(table: CostTable, groups: list[list[int]],
                       tensors=tuple(tensors), num_atomic=len(groups))
 
 
-def _sum_linear(items: list[Linear]) -> Linear:
-    return Linear(sum(x.fixed for x in items), sum(x.per_sample for x in items))
+

@@ -18,7 +18,7 @@ import yaml
 from partc.files import write_atomic
 from partc.options import Strategy, TrainingConfig
 from partc.solve.memory import StageMemory
-from partc.solve.simulator import PipelineSpec, Simulation
+from partc.solve.simulator import PipelineSpec, Simulation, TiedSync
 from partc.solve.stage_problem import PipelineShape
 
 PARTITION_FORMAT = "partc-partition"
@@ -205,6 +205,7 @@ class Prediction:
     memory: tuple[StageMemory, ...]  # per rank, the memory model's terms
     allreduce_s: tuple[float, ...]  # per rank
     optimizer_s: tuple[float, ...]  # per rank
+    tied_sync: tuple[TiedSync, ...] = ()  # cross-rank sums of tied gradients, in run order
 
     @classmethod
     def of(cls, partition: "Partition") -> "Prediction":
@@ -216,7 +217,9 @@ class Prediction:
                    usable_memory_bytes=int(partition.usable_memory_bytes),
                    memory=tuple(partition.memory),
                    allreduce_s=tuple(round_seconds(x) for x in partition.pipeline.allreduce_s),
-                   optimizer_s=tuple(round_seconds(x) for x in partition.pipeline.optimizer_s))
+                   optimizer_s=tuple(round_seconds(x) for x in partition.pipeline.optimizer_s),
+                   tied_sync=tuple(TiedSync(t.ranks, round_seconds(t.seconds))
+                                   for t in partition.pipeline.tied))
 
     def summary_dict(self) -> dict[str, Any]:
         """Time, throughput, bubble and peak memory per rank (a partition file's `predicted`)."""
@@ -227,7 +230,9 @@ class Prediction:
     def to_dict(self) -> dict[str, Any]:
         return {**self.summary_dict(), "usable_memory_bytes": self.usable_memory_bytes,
                 "memory": [m.to_dict() for m in self.memory],
-                "allreduce_s": list(self.allreduce_s), "optimizer_s": list(self.optimizer_s)}
+                "allreduce_s": list(self.allreduce_s), "optimizer_s": list(self.optimizer_s),
+                "tied_sync": [{"ranks": list(t.ranks), "seconds": t.seconds}
+                              for t in self.tied_sync]}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Prediction":
@@ -236,7 +241,9 @@ class Prediction:
                    peak_memory_bytes=tuple(d["peak_memory_bytes"]),
                    usable_memory_bytes=d["usable_memory_bytes"],
                    memory=tuple(StageMemory.from_dict(m) for m in d["memory"]),
-                   allreduce_s=tuple(d["allreduce_s"]), optimizer_s=tuple(d["optimizer_s"]))
+                   allreduce_s=tuple(d["allreduce_s"]), optimizer_s=tuple(d["optimizer_s"]),
+                   tied_sync=tuple(TiedSync(tuple(t["ranks"]), t["seconds"])
+                                   for t in d.get("tied_sync", ())))
 
 
 @dataclass(frozen=True)

@@ -39,8 +39,14 @@ from partc.progress import Progress
 from partc.solve.coarsen import BlockGraph, coarsen
 from partc.solve.memory import in_flight_microbatches, param_memory, stage_boundary, usable_memory
 from partc.solve.partition import CutCandidate, Partition, SolverReport, StagePlan, round_seconds
-from partc.solve.simulator import PipelineSpec, StageTiming, simulate
-from partc.solve.stage_problem import PipelineShape, StageProblem, sync_bytes, wire_bytes
+from partc.solve.simulator import PipelineSpec, StageTiming, TiedSync, simulate
+from partc.solve.stage_problem import (
+    PipelineShape,
+    StageProblem,
+    stage_fixed_s,
+    sync_bytes,
+    wire_bytes,
+)
 from partc.solve.strategies.baselines import params_assignment, uniform_assignment
 from partc.solve.strategies.chain_dp import solve_chain_dp
 from partc.solve.strategies.cpsat import solve_cpsat
@@ -202,7 +208,9 @@ def shape_lower_bound(blocks: BlockGraph, table: CostTable, cluster: ClusterSpec
     m = shape.microbatch_size
     ckpt = shape.activation_checkpointing
     comp = [b.forward.at(m) * (2.0 if ckpt else 1.0) + b.backward.at(m) for b in blocks.blocks]
-    W = sum(comp)
+    # every virtual stage's fixed work (runtime overhead, the loss on the last) is paid whatever
+    # the cut
+    W = sum(comp) + sum(f + b for f, b in stage_fixed_s(table, cluster, shape))
     S, v, M = shape.stages, shape.chunks, shape.num_microbatches
     T = max(W / S, max(comp) if v == 1 or S == 1 else 0.0)
     sync = 0.0
@@ -572,13 +580,13 @@ def build_partition(problem: StageProblem, assignment: Sequence[int], global_bat
             sends_fwd[k - 1] += link.transfer_s(int(nbytes))
             if t.requires_grad:
                 sends_bwd[k] += link.transfer_s(int(nbytes))
+    fixed = stage_fixed_s(table, cluster, shape)
     for k in range(V):
         nodes = tuple(n for b in members[k] for n in blocks.blocks[b].nodes)
-        # the runtime's host work per micro-batch and pass (StageProblem.stage_overhead)
-        overhead = cluster.device.microbatch_overhead_s
+        # runtime host work per pass, the loss on the last stage (StageProblem.stage_fixed)
         work = sum(blocks.blocks[b].forward.at(m) for b in members[k])
-        fwd = overhead + work
-        bwd = overhead + sum(blocks.blocks[b].backward.at(m) for b in members[k]) + (
+        fwd = fixed[k][0] + work
+        bwd = fixed[k][1] + sum(blocks.blocks[b].backward.at(m) for b in members[k]) + (
             work if ckpt else 0.0)
         params = tuple(dict.fromkeys(p for b in members[k] for p in blocks.blocks[b].params
                                      if graph.param(p).kind == "parameter"))
@@ -600,7 +608,9 @@ def build_partition(problem: StageProblem, assignment: Sequence[int], global_bat
     allreduce, step = _sync_times(problem, assignment)
     pipeline = PipelineSpec(schedule=shape.schedule, num_ranks=S,
                             num_microbatches=shape.num_microbatches, stages=tuple(timings),
-                            allreduce_s=tuple(allreduce), optimizer_s=tuple(step))
+                            allreduce_s=tuple(allreduce), optimizer_s=tuple(step),
+                            tied=_tied_syncs(problem, assignment), host_sends=cluster.host_sends,
+                            core_sharing=shape.core_sharing(cluster))
     simulation = simulate(pipeline)
     return Partition(model=graph.model_name, graph_hash=graph.content_hash(), cluster=cluster.name,
                      num_devices=cluster.num_devices, global_batch_size=global_batch,
@@ -626,6 +636,23 @@ def _sync_times(problem: StageProblem, assignment: Sequence[int]) -> tuple[list[
                          if shape.replicas > 1 else 0.0)
         step.append(sum(moved for _, moved in sizes) / problem.cluster.device.bytes_per_s())
     return allreduce, step
+
+
+def _tied_syncs(problem: StageProblem, assignment: Sequence[int]) -> tuple[TiedSync, ...]:
+    """The gradient sums of trainable parameters held by two or more pipeline ranks, in the
+    order launch runs them (by name): an all-reduce of the gradient over those ranks' devices
+    (replica 0's; every replica has the same layout)."""
+    shape = problem.shape
+    graph = problem.table.graph
+    syncs = []
+    for p in problem.shared:  # sorted by name
+        ranks = tuple(sorted({assignment[b] % shape.stages for b in p.blocks}))
+        grad_bytes, _ = sync_bytes(graph.param(p.name), problem.training)
+        if len(ranks) < 2 or not grad_bytes:
+            continue
+        devices = tuple(shape.device(rank, 0) for rank in ranks)
+        syncs.append(TiedSync(ranks, problem.cluster.allreduce_s(grad_bytes, devices)))
+    return tuple(syncs)
 
 
 def _outer_modules(blocks: BlockGraph, members: list[int]) -> tuple[str, ...]:

@@ -15,8 +15,16 @@ Each rank runs its actions strictly in the order torch.distributed.pipelining's 
 Timing model: F(k, i) starts once its rank is free and F(k-1, i) has finished plus stage k-1's
 `send_forward_s`; B(k, i) once its rank is free, F(k, i) is done and B(k+1, i) has finished plus
 stage k+1's `send_backward_s` (for the last virtual stage, once its own forward is done).
-Transfers delay the dependency only: they are asynchronous p2p and occupy neither rank. After its
-last backward a rank runs its data-parallel gradient all-reduce, then its optimizer step. The
+Transfers delay the dependency only: they are asynchronous p2p and occupy neither rank; with
+`host_sends` (gloo, which copies a send on the sender's thread) a send instead occupies its sender
+right after the forward or backward that produced it, and the receiver may start once that copy
+ends (the action's event covers both). Where several devices share a core (`core_sharing`: a
+CPU node with more gloo processes than cores, each pinned to core local_rank % cores), a rank's
+action progresses at 1/k of its speed while k of the core's ranks are busy (processor sharing:
+`_run_shared`); the rest of the model is unchanged. After its
+last backward a rank runs its data-parallel gradient all-reduce, then the gradient sums of the
+parameters it shares with other ranks (tied weights, `TiedSync`, in order: each one starts when
+the last of its ranks gets there, a synchronisation point), then its optimizer step. The
 simulator is pure Python with no torch import, so the partition solver can call it in a loop.
 
 docs/simulator.md describes the model, its assumptions and the output format.
@@ -35,7 +43,7 @@ Action = tuple[str, int, int]
 """One compute action: ("F" or "B", virtual stage, micro-batch)."""
 
 # Event kinds in the order their events sort when they start at the same time on the same rank.
-_KINDS = ("forward", "backward", "allreduce", "optimizer")
+_KINDS = ("forward", "backward", "allreduce", "tied", "optimizer")
 _KIND_RANK = {kind: position for position, kind in enumerate(_KINDS)}
 
 
@@ -81,11 +89,30 @@ class StageTiming:
 
 
 @dataclass(frozen=True)
+class TiedSync:
+    """A parameter several pipeline ranks hold (a tied weight): after their backwards and
+    gradient all-reduces, each of `ranks` waits for the others, then they all-reduce its
+    gradient, taking `seconds`."""
+
+    ranks: tuple[int, ...]
+    seconds: float
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.ranks, tuple) or len(self.ranks) < 2 or len(set(self.ranks)) != \
+                len(self.ranks):
+            raise ValueError(f"a tied sync needs two or more distinct ranks, got {self.ranks!r}")
+        for rank in self.ranks:
+            _check_count("tied rank", rank, 0)
+        _check_time("seconds", self.seconds)
+
+
+@dataclass(frozen=True)
 class PipelineSpec:
     """What to simulate: a schedule, the pipeline shape and every virtual stage's costs.
 
     `chunks` (virtual stages per rank) is derived: len(stages) // num_ranks. `allreduce_s` and
-    `optimizer_s` are per rank; empty means zero.
+    `optimizer_s` are per rank; empty means zero. `tied` are the cross-rank gradient sums, in
+    the order the ranks run them.
     """
 
     schedule: Schedule
@@ -94,6 +121,11 @@ class PipelineSpec:
     stages: tuple[StageTiming, ...]
     allreduce_s: tuple[float, ...] = ()
     optimizer_s: tuple[float, ...] = ()
+    tied: tuple[TiedSync, ...] = ()
+    host_sends: bool = False  # sends occupy the sender for their transfer (gloo)
+    # per rank, the pipeline ranks whose devices share its core, itself included (a rank appears
+    # once per replica on that core: replicas run in lockstep); empty: every rank has its own
+    core_sharing: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.stages, tuple) or not all(
@@ -112,6 +144,24 @@ class PipelineSpec:
                                  f"or empty, got {values!r}")
             for rank, value in enumerate(values):
                 _check_time(f"{name}[{rank}]", value)
+        if not isinstance(self.tied, tuple) or not all(isinstance(t, TiedSync)
+                                                       for t in self.tied):
+            raise ValueError("tied must be a tuple of TiedSync")
+        for sync in self.tied:
+            if max(sync.ranks) >= self.num_ranks:
+                raise ValueError(f"tied sync ranks {sync.ranks} outside 0..{self.num_ranks - 1}")
+        if self.core_sharing:
+            if len(self.core_sharing) != self.num_ranks or any(
+                    rank not in group or not all(isinstance(r, int) and 0 <= r < self.num_ranks
+                                                 for r in group)
+                    for rank, group in enumerate(self.core_sharing)):
+                raise ValueError("core_sharing must hold, per rank, the ranks sharing its core "
+                                 f"(itself included), got {self.core_sharing!r}")
+
+    @property
+    def shares_cores(self) -> bool:
+        """Whether some core runs more than one busy rank at a time."""
+        return any(len(group) > 1 for group in self.core_sharing)
 
     @property
     def chunks(self) -> int:
@@ -360,7 +410,8 @@ def _simulate(spec: PipelineSpec, order: Sequence[Sequence[Action]] | None) -> S
     vm = v * m
     programs = [[(0 if kind == "F" else vm) + stage * m + mb for kind, stage, mb in ops]
                 for ops in orders]
-    start_of, finish, position = _run(spec, programs)
+    run = _run_shared if spec.shares_cores else _run
+    start_of, finish, position = run(spec, programs)
     stuck = [rank for rank in range(s) if position[rank] < len(orders[rank])]
     if stuck:
         raise _deadlock(orders, position, stuck)
@@ -372,16 +423,8 @@ def _run(spec: PipelineSpec, programs: list[list[int]]
     """Run every rank's program as early as its dependencies allow: (start time, finish time) per
     action (NaN for actions that never ran) and how far each rank got."""
     s, v, m = spec.num_ranks, spec.num_stages, spec.num_microbatches
-    stages = spec.stages
     vm = v * m
-    forward_s = [stage.forward_s for stage in stages]
-    backward_s = [stage.backward_s for stage in stages]
-    # Delay from the end of F(k, i) to the earliest start of F(k + 1, i), and from the end of
-    # B(k, i) to B(k - 1, i); zero between stages on one rank (torch passes those locally).
-    forward_delay = [stage.send_forward_s if k < v - 1 and (k + 1) % s != k % s else 0.0
-                     for k, stage in enumerate(stages)]
-    backward_delay = [stage.send_backward_s if k > 0 and (k - 1) % s != k % s else 0.0
-                      for k, stage in enumerate(stages)]
+    forward_s, backward_s, forward_delay, backward_delay = _durations(spec)
     finish = [math.nan] * (2 * vm)
     start_of = [math.nan] * (2 * vm)
     # Ranks blocked on an action, by its index: woken when it finishes, so every rank's next
@@ -443,6 +486,96 @@ def _run(spec: PipelineSpec, programs: list[list[int]]
     return start_of, finish, position
 
 
+def _run_shared(spec: PipelineSpec, programs: list[list[int]]
+                ) -> tuple[list[float], list[float], list[int]]:
+    """`_run` with ranks sharing cores (`PipelineSpec.core_sharing`): an event-driven replay in
+    time order in which each running action advances at 1 / (busy ranks on its core) of its
+    speed, re-rated whenever an action starts or ends."""
+    s, v, m = spec.num_ranks, spec.num_stages, spec.num_microbatches
+    vm = v * m
+    forward_s, backward_s, forward_delay, backward_delay = _durations(spec)
+    finish = [math.nan] * (2 * vm)
+    start_of = [math.nan] * (2 * vm)
+    position = [0] * s
+    running = [False] * s
+    left = [0.0] * s  # seconds of its own (unshared) work the running action still needs
+    sharing = spec.core_sharing
+
+    def ready_at(rank: int) -> float | None:
+        """When the rank's next action may start: None while a dependency has not run or when
+        the rank is done."""
+        if position[rank] >= len(programs[rank]):
+            return None
+        action = programs[rank][position[rank]]
+        if action < vm:
+            stage = action // m
+            if stage == 0:
+                return 0.0
+            done = finish[action - m]
+            return None if done != done else done + forward_delay[stage - 1]
+        stage = (action - vm) // m
+        own = finish[action - vm]
+        if own != own:
+            return None
+        if stage == v - 1:
+            return own
+        after = finish[action + m]
+        return None if after != after else max(own, after + backward_delay[stage + 1])
+
+    now = 0.0
+    while True:
+        for rank in range(s):
+            if not running[rank]:
+                at = ready_at(rank)
+                if at is not None and at <= now:
+                    action = programs[rank][position[rank]]
+                    start_of[action] = now
+                    running[rank] = True
+                    left[rank] = forward_s[action // m] if action < vm else \
+                        backward_s[(action - vm) // m]
+        busy = [rank for rank in range(s) if running[rank]]
+        waiting = [at for rank in range(s) if not running[rank]
+                   for at in (ready_at(rank),) if at is not None]
+        if not busy:
+            if not waiting:
+                return start_of, finish, position
+            now = min(waiting)
+            continue
+        rate = {rank: 1.0 / sum(1 for other in sharing[rank] if running[other])
+                for rank in busy}
+        step = min(left[rank] / rate[rank] for rank in busy)
+        later = [at - now for at in waiting if at > now]
+        if later and min(later) < step:
+            step = min(later)
+        now += step
+        for rank in busy:
+            left[rank] -= step * rate[rank]
+            if left[rank] <= 1e-12:
+                action = programs[rank][position[rank]]
+                finish[action] = now
+                position[rank] += 1
+                running[rank] = False
+
+
+def _durations(spec: PipelineSpec) -> tuple[list[float], list[float], list[float], list[float]]:
+    """Per virtual stage: how long a forward and a backward occupy its rank, and the delay from
+    their end to the earliest start of the dependent action on the next (forward) or previous
+    (backward) stage. A transfer between stages of one rank costs nothing (torch passes it
+    locally); otherwise it is the delay, or with `host_sends` part of the sender's action."""
+    s, v = spec.num_ranks, spec.num_stages
+    stages = spec.stages
+    send_fwd = [st.send_forward_s if k < v - 1 and (k + 1) % s != k % s else 0.0
+                for k, st in enumerate(stages)]
+    send_bwd = [st.send_backward_s if k > 0 and (k - 1) % s != k % s else 0.0
+                for k, st in enumerate(stages)]
+    if spec.host_sends:
+        return ([st.forward_s + x for st, x in zip(stages, send_fwd, strict=True)],
+                [st.backward_s + x for st, x in zip(stages, send_bwd, strict=True)],
+                [0.0] * v, [0.0] * v)
+    return ([st.forward_s for st in stages], [st.backward_s for st in stages], send_fwd,
+            send_bwd)
+
+
 def _deadlock(orders: list[list[Action]], position: list[int], stuck: list[int]) -> ValueError:
     details = []
     for rank in stuck[:8]:
@@ -455,12 +588,11 @@ def _deadlock(orders: list[list[Action]], position: list[int], stuck: list[int])
 def _replay(spec: PipelineSpec, programs: list[list[int]], start_of: list[float],
             finish: list[float]) -> Simulation:
     """The Simulation of a completed run: events, busy time, memory over time and the iteration
-    (each rank's all-reduce and optimizer step after its last backward)."""
+    (each rank's all-reduce, tied-gradient sums and optimizer step after its last backward)."""
     s, v, m = spec.num_ranks, spec.num_stages, spec.num_microbatches
     stages = spec.stages
     vm = v * m
-    forward_s = [stage.forward_s for stage in stages]
-    backward_s = [stage.backward_s for stage in stages]
+    forward_s, backward_s, _, _ = _durations(spec)
     allreduce = spec.allreduce_s or (0.0,) * s
     optimizer = spec.optimizer_s or (0.0,) * s
     events: list[Event] = []
@@ -469,6 +601,7 @@ def _replay(spec: PipelineSpec, programs: list[list[int]], start_of: list[float]
     timelines: list[tuple[tuple[float, float], ...]] = []
     last_backward = 0.0
     iteration = 0.0
+    reduced = [0.0] * s  # per rank: when its data-parallel all-reduce ends
     activation = [stage.activation_bytes for stage in stages]
     for rank in range(s):
         static = sum(stages[k].static_bytes for k in range(rank, v, s))
@@ -498,15 +631,23 @@ def _replay(spec: PipelineSpec, programs: list[list[int]], start_of: list[float]
                 steps.append((end, static + held))
             events.append(Event(rank, stage, mb, kind, start, end))
         last_backward = max(last_backward, end)
-        reduce_end = end + allreduce[rank]
-        step_end = reduce_end + optimizer[rank]
-        events.append(Event(rank, -1, -1, "allreduce", end, reduce_end))
-        events.append(Event(rank, -1, -1, "optimizer", reduce_end, step_end))
-        iteration = max(iteration, step_end)
+        reduced[rank] = end + allreduce[rank]
+        events.append(Event(rank, -1, -1, "allreduce", end, reduced[rank]))
         busy.append(rank_busy)
         peaks.append(static + most)
         timelines.append(tuple(steps))
 
+    # Tied gradients: each sum waits for the last of its ranks, then all of them reduce it.
+    ready = list(reduced)
+    for sync in spec.tied:
+        start = max(ready[rank] for rank in sync.ranks)
+        for rank in sync.ranks:
+            events.append(Event(rank, -1, -1, "tied", ready[rank], start + sync.seconds))
+            ready[rank] = start + sync.seconds
+    for rank in range(s):
+        step_end = ready[rank] + optimizer[rank]
+        events.append(Event(rank, -1, -1, "optimizer", ready[rank], step_end))
+        iteration = max(iteration, step_end)
     events.sort(key=lambda e: (e.start_s, e.rank, e.end_s, _KIND_RANK[e.kind], e.stage,
                                e.microbatch))
     bubble = 1.0 - sum(busy) / (s * last_backward) if last_backward > 0 else 0.0

@@ -11,7 +11,8 @@ can be compared exactly.
 Objective (docs/solver.md derives it), with V = S*v virtual stages, virtual stage k on rank k % S:
 
     t_k  = compute of its blocks (forward + backward [+ forward again under checkpointing])
-           + the runtime's fixed host work per micro-batch (stage_overhead)
+           + its fixed work per micro-batch (stage_fixed[k]: the runtime's host work, and the
+             loss function's forward and backward on the last virtual stage)
            + transfer time of what it receives: activations crossing boundary k (forward) and
              gradients crossing boundary k+1 (backward)
     T_d  = sum of t_k over the virtual stages of rank d
@@ -118,6 +119,19 @@ class PipelineShape:
         return [None] + [cluster.link(self.device((k - 1) % S, 0), self.device(k % S, 0))
                          for k in range(1, self.virtual_stages)]
 
+    def core_sharing(self, cluster: ClusterSpec) -> tuple[tuple[int, ...], ...]:
+        """Per pipeline rank, the pipeline ranks (once per device, so once per replica) whose
+        devices share the core its replica-0 device runs on, itself included; () when every
+        device has its own core (`PipelineSpec.core_sharing`)."""
+        if cluster.devices_per_core <= 1:
+            return ()
+        on_core: dict[tuple[int, int], list[int]] = {}
+        for rank in range(self.stages):
+            for replica in range(self.replicas):
+                on_core.setdefault(cluster.core_of(self.device(rank, replica)), []).append(rank)
+        return tuple(tuple(sorted(on_core[cluster.core_of(self.device(rank, 0))]))
+                     for rank in range(self.stages))
+
     def label(self) -> str:
         parts = [f"S{self.stages}xR{self.replicas}", f"M{self.num_microbatches}",
                  f"m{self.microbatch_size}", self.schedule + (f"x{self.chunks}" if self.chunks > 1
@@ -137,8 +151,13 @@ class CrossingTensor:
     producer: int
     consumers: tuple[int, ...]
     is_output: bool
-    forward: tuple[int, ...]  # per boundary k (index 0 unused): activation transfer time
-    backward: tuple[int, ...]  # per boundary k (index 0 unused): gradient transfer time
+    # Per boundary k (index 0 unused): the transfer time units the stage after the boundary (k)
+    # and the stage before it (k - 1) pay when the tensor crosses it. Where sends are
+    # asynchronous (NCCL) each pays for what it receives: the activation is `after`'s, the
+    # gradient `before`'s; where the sending process copies the data itself (gloo) each pays
+    # for what it sends: the activation is `before`'s, the gradient `after`'s.
+    after: tuple[int, ...]
+    before: tuple[int, ...]
     size: int  # memory units per micro-batch
     grad_size: int  # memory units of its gradient per micro-batch (0: no gradient)
 
@@ -185,9 +204,10 @@ class StageProblem:
     inputs: int  # units of the input micro-batches the first rank holds
     capacity: int  # usable memory units per device
     corrections: list[int] = field(default_factory=list)  # per rank, memory units
-    # time units every virtual stage pays per micro-batch whatever its blocks: the pipelining
-    # runtime's host work for one forward and one backward (DeviceSpec.microbatch_overhead_s)
-    stage_overhead: int = 0
+    # per virtual stage, time units it pays per micro-batch whatever its blocks: the pipelining
+    # runtime's host work for one forward and one backward (DeviceSpec.microbatch_overhead_s),
+    # and on the last one the loss function's forward and backward (CostTable.loss)
+    stage_fixed: list[int] = field(default_factory=list)
 
     # ---- construction ----------------------------------------------------------------------
     @classmethod
@@ -233,7 +253,8 @@ class StageProblem:
                                     for d in range(S)],
                    keep_coef=[in_flight[d] / shape.chunks for d in range(S)], loss=loss,
                    inputs=inputs, capacity=usable // units.memory_bytes, corrections=[0] * S,
-                   stage_overhead=units.time(2 * cluster.device.microbatch_overhead_s))
+                   stage_fixed=[units.time(f + b)
+                                for f, b in stage_fixed_s(table, cluster, shape)])
 
     # ---- evaluation of an assignment ---------------------------------------------------------
     @property
@@ -253,16 +274,14 @@ class StageProblem:
 
     def stage_times(self, assignment: Sequence[int]) -> list[int]:
         """t_k in time units for every virtual stage."""
-        V = self.shape.virtual_stages
-        t = [self.stage_overhead] * V
+        t = list(self.stage_fixed)
         for b, k in enumerate(assignment):
             t[k] += self.compute[b]
         for tensor in self.tensors:
             for k in self.crossings(assignment, tensor):
-                # Counted once, on the receiver: torch's isend does not block the sender, the
-                # receiver waits for the data.
-                t[k] += tensor.forward[k]
-                t[k - 1] += tensor.backward[k]
+                # Counted once, on the stage that waits for it (CrossingTensor)
+                t[k] += tensor.after[k]
+                t[k - 1] += tensor.before[k]
         return t
 
     def rank_sync(self, assignment: Sequence[int]) -> list[int]:
@@ -360,6 +379,20 @@ class StageProblem:
         if len(set(assignment)) != V:
             return False
         return all(assignment[u] <= assignment[v] for u, v in self.blocks.edges)
+
+
+def stage_fixed_s(table: CostTable, cluster: ClusterSpec,
+                  shape: PipelineShape) -> list[tuple[float, float]]:
+    """Per virtual stage, the (forward, backward) seconds it spends per micro-batch whatever
+    blocks it holds: the pipelining runtime's host work per pass
+    (DeviceSpec.microbatch_overhead_s) and, on the last virtual stage, the loss function
+    (CostTable.loss, outside the graph: run on the stage's outputs)."""
+    m = shape.microbatch_size
+    overhead = cluster.device.microbatch_overhead_s
+    fixed = [(overhead, overhead) for _ in range(shape.virtual_stages)]
+    fwd, bwd = fixed[-1]
+    fixed[-1] = (fwd + table.loss.forward.at(m), bwd + table.loss.backward.at(m))
+    return fixed
 
 
 @dataclass(frozen=True)
@@ -462,7 +495,8 @@ class _BlockTerms:
 def _crossing_tensors(blocks: BlockGraph, graph: OpGraph, shape: PipelineShape,
                       cluster: ClusterSpec, bf16: bool, units: _Units) -> list[CrossingTensor]:
     """The block graph's tensors with their transfer time at every boundary k on the link
-    between ranks (k-1) % S and k % S, and their memory per micro-batch."""
+    between ranks (k-1) % S and k % S, put on the stage that waits for it (CrossingTensor), and
+    their memory per micro-batch."""
     m = shape.microbatch_size
     links = shape.boundary_links(cluster)
     tensors: list[CrossingTensor] = []
@@ -472,9 +506,10 @@ def _crossing_tensors(blocks: BlockGraph, graph: OpGraph, shape: PipelineShape,
         hops = [link for link in links[1:] if link is not None]
         forward = tuple([0] + [units.time(link.transfer_s(int(nbytes))) for link in hops])
         backward = tuple([0] + [units.time(link.transfer_s(int(grad))) for link in hops])
+        after, before = (backward, forward) if cluster.host_sends else (forward, backward)
         tensors.append(CrossingTensor(
             name=t.name, producer=-1 if t.producer is None else t.producer,
-            consumers=t.consumers, is_output=t.is_output, forward=forward, backward=backward,
+            consumers=t.consumers, is_output=t.is_output, after=after, before=before,
             size=units.memory(nbytes), grad_size=units.memory(grad)))
     return _merge_parallel(tensors)
 
@@ -501,8 +536,8 @@ def _merge_parallel(tensors: list[CrossingTensor]) -> list[CrossingTensor]:
             merged[key] = CrossingTensor(
                 name=other.name, producer=t.producer, consumers=t.consumers,
                 is_output=t.is_output,
-                forward=tuple(a + b for a, b in zip(other.forward, t.forward, strict=True)),
-                backward=tuple(a + b for a, b in zip(other.backward, t.backward, strict=True)),
+                after=tuple(a + b for a, b in zip(other.after, t.after, strict=True)),
+                before=tuple(a + b for a, b in zip(other.before, t.before, strict=True)),
                 size=other.size + t.size, grad_size=other.grad_size + t.grad_size)
     return list(merged.values())
 

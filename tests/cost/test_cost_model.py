@@ -11,7 +11,7 @@ import yaml
 from partc.frontend.export import export_program
 from partc.cost.op_classes import op_class
 from partc.cost.roofline import analytic_cost_table, roofline_s
-from partc.cost.table import CostTable, Linear, ProfileFileError, needs_backward
+from partc.cost.table import CostTable, Curve, Linear, ProfileFileError, needs_backward
 from partc.hardware.configs import load_device
 from partc.frontend.model_file import inputs_to_meta
 from partc.cost.activations import saved_activations
@@ -35,6 +35,30 @@ def test_linear_fit() -> None:
     through = Linear.fit([(2, 1.0), (4, 3.0)])
     assert through.fixed == 0.0 and through.at(0) == 0.0 and through.per_sample > 0
     assert Linear(1.0, 2.0).at(3) == 7.0 and Linear(-5.0, 1.0).at(1) == 0.0
+
+
+def test_curve_is_exact_at_its_points_and_linear_between_and_beyond() -> None:
+    c = Curve.through([(64, 10.0), (2, 1.0), (512, 100.0)])
+    assert c.points == ((2.0, 1.0), (64.0, 10.0), (512.0, 100.0))
+    assert [c.at(m) for m in (2, 64, 512)] == [1.0, 10.0, 100.0]
+    assert c.at(33) == pytest.approx(5.5)  # halfway between 2 and 64
+    assert c.at(1024) == pytest.approx(100.0 + 90.0 / 448 * 512)  # the last segment continued
+    assert c.at(0) == pytest.approx(1.0 - 9.0 / 62 * 2)  # the first segment continued
+    assert Curve.through([(2, 1.0), (4, 10.0)]).at(0) == 0.0  # ... never below 0
+    assert Curve.line(1.0, 2.0).at(3) == 7.0 and Curve(((4.0, 8.0),)).at(2) == 4.0
+    assert Curve(()).at(5) == 0.0
+    with pytest.raises(ValueError):
+        Curve.through([(2, 1.0), (2, 2.0)])
+    # measured: repeats are medians, a value below a smaller size's is noise and raised to it
+    assert Curve.measured([(4, 3.0), (2, 5.0), (2, 1.0), (2, 2.0)]).points == ((2.0, 2.0),
+                                                                                 (4.0, 3.0))
+    assert Curve.measured([(2, 5.0), (4, 4.0)]).points == ((2.0, 5.0), (4.0, 5.0))
+    # sums are exact everywhere, also between and beyond the points of either
+    a, b = Curve.through([(2, 1.0), (8, 4.0)]), Curve.line(0.5, 0.25)
+    total = Curve.total([a, b])
+    for m in (0, 1, 2, 3.5, 8, 100):
+        assert total.at(m) == pytest.approx(a.at(m) + b.at(m))
+    assert Curve.through([(2, 1.0), (4, 3.0)]).scaled(2.0).at(3) == pytest.approx(4.0)
 
 
 def test_op_classes() -> None:
@@ -247,7 +271,7 @@ def test_combine_splits_torch_totals_by_onnxruntime_shares(capture_example) -> N
                           node_forward_s={**{n: 2.0 for n in linears}, **{n: 1.0 for n in relus}},
                           unmapped_s=0.0, runs=1)
         measurements.append(_Measurement(batch_size=b, torch=torch_t, ort=ort_t,
-                                         saved={linears[0]: 100 * b}))
+                                         saved={linears[0]: 100 * b}, loss_s=(0.0, 0.0)))
     table = combine(graph, measurements, torch.device("cpu"), ProfileOptions(), use_ort=True)
     assert table.source.calibration["backward_ratios"] == {"linear": 2.0, "relu": 1.0}
     for b in (2, 4):
@@ -257,5 +281,5 @@ def test_combine_splits_torch_totals_by_onnxruntime_shares(capture_example) -> N
         assert table.forward_s(linears[0], b) == pytest.approx(2 * table.forward_s(relus[0], b))
         # backward = forward x kind ratio, rescaled to the measured total
         assert table.backward_s(linears[0], b) == pytest.approx(4 * table.backward_s(relus[0], b))
-    assert table.cost(linears[0]).saved == Linear(0.0, 100.0)
+    assert table.cost(linears[0]).saved == Curve(((2.0, 200.0), (4.0, 400.0)))
     assert {table.cost(n).method for n in linears + relus} == {"onnxruntime"}

@@ -3,6 +3,7 @@ sizes), written atomically, a corrupt entry measured again (real profiling of a 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
 from pathlib import Path
 from typing import Iterator
@@ -101,3 +102,29 @@ def test_each_precision_has_its_own_entry(monkeypatch: pytest.MonkeyPatch,
     assert sorted(tmp_path.iterdir()) == sorted([fp32_path, bf16_path, sizes_path, threads_path])
     _, again, steps = _cached()
     assert again == fp32_path and not steps.measured()
+
+
+def test_a_larger_set_of_sizes_measures_only_the_missing_ones(monkeypatch: pytest.MonkeyPatch,
+                                                              tmp_path: Path) -> None:
+    # compile adds the plan's micro-batch size to a profile (partc.plans.priced_search): the
+    # entry at the other sizes is reused, only the new size is measured, and the merged table is
+    # exact at every measured size
+    monkeypatch.setenv("PARTC_CACHE_DIR", str(tmp_path))
+    first, first_path, _ = _cached(dataclasses.replace(FAST, batch_sizes=(2, 4)))
+    more, path, steps = _cached(dataclasses.replace(FAST, batch_sizes=(2, 4, 16)))
+    assert path != first_path and more.source.batch_sizes == (2, 4, 16)
+    measured = [s for s in steps.steps if s.startswith("torch: ")]
+    assert measured and all("batch 16" in s for s in measured), measured
+    for name, cost in first.nodes.items():  # both as their files hold them
+        for b in (2, 4):
+            assert more.forward_s(name, b) == cost.forward.at(b)
+            assert more.backward_s(name, b) == cost.backward.at(b)
+    assert more.loss.forward.at(2) == first.loss.forward.at(2)
+    # the file holds the three sizes and reads back to the same costs
+    again = CostTable.load(path, more.graph)
+    assert again.source.batch_sizes == (2, 4, 16)
+    assert all(again.forward_s(n, b) == pytest.approx(more.forward_s(n, b), rel=1e-11)
+               for n in more.nodes for b in (2, 4, 16))
+    # and a later ask for those sizes is a plain hit
+    _, _, hit = _cached(dataclasses.replace(FAST, batch_sizes=(2, 4, 16)))
+    assert not hit.measured()

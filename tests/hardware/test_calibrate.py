@@ -232,8 +232,11 @@ def test_calibrate_command_writes_configs_that_compile(tmp_path: Path) -> None:
     assert spec.op_overhead_s > 0
     assert spec.backward_op_overhead_s is not None and spec.backward_op_overhead_s >= 0
     assert cluster.backend == "gloo" and cluster.intra_node.bandwidth > 0
+    # the pipelining runtime's own cost per pass, measured on two pinned gloo processes
+    assert 0 < spec.microbatch_overhead_s < 0.01
     text = device_path.read_text()
     assert "# Eager forward of torch.add" in text and "# Backward through a chain" in text
+    assert "# The pipelining runtime's time per stage forward and backward" in text
     assert not list(out.rglob(".*.tmp"))  # atomic writes leave no temporary files
 
     plan = tmp_path / "plan"

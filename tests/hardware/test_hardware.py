@@ -393,3 +393,49 @@ def test_calibrate_cpu_smoke() -> None:
     assert 1e8 < spec.memory_bandwidth < 1e12
     assert 0 < spec.op_overhead_s < 1e-3
     assert device_from_dict(spec.to_dict(), "calibrated") == spec
+
+
+def test_cores_and_pinning() -> None:
+    """`core_cpus` groups this process's CPUs by physical core; `pin_to_core` binds a process
+    (here a child, so this one stays free) to core i modulo their number; `pinned_to_core`
+    restores the affinity after its block."""
+    import os
+    import subprocess
+    import sys
+
+    from partc.hardware.local import core_cpus, physical_cores, pinned_to_core
+
+    cores = core_cpus()
+    assert len(cores) == physical_cores() >= 1
+    assert set().union(*cores) <= os.sched_getaffinity(0)
+    code = ("import os; from partc.hardware.local import pin_to_core; "
+            "print(sorted(pin_to_core(5)), sorted(os.sched_getaffinity(0)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.split("]")
+    expected = sorted(cores[5 % len(cores)])
+    assert out[0] + "]" == str(expected) and out[1].strip() + "]" == str(expected)
+    before = os.sched_getaffinity(0)
+    with pinned_to_core(0) as cpus:
+        assert cpus is not None and os.sched_getaffinity(0) == set(cpus)
+    assert os.sched_getaffinity(0) == before
+
+
+def test_devices_sharing_cores(tmp_path: Path) -> None:
+    """A CPU cluster with more processes than cores: `cores_per_node` in the config, device i on
+    core i % cores, and the pipeline ranks each core's devices run (the simulator's
+    core_sharing)."""
+    from partc.solve.stage_problem import PipelineShape
+
+    cluster = load_cluster("cpu-4")
+    assert cluster.cores_per_node == 2 and cluster.devices_per_core == 2.0
+    assert cluster.busy_cores_per_node == 2
+    assert [cluster.core_of(i) for i in range(4)] == [(0, 0), (0, 1), (0, 0), (0, 1)]
+    four = PipelineShape(stages=4, replicas=1, num_microbatches=4, microbatch_size=1)
+    assert four.core_sharing(cluster) == ((0, 2), (1, 3), (0, 2), (1, 3))
+    # 2 stages x 2 replicas, stage-major: devices 0, 1 run rank 0, devices 2, 3 rank 1
+    two = PipelineShape(stages=2, replicas=2, num_microbatches=4, microbatch_size=1)
+    assert two.core_sharing(cluster) == ((0, 1), (0, 1))
+    assert four.core_sharing(load_cluster("cpu")) == ()  # a core per device
+    assert cluster_from_dict(cluster.to_dict(), "test") == cluster
+    with pytest.raises(ConfigError, match="cores_per_node"):
+        cluster_from_dict({**cluster.to_dict(), "cores_per_node": 0}, "test")

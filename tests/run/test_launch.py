@@ -321,6 +321,24 @@ def test_rank_layout_of_both_placements(tmp_path: Path) -> None:
         rank_layout(broken)
 
 
+def test_cpu_workers_are_pinned_one_per_core(tmp_path: Path) -> None:
+    """A partc CPU device is one core: each gloo worker runs on core local_rank % cores only (its
+    data-drawing ranks record where they may run)."""
+    from partc.hardware.local import core_cpus
+
+    plan = compile_plan(tmp_path, TEST_MODELS / "affinity_probe.py", 2, 1)
+    probe = tmp_path / "affinity"
+    probe.mkdir()
+    result = subprocess.run([PARTC, "launch", str(plan), "--steps", "2"], capture_output=True,
+                            text=True, cwd=ROOT, timeout=300,
+                            env={**os.environ, "PARTC_AFFINITY_DIR": str(probe)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    cores = core_cpus()
+    for rank in (0, 1):
+        cpus = {int(c) for c in (probe / f"rank{rank}.txt").read_text().split(",")}
+        assert cpus == set(cores[rank % len(cores)]), (rank, cpus, cores)
+
+
 # ---- metrics: what a run measured, per stage -----------------------------------------------------
 
 def test_metrics_per_stage_and_show_beside_the_prediction(tmp_path: Path) -> None:

@@ -401,11 +401,11 @@ def test_communication_of_a_middle_stage() -> None:
     outputs of the in-flight micro-batches unless the stage saves them anyway, and what
     Schedule1F1B's send works keep referenced in the steady state."""
     graph = _two_branch_graph()
-    from partc.cost.table import Linear, NodeCost
+    from partc.cost.table import Curve, NodeCost
 
-    zero = Linear(0.0, 0.0)
+    zero = Curve.line(0.0, 0.0)
     table = CostTable(graph=graph, source=analytic_cost_table(graph, cpu_device()).source,
-                      nodes={n.name: NodeCost(zero, zero, Linear(0.0, 32.0), "analytic")
+                      nodes={n.name: NodeCost(zero, zero, Curve.line(0.0, 32.0), "analytic")
                              for n in graph.nodes})
     tensor = 4 * 8 * 4  # every tensor is [4, 8] float32 at m=4
     kw: dict[str, Any] = dict(microbatch_size=4, stage_index=1, num_stages=3,

@@ -18,7 +18,7 @@ from typing import Sequence
 import jsonschema
 import pytest
 
-from partc.cost.table import CostSource, CostTable, Linear, NodeCost
+from partc.cost.table import CostSource, CostTable, Curve, NodeCost
 from partc.graph.opgraph import GraphOutput, OpGraph, OpNode, Param, TensorSpec
 from partc.hardware.configs import load_cluster
 from partc.options import SearchOptions, Strategy, TrainingConfig
@@ -58,8 +58,8 @@ def chain_table(fwd_ms: Sequence[float], bwd_ms: Sequence[float],
     source = CostSource(kind="analytic", device="cpu", device_kind="cpu", provider="", threads=0,
                         graph_hash=graph.content_hash(), model="synthetic",
                         batch_sizes=(BATCH,))
-    costs = {f"n{i}": NodeCost(Linear(0.0, fwd_ms[i] * 1e-3 / BATCH),
-                               Linear(0.0, bwd_ms[i] * 1e-3 / BATCH), Linear(0.0, 1e3),
+    costs = {f"n{i}": NodeCost(Curve.line(0.0, fwd_ms[i] * 1e-3 / BATCH),
+                               Curve.line(0.0, bwd_ms[i] * 1e-3 / BATCH), Curve.line(0.0, 1e3),
                                "analytic") for i in range(n)}
     return CostTable(graph=graph, source=source, nodes=costs)
 

@@ -22,6 +22,7 @@ from partc.solve.simulator import (
     PipelineSpec,
     Simulation,
     StageTiming,
+    TiedSync,
     action_order,
     simulate,
 )
@@ -307,6 +308,74 @@ def test_allreduce_and_optimizer_follow_the_last_backward() -> None:
                                                 + spec.optimizer_s[r] for r in range(4)))
     # The bubble is about the forward/backward span only.
     assert sim.bubble_fraction == base.bubble_fraction
+
+
+def test_tied_gradients_wait_for_the_last_of_their_ranks() -> None:
+    # Ranks 0 and 3 hold a tied weight (an embedding and its output head): each waits for the
+    # other, then both reduce it; rank 1 and 2 go on to their optimizer step at once.
+    spec = uniform("1f1b", 4, 8, optimizer_s=(0.1, 0.1, 0.1, 0.1),
+                   tied=(TiedSync((0, 3), 0.5),))
+    sim = simulate(spec)
+    base = simulate(uniform("1f1b", 4, 8, optimizer_s=(0.1, 0.1, 0.1, 0.1)))
+    last_b = {r: max(e.end_s for e in base.events if e.rank == r and e.kind == "backward")
+              for r in range(4)}
+    assert last_b[0] > last_b[3]  # under 1F1B the first rank finishes last
+    tied = {e.rank: e for e in sim.events if e.kind == "tied"}
+    assert set(tied) == {0, 3}
+    assert tied[3].start_s == pytest.approx(last_b[3])  # it waits from its own last backward
+    assert tied[0].end_s == tied[3].end_s == pytest.approx(last_b[0] + 0.5)
+    steps = {e.rank: e for e in sim.events if e.kind == "optimizer"}
+    assert steps[3].start_s == pytest.approx(last_b[0] + 0.5)
+    assert steps[1].start_s == pytest.approx(last_b[1])
+    assert sim.iteration_s == pytest.approx(last_b[0] + 0.5 + 0.1)
+    # sums run in order: a second one over ranks 0 and 1 starts after rank 0's first
+    two = simulate(uniform("1f1b", 4, 8, tied=(TiedSync((0, 3), 0.5), TiedSync((0, 1), 0.25))))
+    assert two.iteration_s == pytest.approx(last_b[0] + 0.75)
+    with pytest.raises(ValueError):
+        TiedSync((1,), 0.1)
+    with pytest.raises(ValueError):
+        uniform("1f1b", 2, 4, tied=(TiedSync((0, 2), 0.1),))
+
+
+@pytest.mark.parametrize("m", [2, 3, 8])
+def test_host_sends_occupy_the_sender(m: int) -> None:
+    # gloo copies a send on the sender's thread: the sender is busy for the transfer, and the
+    # receiver can start right after it.
+    tf, tb, c = 1.0, 2.0, 0.5
+    stages = (StageTiming(tf, tb, c, 0.0, 1.0), StageTiming(tf, tb, 0.0, c, 1.0))
+    gpipe = simulate(PipelineSpec("gpipe", 2, m, stages, host_sends=True))
+    # rank 0's forwards take tf + c each; rank 1's backwards tb + c each
+    assert gpipe.busy_s == pytest.approx([m * (tf + c + tb), m * (tf + tb + c)])
+    forwards0 = [e for e in gpipe.events if e.rank == 0 and e.kind == "forward"]
+    assert forwards0[0].end_s == pytest.approx(tf + c)
+    first1 = min(e.start_s for e in gpipe.events if e.rank == 1)
+    assert first1 == pytest.approx(tf + c)  # no delay after the copy
+    # rank 0's forwards and rank 1's backwards are each c longer, and the pipeline is paced by
+    # them: m (tf + c) + tf, then m (tb + c) + tb
+    assert gpipe.iteration_s == pytest.approx((m + 1) * (tf + tb) + 2 * m * c)
+    # a transfer between virtual stages of one rank costs nothing either way
+    local = uniform("interleaved-1f1b", 1, 4, 2, comm=5.0, host_sends=True)
+    assert simulate(local).iteration_s == pytest.approx(2 * 4 * 3.0)
+
+
+def test_ranks_sharing_a_core_share_its_time() -> None:
+    # Two ranks on one core: whenever both compute, each runs at half speed. GPipe on two equal
+    # stages with no transfers: all the work of both ranks, one core's worth at a time.
+    spec = uniform("gpipe", 2, 4, core_sharing=((0, 1), (0, 1)))
+    assert simulate(spec).iteration_s == pytest.approx(2 * 4 * 3.0)
+    assert simulate(uniform("gpipe", 2, 4)).iteration_s == pytest.approx(5 * 3.0)
+    # the busy time is the work, unchanged
+    assert simulate(spec).busy_s == pytest.approx([12.0, 12.0])
+    # four ranks on two cores (0 and 2 on one, 1 and 3 on the other): between the two
+    four = simulate(uniform("1f1b", 4, 8, core_sharing=((0, 2), (1, 3), (0, 2), (1, 3))))
+    alone = simulate(uniform("1f1b", 4, 8))
+    assert alone.iteration_s < four.iteration_s < 2 * alone.iteration_s
+    # a rank with its own core (a singleton group) runs as without sharing
+    own = uniform("1f1b", 3, 6, tf=1.0, tb=2.5, comm=0.3, core_sharing=((0,), (1,), (2,)))
+    assert simulate(own).events == simulate(uniform("1f1b", 3, 6, tf=1.0, tb=2.5,
+                                                    comm=0.3)).events
+    with pytest.raises(ValueError, match="core_sharing"):
+        uniform("1f1b", 2, 4, core_sharing=((1,), (0,)))
 
 
 # -- memory ----------------------------------------------------------------------------------------

@@ -53,8 +53,9 @@ def solve_chain_dp(problem: StageProblem, upper_bound: int | None = None) -> DPR
     saved = prefix(problem.saved)
     trainable = prefix([1 if h else 0 for h in problem.has_trainable])
     sync = [prefix([problem.sync[b][d] for b in range(n)]) for d in range(S)]
-    # Per cut c (between blocks c-1 and c), summed over the tensors crossing it: activation and
-    # gradient transfer time at boundary k, receive memory, and the sender's memory per rank.
+    # Per cut c (between blocks c-1 and c), summed over the tensors crossing it: the transfer
+    # time the stage after boundary k and the one before it pay (CrossingTensor), receive
+    # memory, and the sender's memory per rank.
     xfwd = [[0] * V for _ in range(n + 1)]
     xbwd = [[0] * V for _ in range(n + 1)]
     recv = [0] * (n + 1)
@@ -66,8 +67,8 @@ def solve_chain_dp(problem: StageProblem, upper_bound: int | None = None) -> DPR
         for c in range(lo, hi + 1):
             frow, brow = xfwd[c], xbwd[c]
             for k in range(1, V):
-                frow[k] += t.forward[k]
-                brow[k] += t.backward[k]
+                frow[k] += t.after[k]
+                brow[k] += t.before[k]
             recv[c] += M * t.size
             srow = send[c]
             for d in range(S):
@@ -118,7 +119,7 @@ def solve_chain_dp(problem: StageProblem, upper_bound: int | None = None) -> DPR
                         continue
                 elif st > capacity:
                     break
-                t_k = problem.stage_overhead + comp[j] - comp[i] + (xfwd[i][k] if k > 0 else 0) \
+                t_k = problem.stage_fixed[k] + comp[j] - comp[i] + (xfwd[i][k] if k > 0 else 0) \
                     + (xbwd[j][k + 1] if not last else 0)
                 if exact:
                     has = trainable[j] - trainable[i] > 0

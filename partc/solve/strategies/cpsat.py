@@ -149,16 +149,16 @@ def _build(problem: StageProblem) -> tuple[cp_model.CpModel, list[list[Lit]], cp
     # Times.
     stage_t = []
     for k in range(V):
-        expr = problem.stage_overhead + sum(problem.compute[b] * x(b, k) for b in range(n)
+        expr = problem.stage_fixed[k] + sum(problem.compute[b] * x(b, k) for b in range(n)
                                             if problem.compute[b])
         for t, row in zip(problem.tensors, cross, strict=True):
-            if k >= 1 and t.forward[k]:
-                expr += t.forward[k] * row[k]
-            if k + 1 < V and t.backward[k + 1]:
-                expr += t.backward[k + 1] * row[k + 1]
+            if k >= 1 and t.after[k]:
+                expr += t.after[k] * row[k]
+            if k + 1 < V and t.before[k + 1]:
+                expr += t.before[k + 1] * row[k + 1]
         stage_t.append(expr)
     total_t = sum(stage_t)
-    horizon = (M + 1) * (sum(problem.compute) + sum((max(t.forward) + max(t.backward)) * V
+    horizon = (M + 1) * (sum(problem.compute) + sum((max(t.after) + max(t.before)) * V
                                                       for t in problem.tensors)) * v + 1
     sync_total = sum(max(row) for row in problem.sync) + sum(
         max(p.sync) for p in problem.shared) + max(problem.sync_latency, default=0)

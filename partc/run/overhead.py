@@ -1,0 +1,195 @@
+"""The pipelining runtime's own cost per micro-batch: measured on this machine for
+`partc calibrate`, as `DeviceSpec.microbatch_overhead_s`.
+
+Every forward and backward a pipeline stage runs in `partc launch` goes through more than its
+operators: torch.distributed.pipelining's stage bookkeeping (receive buffers, output checks, the
+saved inputs and outputs, `stage_backward`'s gradient plumbing), partc's wrappers (precision,
+contiguous outputs) and the call into the TorchScript stage. On a large stage this is noise; on a
+stage of a few milliseconds it is a tenth of the time (measured on this repository's 2-core CPU:
+0.1-0.35 ms per pass on 2-4 ms MLP stages).
+
+`measure_microbatch_overhead` runs the real thing on two processes of this machine (gloo on the
+CPU, each pinned to its core as launch pins its workers; NCCL on two GPUs): a two-stage
+Schedule1F1B pipeline over TimedStage (partc.run.stage_runner, what launch times) of a small
+TorchScript stage, and takes the time TimedStage measures per forward and backward minus the
+stage module's own time for the same pass run alone. The result is the mean of the two passes
+and the two stages: the solver adds it to every stage's forward and backward.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from partc.errors import PartcError
+from partc.hardware.calibration import CalibrationResult
+
+WIDTH = 64  # features of the small stage's layers
+MICROBATCH = 32  # samples per micro-batch
+MICROBATCHES = 16  # per step
+STEPS = 12  # timed steps, after two warm-up steps
+
+
+class OverheadError(PartcError):
+    """The runtime overhead cannot be measured here (too few GPUs, a failed worker)."""
+
+
+@dataclass(frozen=True)
+class PipelineOverhead:
+    """What `measure_microbatch_overhead` found (seconds)."""
+
+    microbatch_overhead_s: float  # the mean of the four below: what the device config takes
+    forward_s: tuple[float, float]  # per stage: runtime time per forward beyond the module's
+    backward_s: tuple[float, float]  # per stage: the same for a backward
+
+    def measurements(self) -> dict[str, float]:
+        """The raw numbers, for the device config's comments."""
+        return {"pipeline_forward_overhead_s": statistics.mean(self.forward_s),
+                "pipeline_backward_overhead_s": statistics.mean(self.backward_s)}
+
+
+def measure_microbatch_overhead(device: str = "cpu") -> PipelineOverhead:
+    """Measure the runtime's overhead per pass on `device` ("cpu" or "cuda[:N]", which needs two
+    GPUs); see the module docstring. Takes a few seconds."""
+    import torch.multiprocessing as mp
+
+    kind = "cuda" if device.startswith("cuda") else "cpu"
+    if kind == "cuda" and torch.cuda.device_count() < 2:
+        raise OverheadError("measuring the pipeline runtime on CUDA needs two GPUs",
+                            hint="run partc calibrate on a machine with 2+ GPUs")
+    with tempfile.TemporaryDirectory(prefix="partc-overhead-") as tmp:
+        out = os.path.join(tmp, "overhead.json")
+        try:
+            mp.spawn(_worker, args=(kind, _free_port(), out), nprocs=2, join=True)
+        except Exception as exc:  # a worker's failure: one line
+            raise OverheadError(f"the pipeline overhead measurement failed: "
+                                f"{str(exc).strip().splitlines()[-1]}",
+                                hint="rerun partc calibrate with --debug") from exc
+        found = json.loads(Path(out).read_text())
+    fwd = (found["0"]["forward_s"], found["1"]["forward_s"])
+    bwd = (found["0"]["backward_s"], found["1"]["backward_s"])
+    return PipelineOverhead(microbatch_overhead_s=statistics.mean([*fwd, *bwd]),
+                            forward_s=fwd, backward_s=bwd)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _stage_module(seed: int) -> torch.jit.ScriptModule:
+    torch.manual_seed(seed)
+    module = torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU(),
+                                 torch.nn.Linear(WIDTH, WIDTH))
+    return torch.jit.trace(module, (torch.randn(MICROBATCH, WIDTH),))
+
+
+def _alone_s(module: torch.nn.Module, device: torch.device, first: bool) -> tuple[float, float]:
+    """The module's own forward and backward time for one micro-batch, medians."""
+    from partc.run.stage_runner import synced_clock
+
+    x = torch.randn(MICROBATCH, WIDTH, device=device, requires_grad=not first)
+    fwd, bwd = [], []
+    for i in range(40):
+        start = synced_clock(device)
+        y = module(x)
+        mid = synced_clock(device)
+        y.backward(torch.ones_like(y))
+        end = synced_clock(device)
+        if i >= 10:
+            fwd.append(mid - start)
+            bwd.append(end - mid)
+    module.zero_grad(set_to_none=True)
+    return statistics.median(fwd), statistics.median(bwd)
+
+
+def _worker(rank: int, kind: str, port: int, out: str) -> None:
+    """One of the two pipeline processes; rank 0 writes both ranks' overheads to `out`."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import Schedule1F1B
+
+    from partc.hardware.local import pin_to_core
+    from partc.run.stage_runner import StageRunner, TimedStage
+
+    torch.set_num_threads(1)
+    if kind == "cuda":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        pin_to_core(rank)
+        backend = "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    try:
+        with torch.jit.optimized_execution(False):
+            module = _stage_module(rank).to(device).train()
+            alone = _alone_s(module, device, first=rank == 0)
+            last = rank == 1
+            runner: torch.nn.Module = module if last else StageRunner(
+                module, device, bf16=False, checkpointing=False, last=False)
+            shape = (MICROBATCH, WIDTH)
+            pipe = TimedStage(runner, rank, 2, device,
+                              input_args=(torch.empty(shape, device=device,
+                                                      requires_grad=rank > 0),),
+                              output_args=(torch.empty(shape, device=device,
+                                                       requires_grad=True),))
+            schedule = Schedule1F1B(pipe, MICROBATCHES, loss_fn=_loss)
+            batch = torch.randn(MICROBATCH * MICROBATCHES, WIDTH, device=device)
+            target = torch.zeros(MICROBATCH * MICROBATCHES, device=device)
+            fwd = bwd = 0.0
+            for step in range(STEPS + 2):
+                pipe.forward_s = pipe.backward_s = 0.0
+                if rank == 0:
+                    schedule.step(batch)
+                else:
+                    schedule.step(target=target)
+                module.zero_grad(set_to_none=True)
+                if step >= 2:
+                    fwd += pipe.forward_s
+                    bwd += pipe.backward_s
+        passes = STEPS * MICROBATCHES
+        mine = torch.tensor([max(0.0, fwd / passes - alone[0]),
+                             max(0.0, bwd / passes - alone[1])], dtype=torch.float64,
+                            device=device)
+        every = [torch.zeros(2, dtype=torch.float64, device=device) for _ in range(2)]
+        dist.all_gather(every, mine)
+        if rank == 0:
+            Path(out).write_text(json.dumps({
+                str(r): {"forward_s": float(t[0]), "backward_s": float(t[1])}
+                for r, t in enumerate(every)}))
+    finally:
+        dist.destroy_process_group()
+
+
+def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return output.float().mean() + 0.0 * target.sum()
+
+
+def calibrate_machine(out_dir: str | Path, device: str = "cpu", *, name: str | None = None,
+                      threads: int = 1, seconds: float = 20.0, measure_link: bool = True,
+                      command: str | None = None) -> CalibrationResult:
+    """`partc calibrate`: the device and link measurements (partc.hardware.calibration.calibrate)
+    with the pipelining runtime's overhead measured here, where two processes (or two GPUs) can
+    run a pipeline; without them (one GPU) the device config has no `microbatch_overhead_s`."""
+    from partc.hardware.calibration import calibrate, parse_calibration_device
+
+    kind = parse_calibration_device(device)  # a bad --device fails before anything runs
+    runtime = None
+    if measure_link and (kind == "cpu" or torch.cuda.device_count() >= 2):
+        found = measure_microbatch_overhead(kind)
+        runtime = (found.microbatch_overhead_s, found.measurements())
+    return calibrate(out_dir, device, name=name, threads=threads, seconds=seconds,
+                     measure_link=measure_link, command=command, runtime=runtime)
+
+
+__all__ = ["PipelineOverhead", "OverheadError", "calibrate_machine",
+           "measure_microbatch_overhead"]

@@ -1,0 +1,91 @@
+"""What makes measured costs hold in launch: per-node times by the wall clock on the CPU (not the
+profiler's uneven per-event cost), totals of the program as TorchScript runs it, the loss function
+priced on the last stage, and a compile that measures the micro-batch size its plan runs."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from conftest import EXAMPLES, captured
+
+from partc.cost.measured import ProfileOptions, measure_costs
+from partc.cost.roofline import LOSS_OPERATORS, LOSS_PASSES, analytic_cost_table
+from partc.cost.torch_profiler import (
+    flat_inputs,
+    inputs_on,
+    program_module,
+    script_program,
+    time_nodes,
+    to_device,
+)
+from partc.emit.compile import CompileOptions, compile_model
+from partc.hardware.configs import load_cluster, load_device
+from partc.options import SearchOptions
+from partc.plans.plan import load_plan
+from partc.progress import Progress
+from partc.solve.stage_problem import PipelineShape, stage_fixed_s
+
+FAST = ProfileOptions(runs=3, warmup=1, method="torch", batch_sizes=(2, 4))
+CPU = torch.device("cpu")
+
+
+def test_identical_layers_are_timed_alike_on_the_cpu() -> None:
+    # The MLP's four 256x256 layers do the same work: clocked one by one they cost the same
+    # (the profiler's figures for them differed up to 4x and skewed which stage got what).
+    result = captured(EXAMPLES / "mlp.py")
+    module = program_module(result.capture.exported)
+    to_device(module, CPU)
+    inputs = inputs_on(result.capture.model_file.inputs(64), CPU)
+    torch.set_num_threads(1)
+    timing = time_nodes(module, inputs, 64, CPU, warmup=2, runs=7)
+    layers = [n.name for n in result.graph.nodes if n.kind == "linear"][1:5]
+    for per_node in (timing.node_forward_s, timing.node_backward_s):
+        times = [per_node[n] for n in layers]
+        assert max(times) < 1.6 * min(times), times
+    # the totals are the program's as TorchScript, and the nodes share them out
+    assert script_program(module, flat_inputs(module, inputs)) is not None
+    assert timing.model_forward_s > 0 and timing.model_backward_s > 0
+
+
+def test_the_loss_is_measured_and_paid_by_the_last_stage() -> None:
+    result = captured(EXAMPLES / "transformer.py")
+    table = measure_costs(result, CPU, FAST, progress=Progress())
+    # cross-entropy over 1000-way logits of every token: real work, growing with the batch
+    assert 0 < table.loss.forward.at(2) < table.loss.forward.at(4)
+    assert table.loss.backward.at(4) > 0 and table.loss.method == "torch"
+    cluster = load_cluster("cpu")
+    shape = PipelineShape(stages=2, replicas=1, num_microbatches=4, microbatch_size=4)
+    first, last = stage_fixed_s(table, cluster, shape)
+    overhead = cluster.device.microbatch_overhead_s
+    assert first == (overhead, overhead)
+    assert last == pytest.approx((overhead + table.loss.forward.at(4),
+                                  overhead + table.loss.backward.at(4)))
+    # the profile file keeps it
+    assert table.to_dict()["loss"][0] == "torch"
+
+
+def test_the_roofline_prices_the_loss_over_the_outputs() -> None:
+    result = captured(EXAMPLES / "transformer.py")
+    device = load_device("h100-80gb")
+    table = analytic_cost_table(result.graph, device)
+    logits = result.graph.tensor(result.graph.outputs[0].tensor)
+    per_sample = logits.nbytes / result.graph.batch_size  # fp32 already
+    passes = LOSS_PASSES * per_sample / device.bytes_per_s()
+    assert table.loss.forward.at(64) == pytest.approx(
+        max(device.op_overhead_s * LOSS_OPERATORS, 0.0) + 64 * passes, rel=1e-6)
+    assert table.loss.backward.at(64) > 0 and table.loss.method == "analytic"
+
+
+def test_compile_measures_the_micro_batch_size_its_plan_runs(tmp_path: Path) -> None:
+    # measured at the capture batch and a quarter of the global one, at most 32x the capture's
+    # (2 and 64 here), then at the micro-batch the plan picked, which was neither
+    out = tmp_path / "mlp"
+    compile_model(EXAMPLES / "mlp.py", load_cluster("cpu"), out, CompileOptions(
+        batch_size=1024, search=SearchOptions(stages=2, num_microbatches=2)))
+    plan = load_plan(out / "plan.yaml")
+    profile = yaml.safe_load((out / "profile.yaml").read_text())
+    assert plan.microbatch_size == 512
+    assert profile["batch_sizes"] == [2, 64, 512]
+

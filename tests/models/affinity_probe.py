@@ -1,0 +1,32 @@
+"""A small MLP whose batches() records, once, which CPUs the process drawing them may run on
+(in $PARTC_AFFINITY_DIR/rank<RANK>.txt): launch's first and last stages draw the data, so a
+2-stage launch shows where both of its workers were pinned."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.nn as nn
+
+
+def build_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(),
+                         nn.Linear(16, 4))
+
+
+def example_inputs(batch_size: int) -> tuple[torch.Tensor]:
+    return (torch.randn(batch_size, 8),)
+
+
+def batches(batch_size: int) -> Iterator[tuple[tuple[torch.Tensor], torch.Tensor]]:
+    out = os.environ.get("PARTC_AFFINITY_DIR")
+    if out and "RANK" in os.environ:
+        cpus = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+        Path(out, f"rank{os.environ['RANK']}.txt").write_text(cpus)
+    gen = torch.Generator().manual_seed(0)
+    while True:
+        yield (torch.randn(batch_size, 8, generator=gen),), torch.randint(0, 4, (batch_size,),
+                                                                          generator=gen)
