@@ -33,8 +33,9 @@ lint: install
 	$(PY) -m ruff check partc cli
 	$(PY) -m mypy
 
+# -n auto: one pytest worker per core (xdist); each worker measures its own profiles
 test: lint
-	$(PY) -m pytest -m "not slow" -q
+	$(PY) -m pytest -m "not slow" -q -n auto
 
 test-slow: install
 	$(PY) -m pytest -m slow -q

@@ -21,6 +21,13 @@ from partc.frontend.export import Capture, quiet_torch
 from partc.frontend.model_file import Inputs, inputs_to_meta
 
 
+def storage_bytes(tensors: list[Any]) -> int:
+    """Bytes of the distinct storages among `tensors` (views of one storage count once)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in tensors if isinstance(t, torch.Tensor)}
+    return sum(storages.values())
+
+
 @contextlib.contextmanager
 def buffers_restored(module: torch.nn.Module) -> Iterator[None]:
     """Measurements run forward in training mode, which updates buffers in place (batch-norm

@@ -52,6 +52,47 @@ FLOAT32_KINDS = frozenset({
 
 AUTOCAST_DTYPE: dict[str, str] = {"bf16-mixed": "bfloat16"}
 
+# Ops outside both lists whose kernels take float32 parameters beside a lower-precision input and
+# give the input's dtype (mixed-type batch norm), where type promotion would say float32.
+INPUT_DTYPE_KINDS = frozenset({
+    "batch_norm", "native_batch_norm", "_native_batch_norm_legit",
+    "_native_batch_norm_legit_no_training", "_native_batch_norm_legit_functional",
+    "cudnn_batch_norm", "miopen_batch_norm", "instance_norm",
+})
+
+# Ops whose saved tensors are not floating point whatever the compute dtype: dropout keeps a bool
+# mask. (Ops with no floating input, such as embedding lookups, keep integer indices.)
+MASK_KINDS = frozenset({"dropout", "native_dropout", "feature_dropout", "alpha_dropout",
+                        "feature_alpha_dropout"})
+
+
+def keeps_integers(node: OpNode, graph: OpGraph) -> bool:
+    """Whether what the node saves for backward keeps its size under bf16 compute: masks and
+    indices, not floating activations."""
+    if node.kind in MASK_KINDS:
+        return True
+    return not any(graph.tensor(t).dtype in FLOATING_DTYPES for t in node.inputs)
+
+
+def weight_copies_bytes(node: OpNode, graph: OpGraph, precision: Precision,
+                        requires: set[str]) -> float:
+    """Bytes of the low-precision copies of trainable floating weights a node saves for its
+    backward under `precision`'s autocast: a matrix op casts its float32 weight and keeps the
+    copy, to form its input's gradient, until the micro-batch's backward (a fresh copy per
+    micro-batch: autocast's cast cache lives for one forward). None when no activation input
+    needs a gradient (`requires`: the tensors that do), as on the first layer over the data."""
+    low = AUTOCAST_DTYPE.get(precision)
+    if low is None or node.kind not in LOWER_PRECISION_KINDS or \
+            not any(t in requires for t in node.inputs):
+        return 0.0
+    total = 0.0
+    for name in dict.fromkeys(node.params):
+        p = graph.param(name)
+        if p.kind == "parameter" and p.trainable and p.dtype in FLOATING_DTYPES \
+                and p.dtype != low:
+            total += p.numel * dtype_bytes(low)
+    return total
+
 
 @dataclass(frozen=True)
 class NodeCast:
@@ -125,6 +166,9 @@ def autocast_dtypes(graph: OpGraph, precision: Precision) -> AutocastDtypes:
             else:
                 used.append(current)
         widest = _widest(used)
+        if target is None and node.kind in INPUT_DTYPE_KINDS:
+            # the activation's dtype (the first input), whatever the parameters' are
+            widest = _widest(used[:1]) or widest
         out_dtype = target or widest
         captured_widest = _widest([c for _, c, _ in operands])
         captured_out = _widest([t.dtype for t in node.outputs])

@@ -39,7 +39,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
 
-from partc.cost.activations import buffers_restored, saved_activation_bytes
+from partc.cost.activations import buffers_restored, saved_activation_bytes, storage_bytes
 from partc.cost.neighbours import busy_neighbours
 from partc.cost.ort_profiler import (
     OrtTiming,
@@ -193,6 +193,7 @@ class _Measurement:
     ort: OrtTiming | None
     saved: dict[str, int]
     loss_s: tuple[float, float]  # the loss function's (forward, backward)
+    batch_bytes: int = 0  # one batch of batch_size samples as batches() yields it
 
 
 def _measure(result: CaptureResult, b: int, device: torch.device, use_ort: bool,
@@ -212,7 +213,7 @@ def _measure(result: CaptureResult, b: int, device: torch.device, use_ort: bool,
             timing = time_nodes(module, inputs, b, device, warmup=options.warmup,
                                 runs=max(3, options.runs // 2), precision=options.precision)
     with progress.step(f"torch: the loss function at batch {b}"):
-        loss_s = _time_loss(cap.model_file, module, inputs, b, device, options)
+        loss_s, batch_bytes = _time_loss(cap.model_file, module, inputs, b, device, options)
     ort_timing = None
     if use_ort:
         export = _onnx_at(result, b, program, progress)
@@ -240,25 +241,29 @@ def _measure(result: CaptureResult, b: int, device: torch.device, use_ort: bool,
                 del feeds
     del module, inputs
     gc.collect()
-    return _Measurement(batch_size=b, torch=timing, ort=ort_timing, saved=saved, loss_s=loss_s)
+    return _Measurement(batch_size=b, torch=timing, ort=ort_timing, saved=saved, loss_s=loss_s,
+                        batch_bytes=batch_bytes)
 
 
 def _time_loss(model_file: ModelFile, module: torch.fx.GraphModule, inputs: Inputs, b: int,
-               device: torch.device, options: ProfileOptions) -> tuple[float, float]:
+               device: torch.device, options: ProfileOptions
+               ) -> tuple[tuple[float, float], int]:
     """The model file's loss function timed on the program's outputs at batch b, with the
-    target of its first batch of b samples (`ModelFile.data`, synthetic without batches())."""
+    target of its first batch of b samples (`ModelFile.data`, synthetic without batches()); and
+    the bytes of that batch, inputs and target, as the model file yields it."""
     with torch.no_grad(), precision_autocast(options.precision, device.type):
         out = module(*inputs[0], **inputs[1])
     first = next((t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)), None)
     shape = tuple(first.shape) if first is not None else None
     del out
-    _, target = next(iter(model_file.data(b, output_shape=shape)))
+    batch, target = next(iter(model_file.data(b, output_shape=shape)))
+    batch_bytes = storage_bytes(pytree.tree_leaves((batch, target)))
     target = pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t,
                              target)
     try:
         return time_loss(module, inputs, model_file.loss(), target, device,
                          warmup=options.warmup, runs=max(3, options.runs // 2),
-                         precision=options.precision)
+                         precision=options.precision), batch_bytes
     except Exception as exc:  # the user's loss_fn: one line, as verify reports it
         raise ModelFileError(f"loss_fn(output, target) in {model_file.path} raised "
                              f"{summarize_exception(exc)}",
@@ -396,6 +401,7 @@ def combine(graph: OpGraph, measurements: list[_Measurement], device: torch.devi
                     backward=Curve.measured([(m.batch_size, m.loss_s[1]) for m in measurements]),
                     saved=Curve.measured([(m.batch_size, 0.0) for m in measurements]),
                     method="torch")
+    batch_bytes = Curve.measured([(m.batch_size, float(m.batch_bytes)) for m in measurements])
     provider = next((m.ort.provider for m in measurements if m.ort is not None), "")
     source = CostSource(
         kind="measured", device=device_label(device), device_kind=device.type, provider=provider,
@@ -408,7 +414,7 @@ def combine(graph: OpGraph, measurements: list[_Measurement], device: torch.devi
                      **({"busy_neighbours": options.neighbours}
                         if options.neighbours and device.type == "cpu" else {}),
                      **({"fallback": fallback} if fallback else {})})
-    return CostTable(graph=graph, source=source, nodes=nodes, loss=loss)
+    return CostTable(graph=graph, source=source, nodes=nodes, loss=loss, batch_bytes=batch_bytes)
 
 
 def _r(x: float) -> float:

@@ -8,16 +8,24 @@ measurement on meta (partc.cost.activations) when given. docs/cost-model.md writ
 """
 from __future__ import annotations
 
-from partc.cost.autocast import NodeCast, autocast_dtypes, compute_dtype
+from partc.cost.autocast import (
+    NodeCast,
+    autocast_dtypes,
+    compute_dtype,
+    keeps_integers,
+    weight_copies_bytes,
+)
 from partc.cost.op_classes import FREE_KINDS, op_class
 from partc.cost.table import (
     NO_COST,
     ZERO,
     CostSource,
     CostTable,
+    Curve,
     Linear,
     NodeCost,
     needs_backward,
+    requires_grad_tensors,
 )
 from partc.graph.opgraph import FLOATING_DTYPES, OpGraph, OpNode, dtype_bytes
 from partc.hardware.specs import DeviceSpec
@@ -115,6 +123,7 @@ def analytic_cost_table(graph: OpGraph, device: DeviceSpec,
     """
     ratios = {**DEFAULT_BACKWARD_RATIOS, **(backward_ratios or {})}
     differentiable = needs_backward(graph)
+    requires = requires_grad_tensors(graph)
     casts = autocast_dtypes(graph, precision).nodes
     b1 = graph.batch_size
     nodes: dict[str, NodeCost] = {}
@@ -141,6 +150,9 @@ def analytic_cost_table(graph: OpGraph, device: DeviceSpec,
             saved_cost = _output_bytes(node, graph)
         else:
             saved_cost = Linear(0.0, 0.0)
+        if precision != "fp32" and node.name in differentiable:
+            saved_cost = _saved_under(precision, saved_cost, node, graph, casts[node.name],
+                                      requires)
         nodes[node.name] = NodeCost(forward.curve(), backward.curve(), saved_cost.curve(),
                                     "none" if free else "analytic")
     loss = analytic_loss(graph, device)
@@ -153,7 +165,10 @@ def analytic_cost_table(graph: OpGraph, device: DeviceSpec,
                                      else "upper bound: outputs of differentiable nodes",
                                      "loss": f"{LOSS_PASSES} fp32 passes over the floating "
                                              "outputs each way"})
-    return CostTable(graph=graph, source=source, nodes=nodes, loss=loss)
+    inputs = [float(sum(t.nbytes * (b / b1 if t.batch_dim is not None else 1.0)
+                        for t in graph.inputs)) for b in (b1, 2 * b1)]
+    return CostTable(graph=graph, source=source, nodes=nodes, loss=loss,
+                     batch_bytes=Curve.through(list(zip((b1, 2 * b1), inputs, strict=True))))
 
 
 # The loss function is the model file's code, outside the graph: priced as a cross-entropy-like
@@ -191,6 +206,18 @@ def analytic_loss(graph: OpGraph, device: DeviceSpec) -> NodeCost:
         forward = Linear(host + fixed * passes, per_sample * passes)
         backward = Linear(back + fixed * passes, per_sample * passes)
     return NodeCost(forward.curve(), backward.curve(), ZERO, "analytic")
+
+
+def _saved_under(precision: Precision, fp32: Linear, node: OpNode, graph: OpGraph,
+                 cast: NodeCast, requires: set[str]) -> Linear:
+    """A node's saved bytes, counted at the model's dtype, under `precision`'s autocast: its
+    floating tensors in the dtypes autocast gives them (`cast.scale`: a matrix op's bf16 copies,
+    a norm's float32; masks and indices keep their size), plus the copies of its weights
+    autocast keeps for the backward (the tables' saved bytes are at their own precision, as a
+    profile measured under autocast gives them)."""
+    scale = 1.0 if keeps_integers(node, graph) else cast.scale
+    return Linear(fp32.fixed * scale + weight_copies_bytes(node, graph, precision, requires),
+                  fp32.per_sample * scale)
 
 
 def _output_bytes(node: OpNode, graph: OpGraph) -> Linear:

@@ -31,7 +31,8 @@ import yaml
 
 from partc.errors import PartcError
 from partc.files import write_atomic
-from partc.graph.opgraph import INTEGER_DTYPES, OpGraph
+from partc.graph.opgraph import INTEGER_DTYPES, OpGraph, dtype_bytes
+from partc.options import Precision
 
 PROFILE_FORMAT = "partc-profile"
 # 2: the loss function's costs (`loss`), and measurements pinned to a core
@@ -199,6 +200,12 @@ class CostTable:
     # the loss function on the model's outputs, per micro-batch: forward, backward (into the
     # outputs' gradients) and what it keeps for its backward; the last stage runs it
     loss: NodeCost = NO_COST
+    _runtime_dtypes: dict[str, dict[str, str]] = field(default_factory=dict, repr=False,
+                                                        compare=False)
+    # bytes of a batch of m samples as the model file's batches() yields it, inputs and target
+    # (measured; the analytic table knows the graph inputs only): the data a CPU rank that draws
+    # it holds in its own memory
+    batch_bytes: Curve = ZERO
 
     # ---- per node ------------------------------------------------------------------------------
     def cost(self, node: str) -> NodeCost:
@@ -242,6 +249,25 @@ class CostTable:
                 if p.kind != "parameter":
                     seen[p.name] = p.nbytes
         return sum(seen.values())
+
+    def runtime_dtype(self, tensor: str, precision: Precision) -> str:
+        """The dtype `tensor` has when the graph runs under `precision` (autocast's rules,
+        partc.cost.autocast): a bf16-mixed residual stream stays float32, a projection's output
+        is bfloat16."""
+        key = precision
+        if key not in self._runtime_dtypes:
+            from partc.cost.autocast import autocast_dtypes
+
+            self._runtime_dtypes[key] = autocast_dtypes(self.graph, precision).tensors
+        return self._runtime_dtypes[key].get(tensor, self.graph.tensor(tensor).dtype)
+
+    def runtime_bytes(self, tensor: str, m: float, precision: Precision) -> float:
+        """`tensor_bytes` in the dtype the tensor has under `precision` (`runtime_dtype`)."""
+        nbytes = self.tensor_bytes(tensor, m)
+        captured = self.graph.tensor(tensor).dtype
+        runtime = self.runtime_dtype(tensor, precision)
+        return nbytes if runtime == captured else nbytes / dtype_bytes(captured) * \
+            dtype_bytes(runtime)
 
     def tensor_bytes(self, tensor: str, m: float) -> float:
         """Size of a tensor (a node output or graph input) at micro-batch m: what a stage boundary
@@ -289,9 +315,12 @@ class CostTable:
                                     **other.source.calibration.get("measured", {})}}
         source = replace(self.source, batch_sizes=sizes, calibration=calibration)
         names = sorted(set(self.nodes) | set(other.nodes))
+        batch = dict(self.batch_bytes.points)
+        batch.update(other.batch_bytes.points)
         return CostTable(graph=self.graph, source=source,
                          nodes={n: union(self.cost(n), other.cost(n)) for n in names},
-                         loss=union(self.loss, other.loss))
+                         loss=union(self.loss, other.loss),
+                         batch_bytes=Curve.through(sorted(batch.items())))
 
     # ---- files ---------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -303,7 +332,7 @@ class CostTable:
         sizes = self.source.batch_sizes
         written = CostTable(self.graph, self.source, {
             name: _at_sizes(c, sizes) for name, c in sorted(self.nodes.items())},  # file order
-            loss=_at_sizes(self.loss, sizes))
+            loss=_at_sizes(self.loss, sizes), batch_bytes=self.batch_bytes)
         return {
             "format": PROFILE_FORMAT,
             "format_version": PROFILE_VERSION,
@@ -315,6 +344,7 @@ class CostTable:
                          "saved_bytes": int(written.total_saved_bytes(b))}
                 for b in self.source.batch_sizes},
             "loss": _row(written.loss, sizes),
+            "batch_bytes": [int(round(self.batch_bytes.at(b))) for b in sizes],
             "nodes": {name: _row(c, sizes) for name, c in written.nodes.items()},
         }
 
@@ -383,6 +413,10 @@ class CostTable:
             nodes = {str(name): _cost(row, sizes)
                      for name, row in (d.get("nodes") or {}).items()}
             loss = _cost(d["loss"], sizes)
+            batch = [int(x) for x in d["batch_bytes"]]
+            if len(batch) != len(sizes) or min(batch) < 0:
+                raise ValueError(f"batch_bytes must be {len(sizes)} sizes >= 0, got {batch}")
+            batch_bytes = Curve.through(list(zip(sizes, batch, strict=True)))
         # AttributeError: a key of the wrong type (`nodes: [...]`)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ProfileFileError(f"malformed profile {path}: {exc!r}",
@@ -396,7 +430,7 @@ class CostTable:
             raise ProfileFileError(f"profile {path} prices nodes the model does not have: "
                                    f"{', '.join(unknown[:3])}",
                                    hint="re-create it with partc profile")
-        return cls(graph=graph, source=source, nodes=nodes, loss=loss)
+        return cls(graph=graph, source=source, nodes=nodes, loss=loss, batch_bytes=batch_bytes)
 
 
 def _row(c: NodeCost, sizes: Sequence[int]) -> list[Any]:
@@ -442,6 +476,16 @@ def _yaml_loader() -> type:
 def needs_backward(graph: OpGraph) -> set[str]:
     """Nodes autograd will run backward for: those with an input that requires grad (a trainable
     parameter, or a floating tensor downstream of one). Graph inputs do not require grad."""
+    return _requires_grad(graph)[0]
+
+
+def requires_grad_tensors(graph: OpGraph) -> set[str]:
+    """The tensors (node outputs) that require grad: floating outputs of `needs_backward`
+    nodes."""
+    return _requires_grad(graph)[1]
+
+
+def _requires_grad(graph: OpGraph) -> tuple[set[str], set[str]]:
     requires: set[str] = set()  # tensor names
     result: set[str] = set()
     for n in graph.nodes:
@@ -451,7 +495,7 @@ def needs_backward(graph: OpGraph) -> set[str]:
             for t in n.outputs:
                 if t.dtype not in INTEGER_DTYPES:
                     requires.add(t.name)
-    return result
+    return result, requires
 
 
 def format_cost_summary(table: CostTable, top: int = 8) -> str:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import statistics
 import time
 import warnings
@@ -487,14 +488,21 @@ def _clocked_nodes(module: torch.fx.GraphModule, flat: list[Any], batch_size: in
     model_fwd, model_bwd = sum(node_fwd.values()), sum(node_bwd.values())
     scripted = script_program(module, flat)
     if scripted is not None:  # the totals launch's stage files run in
+        # The totals decide every stage's time: timed for at least TOTALS_BUDGET_S (this VM's
+        # run-to-run spread is +-5-15% over a handful of runs; medians of many settle it).
+        reps = max(runs, min(TOTALS_MAX_RUNS, math.ceil(TOTALS_BUDGET_S / max(
+            model_fwd + model_bwd, 1e-6))))
         with torch.jit.optimized_execution(False):
-            model_fwd, model_bwd = time_model(scripted, (tuple(flat), {}), device, warmup, runs,
+            model_fwd, model_bwd = time_model(scripted, (tuple(flat), {}), device, warmup, reps,
                                               precision, cold=True)
     return TorchTiming(batch_size=batch_size, model_forward_s=model_fwd,
                        model_backward_s=model_bwd, node_forward_s=node_fwd,
                        node_backward_s=node_bwd, unattributed_backward_s=0.0,
                        differentiable=frozenset(differentiable), runs=runs)
 
+
+TOTALS_BUDGET_S = 1.0  # the least wall time a CPU profile spends timing a size's totals
+TOTALS_MAX_RUNS = 100
 
 _FLUSH: list[torch.Tensor] = []
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.utils._pytree as pytree
 
+from partc.cost.autocast import autocast_dtypes
 from partc.cost.plan_costs import solve_costs
 from partc.cost.table import CostTable
 from partc.emit.stage_code import stage_bytes, trace_stage
@@ -302,6 +303,7 @@ def _emit(result: CaptureResult, partition: Partition, cluster: ClusterSpec, out
     # statistics): the files must hold the buffers as build_model() made them.
     pristine = [{n: b.detach().clone() for n, b in sg.module.named_buffers()}
                 for sg in split.stages]
+    runtime = autocast_dtypes(graph, partition.training.precision).tensors
     for sg, st, timing in zip(split.stages, partition.stages, partition.pipeline.stages,
                               strict=True):
         with progress.step(f"tracing stage {sg.index} ({len(sg.nodes)} operators) to TorchScript"):
@@ -322,8 +324,8 @@ def _emit(result: CaptureResult, partition: Partition, cluster: ClusterSpec, out
             parameter_names=sg.parameters, buffer_names=sg.buffers,
             constant_names=sg.constants, modules=st.modules,
             num_nodes=len(sg.nodes),
-            inputs=tuple(_ref(split, name, sg.index, "in") for name in sg.inputs),
-            outputs=tuple(_ref(split, name, sg.index, "out", relay=name in sg.relayed)
+            inputs=tuple(_ref(split, name, sg.index, "in", runtime) for name in sg.inputs),
+            outputs=tuple(_ref(split, name, sg.index, "out", runtime, relay=name in sg.relayed)
                           for name in sg.outputs),
             forward_s=st.forward_s, backward_s=st.backward_s,
             peak_memory_bytes=partition.memory[st.rank].total,
@@ -357,14 +359,21 @@ def _emit(result: CaptureResult, partition: Partition, cluster: ClusterSpec, out
                 predicted=partition.prediction, directory=output_dir)
 
 
-def _ref(split: SplitProgram, name: str, stage: int, side: str, relay: bool = False) -> TensorRef:
+def _ref(split: SplitProgram, name: str, stage: int, side: str, runtime: dict[str, str],
+         relay: bool = False) -> TensorRef:
+    """A stage boundary tensor; `runtime`: every tensor's dtype under the plan's precision."""
     t = split.tensors[name]
     if side == "in":
         peer: tuple[int | str, ...] = (MODEL_INPUT if t.source == SOURCE_INPUT else t.source,)
     else:
         last = len(split.stages)
         peer = tuple(LOSS if c == last else c for c in t.consumers if c > stage)
-    return TensorRef(name=name, shape=t.shape, dtype=t.dtype, peer=peer, relay=relay)
+    # between stages it travels in the dtype the precision's autocast gives it (the data and
+    # what the loss gets keep theirs)
+    between = peer != (MODEL_INPUT,) and peer != (LOSS,)
+    wire = runtime.get(name, t.dtype) if between else t.dtype
+    return TensorRef(name=name, shape=t.shape, dtype=t.dtype, peer=peer, relay=relay,
+                     wire_dtype=wire if wire != t.dtype else "")
 
 
 def _remove_stale_stages(directory: Path, num_stages: int) -> None:

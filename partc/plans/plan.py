@@ -59,9 +59,20 @@ class TensorRef:
     peer: tuple[int | str, ...] = ()
     path: str = ""  # for model inputs/outputs: where it sits in the structure (pytree key string)
     relay: bool = False
+    # a boundary tensor between stages: the dtype it has, and is sent in, under the plan's
+    # precision when that is not `dtype` (bf16-mixed: a projection's output is bfloat16, a
+    # residual stream stays float32); "" = `dtype`
+    wire_dtype: str = ""
+
+    @property
+    def runtime_dtype(self) -> str:
+        """The dtype the tensor crosses a stage boundary in."""
+        return self.wire_dtype or self.dtype
 
     def to_dict(self, peer_key: str | None) -> dict[str, Any]:
         d: dict[str, Any] = {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
+        if self.wire_dtype:
+            d["wire_dtype"] = self.wire_dtype
         if peer_key == "from":
             d["from"] = self.peer[0]
         elif peer_key == "to":
@@ -80,7 +91,8 @@ class TensorRef:
         elif "to" in d:
             peer = tuple(d["to"])
         return cls(name=d["name"], shape=tuple(d["shape"]), dtype=d["dtype"], peer=peer,
-                   path=d.get("path", ""), relay=bool(d.get("relay", False)))
+                   path=d.get("path", ""), relay=bool(d.get("relay", False)),
+                   wire_dtype=d.get("wire_dtype", ""))
 
 
 @dataclass(frozen=True)

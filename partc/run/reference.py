@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from partc.cost.activations import storage_bytes
 from partc.cost.torch_profiler import program_module
 from partc.emit.stage_code import load_stage
 from partc.emit.stage_weights import load_state_dict_file, whole_model_weights
@@ -70,13 +71,6 @@ def train_single_process(plan: Plan, options: TrainOptions, chunks: int = 1,
             optimizer.step()
         losses.append(total)
     return losses
-
-
-def storage_bytes(tensors: list[Any]) -> int:
-    """Bytes of the distinct storages among `tensors` (views of one storage count once)."""
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                for t in tensors if isinstance(t, torch.Tensor)}
-    return sum(storages.values())
 
 
 def peak_above_start(prof: torch.profiler.profile) -> int:

@@ -38,6 +38,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
 
+from partc.cost.activations import storage_bytes
 from partc.errors import LaunchError
 from partc.frontend.model_file import ModelFile
 from partc.options import TrainOptions
@@ -60,7 +61,7 @@ from partc.run.rank_setup import (
     resume_point,
     tied_groups,
 )
-from partc.run.reference import peak_above_start, storage_bytes
+from partc.run.reference import peak_above_start
 from partc.run.reporting import Reporter, RunSummary
 from partc.run.schedule import (
     P2PTimer,
@@ -263,13 +264,16 @@ def _step(run: RankRun, step: int, memory_method: str) -> list[torch.Tensor] | N
     for local in run.stages:
         if local.optimizer is not None:
             local.optimizer.zero_grad(set_to_none=True)
+    # The data first: the model file's generator frees the batch it held when it yields the next
+    # one, a free the CPU profiler would not see (it never reports frees of memory allocated
+    # before it started), so drawn inside the probe the batch counted twice.
+    args, target = run.next_inputs(step)
     with _MemoryProbe(run, memory_method) as memory:
         for local in run.stages:
             assert local.pipe is not None
             local.pipe.forward_s = local.pipe.backward_s = 0.0
             if local.grad_sync is not None:
                 local.grad_sync.reset()
-        args, target = run.next_inputs(step)
         losses: list[torch.Tensor] | None = [] if run.loss_fn is not None else None
         run.schedule.step(*args, target=target, losses=losses, return_outputs=False)
         began = synced_clock(run.device)

@@ -117,25 +117,33 @@ GradSyncTimer.hook.__annotations__.update(
 
 
 class StageRunner(torch.nn.Module):
-    """A stage module run under the plan's precision and activation checkpointing."""
+    """A stage module run under the plan's precision and activation checkpointing.
+
+    Under bf16-mixed a stage's outputs go on in the dtypes autocast gave them, as in the unsplit
+    model (a residual stream stays float32: casting it to bfloat16 at a boundary would change
+    the numerics and slow the next stage's elementwise work), which are the dtypes plan.yaml
+    records for the boundary (`wire_dtypes`, casts only where autocast disagreed with the
+    compile's replay of it); the last stage's go to the loss in float32."""
 
     def __init__(self, stage: torch.nn.Module, device: torch.device, bf16: bool,
-                 checkpointing: bool, last: bool) -> None:
+                 checkpointing: bool, last: bool,
+                 wire_dtypes: tuple[torch.dtype, ...] = ()) -> None:
         super().__init__()
         self.stage = stage
         self.device_type = device.type
         self.bf16 = bf16
         self.checkpointing = checkpointing
         self.last = last
+        self.wire_dtypes = wire_dtypes
 
     def forward(self, *args: torch.Tensor) -> Any:
         outputs = self._run(*args)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-        if self.bf16:
-            # bf16-mixed sends bf16 activations (as the memory model prices them; autocast
-            # leaves some fp32, so cast every floating one) and computes the loss in fp32
-            dtype = torch.float32 if self.last else torch.bfloat16
-            outputs = tuple(o.to(dtype) if o.is_floating_point() else o for o in outputs)
+        if self.bf16 and self.last:
+            outputs = tuple(o.float() if o.is_floating_point() else o for o in outputs)
+        elif self.bf16:
+            outputs = tuple(o.to(dtype) if o.is_floating_point() and o.dtype != dtype else o
+                            for o, dtype in zip(outputs, self.wire_dtypes, strict=True))
         if not self.last:  # p2p sends need contiguous tensors (a cut after a transpose)
             outputs = tuple(o.contiguous() for o in outputs)
         return outputs
@@ -214,7 +222,9 @@ def wrap_for_pipeline(plan: Plan, stages: list[LocalStage], device: torch.device
         runner: torch.nn.Module = local.module
         is_last = local.spec.index == V - 1
         if bf16 or checkpointing or not is_last:
-            runner = StageRunner(local.module, device, bf16, checkpointing, last=is_last)
+            wire = tuple(getattr(torch, ref.runtime_dtype) for ref in local.spec.outputs)
+            runner = StageRunner(local.module, device, bf16, checkpointing, last=is_last,
+                                 wire_dtypes=wire)
         if R > 1 and local.optimizer is not None:
             unused = parameters_without_gradient(local.module, local.spec, device)
             runner = DistributedDataParallel(
@@ -227,26 +237,21 @@ def wrap_for_pipeline(plan: Plan, stages: list[LocalStage], device: torch.device
             local.grad_sync = GradSyncTimer(device)
             runner.register_comm_hook(dp_group, local.grad_sync.hook)
         k = local.spec.index
-        boundary = torch.bfloat16 if bf16 else None
         local.pipe = TimedStage(
             runner, k, V, device,
-            input_args=boundary_tensors(local.spec.inputs, device, grad=k > 0,
-                                        floating=boundary if k > 0 else None),
-            output_args=boundary_tensors(local.spec.outputs, device, grad=True,
-                                         floating=boundary if k < V - 1 else None),
+            input_args=boundary_tensors(local.spec.inputs, device, grad=k > 0),
+            output_args=boundary_tensors(local.spec.outputs, device, grad=True),
             group=pp_group)
 
 
-def boundary_tensors(refs: tuple[TensorRef, ...], device: torch.device, grad: bool,
-             floating: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
+def boundary_tensors(refs: tuple[TensorRef, ...], device: torch.device,
+                     grad: bool) -> tuple[torch.Tensor, ...]:
     """Tensors with the shapes and dtypes plan.yaml gives a stage boundary (static pipeline
-    metadata; `floating` overrides the floating dtypes: bf16-mixed boundaries); floating ones
-    require grad where gradients flow."""
+    metadata: the dtypes they cross in under the plan's precision, `TensorRef.runtime_dtype`;
+    what the loss gets keeps its dtype); floating ones require grad where gradients flow."""
     out = []
     for ref in refs:
-        dtype = getattr(torch, ref.dtype)
-        if floating is not None and dtype.is_floating_point:
-            dtype = floating
+        dtype = getattr(torch, ref.runtime_dtype)
         t = torch.empty(ref.shape, dtype=dtype, device=device)
         out.append(t.requires_grad_(grad and dtype.is_floating_point))
     return tuple(out)

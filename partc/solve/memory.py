@@ -23,16 +23,11 @@ from typing import Any, Collection
 from partc.cost.op_classes import FREE_KINDS
 from partc.cost.table import CostTable, needs_backward
 from partc.errors import MemoryConfigError
-from partc.graph.opgraph import FLOATING_DTYPES, OpGraph, OpNode, Param, dtype_bytes
+from partc.graph.opgraph import FLOATING_DTYPES, OpGraph, Param, dtype_bytes
 from partc.options import SCHEDULES, Schedule, TrainingConfig, check_choice
 
 _BF16 = 2
 _FP32 = 4
-# Ops whose saved tensors are not floating point whatever the compute dtype: dropout keeps a bool
-# mask. (Ops with no floating input, such as embedding lookups, keep integer indices; see
-# `_keeps_integers`.)
-_MASK_KINDS = frozenset({"dropout", "native_dropout", "feature_dropout", "alpha_dropout",
-                         "feature_alpha_dropout"})
 
 
 def in_flight_microbatches(schedule: Schedule, stage_index: int, num_stages: int,
@@ -266,35 +261,17 @@ def _first_saver(graph: OpGraph, tensor: str) -> str | None:
 
 
 # ---- the terms ---------------------------------------------------------------------------------
-def _keeps_integers(node: OpNode, graph: OpGraph) -> bool:
-    """Whether what the node saves stays the same size under bf16 compute: masks and indices."""
-    if node.kind in _MASK_KINDS:
-        return True
-    return not any(graph.tensor(t).dtype in FLOATING_DTYPES for t in node.inputs)
-
-
-def _saved_bytes(table: CostTable, nodes: Collection[str], m: float, bf16: bool) -> float:
-    """Bytes saved for backward by one micro-batch. Measured at the model's own (fp32) dtype; under
-    bf16 compute the floating ones halve."""
-    if not bf16:
-        return table.sum_saved_bytes(nodes, m)
-    graph = table.graph
-    total = 0.0
-    for name in nodes:
-        saved = table.saved_bytes(name, m)
-        if saved:
-            total += saved if _keeps_integers(graph.node(name), graph) else saved * 0.5
-    return total
+def _saved_bytes(table: CostTable, nodes: Collection[str], m: float) -> float:
+    """Bytes saved for backward by one micro-batch, at the table's precision (a measured profile
+    took them under the plan's autocast; the roofline converts its fp32 count)."""
+    return table.sum_saved_bytes(nodes, m)
 
 
 def _tensor_bytes(table: CostTable, tensor: str, m: float, bf16: bool) -> float:
-    """Bytes of a tensor at micro-batch m: floating activations are bf16 under bf16 compute;
-    graph inputs (the data) keep their dtype."""
-    nbytes = table.tensor_bytes(tensor, m)
-    spec = table.graph.tensor(tensor)
-    if bf16 and spec.dtype in FLOATING_DTYPES and table.graph.producer(tensor) is not None:
-        return nbytes * _BF16 / dtype_bytes(spec.dtype)
-    return nbytes
+    """Bytes of a tensor at micro-batch m in the dtype it has under the precision's autocast
+    (`CostTable.runtime_bytes`; its gradient has the same): a bf16-mixed residual stream stays
+    float32, a projection's output is bfloat16, graph inputs (the data) keep their dtype."""
+    return table.runtime_bytes(tensor, m, "bf16-mixed" if bf16 else "fp32")
 
 
 def _static_bytes(table: CostTable, nodes: Collection[str],
@@ -322,13 +299,15 @@ def param_memory(p: Param, config: TrainingConfig) -> tuple[int, int, int, int]:
     if p.kind != "parameter":
         return p.nbytes, 0, 0, 0  # buffers and constants: static, no gradient
     if not p.trainable:
-        return (p.numel * _BF16 if bf16 else p.nbytes), 0, 0, 0
-    # fp32: everything in the parameter's own dtype. bf16-mixed: a bf16 copy for compute, the
-    # fp32 master weights (counted as optimizer state, as ZeRO does), fp32 gradients.
+        return p.nbytes, 0, 0, 0
+    # fp32: everything in the parameter's own dtype. bf16-mixed as launch runs it (torch
+    # autocast): the parameters stay float32 and so do their gradients and optimizer state; the
+    # bfloat16 copies autocast makes for each micro-batch's forward are saved by its backward,
+    # among the saved activations (measured under autocast, or added by the roofline).
     elem = _FP32 if bf16 else dtype_bytes(p.dtype)
-    weights = p.numel * (_BF16 if bf16 else elem)
+    weights = p.numel * elem
     grads = p.numel * elem
-    state = p.numel * elem * (spec.states + (1 if bf16 else 0))
+    state = p.numel * elem * spec.states
     temps = p.numel * elem if spec.step_temporary else 0
     return weights, grads, state, temps
 
@@ -390,7 +369,7 @@ def _backward_transient(table: CostTable, nodes: list[str], m: float, bf16: bool
         still_pinned -= pinned.get(name, 0.0)
         saved = table.saved_bytes(name, m)
         if saved:
-            prefix += saved if not bf16 or _keeps_integers(node, graph) else saved * 0.5
+            prefix += saved
         if node.is_view:
             continue  # a view's gradient is a view of the incoming one
         grads = sum(_tensor_bytes(table, t.name, m, bf16) for t in node.outputs
@@ -402,12 +381,14 @@ def _backward_transient(table: CostTable, nodes: list[str], m: float, bf16: bool
 
 def stage_memory(table: CostTable, nodes: Collection[str], *, microbatch_size: int,
                  num_microbatches: int, stage_index: int, num_stages: int, config: TrainingConfig,
-                 chunks: int = 1) -> StageMemory:
+                 chunks: int = 1, host_data: float = 0.0) -> StageMemory:
     """Peak memory per device of the stage `nodes` (docs/memory-model.md has every formula).
 
     `stage_index`/`num_stages`: the device's position in the pipeline; with interleaved-1f1b,
     `nodes` are all the nodes the device runs (its `chunks` virtual stages together) and
-    `num_stages` is the number of devices in the pipeline.
+    `num_stages` is the number of devices in the pipeline. `host_data`: bytes of the step's data
+    the device's process holds besides its input micro-batches, where the device's memory is
+    the host's (`host_data_bytes`); counted with the communication buffers.
     """
     if isinstance(microbatch_size, bool) or not isinstance(microbatch_size, int) \
             or microbatch_size < 1:
@@ -452,7 +433,7 @@ def stage_memory(table: CostTable, nodes: Collection[str], *, microbatch_size: i
     # -- activations -------------------------------------------------------------------------------
     # Received tensors the stage saves for backward are the receive buffers above: not twice.
     resaved = sum(size(t) for t in receives if _first_saver(graph, t) in inside)
-    saved = max(0.0, _saved_bytes(table, nodes, m, bf16) - resaved)
+    saved = max(0.0, _saved_bytes(table, nodes, m) - resaved)
     # A stage that produces graph outputs computes the loss: cross-entropy keeps the log-softmax of
     # the logits, MSE the difference, i.e. one fp32 copy of the floating outputs per micro-batch.
     loss = sum(table.tensor_bytes(t, m) for t in sends
@@ -497,7 +478,30 @@ def stage_memory(table: CostTable, nodes: Collection[str], *, microbatch_size: i
     workspace = max(through_nodes, through_loss, step_temps - activations - recompute)
     return StageMemory(parameters=weights, gradients=grads, optimizer_state=state,
                        activations=_ceil(activations), recompute=_ceil(recompute),
-                       communication=_ceil(communication), workspace=_ceil(workspace))
+                       communication=_ceil(communication + host_data),
+                       workspace=_ceil(workspace))
+
+
+def host_data_bytes(table: CostTable, device_kind: str, global_batch: int, microbatch_size: int,
+                    num_microbatches: int, num_ranks: int) -> tuple[float, ...]:
+    """Per pipeline rank, the bytes of the step's data its process holds besides the input
+    micro-batches of the first stage (which the communication term counts), where a device's
+    memory is the host's (a CPU device; a GPU rank's batch sits in host memory, not the GPU's).
+
+    launch draws the whole global batch (every replica's) on the ranks of the first and the last
+    stage, from the model file's batches(): the first needs the inputs, the last the target, and
+    the generator keeps the batch it last yielded (`CostTable.batch_bytes`). The first rank's
+    input micro-batches are views of that batch."""
+    held = [0.0] * num_ranks
+    if device_kind != "cpu":
+        return tuple(held)
+    batch = table.batch_bytes.at(global_batch)
+    inputs = num_microbatches * sum(table.tensor_bytes(t.name, microbatch_size)
+                                    for t in table.graph.inputs)
+    held[0] = max(0.0, batch - inputs)
+    if num_ranks > 1:
+        held[-1] = batch
+    return tuple(held)
 
 
 def _ceil(x: float) -> int:

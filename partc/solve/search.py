@@ -37,7 +37,12 @@ from partc.hardware.units import format_quantity
 from partc.options import STRATEGIES, Placement, Schedule, SearchOptions, Strategy, TrainingConfig
 from partc.progress import Progress
 from partc.solve.coarsen import BlockGraph, coarsen
-from partc.solve.memory import in_flight_microbatches, param_memory, stage_boundary, usable_memory
+from partc.solve.memory import (
+    in_flight_microbatches,
+    param_memory,
+    stage_boundary,
+    usable_memory,
+)
 from partc.solve.partition import CutCandidate, Partition, SolverReport, StagePlan, round_seconds
 from partc.solve.simulator import PipelineSpec, StageTiming, TiedSync, simulate
 from partc.solve.stage_problem import (
@@ -225,8 +230,7 @@ def shape_lower_bound(blocks: BlockGraph, table: CostTable, cluster: ClusterSpec
     # = in-flight micro-batches / chunks, 1 / chunks with checkpointing). Summing
     # saved_d <= (X - static_d) / coef_d over ranks bounds the peak X from below; without this,
     # large models screened every shape whose weights alone fit, all infeasible, before pruning.
-    factor = 0.5 if training.precision == "bf16-mixed" else 1.0
-    saved = factor * sum(b.saved.at(m) for b in blocks.blocks)
+    saved = sum(b.saved.at(m) for b in blocks.blocks)
     coef = [(1.0 if ckpt else in_flight_microbatches(shape.schedule, d, S, M, v)) / v
             for d in range(S)]
     peak = max(totals.static_bytes / S,
@@ -573,7 +577,7 @@ def build_partition(problem: StageProblem, assignment: Sequence[int], global_bat
     for t in blocks.tensors:
         lo = 0 if t.producer is None else assignment[t.producer]
         hi = V - 1 if t.is_output else max((assignment[c] for c in t.consumers), default=lo)
-        nbytes = wire_bytes(graph, t.name, t.nbytes.at(m), bf16)
+        nbytes = wire_bytes(table, t.name, m, bf16)
         for k in range(lo + 1, hi + 1):
             link = links[k]
             assert link is not None  # only boundary 0, which nothing crosses, has no link
@@ -597,7 +601,7 @@ def build_partition(problem: StageProblem, assignment: Sequence[int], global_bat
             blocks=tuple(members[k]), nodes=nodes, modules=_outer_modules(blocks, members[k]),
             parameters=params, parameter_count=sum(graph.param(p).numel for p in params),
             forward_s=fwd, backward_s=bwd, receives=tuple(receives), sends=tuple(sends)))
-        saved = sum(blocks.blocks[b].saved.at(m) for b in members[k]) * (0.5 if bf16 else 1.0)
+        saved = sum(blocks.blocks[b].saved.at(m) for b in members[k])
         rank_mem = memory[rank]
         static = (rank_mem.parameters + rank_mem.gradients + rank_mem.optimizer_state) \
             if k < S else 0.0

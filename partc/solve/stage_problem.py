@@ -39,13 +39,14 @@ from typing import Any, Callable, Sequence, TypeVar
 
 from partc.cost.table import CostTable
 from partc.errors import PartcError
-from partc.graph.opgraph import FLOATING_DTYPES, OpGraph, Param, dtype_bytes
+from partc.graph.opgraph import FLOATING_DTYPES, Param, dtype_bytes
 from partc.hardware.specs import ClusterSpec, LinkSpec
 from partc.options import PLACEMENTS, SCHEDULES, Placement, Schedule, TrainingConfig
 from partc.solve.coarsen import BlockGraph
 from partc.solve.memory import (
     StageMemory,
     differentiable_tensors,
+    host_data_bytes,
     in_flight_microbatches,
     param_memory,
     stage_memory,
@@ -208,6 +209,10 @@ class StageProblem:
     # runtime's host work for one forward and one backward (DeviceSpec.microbatch_overhead_s),
     # and on the last one the loss function's forward and backward (CostTable.loss)
     stage_fixed: list[int] = field(default_factory=list)
+    # per rank, bytes of the step's data its process holds where device memory is the host's
+    # (partc.solve.memory.host_data_bytes), and the same in memory units
+    host_data_bytes: tuple[float, ...] = ()
+    host_data: list[int] = field(default_factory=list)
 
     # ---- construction ----------------------------------------------------------------------
     @classmethod
@@ -242,19 +247,21 @@ class StageProblem:
         loss = units.memory(sum(table.tensor_bytes(t, m) for t in outputs
                                 if graph.tensor(t).dtype in FLOATING_DTYPES))
         inputs = units.memory(M * sum(table.tensor_bytes(t.name, m) for t in graph.inputs))
+        host = host_data_bytes(table, cluster.device.kind, shape.global_batch_size, m, M, S)
         return cls(blocks=blocks, table=table, cluster=cluster, training=training, shape=shape,
                    time_unit_s=units.time_s, memory_unit=units.memory_bytes,
                    compute=[units.time(x) for x in compute_s], static=terms.static,
                    temps=terms.temps, saved=terms.saved, transient=terms.transient,
                    sync=terms.sync, has_trainable=terms.has_trainable,
-                   tensors=_crossing_tensors(blocks, graph, shape, cluster, training.bf16, units),
+                   tensors=_crossing_tensors(blocks, table, shape, cluster, training.bf16, units),
                    shared=terms.shared, sync_latency=[units.time(x) for x in latency],
                    activation_coef=[(1.0 if ckpt else in_flight[d]) / shape.chunks
                                     for d in range(S)],
                    keep_coef=[in_flight[d] / shape.chunks for d in range(S)], loss=loss,
                    inputs=inputs, capacity=usable // units.memory_bytes, corrections=[0] * S,
                    stage_fixed=[units.time(f + b)
-                                for f, b in stage_fixed_s(table, cluster, shape)])
+                                for f, b in stage_fixed_s(table, cluster, shape)],
+                   host_data_bytes=host, host_data=[units.memory(x) for x in host])
 
     # ---- evaluation of an assignment ---------------------------------------------------------
     @property
@@ -336,6 +343,8 @@ class StageProblem:
                 comm[self.rank_of(k)] += M * tensor.size
                 comm[self.rank_of(k - 1)] += self.send_units(tensor, self.rank_of(k - 1))
         comm[self.rank_of(0)] += self.inputs
+        for d, held in enumerate(self.host_data):
+            comm[d] += held
         last = self.rank_of(V - 1)
         out = []
         for d in range(S):
@@ -364,6 +373,7 @@ class StageProblem:
         for b, k in enumerate(assignment):
             nodes[self.rank_of(k)].extend(self.blocks.blocks[b].nodes)
         return [stage_memory(self.table, nodes[d], microbatch_size=self.shape.microbatch_size,
+                             host_data=self.host_data_bytes[d],
                              num_microbatches=self.shape.num_microbatches, stage_index=d,
                              num_stages=S, config=self.training, chunks=self.shape.chunks)
                 for d in range(S)]
@@ -485,14 +495,14 @@ class _BlockTerms:
             terms.sync.append(per_rank)
             terms.has_trainable.append(any(graph.param(p).kind == "parameter"
                                            and graph.param(p).trainable for p in b.params))
-            terms.saved.append(units.memory(b.saved.at(m) * (0.5 if bf16 else 1.0)))
+            terms.saved.append(units.memory(b.saved.at(m)))
             terms.transient.append(units.memory(_memo(
                 memo, ("transient", b.index, m, bf16),
                 functools.partial(_block_transient, table, b.nodes, m, requires, bf16))))
         return terms
 
 
-def _crossing_tensors(blocks: BlockGraph, graph: OpGraph, shape: PipelineShape,
+def _crossing_tensors(blocks: BlockGraph, table: CostTable, shape: PipelineShape,
                       cluster: ClusterSpec, bf16: bool, units: _Units) -> list[CrossingTensor]:
     """The block graph's tensors with their transfer time at every boundary k on the link
     between ranks (k-1) % S and k % S, put on the stage that waits for it (CrossingTensor), and
@@ -501,7 +511,7 @@ def _crossing_tensors(blocks: BlockGraph, graph: OpGraph, shape: PipelineShape,
     links = shape.boundary_links(cluster)
     tensors: list[CrossingTensor] = []
     for t in blocks.tensors:
-        nbytes = wire_bytes(graph, t.name, t.nbytes.at(m), bf16)
+        nbytes = wire_bytes(table, t.name, m, bf16)
         grad = nbytes if t.requires_grad else 0.0
         hops = [link for link in links[1:] if link is not None]
         forward = tuple([0] + [units.time(link.transfer_s(int(nbytes))) for link in hops])
@@ -514,13 +524,10 @@ def _crossing_tensors(blocks: BlockGraph, graph: OpGraph, shape: PipelineShape,
     return _merge_parallel(tensors)
 
 
-def wire_bytes(graph: OpGraph, tensor: str, nbytes: float, bf16: bool) -> float:
-    """Bytes a boundary tensor occupies when sent: floating activations travel in bf16 under
-    bf16-mixed; graph inputs (the data) keep their dtype."""
-    spec = graph.tensor(tensor)
-    if bf16 and graph.producer(tensor) is not None and spec.dtype in FLOATING_DTYPES:
-        return nbytes / dtype_bytes(spec.dtype) * 2
-    return nbytes
+def wire_bytes(table: CostTable, tensor: str, m: float, bf16: bool) -> float:
+    """Bytes a boundary tensor occupies when sent: the dtype it has under the precision's
+    autocast (launch sends it as the stage computed it; `CostTable.runtime_bytes`)."""
+    return table.runtime_bytes(tensor, m, "bf16-mixed" if bf16 else "fp32")
 
 
 def _merge_parallel(tensors: list[CrossingTensor]) -> list[CrossingTensor]:

@@ -17,7 +17,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 
-from partc.run.reference import peak_above_start, storage_bytes  # noqa: E402
+from partc.cost.activations import storage_bytes  # noqa: E402
+from partc.run.reference import peak_above_start  # noqa: E402
 
 _N = 1 << 16  # elements of each toy tensor (256 KiB in fp32)
 

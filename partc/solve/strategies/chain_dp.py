@@ -114,7 +114,7 @@ def solve_chain_dp(problem: StageProblem, upper_bound: int | None = None) -> DPR
                     if fixed_mem > capacity:
                         break  # only grows as the segment grows
                     mem = fixed_mem + (recv[i] if k > 0 else problem.inputs) \
-                        + (send[j][d] if not last else 0)
+                        + (send[j][d] if not last else 0) + problem.host_data[d]
                     if mem > capacity:
                         continue
                 elif st > capacity:

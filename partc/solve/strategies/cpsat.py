@@ -202,7 +202,7 @@ def _add_memory(model: cp_model.CpModel, problem: StageProblem, d: int,
     static += sum(p.static * held[p.name, d] for p in problem.shared if p.static)
     temps = sum(problem.temps[b] * on_rank(b, d) for b in range(n) if problem.temps[b])
     temps += sum(p.temps * held[p.name, d] for p in problem.shared if p.temps)
-    comm: Expr = problem.inputs if d == 0 else 0
+    comm: Expr = (problem.inputs if d == 0 else 0) + problem.host_data[d]
     for t, row in zip(problem.tensors, cross, strict=True):
         for k in range(1, V):
             if k % S == d and t.size:
