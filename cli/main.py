@@ -169,8 +169,8 @@ def _batch_sizes(_ctx: click.Context, _param: click.Parameter,
 @click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
               help="Intra-op threads on CPU (partc runs one process per core).")
 @click.option("--neighbours", type=click.IntRange(min=0), default=0, show_default=True,
-              help="CPU: processes kept training the same model while measuring (the other "
-                   "devices of the node, busy in training; compile uses devices per node - 1).")
+              help="CPU: processes kept training the same model while measuring (the node's "
+                   "other busy cores; compile uses its cluster's busy cores per node - 1).")
 @click.option("--runs", type=click.IntRange(min=1), default=10, show_default=True,
               help="Timed runs per measurement (median).")
 @click.option("--warmup", type=click.IntRange(min=0), default=3, show_default=True,

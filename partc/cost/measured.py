@@ -315,7 +315,8 @@ def measure_sizes(result: CaptureResult, device: torch.device, options: ProfileO
         progress.warn("pricing every node in torch (no ONNX export)")
     neighbours = options.neighbours if device.type == "cpu" else 0
     # on a CPU this process is the node's device 0, pinned to its core as launch pins rank 0
-    pinned = pinned_to_core(0) if device.type == "cpu" else contextlib.nullcontext()
+    pinned = pinned_to_core(0, options.threads) if device.type == "cpu" \
+        else contextlib.nullcontext()
     # (the neighbours start first: a child inherits its parent's pinning)
     with busy_neighbours(neighbours, result.capture.model_file.path, max(sizes)), pinned:
         measurements = [_measure(result, b, device, use_ort, options, progress) for b in sizes]

@@ -959,7 +959,8 @@ def cluster_yaml(cal: DeviceCalibration, link: LinkCalibration, name: str | None
         devices, backend = cal.device_count, "nccl"
         description = f"This machine: {devices} x {cal.gpu_name}, NCCL"
     notes = [f"#   {k}: {_measurement_text(k, v)}" for k, v in link.measurements.items()]
-    how = ["# Measured (medians of repeats):", *notes] if link.measured else \
+    average = "means" if backend == "gloo" else "medians"  # as _pingpong_worker takes them
+    how = [f"# Measured ({average} of repeats):", *notes] if link.measured else \
         [f"# NOT MEASURED ({link.source}).",
          "# Rerun where it can be measured (two GPUs visible; without --no-gloo on a CPU)."]
     return "\n".join([
@@ -1125,6 +1126,8 @@ def format_calibration(result: CalibrationResult) -> str:
         f"  memory: {spec.memory_bytes / 2**30:.2f} GiB, bandwidth "
         f"{_q(spec.memory_bandwidth, 'B/s')} x {spec.bandwidth_efficiency}",
         f"  per operator: forward {_q(spec.op_overhead_s, 's')}, backward {_q(backward, 's')}",
+        f"  pipelining runtime per stage pass: {_q(spec.microbatch_overhead_s, 's')}"
+        + ("" if spec.microbatch_overhead_s else " (not measured: needs two processes or GPUs)"),
         f"cluster {result.cluster_path}",
         f"  {result.cluster.num_devices} device(s), {result.cluster.backend}, intra_node "
         f"{_q(link.bandwidth, 'B/s')}, {_q(link.latency_s, 's')}"

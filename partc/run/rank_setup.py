@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from partc.errors import LaunchError
-from partc.hardware.local import pin_to_core
+from partc.hardware.local import physical_cores, pin_to_core
 from partc.options import TrainOptions
 from partc.plans.plan import Plan, TiedParameter
 from partc.run.checkpoint import Checkpoint, CheckpointError, checkpoint_at, choose_resume
@@ -28,6 +28,7 @@ class RankEnv:
     world_size: int
     local_rank: int
     restart_count: int
+    local_world_size: int = 1  # this node's processes
 
 
 def rank_env() -> RankEnv:
@@ -35,7 +36,9 @@ def rank_env() -> RankEnv:
     try:
         return RankEnv(rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
                        local_rank=int(os.environ["LOCAL_RANK"]),
-                       restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+                       restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                       local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE",
+                                                           os.environ["WORLD_SIZE"])))
     except (KeyError, ValueError):
         raise LaunchError("this process was not started by torchrun (RANK/WORLD_SIZE/LOCAL_RANK "
                           "unset)", hint="use `partc launch PLAN` or `torchrun ... -m partc.launch "
@@ -55,9 +58,11 @@ def init_process_group(plan: Plan, env: RankEnv) -> torch.device:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-        # one partc CPU device is one core: local rank r on core r (modulo the cores), before
-        # the process group starts gloo's threads so that they inherit it
-        pin_to_core(env.local_rank)
+        # a partc CPU device is a set of cores: local rank r on the r-th block of cores // local
+        # processes (one core each when there are as many processes as cores or more, r on core
+        # r modulo the cores), as many as launch gave it threads; before the process group
+        # starts gloo's threads so that they inherit it
+        pin_to_core(env.local_rank, max(1, physical_cores() // env.local_world_size))
     dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size,
                             device_id=device if device.type == "cuda" else None)
     return device

@@ -41,13 +41,14 @@ from partc.cost.table import CostTable
 from partc.errors import PartcError
 from partc.graph.opgraph import FLOATING_DTYPES, Param, dtype_bytes
 from partc.hardware.specs import ClusterSpec, LinkSpec
-from partc.options import PLACEMENTS, SCHEDULES, Placement, Schedule, TrainingConfig
+from partc.options import PLACEMENTS, SCHEDULES, Placement, Precision, Schedule, TrainingConfig
 from partc.solve.coarsen import BlockGraph
 from partc.solve.memory import (
     StageMemory,
     differentiable_tensors,
     host_data_bytes,
     in_flight_microbatches,
+    kernel_scratch,
     param_memory,
     stage_memory,
     usable_memory,
@@ -578,15 +579,17 @@ def _block_transient(table: CostTable, nodes: Sequence[str], m: float,
     """Largest backward transient of one node of the block: gradients of its outputs, of its
     inputs and of its parameters, alive together while its backward runs."""
     graph = table.graph
-    factor = 0.5 if bf16 else 1.0
+    precision: Precision = "bf16-mixed" if bf16 else "fp32"
     peak = 0.0
     for name in nodes:
         node = graph.node(name)
         if node.is_view:
             continue
-        total = sum(table.tensor_bytes(t.name, m) for t in node.outputs if t.name in requires)
-        total += sum(table.tensor_bytes(t, m) for t in set(node.inputs) if t in requires)
-        total *= factor
+        total = sum(table.runtime_bytes(t.name, m, precision) for t in node.outputs
+                    if t.name in requires)
+        total += sum(table.runtime_bytes(t, m, precision) for t in set(node.inputs)
+                     if t in requires)
+        total += kernel_scratch(table, node, m, bf16)
         for p in dict.fromkeys(graph.param(q).name for q in node.params):
             param = graph.param(p)
             if param.kind == "parameter" and param.trainable:

@@ -414,6 +414,14 @@ def test_cores_and_pinning() -> None:
                          check=True).stdout.split("]")
     expected = sorted(cores[5 % len(cores)])
     assert out[0] + "]" == str(expected) and out[1].strip() + "]" == str(expected)
+    # a device of two cores (fewer processes than cores): a block of two
+    code = ("import os; from partc.hardware.local import pin_to_core; "
+            "print(sorted(pin_to_core(1, 2)))")
+    out2 = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    blocks = max(1, len(cores) // 2)
+    start = (1 % blocks) * min(2, len(cores))
+    assert out2 == str(sorted(set().union(*cores[start:start + min(2, len(cores))])))
     before = os.sched_getaffinity(0)
     with pinned_to_core(0) as cpus:
         assert cpus is not None and os.sched_getaffinity(0) == set(cpus)
