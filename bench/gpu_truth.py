@@ -289,7 +289,7 @@ def time_stages(plan_dir: Path, module: ModuleType, device: torch.device, repeat
 
     sync = synchronizer(device)
     plan = load_plan(plan_dir)
-    stages = [load_stage(plan.stage_path(s), map_location=device).train() for s in plan.stages]
+    stages = [load_stage(plan.stage_bytes(s), map_location=device).train() for s in plan.stages]
     inputs, _target = next(iter(module.batches(plan.microbatch_size)))
     args_kwargs = ((), to_device(inputs, device))
     flat = flatten_inputs(args_kwargs, pytree.treespec_loads(plan.model.input_spec)) \

@@ -8,7 +8,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import sys
+import threading
 import traceback
 from pathlib import Path
 from typing import Any, Callable, Iterator, NoReturn, TypeVar
@@ -40,12 +42,39 @@ F = TypeVar("F", bound=Callable[..., Any])
 INTERNAL_ERROR_EXIT = 3
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread as Ctrl-C raises KeyboardInterrupt, so that a command
+    cleans up the same way (compile removes its unfinished plan); exit 143 (128 + SIGTERM)."""
+
+    line = "partc: terminated"
+    exit_code = 143
+
+
+def _raise_terminated(_signum: int, _frame: object) -> None:
+    raise Terminated()
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM raises Terminated while a command runs (where nothing else handles SIGTERM)."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        yield
+        return
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 class PartcGroup(click.Group):
     """Turns partc errors into one clear line and an exit code instead of a traceback."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
-            return super().invoke(ctx)
+            with _sigterm_interrupts():
+                return super().invoke(ctx)
         except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
             raise
         except PartcError as exc:
@@ -53,9 +82,18 @@ class PartcGroup(click.Group):
                 traceback.print_exc()
             click.echo(f"partc: error: {exc.one_line()}", err=True)
             ctx.exit(exc.exit_code)
-        except KeyboardInterrupt:
-            click.echo("partc: interrupted", err=True)
-            ctx.exit(130)
+        except KeyboardInterrupt as exc:  # Ctrl-C: 130; Terminated (SIGTERM): 143
+            click.echo(getattr(exc, "line", "") or "partc: interrupted", err=True)
+            ctx.exit(getattr(exc, "exit_code", 130))
+        except SystemExit as exc:
+            # partc's commands end with ctx.exit: a SystemExit here comes from code partc ran
+            # (a model's forward or a library), and must not pass for the command's outcome
+            if _debug(ctx):
+                traceback.print_exc()
+            click.echo(f"partc: error: code run by partc called sys.exit({exc.code!r}) (hint: "
+                       "model code must not exit the process; raise an exception instead)",
+                       err=True)
+            ctx.exit(2)
         except Exception as exc:  # a partc bug: still one line unless --debug
             if _debug(ctx):
                 traceback.print_exc()
@@ -80,8 +118,13 @@ def debug_option(f: Any) -> Any:
 
 
 @contextlib.contextmanager
-def writing_to(path: Path) -> Iterator[None]:
-    """Turn an OSError while writing `path` into a one-line user error."""
+def writing_to(path: Path, what: str = "output", inputs: tuple[Path, ...] = ()
+               ) -> Iterator[None]:
+    """Write `path` (an output, named by its option `what`): never over a plan file or one of
+    the command's `inputs` (a user error), and an OSError becomes a one-line user error."""
+    from partc.plans.plan import refuse_plan_artifact
+
+    refuse_plan_artifact(path, what, inputs)
     try:
         yield
     except OSError as exc:
@@ -128,7 +171,7 @@ def inspect(model: Path, batch_size: int, depth: int, json_out: Path | None,
     summary = summarize_modules(result.graph, depth)
     click.echo(format_table(summary))
     if json_out is not None:
-        with writing_to(json_out):
+        with writing_to(json_out, "--json", (model,)):
             json_out.parent.mkdir(parents=True, exist_ok=True)
             write_atomic(json_out, json.dumps(summary.to_dict(), indent=2, sort_keys=True) + "\n")
         click.echo(f"wrote {json_out}", err=True)
@@ -202,7 +245,7 @@ def profile(model: Path, device: str, batch_size: int, batch_sizes: tuple[int, .
                                  threads=threads, warmup=warmup, runs=runs, precision=precision,
                                  neighbours=neighbours)
         table = profile_model(model, batch_size, options, progress)
-    with writing_to(output):
+    with writing_to(output, "--output", (model,)):
         output.parent.mkdir(parents=True, exist_ok=True)
         table.save(output)
     click.echo(format_cost_summary(table))
@@ -342,12 +385,12 @@ def solve(model: Path, output: Path | None, timeline: Path | None, **kw: Any) ->
         partition = chosen
     click.echo(format_partition(partition))
     if output is not None:
-        with writing_to(output):
+        with writing_to(output, "--output", (model,)):
             output.parent.mkdir(parents=True, exist_ok=True)
             partition.save(output)
         click.echo(f"wrote {output}", err=True)
     if timeline is not None:
-        with writing_to(timeline):
+        with writing_to(timeline, "--timeline", (model,)):
             timeline.parent.mkdir(parents=True, exist_ok=True)
             write_atomic(timeline, json.dumps(partition.simulation.to_dict(), sort_keys=True)
                          + "\n")
@@ -382,6 +425,7 @@ def compile_command(model: Path, output: Path | None, calibrate_from: Path | Non
                              calibrate_from=calibrate_from)
     result = compile_model(model, cluster, output, options, progress)
     click.echo(format_plan(result.plan, solver_wall_s=result.partition.solver.wall_s))
+    click.echo(f"plan digest: {result.plan.content_digest()}")
     click.echo(f"wrote {output / 'plan.yaml'} and {result.plan.num_stages} stage files "
                f"in {result.timings['total_s']:.1f} s", err=True)
 
@@ -411,7 +455,7 @@ def verify(plan: Path, rtol: float, atol: float, seed: int, device: str,
                          init_from=init_from)
     click.echo(format_report(report))
     if not report.ok:
-        sys.exit(1)
+        click.get_current_context().exit(1)
 
 
 @cli.command()
@@ -437,14 +481,15 @@ def check(plans: tuple[Path, ...], model: Path | None) -> None:
     its graph with the plan's and re-solves with the plan's recorded inputs. A directory stands
     for every plan.yaml under it. Exit 0: all current; 1: a plan is stale (what changed, what
     moves, old vs new throughput, the command that refreshes it); 2: bad input."""
-    from partc.plans.check import check_plan, find_plans, format_check
+    from partc.emit.check import check_plan
+    from partc.plans.check import find_plans, format_check
     from partc.progress import TerminalProgress
 
     paths = find_plans(plans)
     if len(paths) == 1:
         report = check_plan(paths[0], model, TerminalProgress())
         click.echo(format_check(report))
-        sys.exit(report.exit_code)
+        click.get_current_context().exit(report.exit_code)
     worst = 0
     for path in paths:  # keep going: CI wants every stale plan in one run
         try:
@@ -457,7 +502,7 @@ def check(plans: tuple[Path, ...], model: Path | None) -> None:
             continue
         click.echo(format_check(report))
         worst = max(worst, report.exit_code)
-    sys.exit(worst)
+    click.get_current_context().exit(worst)
 
 
 @cli.command()
@@ -490,11 +535,16 @@ def show(plan: Path, png: Path | None, html: Path | None, metrics: Path | None) 
     """Summarise PLAN: stages, devices, predicted times and memory per device, the simulated
     schedule's idle time; --png/--html draw it; --metrics sets a run beside the prediction.
     Reads plan.yaml (and the metrics file) only."""
-    from partc.plans.plan import load_plan
+    from partc.plans.plan import load_plan, refuse_plan_artifact
     from partc.plans.report import format_summary, render_html, render_png
     from partc.plans.run_metrics import RunMetrics
 
     loaded = load_plan(plan)
+    inputs = (plan, (loaded.directory or Path(".")) / "plan.yaml",
+              *((metrics,) if metrics is not None else ()))
+    for out, flag in ((png, "--png"), (html, "--html")):
+        if out is not None:  # refused before drawing anything
+            refuse_plan_artifact(out, flag, inputs)
     run = None
     if metrics is not None:
         run = RunMetrics.load(metrics)
@@ -502,11 +552,11 @@ def show(plan: Path, png: Path | None, html: Path | None, metrics: Path | None) 
     click.echo(format_summary(loaded, run))
     picture = None
     if png is not None:
-        with writing_to(png):
+        with writing_to(png, "--png", inputs):
             picture = render_png(loaded, png, metrics=run)
         click.echo(f"wrote {png}", err=True)
     if html is not None:
-        with writing_to(html):
+        with writing_to(html, "--html", inputs):
             render_html(loaded, html, picture, metrics=run)
         click.echo(f"wrote {html}", err=True)
 

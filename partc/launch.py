@@ -12,14 +12,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 from partc.errors import PartcError
 from partc.files import write_atomic
 from partc.options import TrainOptions, add_arguments, from_namespace
-from partc.run.launch import launch
+from partc.run.launch import LaunchInterrupted, launch
+
+# How long a failing rank waits before it exits with its error: the agent (polling every 0.1 s)
+# sees the first rank that fails and tears the others down meanwhile, so the ranks that fail only
+# because a peer went away (a closed connection) are stopped instead of reported.
+FAILURE_GRACE_S = 0.5
 
 
 def _record_user_error(line: str) -> None:
@@ -33,6 +40,20 @@ def _record_user_error(line: str) -> None:
         "py_callstack": f"(a partc user error, no traceback) {line}",
         "timestamp": str(int(time.time()))}}}
     write_atomic(path, json.dumps(data))
+
+
+def _die_of(sig: signal.Signals) -> NoReturn:
+    """End this worker as the signal's default action would, without a traceback: the agent sees
+    a rank stopped by `sig` (what it sent), not a failure of its own."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    signal.signal(sig, signal.SIG_DFL)
+    os.kill(os.getpid(), sig)
+    time.sleep(1)  # the signal ends the process; if it does not, exit as a shell reports it
+    os._exit(128 + int(sig))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,16 +70,22 @@ def main(argv: list[str] | None = None) -> int:
 
     @record
     def worker() -> None:
-        from partc.run.runtime import run_rank
-
         try:
-            run_rank(plan, from_namespace(TrainOptions, ns))
-        except PartcError as exc:
-            line = exc.one_line()
-            print(f"partc launch: rank {os.environ.get('RANK', '?')}: error: {line}",
-                  file=sys.stderr, flush=True)
-            _record_user_error(line)
-            sys.exit(1)  # @record leaves SystemExit alone: no traceback in the error file
+            from partc.run.runtime import run_rank
+
+            try:
+                run_rank(plan, from_namespace(TrainOptions, ns))
+            except PartcError as exc:
+                line = exc.one_line()
+                print(f"partc launch: rank {os.environ.get('RANK', '?')}: error: {line}",
+                      file=sys.stderr, flush=True)
+                _record_user_error(line)
+                sys.exit(1)  # @record leaves SystemExit alone: no traceback in the error file
+            except Exception:
+                time.sleep(FAILURE_GRACE_S)  # torn down meanwhile if a peer failed first
+                raise  # @record writes the error file (with the traceback)
+        except KeyboardInterrupt:  # the agent's SIGINT (Ctrl-C on partc launch): no traceback
+            _die_of(signal.SIGINT)
 
     try:
         if "TORCHELASTIC_RUN_ID" in os.environ or "RANK" in os.environ:
@@ -67,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
             launch(plan, from_namespace(TrainOptions, ns))
     except PartcError as exc:
         print(f"partc launch: error: {exc.one_line()}", file=sys.stderr)
+        return exc.exit_code
+    except LaunchInterrupted as exc:
+        print(exc.line, file=sys.stderr)
         return exc.exit_code
     return 0
 

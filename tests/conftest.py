@@ -40,3 +40,15 @@ def capture_example() -> Callable[..., CaptureResult]:
     def get(name: str, batch_size: int = 2) -> CaptureResult:
         return captured(EXAMPLES / f"{name}.py", batch_size)
     return get
+
+
+def losses_of(metrics: Path) -> list[float]:
+    """The loss of each step of a `partc launch --metrics` file; a step run twice (after a
+    restart or a resume) counts with its last value."""
+    import json
+
+    by_step: dict[int, float] = {}
+    for line in metrics.read_text().splitlines():
+        row = json.loads(line)
+        by_step[row["step"]] = row["loss"]
+    return [by_step[s] for s in sorted(by_step)]

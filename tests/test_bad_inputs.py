@@ -25,7 +25,6 @@ from typing import Callable, Sequence
 
 import pytest
 import yaml
-
 from conftest import EXAMPLES, ROOT, TEST_MODELS
 
 BIN = Path(sys.executable).parent
@@ -51,11 +50,11 @@ def _context(proc: Proc[str]) -> str:
 
 
 def assert_one_line_error(proc: Proc[str], *fragments: str | tuple[str, ...],
-                          stdout_empty: bool = True) -> str:
-    """The contract: exit 2, one `partc: error:` line with every fragment (a tuple: any of its
-    strings) and a hint, no traceback anywhere. Returns the error line."""
+                          stdout_empty: bool = True, code: int = 2) -> str:
+    """The contract: exit `code` (2: a user error), one `partc: error:` line with every fragment
+    (a tuple: any of its strings) and a hint, no traceback anywhere. Returns the error line."""
     context = _context(proc)
-    assert proc.returncode == 2, context
+    assert proc.returncode == code, context
     errors = [line for line in proc.stderr.splitlines() if line.startswith(ERROR)]
     assert len(errors) == 1, context
     line = errors[0]
@@ -401,3 +400,271 @@ def test_debug_shows_the_traceback(case: str, mlp_plan: Path, tmp_path: Path) ->
     assert proc.returncode == 2, context
     assert "Traceback (most recent call last):" in proc.stderr, context
     assert sum(line.startswith(ERROR) for line in proc.stderr.splitlines()) == 1, context
+
+
+# ---- the plan as a trust boundary (docs/trust.md) ----------------------------------------------
+
+def _set_in_plan(plan_dir: Path, edit: Callable[[dict], None]) -> None:
+    """Edit plan.yaml's content (as a careless or hostile user would) and write it back."""
+    path = plan_dir / "plan.yaml"
+    data = yaml.safe_load(path.read_text())
+    edit(data)
+    path.write_text(yaml.safe_dump(data, sort_keys=True))
+
+
+def _tamper_stage(plan_dir: Path) -> None:
+    """Add code to stage 1's TorchScript (a changed operator) and update its sha256 in plan.yaml:
+    every hash still matches, so only a re-emit can tell."""
+    import hashlib
+    import io
+    import zipfile
+
+    path = plan_dir / "stage_1.pt"
+    original = path.read_bytes()
+    src = zipfile.ZipFile(io.BytesIO(original))
+    out = io.BytesIO()
+    changed = False
+    with zipfile.ZipFile(out, "w") as dst:
+        for info in src.infolist():
+            payload = src.read(info.filename)
+            if info.filename.endswith(".py") and b"torch.relu(" in payload and not changed:
+                payload = payload.replace(b"torch.relu(", b"torch.sigmoid(", 1)
+                changed = True
+            dst.writestr(info, payload)
+    assert changed, "stage 1 of the MLP plan calls relu"
+    path.write_bytes(out.getvalue())
+    plan = plan_dir / "plan.yaml"
+    old, new = (hashlib.sha256(b).hexdigest() for b in (original, out.getvalue()))
+    assert plan.read_text().count(old) == 1
+    plan.write_text(plan.read_text().replace(old, new))
+
+
+def _digest(proc: Proc[str]) -> str:
+    line = next(ln for ln in proc.stdout.splitlines() if "plan digest: sha256:" in ln)
+    return line.split("plan digest: ", 1)[1].strip()
+
+
+@pytest.fixture(scope="module")
+def mlp_digest(mlp_plan: Path) -> str:
+    proc = run("check", str(mlp_plan))
+    assert proc.returncode == 0, _context(proc)
+    return _digest(proc)
+
+
+def test_check_proves_a_current_plan_byte_for_byte(mlp_plan: Path, mlp_digest: str) -> None:
+    import hashlib
+
+    assert mlp_digest == "sha256:" + hashlib.sha256((mlp_plan / "plan.yaml").read_bytes()
+                                                    ).hexdigest()
+
+
+def test_check_reports_a_tampered_stage_file(mlp_plan: Path, mlp_digest: str,
+                                             tmp_path: Path) -> None:
+    plan_dir = copy_plan(mlp_plan, tmp_path)
+    _tamper_stage(plan_dir)
+    verify = run("verify", str(plan_dir))  # the hashes match: only check can tell
+    check = run("check", str(plan_dir))
+    assert check.returncode == 4, _context(check)
+    assert "TAMPERED" in check.stdout and "stage_1.pt is not what compile writes" in check.stdout, \
+        _context(check)
+    assert "Traceback" not in check.stderr + verify.stderr
+    # a cluster job pinned to the reviewed digest refuses it before any worker starts
+    metrics = tmp_path / "m.jsonl"
+    proc = run("launch", str(plan_dir), "--steps", "1", "--expect", mlp_digest,
+               "--metrics", str(metrics))
+    assert_one_line_error(proc, "--expect", "not the reviewed one")
+    assert not metrics.exists()
+
+
+def test_check_reports_a_hand_edited_plan(mlp_plan: Path, tmp_path: Path) -> None:
+    plan_dir = copy_plan(mlp_plan, tmp_path)
+    path = plan_dir / "plan.yaml"
+    text = path.read_text()
+    line = next(ln for ln in text.splitlines() if ln.strip().startswith("forward_s:"))
+    path.write_text(text.replace(line, line.split(":")[0] + ": 0.000001", 1))
+    proc = run("check", str(plan_dir))
+    assert proc.returncode == 4, _context(proc)
+    assert "plan.yaml is not what compile writes" in proc.stdout, _context(proc)
+    assert "0.001 -> " in proc.stdout, _context(proc)  # the edited forward time, 1 us
+
+
+def test_check_reports_an_edit_outside_the_layout(mlp_plan: Path, tmp_path: Path) -> None:
+    """A field the re-solve does not compare (a stage's operator count) is caught by bytes."""
+    plan_dir = copy_plan(mlp_plan, tmp_path)
+    path = plan_dir / "plan.yaml"
+    text = path.read_text()
+    head, stages = text.split("\nstages:\n", 1)
+    line = next(ln for ln in stages.splitlines() if ln.strip().startswith("num_nodes:"))
+    path.write_text(head + "\nstages:\n" + stages.replace(line, line + "0", 1))
+    proc = run("check", str(plan_dir))
+    assert proc.returncode == 4, _context(proc)
+    assert "plan.yaml is not what compile writes for this model (differs at stages/0/num_nodes)" \
+        in proc.stdout, _context(proc)
+
+
+def test_launch_runs_only_the_expected_digest(mlp_plan: Path, mlp_digest: str,
+                                              tmp_path: Path) -> None:
+    bad = run("launch", str(mlp_plan), "--steps", "1", "--expect", "sha256:" + "0" * 64)
+    assert_one_line_error(bad, "not the reviewed one")
+    garbage = run("launch", str(mlp_plan), "--steps", "1", "--expect", "yes")
+    assert_one_line_error(garbage, "is not a plan digest")
+    good = run("launch", str(mlp_plan), "--steps", "1", "--expect", mlp_digest)
+    assert good.returncode == 0, _context(good)
+
+
+def _absolute_model(plan_dir: Path) -> None:
+    _set_in_plan(plan_dir, lambda d: d["model"].update(file=str(EXAMPLES / "mlp.py")))
+
+
+@pytest.mark.parametrize("command", ["verify", "launch", "check"])
+def test_absolute_model_path_is_refused(command: str, mlp_plan: Path, tmp_path: Path) -> None:
+    plan_dir = copy_plan(mlp_plan, tmp_path)
+    _absolute_model(plan_dir)
+    extra = ["--steps", "1"] if command == "launch" else []
+    proc = run(command, str(plan_dir), *extra)
+    assert_one_line_error(proc, "is an absolute path")
+
+
+@pytest.mark.parametrize("command", ["verify", "launch", "check"])
+def test_model_path_escaping_the_repository_is_refused(command: str, mlp_plan: Path,
+                                                       tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    (repo / ".git").mkdir(parents=True)  # a repository the plan is reviewed in
+    plan_dir = copy_plan(mlp_plan, repo)
+    outside = tmp_path / "evil.py"
+    shutil.copy(EXAMPLES / "mlp.py", outside)
+    _set_in_plan(plan_dir, lambda d: d["model"].update(file="../../evil.py"))
+    extra = ["--steps", "1"] if command == "launch" else []
+    proc = run(command, str(plan_dir), *extra)
+    assert_one_line_error(proc, "outside the plan's tree")
+
+
+def test_compile_refuses_a_model_outside_the_plans_repository(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    (repo / ".git").mkdir(parents=True)
+    proc = run("compile", MLP, "-b", "8", "--stages", "2", "--cluster", "cpu-4",
+               "-o", str(repo / "plans" / "mlp"))
+    assert_one_line_error(proc, "lies outside the repository", stdout_empty=False)
+    assert not (repo / "plans" / "mlp" / "plan.yaml").exists()
+
+
+def test_changed_model_file_is_not_imported(mlp_plan: Path, tmp_path: Path) -> None:
+    model = tmp_path / "mlp.py"
+    shutil.copy(EXAMPLES / "mlp.py", model)
+    out = tmp_path / "plan"
+    proc = run("compile", str(model), "-b", "8", "--stages", "2", "--cluster", "cpu-4",
+               "-o", str(out))
+    assert proc.returncode == 0, _context(proc)
+    marker = tmp_path / "ran"
+    model.write_text(model.read_text() + f"\nopen({str(marker)!r}, 'w').close()\n")
+    for command in (["verify", str(out)], ["launch", str(out), "--steps", "1"]):
+        bad = run(*command)
+        assert_one_line_error(bad, "changed since the plan was compiled")
+    assert not marker.exists()  # the changed file never ran
+    # check explains it: the graph is the same, the file's bytes are not
+    stale = run("check", str(out))
+    assert stale.returncode == 1, _context(stale)
+    assert "model file's bytes changed" in stale.stdout, _context(stale)
+
+
+@pytest.mark.parametrize("model, fragment", [
+    ("exits_in_build.py", "called sys.exit(0)"),
+    ("base_exception.py", "raised Stop"),
+])
+@pytest.mark.parametrize("command", ["inspect", "compile"])
+def test_model_code_cannot_fake_success(command: str, model: str, fragment: str,
+                                        tmp_path: Path) -> None:
+    path = str(TEST_MODELS / model)
+    args = (["inspect", path, "--no-onnx"] if command == "inspect" else
+            ["compile", path, "-b", "4", "--cluster", "cpu-4", "-o", str(tmp_path / "o")])
+    proc = run(*args)
+    assert_one_line_error(proc, "build_model()", fragment)
+
+
+def test_model_that_exits_cannot_pass_check_or_verify(mlp_plan: Path, tmp_path: Path) -> None:
+    """A plan whose model file now calls sys.exit(0) while building: no command exits 0."""
+    model = tmp_path / "mlp.py"
+    shutil.copy(EXAMPLES / "mlp.py", model)
+    out = tmp_path / "plan"
+    assert run("compile", str(model), "-b", "8", "--stages", "2", "--cluster", "cpu-4",
+               "-o", str(out)).returncode == 0
+    text = model.read_text().replace("    torch.manual_seed(0)\n",
+                                     "    import sys\n    sys.exit(0)\n", 1)
+    model.write_text(text)
+    check = run("check", str(out))
+    assert_one_line_error(check, "called sys.exit(0)")
+    verify = run("verify", str(out))
+    assert verify.returncode == 2, _context(verify)  # the file changed: refused before import
+
+
+def test_print_flood_is_bounded() -> None:
+    proc = run("inspect", str(TEST_MODELS / "prints_flood.py"), "--no-onnx")
+    assert proc.returncode == 0, _context(proc)
+    assert "building layer" not in proc.stdout and "importing layer" not in proc.stdout
+    model_lines = [ln for ln in proc.stderr.splitlines() if "layer" in ln and "row" in ln
+                   or ln.startswith("building layer")]
+    assert len(model_lines) <= 40, _context(proc)
+    assert "more line(s), not shown" in proc.stderr, _context(proc)
+
+
+def _huge_microbatches(plan_dir: Path) -> None:
+    _set_in_plan(plan_dir, lambda d: d["training"].update(num_microbatches=10 ** 30))
+
+
+def _batch_mismatch(plan_dir: Path) -> None:
+    _set_in_plan(plan_dir, lambda d: d["training"].update(
+        microbatch_size=d["training"]["microbatch_size"] + 1))
+
+
+def _stage_on_wrong_device(plan_dir: Path) -> None:
+    def edit(d: dict) -> None:
+        d["stages"][1]["devices"] = d["stages"][0]["devices"]
+    _set_in_plan(plan_dir, edit)
+
+
+def _input_from_the_future(plan_dir: Path) -> None:
+    def edit(d: dict) -> None:
+        d["stages"][0]["inputs"][0]["from"] = 1
+    _set_in_plan(plan_dir, edit)
+
+
+def _stage_file_elsewhere(plan_dir: Path) -> None:
+    def edit(d: dict) -> None:
+        d["stages"][1]["file"] = "../stage_1.pt"
+    _set_in_plan(plan_dir, edit)
+
+
+INCONSISTENT = {
+    "huge-microbatches": (_huge_microbatches, "num_microbatches"),
+    "batch-arithmetic": (_batch_mismatch, "global batch"),
+    "stage-device": (_stage_on_wrong_device, "stage 1 is"),
+    "input-from-later-stage": (_input_from_the_future, "not an earlier stage"),
+    "stage-file-path": (_stage_file_elsewhere, "stages/1/file"),
+}
+
+
+@pytest.mark.parametrize("command", ["show", "verify", "launch", "check", "diff"])
+@pytest.mark.parametrize("damage", list(INCONSISTENT))
+def test_inconsistent_plan_is_refused(damage: str, command: str, mlp_plan: Path,
+                                      tmp_path: Path) -> None:
+    edit, fragment = INCONSISTENT[damage]
+    plan_dir = copy_plan(mlp_plan, tmp_path)
+    edit(plan_dir)
+    proc = run(*PLAN_COMMANDS[command](str(plan_dir), str(mlp_plan)), timeout=120)
+    assert_one_line_error(proc, fragment)
+
+
+@pytest.mark.parametrize("target", ["plan.yaml", "stage_0.pt"])
+@pytest.mark.parametrize("flag", ["--png", "--html"])
+def test_outputs_never_overwrite_a_plan(flag: str, target: str, mlp_plan: Path,
+                                        tmp_path: Path) -> None:
+    plan_dir = copy_plan(mlp_plan, tmp_path)
+    before = (plan_dir / target).read_bytes()
+    proc = run("show", str(plan_dir), flag, str(plan_dir / target))
+    assert_one_line_error(proc, "would overwrite a plan file")
+    assert (plan_dir / target).read_bytes() == before
+
+
+def test_launch_given_a_model_file(tmp_path: Path) -> None:
+    proc = run("launch", MLP, "--steps", "1")
+    assert_one_line_error(proc, "is a Python file, not a plan")

@@ -7,13 +7,25 @@ and save each stage (partc.emit.stage_code), and write plan.yaml (partc.plans.pl
 """
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import errno
 import hashlib
 import operator
 import os
+import re
+import secrets
+import shutil
+import signal
+import stat
+import sys
 import tempfile
+import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from pathlib import Path
+from typing import Any, Iterator
 
 import torch
 import torch.utils._pytree as pytree
@@ -36,7 +48,9 @@ from partc.plans.plan import (
     LOSS,
     MODEL_INPUT,
     PLAN_FILE,
+    PLAN_ROOT_ENV,
     PROFILE_FILE,
+    TIMINGS_FILE,
     WEIGHTS_AT_LAUNCH,
     WEIGHTS_IN_STAGE_FILES,
     ModelInfo,
@@ -45,6 +59,7 @@ from partc.plans.plan import (
     PlanStage,
     TensorRef,
     TiedParameter,
+    plan_tree_root,
     stage_file_name,
     validate_plan_dict,
     write_timings,
@@ -55,7 +70,7 @@ from partc.progress import Progress
 from partc.solve.coarsen import coarsen
 from partc.solve.partition import Partition
 from partc.solve.search import search
-from partc.version import __version__
+from partc.version import __version__, build_id
 
 
 class CompileError(PartcError):
@@ -87,21 +102,39 @@ class CompileResult:
 
 def compile_model(model_path: str | Path, cluster: ClusterSpec, output_dir: str | Path,
                   options: CompileOptions, progress: Progress | None = None) -> CompileResult:
-    """Run every pass and write the plan directory (module docstring)."""
+    """Run every pass and write the plan directory (module docstring).
+
+    The plan is built whole in a new directory beside `output_dir` (the same parent: the same
+    filesystem, and the same paths relative to the plan) and then swapped in for the previous
+    one (`_swap_in`). A compile that fails or is interrupted (KeyboardInterrupt; the CLI turns
+    SIGTERM into one) removes that directory and leaves the previous plan as it was, byte for
+    byte. Files of the previous plan directory that are not plan artifacts are carried over
+    (`_carry_over`)."""
     progress = progress or Progress()
     output_dir = Path(output_dir)
-    created = not output_dir.exists()
     _prepare_output(output_dir)
+    staging: Path | None = None
+    made: list[Path] = []  # parents created for a new plan directory
     try:
-        return _compile(model_path, cluster, output_dir, options, progress)
+        with _signals_deferred():  # no Ctrl-C between making the directory and noting it
+            staging, made = _staging_directory(output_dir)
+        result = _compile(model_path, cluster, output_dir, staging, options, progress)
+        _carry_over(output_dir, staging, result.plan)
+        _swap_in(staging, output_dir, progress)
     except BaseException:
-        if created and output_dir.is_dir() and not any(output_dir.iterdir()):
-            output_dir.rmdir()  # a failed compile leaves no empty plan directory behind
+        with _signals_deferred():  # a second Ctrl-C must not cut the clean-up short
+            if staging is not None:
+                shutil.rmtree(staging, ignore_errors=True)
+            for directory in made:
+                with contextlib.suppress(OSError):
+                    directory.rmdir()
         raise
+    return result
 
 
-def _compile(model_path: str | Path, cluster: ClusterSpec, output_dir: Path,
+def _compile(model_path: str | Path, cluster: ClusterSpec, output_dir: Path, staging: Path,
              options: CompileOptions, progress: Progress) -> CompileResult:
+    """Every pass; the plan is written into `staging`, with paths relative to `output_dir`."""
     timings: dict[str, float] = {}
     start = time.perf_counter()
     result = capture_graph(model_path, options.capture_batch, onnx=False, progress=progress)
@@ -131,11 +164,11 @@ def _compile(model_path: str | Path, cluster: ClusterSpec, output_dir: Path,
         timings["solver_wall_s"] = partition.solver.wall_s
     t = time.perf_counter()
     costs = recorded_costs(options, output_dir, measured_profile)
-    plan = emit_plan(result, partition, cluster, output_dir, costs, progress,
-                     profile=measured_profile)
+    plan = emit_plan(result, partition, cluster, staging, costs, progress,
+                     profile=measured_profile, plan_directory=output_dir)
     timings["emit_s"] = time.perf_counter() - t
     timings["total_s"] = time.perf_counter() - start
-    write_timings(output_dir, timings)
+    write_timings(staging, timings)
     return CompileResult(plan=plan, partition=partition, directory=output_dir, timings=timings)
 
 
@@ -165,28 +198,226 @@ def recorded_costs(options: CompileOptions, output_dir: Path,
                          capture_batch_size=options.capture_batch, search=options.search,
                          profile_sha256=hashlib.sha256(measured_profile).hexdigest())
     if options.profile:
-        return PlanCosts(source="profile", profile=_relative(options.profile, output_dir),
+        return PlanCosts(source="profile", profile=relative_path(options.profile, output_dir),
                          capture_batch_size=options.capture_batch, search=options.search,
                          profile_sha256=sha256_file(options.profile))
     return PlanCosts(source="analytic", profile=None, capture_batch_size=options.capture_batch,
                      search=options.search)
 
 
+# What compile writes into a plan directory; everything else there is the user's and is kept.
+_ARTIFACT = re.compile(rf"^(?:{re.escape(PLAN_FILE)}|{re.escape(PROFILE_FILE)}|"
+                       rf"{re.escape(TIMINGS_FILE)}|stage_\d+\.pt)$")
+# What an interrupted compile of an earlier partc could leave there: dropped, never carried over.
+_LEFTOVER = re.compile(rf"^\.(?:{re.escape(PLAN_FILE)}|{re.escape(PROFILE_FILE)}|"
+                       rf"{re.escape(TIMINGS_FILE)}|stage_\d+\.pt)\.(?:staged|.+\.tmp)$"
+                       r"|^\.partc-write-test$")
+
+
 def _prepare_output(directory: Path) -> None:
+    """Refuse an output compile cannot replace whole: a file, a directory holding other things
+    than a plan (`-o .` in a project), the current directory or one holding it. A missing or
+    empty directory, or a plan directory, is fine."""
     if directory.exists() and not directory.is_dir():
         raise CompileError(f"output {directory} exists and is not a directory",
                            hint="pass -o with a directory for the plan")
+    if not directory.is_dir():
+        return
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        probe = directory / ".partc-write-test"
-        probe.write_text("")
-        probe.unlink()
+        names = sorted(os.listdir(directory))
     except OSError as exc:
-        raise CompileError(f"cannot write to {directory}: {exc.strerror}",
-                           hint="pass -o with a writable directory") from exc
+        raise CompileError(f"cannot read the output directory {directory}: {exc.strerror}",
+                           hint="pass -o with a directory you can read and write") from exc
+    others = [n for n in names if not _ARTIFACT.match(n) and not _LEFTOVER.match(n)]
+    if others and PLAN_FILE not in names:
+        more = f" and {len(others) - 1} more" if len(others) > 1 else ""
+        raise CompileError(f"output {directory} is not a plan directory: it holds no "
+                           f"{PLAN_FILE} but other files ({others[0]}{more})",
+                           hint="compile replaces its output directory whole: pass -o with a new "
+                                "or empty directory, or an earlier plan's")
+    here = Path.cwd().resolve()
+    target = directory.resolve()
+    if here == target or target in here.parents:
+        raise CompileError(f"output {directory} is the current directory or holds it, and "
+                           "compile replaces its output directory whole",
+                           hint="run partc from outside the plan directory, e.g. from its "
+                                "parent with -o NAME")
 
 
-def _relative(path: str | Path, directory: Path) -> str:
+def _staging_directory(output_dir: Path) -> tuple[Path, list[Path]]:
+    """A new, empty directory beside `output_dir` (symlinks followed) to build the plan in, and
+    the parent directories created for it (deepest first; removed again if compile fails)."""
+    target = output_dir.resolve()
+    made: list[Path] = []
+    parent = target.parent
+    while not parent.exists():
+        made.append(parent)
+        parent = parent.parent
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        return _new_directory(target.parent, f".{target.name}.partc-new-"), made
+    except OSError as exc:
+        for directory in made:
+            with contextlib.suppress(OSError):
+                directory.rmdir()
+        raise CompileError(f"cannot write to {output_dir.parent}: {exc.strerror}",
+                           hint="compile builds the plan beside its output directory and swaps "
+                                "it in: pass -o with a directory whose parent is writable"
+                           ) from exc
+
+
+def _new_directory(parent: Path, prefix: str) -> Path:
+    """mkdir of a fresh name `prefix` + random hex in `parent` (mode from the umask)."""
+    for _ in range(100):
+        path = parent / f"{prefix}{secrets.token_hex(4)}"
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, f"no free name {prefix}* in {parent}")
+
+
+def _carry_over(old: Path, new: Path, plan: Plan) -> None:
+    """Copy into `new` what the old plan directory holds besides plan artifacts (a README, a
+    profile the new plan names, metrics, checkpoints): hard links where possible. Stage files,
+    plan.yaml and timings.yaml are the new plan's; a profile.yaml only when the new plan has
+    none and names that file (`--profile` pointing into the plan directory)."""
+    if not old.is_dir():
+        return
+    keep_profile = plan.costs.profile == PROFILE_FILE and not (new / PROFILE_FILE).exists()
+    with os.scandir(old) as scan:
+        entries = sorted(scan, key=lambda e: e.name)
+    for entry in entries:
+        name = entry.name
+        if _LEFTOVER.match(name) or (_ARTIFACT.match(name)
+                                     and not (name == PROFILE_FILE and keep_profile)):
+            continue
+        source, target = Path(entry.path), new / name
+        if entry.is_symlink():
+            os.symlink(os.readlink(source), target)
+        elif entry.is_dir():
+            shutil.copytree(source, target, symlinks=True, copy_function=_link_or_copy)
+        else:
+            _link_or_copy(str(source), str(target))
+
+
+def _link_or_copy(source: str, target: str) -> str:
+    try:
+        os.link(source, target, follow_symlinks=False)
+    except OSError:
+        shutil.copy2(source, target, follow_symlinks=False)
+    return target
+
+
+def _swap_in(new: Path, output_dir: Path, progress: Progress) -> None:
+    """Make the complete plan directory `new` the output directory, in one step where the kernel
+    can (renameat2 RENAME_EXCHANGE), else by renaming the old one aside, the new one in and
+    removing the old one; SIGINT and SIGTERM wait until it is done."""
+    target = output_dir.resolve()
+    old: Path | None = None  # where the previous plan ends up, to be removed
+    with _signals_deferred():
+        try:
+            if not target.is_dir():
+                os.rename(new, target)
+            else:
+                os.chmod(new, stat.S_IMODE(target.stat().st_mode))
+                if _exchange(new, target):
+                    old = new  # the previous plan is now at the staging name
+                else:
+                    aside = target.parent / f".{target.name}.partc-old-{secrets.token_hex(4)}"
+                    os.rename(target, aside)
+                    try:
+                        os.rename(new, target)
+                    except BaseException:
+                        os.rename(aside, target)
+                        raise
+                    old = aside
+            _fsync_directory(target.parent)
+        except OSError as exc:
+            raise CompileError(f"cannot replace {output_dir} with the new plan: "
+                               f"{exc.strerror or exc}",
+                               hint="check the permissions of the directory and its parent"
+                               ) from exc
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+            if old.exists():
+                progress.warn(f"could not remove the previous plan, now at {old}")
+
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+@lru_cache(maxsize=1)
+def _renameat2() -> Any:
+    """libc's renameat2, or None (not Linux, or a C library without it)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        function = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
+                         ctypes.c_uint]
+    function.restype = ctypes.c_int
+    return function
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two existing directory entries atomically; False where the C library, the kernel or
+    the filesystem cannot (then nothing changed)."""
+    function = _renameat2()
+    if function is None:
+        return False
+    if function(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def _fsync_directory(directory: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+@contextlib.contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM while the block runs (a swap of plan directories, the removal of
+    a temporary one must not stop half-way), then deliver them to the handlers in place before.
+    Python-level handlers rather than pthread_sigmask: with the main thread's mask alone, the
+    kernel hands the signal to one of torch's or CP-SAT's threads, whose C handler still makes
+    the main thread raise KeyboardInterrupt."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+
+    def hold(signum: int, _frame: object) -> None:
+        received.append(signum)
+
+    before: dict[signal.Signals, Any] = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        handler = signal.getsignal(sig)
+        if handler is not None:  # None: installed outside Python, left alone
+            before[sig] = handler
+            signal.signal(sig, hold)
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+        for signum in dict.fromkeys(received):
+            signal.raise_signal(signum)
+
+
+def relative_path(path: str | Path, directory: Path) -> str:
     """`path` relative to the plan directory: plans hold no absolute paths, and they stay valid
     when the repository is cloned elsewhere."""
     return Path(os.path.relpath(Path(path).resolve(), directory.resolve())).as_posix()
@@ -242,10 +473,14 @@ def _spec_text(spec: pytree.TreeSpec) -> str:
 
 def emit_plan(result: CaptureResult, partition: Partition, cluster: ClusterSpec,
               output_dir: str | Path, costs: PlanCosts,
-              progress: Progress | None = None, profile: bytes | None = None) -> Plan:
+              progress: Progress | None = None, profile: bytes | None = None,
+              plan_directory: str | Path | None = None) -> Plan:
     """Write the stage files and plan.yaml of `partition` into `output_dir`; return the Plan.
     `profile`: the measured profile the plan was solved with, written as PROFILE_FILE with the
-    stage files (a plan without one removes an earlier compile's)."""
+    stage files (a plan without one removes an earlier compile's). `plan_directory`: where the
+    plan will live when `output_dir` is only where it is built (compile_model builds it beside
+    its directory and swaps it in): plan.yaml's paths are relative to it, and so are `costs`'s
+    (recorded_costs). A sibling of it gives the same paths except for files inside it."""
     progress = progress or Progress()
     output_dir = Path(output_dir)
     cap = result.capture
@@ -269,6 +504,10 @@ def emit_plan(result: CaptureResult, partition: Partition, cluster: ClusterSpec,
             staged[profile_path] = write_atomic(
                 profile_path.with_name(f".{PROFILE_FILE}.staged"), profile)
         plan = _emit(result, partition, cluster, output_dir, costs, split, flat, staged, progress)
+        if plan_directory is not None:
+            home = Path(plan_directory)
+            plan = replace(plan, directory=home, model=replace(
+                plan.model, file=relative_path(cap.model_file.path, home)))
         validate_plan_dict(plan.to_dict(), "the plan being written")
         # Never leave a plan.yaml next to stage files it does not describe: drop the old one,
         # move the new stage files in, then write the new plan.yaml (atomically).
@@ -339,7 +578,8 @@ def _emit(result: CaptureResult, partition: Partition, cluster: ClusterSpec, out
     tied = tuple(TiedParameter(name=n, aliases=tuple(sorted(set(names_of.get(n, (n,))) - {n})),
                                stages=tuple(s)) for n, s in sorted(holders.items()) if len(s) > 1)
     model = ModelInfo(
-        file=_relative(cap.model_file.path, output_dir), name=graph.model_name,
+        file=relative_path(cap.model_file.path, output_dir), sha256=cap.model_file.sha256,
+        name=graph.model_name,
         graph_hash=graph.content_hash(), on_meta=cap.on_meta,
         parameters=sum(p.numel for p in graph.params if p.kind == "parameter"),
         weights=WEIGHTS_AT_LAUNCH if cap.on_meta else WEIGHTS_IN_STAGE_FILES,
@@ -353,10 +593,25 @@ def _emit(result: CaptureResult, partition: Partition, cluster: ClusterSpec, out
         tied_weights=tuple(sorted((p.name, *p.aliases) for p in graph.params if p.aliases)),
         module_fingerprints=graph.module_fingerprints(),
         parameter_signatures=graph.parameter_signatures())
-    return Plan(partc_version=__version__, model=model, cluster=cluster,
+    root = plan_tree_root(output_dir)
+    if root is not None and not cap.model_file.path.resolve().is_relative_to(root):
+        raise CompileError(f"the model file {cap.model_file.path} lies outside the repository "
+                           f"{root} that holds the plan directory {output_dir}",
+                           hint="a plan may only name a model file of its own repository: move "
+                                f"the model into it or the plan out of it (or set "
+                                f"{PLAN_ROOT_ENV})")
+    return Plan(partc_version=__version__, partc_build=build_id(),
+                torch_version=torch_version(), model=model,
+                cluster=cluster,
                 training=partition.training_setup, costs=costs, stages=tuple(entries),
                 tied_parameters=tied, solver=partition.solver.recorded(),
                 predicted=partition.prediction, directory=output_dir)
+
+
+def torch_version() -> str:
+    """The torch that traces stage files, as plan.yaml records it: the public version (a CPU and
+    a CUDA build of one release write the same TorchScript)."""
+    return torch.__version__.split("+")[0]
 
 
 def _ref(split: SplitProgram, name: str, stage: int, side: str, runtime: dict[str, str],

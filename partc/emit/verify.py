@@ -80,7 +80,7 @@ def verify_plan(path: str | Path, *, rtol: float = DEFAULT_RTOL, atol: float = D
     plan = load_plan(path)
     plan.check_stage_files()
     dev = _device(device)
-    stages = [load_stage(plan.stage_path(s), map_location=dev) for s in plan.stages]
+    stages = [load_stage(plan.stage_bytes(s), map_location=dev) for s in plan.stages]
     for st, module in zip(plan.stages, stages, strict=True):
         names = set(stage_tensors(module))
         expected = set(st.parameter_names) | set(st.buffer_names) | set(st.constant_names)

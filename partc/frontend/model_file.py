@@ -12,17 +12,21 @@ pair, or a single tensor (shorthand for a 1-tuple).
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import importlib.abc
 import importlib.util
+import io
+import itertools
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, TextIO
 
 import torch
 
-from partc.errors import ModelFileError, summarize_exception
+from partc.errors import ModelFileError, PartcError, summarize_exception
 
 Inputs = tuple[tuple[Any, ...], dict[str, Any]]
 
@@ -35,6 +39,7 @@ class ModelFile:
     """A loaded model file: its path, the imported module, and the contract functions."""
 
     path: Path
+    sha256: str  # of the bytes imported
     module: ModuleType
     module_name: str
     build_model: Callable[[], torch.nn.Module]
@@ -56,13 +61,10 @@ class ModelFile:
 
     def build(self) -> torch.nn.Module:
         """Call build_model() and check it returned an nn.Module."""
-        try:
+        with model_code(f"build_model() in {self.path}",
+                        hint="run the model file's build_model() in Python to see the full "
+                             "traceback, or pass --debug"):
             model = self.build_model()
-        except Exception as exc:
-            raise ModelFileError(
-                f"build_model() in {self.path} raised {summarize_exception(exc)}",
-                hint="run the model file's build_model() in Python to see the full traceback, "
-                     "or pass --debug") from exc
         if not isinstance(model, torch.nn.Module):
             raise ModelFileError(
                 f"build_model() in {self.path} returned {type(model).__name__}, "
@@ -72,17 +74,22 @@ class ModelFile:
 
     def inputs(self, batch_size: int) -> Inputs:
         """Call example_inputs(batch_size) and normalise the result to (args, kwargs)."""
-        try:
+        with model_code(f"example_inputs({batch_size}) in {self.path}"):
             raw = self.example_inputs(batch_size)
-        except Exception as exc:
-            raise ModelFileError(
-                f"example_inputs({batch_size}) in {self.path} raised {summarize_exception(exc)}",
-                hint="pass --debug for the traceback") from exc
         return normalize_inputs(raw, where=f"example_inputs({batch_size}) in {self.path}")
 
     def loss(self) -> Callable[[Any, Any], torch.Tensor]:
-        """The model file's loss_fn, or `default_loss_fn` when it defines none."""
-        return self.loss_fn if self.loss_fn is not None else default_loss_fn
+        """The model file's loss_fn (a call that exits or raises a BaseException becomes a
+        ModelFileError), or `default_loss_fn` when it defines none."""
+        fn = self.loss_fn
+        if fn is None:
+            return default_loss_fn
+        where = f"loss_fn in {self.path}"
+
+        def loss(output: Any, target: Any) -> torch.Tensor:
+            with model_code(where, exceptions=False):
+                return fn(output, target)
+        return loss
 
     def data(self, batch_size: int,
              output_shape: tuple[int, ...] | None = None) -> Iterator[tuple[Inputs, Any]]:
@@ -92,13 +99,90 @@ class ModelFile:
         if self.batches is None:
             yield from synthetic_batches(self, batch_size, output_shape=output_shape)
             return
-        for i, item in enumerate(self.batches(batch_size)):
+        with model_code(f"batches({batch_size}) in {self.path}", exceptions=False):
+            items = iter(self.batches(batch_size))
+        for i in itertools.count():
+            with model_code(f"batches({batch_size}) in {self.path}", exceptions=False):
+                item = next(items, _END)
+            if item is _END:
+                return
             if not (isinstance(item, (tuple, list)) and len(item) == 2):
                 raise ModelFileError(
                     f"batches({batch_size}) in {self.path} yielded {type(item).__name__} "
                     f"at item {i}, expected an (inputs, target) pair", hint=_CONTRACT_HINT)
             inputs, target = item
             yield normalize_inputs(inputs, where=f"batches({batch_size}) item {i}"), target
+
+
+_END = object()
+
+
+# Lines a model file's import, build_model() or example_inputs() may print before the rest is
+# dropped: a model that prints per layer must not bury partc's report (or a CI log).
+PRINT_LINES = 20
+
+
+class _BoundedPrints(io.TextIOBase):
+    """sys.stdout while model code sets up: its first PRINT_LINES lines go to stderr (stdout is
+    the command's report), the rest are counted."""
+
+    def __init__(self, target: TextIO) -> None:
+        self.target = target
+        self.lines = 0
+        self.dropped = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        for piece in text.splitlines(keepends=True):
+            if self.lines < PRINT_LINES:
+                self.target.write(piece)
+            elif piece.endswith("\n"):
+                self.dropped += 1
+            if piece.endswith("\n"):
+                self.lines += 1
+        return len(text)
+
+    def flush(self) -> None:
+        self.target.flush()
+
+
+@contextlib.contextmanager
+def model_code(where: str, when: str = "", hint: str = "pass --debug for the traceback",
+               exceptions: bool = True, prints: bool | None = None) -> Iterator[None]:
+    """Run code of the user's model file: what it raises (Exception when `exceptions`, and
+    always SystemExit and the other BaseExceptions: a model file must not end or fake the
+    outcome of a partc command) becomes a ModelFileError naming `where`. KeyboardInterrupt
+    passes (Ctrl-C), as does a PartcError. Set-up calls (`prints`, default: `exceptions`) print
+    to stderr, at most PRINT_LINES lines."""
+    bounded = _BoundedPrints(sys.stderr) if (exceptions if prints is None else prints) else None
+    try:
+        if bounded is None:
+            yield
+        else:
+            with contextlib.redirect_stdout(bounded):
+                yield
+    except (KeyboardInterrupt, PartcError):
+        raise
+    except SystemExit as exc:
+        raise ModelFileError(f"{where} called sys.exit({exc.code!r})"
+                             + (f" {when}" if when else ""),
+                             hint="model code must not exit the process; raise an exception "
+                                  "instead") from exc
+    except Exception as exc:
+        if not exceptions:
+            raise
+        raise ModelFileError(f"{where} raised {summarize_exception(exc)}"
+                             + (f" {when}" if when else ""), hint=hint) from exc
+    except BaseException as exc:
+        raise ModelFileError(f"{where} raised {type(exc).__name__}"
+                             + (f" {when}" if when else ""),
+                             hint="model code must raise Exception subclasses only") from exc
+    finally:
+        if bounded is not None and bounded.dropped:
+            print(f"partc: {where} printed {bounded.dropped} more line(s), not shown",
+                  file=sys.stderr)
 
 
 def normalize_inputs(raw: Any, where: str = "example_inputs") -> Inputs:
@@ -208,12 +292,30 @@ def inputs_to_meta(inputs: Inputs) -> Inputs:
             torch.utils._pytree.tree_map(move, kwargs))
 
 
-def load_model_file(path: str | Path) -> ModelFile:
+class _SourceLoader(importlib.abc.SourceLoader):
+    """Imports a module from bytes already read (and hashed) instead of re-opening the file."""
+
+    def __init__(self, path: Path, source: bytes) -> None:
+        self.path = path
+        self.source = source
+
+    def get_filename(self, fullname: str) -> str:
+        return str(self.path)
+
+    def get_data(self, path: str) -> bytes:
+        if path != str(self.path):  # only the module's own source; no bytecode cache
+            raise OSError(f"{path} is not the model file")
+        return self.source
+
+
+def load_model_file(path: str | Path, source: bytes | None = None) -> ModelFile:
     """Import a model file and check that it defines the contract's functions.
 
+    The file is read once and imported from those bytes (`source` when the caller read and
+    checked them already, e.g. against a plan's sha256); `ModelFile.sha256` is of those bytes.
     The file's directory is put on sys.path while it imports, so it can import its neighbours.
-    Raises ModelFileError (one clear line) for a missing file, an import failure or a missing
-    function.
+    Raises ModelFileError (one clear line) for a missing file, an import failure, a model file
+    that calls sys.exit() while importing, or a missing function.
     """
     path = Path(path)
     if not path.exists():
@@ -223,38 +325,45 @@ def load_model_file(path: str | Path) -> ModelFile:
     if path.is_dir():
         raise ModelFileError(f"model file {path} is a directory",
                              hint="pass the path of a .py file")
-    try:
-        path.read_bytes()
-    except OSError as exc:
-        raise ModelFileError(f"cannot read model file {path}: {exc.strerror}",
-                             hint="check the file's permissions") from exc
+    if source is None:
+        try:
+            source = path.read_bytes()
+        except OSError as exc:
+            raise ModelFileError(f"cannot read model file {path}: {exc.strerror}",
+                                 hint="check the file's permissions") from exc
     resolved = path.resolve()
     # A stable module name; a digest of the path only when another file already took the name.
     module_name = f"partc_model_{_identifier(path.stem)}"
     previous = sys.modules.get(module_name)
     if previous is not None and getattr(previous, "__file__", None) != str(resolved):
         module_name += "_" + hashlib.sha1(str(resolved).encode()).hexdigest()[:8]
-    spec = importlib.util.spec_from_file_location(module_name, resolved)
-    if spec is None or spec.loader is None:
+    loader = _SourceLoader(resolved, source)
+    spec = importlib.util.spec_from_loader(module_name, loader, origin=str(resolved))
+    if spec is None:
         raise ModelFileError(f"cannot import {path} as Python", hint="pass a .py file")
+    spec.has_location = True  # __file__ is the model file (inspect, tracebacks, dataclasses)
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
     sys.path.insert(0, str(resolved.parent))
     try:
-        spec.loader.exec_module(module)
+        with model_code(f"model file {path}", "while importing", exceptions=False, prints=True):
+            loader.exec_module(module)
     except SyntaxError as exc:
         del sys.modules[module_name]
         raise ModelFileError(f"model file {path} has a syntax error at line {exc.lineno}: "
                              f"{exc.msg}",
                              hint="fix the file; `python -m py_compile FILE` shows the "
                                   "same") from exc
-    except BaseException as exc:
+    except Exception as exc:
         del sys.modules[module_name]
-        if isinstance(exc, KeyboardInterrupt):
+        if isinstance(exc, PartcError):
             raise
         raise ModelFileError(
             f"model file {path} raised {summarize_exception(exc)} while importing",
             hint=f"run `python {path}` to see the full traceback, or pass --debug") from exc
+    except BaseException:
+        del sys.modules[module_name]
+        raise
     finally:
         # First on the path while the file imports (as `python model.py` would have it); then
         # moved to the end, so imports deferred into build_model() still find the neighbours
@@ -278,6 +387,7 @@ def load_model_file(path: str | Path) -> ModelFile:
 
     return ModelFile(
         path=path,
+        sha256=hashlib.sha256(source).hexdigest(),
         module=module,
         module_name=module_name,
         build_model=function("build_model", True),  # type: ignore[arg-type]

@@ -1,18 +1,22 @@
-"""`partc check`: is a checked-in plan still what `partc compile` would write for the model?
+"""`partc check`'s parts that need no emitting: the model's changes against a plan's fingerprint,
+the report and its format, re-solving a plan exactly as compile solved it, and finding plans.
 
-The check re-captures the model (on the meta device when it is built there), compares its graph
-hash with the plan's, and re-solves with the plan's recorded inputs: the cluster as recorded in
-plan.yaml (not today's configs/ or this machine, so the check gives the same answer on any CI
-runner), the training settings, and `costs` (cost source, a checked-in profile, capture batch,
-blocks, strategy, time limit, pinned choices). The solver is deterministic, so a current plan
-re-solves to an equal `Layout` (partc.plans.diff). Stage files are checked against their hashes
-but never loaded.
+The check itself (`partc.emit.check.check_plan`) re-captures the model (on the meta device when it
+is built there), compares its graph hash with the plan's, and re-solves with the plan's recorded
+inputs: the cluster as recorded in plan.yaml (not today's configs/ or this machine, so the check
+gives the same answer on any CI runner), the training settings, and `costs` (cost source, a
+checked-in profile, capture batch, blocks, strategy, time limit, pinned choices). The solver is
+deterministic, so a current plan re-solves to an equal `Layout` (partc.plans.diff); then it
+re-emits the plan and compares bytes.
 
-Outcomes: `current` (exit 0), `stale` with reasons (exit 1): the model changed (which modules and
-parameters, from the plan's fingerprint), the profile no longer matches the model, the plan no
-longer fits in memory, or the re-solved plan differs (which modules move between stages, old vs
-new predicted throughput). Bad input (no plan, broken plan, missing model file, a model that no
-longer exports) raises a PartcError (exit 2).
+Outcomes: `current` (exit 0); `stale` with reasons (exit 1): the model changed (which modules and
+parameters, from the plan's fingerprint), its file's bytes changed, the profile no longer matches
+the model, the plan no longer fits in memory, the re-solved plan differs (which modules move
+between stages, old vs new predicted throughput) or the artifacts differ, and another partc
+build or torch wrote them; `tampered` (exit TAMPERED_EXIT): the same partc build and torch, the
+same model and recorded inputs give another plan.yaml or stage file than the checked-in one, so
+it was edited after compile. Bad input (no plan, broken plan, missing model file, a model that no
+longer exports) raises a PartcError (exit 2). docs/trust.md says what this guarantees.
 """
 from __future__ import annotations
 
@@ -21,22 +25,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from partc.errors import ModelFileError, PartcError
-from partc.files import sha256_file
+from partc.errors import PartcError
 from partc.graph.opgraph import OpGraph
 from partc.options import DEFAULT_CAPTURE_BATCH, to_argv
 from partc.plans.diff import (
     Layout,
     LayoutDiff,
     collapse_modules,
-    diff_layouts,
     format_diff,
-    layout_of_partition,
-    layout_of_plan,
 )
-from partc.plans.plan import PLAN_FILE, PROFILE_FILE, Plan, PlanError, load_plan
+from partc.plans.plan import (
+    PLAN_FILE,
+    Plan,
+    PlanError,
+    resolve_in_plan_tree,
+)
 from partc.progress import Progress
-from partc.version import __version__
 
 if TYPE_CHECKING:  # annotations only: check imports the capture and the solver when it runs
     from partc.cost.table import CostTable
@@ -44,6 +48,7 @@ if TYPE_CHECKING:  # annotations only: check imports the capture and the solver 
     from partc.solve.partition import Partition
 
 _MAX_ITEMS = 12  # names listed per kind of model change before "... and N more"
+TAMPERED_EXIT = 4  # `partc check`: an artifact is not what compile writes (docs/trust.md)
 
 
 @dataclass(frozen=True)
@@ -95,9 +100,14 @@ class CheckReport:
     diff: LayoutDiff | None = None
     notes: list[str] = field(default_factory=list)  # worth knowing, not staleness
     new_layout: Layout | None = None
+    # artifacts that are not what compile writes although the model and the solve agree: a
+    # stage file or plan.yaml edited by hand (with its recorded sha256 updated to match)
+    tampered: list[str] = field(default_factory=list)
 
     @property
     def exit_code(self) -> int:
+        if self.tampered:
+            return TAMPERED_EXIT
         return 0 if self.current else 1
 
 
@@ -117,74 +127,6 @@ def find_plans(paths: tuple[Path, ...] | list[Path]) -> list[Path]:
     return list(dict.fromkeys(found))
 
 
-def check_plan(plan_path: str | Path, model: str | Path | None = None,
-               progress: Progress | None = None) -> CheckReport:
-    """Check a plan against its model (module docstring); `model` overrides the plan's path."""
-    from partc.frontend.capture import capture_graph
-    from partc.solve.search import InfeasibleMemoryError
-
-    progress = progress or Progress()
-    plan = load_plan(plan_path)
-    path = Path(plan_path)
-    path = path / "plan.yaml" if path.is_dir() else path
-    with progress.step("checking stage file hashes"):
-        plan.check_stage_files()
-    model_path = Path(model) if model is not None else plan.model_path
-    if model is not None and not model_path.is_file():
-        raise ModelFileError(f"--model {model_path} is not a file",
-                             hint="pass the model file the plan was compiled from")
-    if not model_path.is_file():
-        raise ModelFileError(f"model file {plan.model.file} recorded in {path} (resolved to "
-                             f"{model_path}) not found",
-                             hint="pass --model PATH to the model file the plan was compiled from")
-    report = CheckReport(plan_path=path, plan=plan, model_path=model_path, current=True)
-    if plan.partc_version != __version__:
-        report.notes.append(f"plan written by partc {plan.partc_version}, checked with "
-                            f"{__version__}")
-    _note_cluster_config(plan, report)
-
-    costs = plan.costs
-    result = capture_graph(model_path, costs.capture_batch_size, onnx=False, progress=progress)
-    changes = model_changes(plan, result.graph)
-    report.changes = changes
-    if changes.changed:
-        report.current = False
-        report.reasons.append(f"the model changed since the plan was compiled (graph "
-                              f"{changes.old_hash[:19]}.. -> {changes.new_hash[:19]}..)")
-    profile = recorded_profile(plan, path)
-    if profile is not None:
-        if costs.profile_sha256 is not None and sha256_file(profile) != costs.profile_sha256:
-            # the costs the plan was solved with are not the ones reviewed: never re-solve
-            # with them as if they were
-            report.current = False
-            report.reasons.append(f"profile {costs.profile} is not the one the plan was "
-                                  f"compiled with (sha256 differs from plan.yaml's)")
-            return report
-        if changes.changed:
-            report.reasons.append(
-                f"profile {costs.profile} was measured on the old model: recompile (on the "
-                f"machine it trains on, which measures the new model)"
-                if costs.profile == PROFILE_FILE else
-                f"profile {costs.profile} was measured on the old model: re-run partc profile "
-                "before recompiling")
-            return report
-    try:
-        _, partition = solve_as_recorded(plan, result, profile, progress)
-    except InfeasibleMemoryError as exc:
-        report.current = False
-        report.reasons.append(f"no plan fits any more: {exc.one_line()}")
-        return report
-    new = layout_of_partition(partition, result.graph.module_fingerprints())
-    report.new_layout = new
-    old = layout_of_plan(plan)
-    if old != new:
-        report.current = False
-        report.diff = diff_layouts(old, new)
-        report.reasons.append("re-solving with the plan's recorded inputs gives a different plan"
-                              if not changes.changed else "and the re-solved plan differs:")
-    return report
-
-
 def recorded_profile(plan: Plan, plan_path: Path) -> Path | None:
     """The profile file plan.yaml's `costs` names, resolved against the plan directory (None:
     the plan was solved with the analytic roofline); PlanError when it is missing. Its sha256 is
@@ -192,7 +134,7 @@ def recorded_profile(plan: Plan, plan_path: Path) -> Path | None:
     costs = plan.costs
     if costs.source != "profile":
         return None
-    profile = (plan.directory or Path(".")) / str(costs.profile)
+    profile = resolve_in_plan_tree(plan.directory or Path("."), str(costs.profile), "profile")
     if not profile.is_file():
         raise PlanError(f"the profile {costs.profile} recorded in {plan_path} is missing "
                         f"({profile})", hint="check the profile in next to the plan, or "
@@ -223,7 +165,7 @@ def solve_as_recorded(plan: Plan, result: CaptureResult, profile: Path | None,
     return table, partition
 
 
-def _note_cluster_config(plan: Plan, report: CheckReport) -> None:
+def note_cluster_config(plan: Plan, report: CheckReport) -> None:
     """A named cluster config that now says something else than the plan recorded is worth a
     note: the check uses the recorded cluster, a recompile would use the config."""
     from partc.hardware.configs import load_cluster
@@ -272,9 +214,18 @@ def format_check(report: CheckReport) -> str:
     head = (f"{report.plan_path}: {'current' if report.current else 'STALE'} "
             f"({plan.model.name}, {shape.stages} stage(s) x {shape.replicas} replica(s) on "
             f"{plan.cluster.name}, {plan.predicted.samples_per_s:,.1f} samples/s predicted)")
-    lines = [head]
+    if report.tampered:
+        head = head.replace(": STALE (", ": TAMPERED (", 1)
+    lines = [head, f"  plan digest: {plan.digest}"]
     lines += [f"  note: {n}" for n in report.notes]
     if report.current:
+        return "\n".join(lines)
+    if report.tampered:
+        lines += [f"  {t}" for t in report.tampered]
+        if report.diff is not None:
+            lines.append(format_diff(report.diff, "plan", "compiled", indent="    "))
+        lines.append("  fix: never edit a plan directory by hand; review who changed it, then "
+                     f"recompile: {compile_command(plan, report.plan_path, report.model_path)}")
         return "\n".join(lines)
     ch = report.changes
     for reason in report.reasons:

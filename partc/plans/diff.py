@@ -109,6 +109,9 @@ class Layout:
     # What it was priced with (plans only; None from a solver result): diff shows a change,
     # equality (check's "re-solves to the same plan") ignores it
     costs: CostsInfo | None = field(default=None, compare=False)
+    # The files a plan pins (plans only): model file and stage files -> sha256. diff shows which
+    # differ (a stage file re-traced or edited with an unchanged layout); equality ignores them
+    files: dict[str, str] | None = field(default=None, compare=False)
 
     @property
     def devices_used(self) -> int:
@@ -135,7 +138,9 @@ def layout_of_plan(plan: Plan) -> Layout:
                   cluster=plan.cluster.name, training=plan.training, stages=stages,
                   predicted=plan.predicted, solver=plan.solver,
                   module_fingerprints=dict(plan.model.module_fingerprints),
-                  costs=costs_of_plan(plan))
+                  costs=costs_of_plan(plan),
+                  files={f"model file {plan.model.file}": plan.model.sha256,
+                         **{s.file: s.sha256 for s in plan.stages}})
 
 
 def layout_of_partition(partition: Partition, module_fingerprints: dict[str, str]) -> Layout:
@@ -234,10 +239,11 @@ class LayoutDiff:
     predicted_changed: bool
     solver_changed: bool
     costs: tuple[CostsInfo, CostsInfo] | None = None  # (old, new) when both known and different
+    files: tuple[str, ...] = ()  # pinned files whose sha256 differs (both sides plans)
 
     @property
     def same(self) -> bool:
-        return self.old == self.new and self.costs is None
+        return self.old == self.new and self.costs is None and not self.files
 
 
 _SHAPE_KEYS = (("stages", "pipeline stages"), ("replicas", "replicas"),
@@ -273,13 +279,25 @@ def diff_layouts(old: Layout, new: Layout) -> LayoutDiff:
                       predicted_changed=old.predicted != new.predicted,
                       solver_changed=old.solver != new.solver,
                       costs=(old.costs, new.costs) if old.costs is not None and
-                      new.costs is not None and old.costs != new.costs else None)
+                      new.costs is not None and old.costs != new.costs else None,
+                      files=_files_that_differ(old, new))
+
+
+def _files_that_differ(old: Layout, new: Layout) -> tuple[str, ...]:
+    if old.files is None or new.files is None:
+        return ()
+    return tuple(sorted(f for f in set(old.files) | set(new.files)
+                        if old.files.get(f) != new.files.get(f)))
 
 
 def _stages_text(stages: tuple[int, ...]) -> str:
     if not stages:
         return "nowhere"
     return ("stage " if len(stages) == 1 else "stages ") + ", ".join(map(str, stages))
+
+
+def _sha(digest: str | None) -> str:
+    return f"sha256 {digest[:12]}.." if digest else "-"
 
 
 def _ms(x: float) -> str:
@@ -321,6 +339,10 @@ def format_diff(diff: LayoutDiff, old_name: str = "a", new_name: str = "b",
         lines.append(f"{what}: {a} -> {b}")
     if diff.costs is not None:
         lines.append(f"costs: {diff.costs[0].describe()} -> {diff.costs[1].describe()}")
+    if diff.files:
+        was, now = old.files or {}, new.files or {}
+        lines.append(f"files that differ ({len(diff.files)}):")
+        lines += [f"  {f}: {_sha(was.get(f))} -> {_sha(now.get(f))}" for f in diff.files]
     if diff.moves:
         count = sum(len(m.modules) for m in diff.moves)
         lines.append(f"modules that change stage ({count}):")

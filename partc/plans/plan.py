@@ -10,16 +10,19 @@ The format is documented in docs/plan-format.md.
 """
 from __future__ import annotations
 
+import hashlib
 import json
-from dataclasses import dataclass, field
+import os
+import re
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
-from pathlib import Path
+from pathlib import Path, PureWindowsPath
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import yaml
 
 from partc.errors import PartcError
-from partc.files import sha256_file, write_atomic
+from partc.files import write_atomic
 from partc.hardware.configs import cluster_from_dict
 from partc.hardware.specs import ClusterSpec
 from partc.options import SearchOptions, from_dict, to_dict
@@ -169,7 +172,8 @@ class TiedParameter:
 
 @dataclass(frozen=True)
 class ModelInfo:
-    file: str  # relative to the plan directory
+    file: str  # relative to the plan directory, inside the plan's tree (`plan_tree_root`)
+    sha256: str  # of the model file's bytes that compile imported; checked before every import
     name: str
     graph_hash: str
     on_meta: bool
@@ -190,7 +194,8 @@ class ModelInfo:
         return {n: tuple(a for a in group if a != n) for group in self.tied_weights for n in group}
 
     def to_dict(self) -> dict[str, Any]:
-        return {"file": self.file, "name": self.name, "graph_hash": self.graph_hash,
+        return {"file": self.file, "sha256": self.sha256, "name": self.name,
+                "graph_hash": self.graph_hash,
                 "on_meta": self.on_meta, "parameters": self.parameters, "weights": self.weights,
                 "inputs": [t.to_dict(None) for t in self.inputs],
                 "outputs": [t.to_dict(None) for t in self.outputs],
@@ -201,7 +206,8 @@ class ModelInfo:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelInfo":
-        return cls(file=d["file"], name=d["name"], graph_hash=d["graph_hash"],
+        return cls(file=d["file"], sha256=d["sha256"], name=d["name"],
+                   graph_hash=d["graph_hash"],
                    on_meta=d["on_meta"], parameters=d["parameters"], weights=d["weights"],
                    inputs=tuple(TensorRef.from_dict(t) for t in d["inputs"]),
                    outputs=tuple(TensorRef.from_dict(t) for t in d["outputs"]),
@@ -250,6 +256,8 @@ class Plan:
     saved to; it is not part of the file."""
 
     partc_version: str
+    partc_build: str  # partc.version.build_id() of the partc that wrote it
+    torch_version: str  # the torch that traced the stage files (public version, no +local)
     model: ModelInfo
     cluster: ClusterSpec  # written with num_devices and devices_used (the training's)
     training: TrainingSetup
@@ -259,6 +267,10 @@ class Plan:
     solver: SolverReport  # as recorded: rounded, no wall time
     predicted: Prediction
     directory: Path | None = field(default=None, compare=False)
+    # "sha256:<hex>" of plan.yaml's bytes as read or written: the plan's identity. plan.yaml
+    # records every stage file's, the model file's and the profile's sha256, so the digest pins
+    # everything the plan runs (`partc launch --expect`).
+    digest: str = field(default="", compare=False)
 
     # ---- reading ---------------------------------------------------------------------------
     @property
@@ -271,9 +283,9 @@ class Plan:
 
     @property
     def model_path(self) -> Path:
-        """The model file, resolved against the plan's directory."""
-        base = self.directory if self.directory is not None else Path(".")
-        return (base / self.model.file).resolve()
+        """The model file, resolved against the plan's directory; PlanError when plan.yaml names
+        an absolute path or one that leaves the plan's tree (`resolve_model_file`)."""
+        return resolve_model_file(self.directory or Path("."), self.model.file)
 
     def existing_model_path(self) -> Path:
         """`model_path`, or PlanError when the file is not there."""
@@ -285,14 +297,44 @@ class Plan:
         return path
 
     def load_model_file(self) -> "ModelFile":
-        """Import the plan's model file (partc.frontend.model_file; this imports torch)."""
+        """Import the plan's model file, from bytes whose sha256 is the one plan.yaml recorded
+        (read once: the bytes checked are the bytes run). PlanError when the file changed since
+        compile. This imports torch (partc.frontend.model_file)."""
         from partc.frontend.model_file import load_model_file
 
-        return load_model_file(self.existing_model_path())
+        return load_model_file(self.existing_model_path(), source=self.model_source())
+
+    def model_source(self) -> bytes:
+        """The model file's bytes, checked against plan.yaml's sha256 (PlanError: changed)."""
+        path = self.existing_model_path()
+        source = _read(path, "the plan's model file")
+        actual = hashlib.sha256(source).hexdigest()
+        if actual != self.model.sha256:
+            raise PlanError(f"model file {path} changed since the plan was compiled (sha256 "
+                            f"{actual[:12]}.., plan.yaml recorded {self.model.sha256[:12]}..)",
+                            hint="run partc check to see what changed, then recompile the plan")
+        return source
 
     def stage_path(self, stage: PlanStage) -> Path:
         base = self.directory if self.directory is not None else Path(".")
         return base / stage.file
+
+    def stage_bytes(self, stage: PlanStage) -> bytes:
+        """The stage file's bytes, read once and checked against plan.yaml's sha256: load the
+        TorchScript from these bytes, never by path (a file swapped after the check would run
+        unchecked code). PlanError when missing or different."""
+        path = self.stage_path(stage)
+        if not path.is_file():
+            raise PlanError(f"stage file {path} of stage {stage.index} is missing",
+                            hint="re-run partc compile to regenerate the plan directory")
+        data = _read(path, f"stage file of stage {stage.index}")
+        actual = hashlib.sha256(data).hexdigest()
+        if actual != stage.sha256:
+            raise PlanError(f"stage file {path} does not match plan.yaml "
+                            f"(sha256 {actual[:12]}.., expected {stage.sha256[:12]}..): "
+                            "modified or corrupted",
+                            hint="re-run partc compile; never edit stage files by hand")
+        return data
 
     def pipeline_spec(self) -> PipelineSpec:
         """The schedule simulation's input, rebuilt from plan.yaml (`simulate` of it replays the
@@ -310,19 +352,10 @@ class Plan:
             host_sends=self.cluster.host_sends, core_sharing=shape.core_sharing(self.cluster))
 
     def check_stage_files(self) -> None:
-        """Raise PlanError unless every stage file exists and has the recorded SHA-256. Nothing
-        from a plan directory is loaded before this passes."""
+        """Raise PlanError unless every stage file exists and has the recorded SHA-256 (a check
+        before work starts; loaders still load from `stage_bytes`)."""
         for stage in self.stages:
-            path = self.stage_path(stage)
-            if not path.is_file():
-                raise PlanError(f"stage file {path} of stage {stage.index} is missing",
-                                hint="re-run partc compile to regenerate the plan directory")
-            actual = sha256_file(path)
-            if actual != stage.sha256:
-                raise PlanError(f"stage file {path} does not match plan.yaml "
-                                f"(sha256 {actual[:12]}.., expected {stage.sha256[:12]}..): "
-                                "modified or corrupted",
-                                hint="re-run partc compile; never edit stage files by hand")
+            self.stage_bytes(stage)
 
     # ---- writing ---------------------------------------------------------------------------
     def cluster_dict(self) -> dict[str, Any]:
@@ -334,6 +367,8 @@ class Plan:
         return {
             "schema_version": SCHEMA_VERSION,
             "partc_version": self.partc_version,
+            "partc_build": self.partc_build,
+            "torch_version": self.torch_version,
             "model": self.model.to_dict(),
             "cluster": self.cluster_dict(),
             "training": self.training.to_dict(),
@@ -357,6 +392,23 @@ class Plan:
         validate_plan_dict(data, "the plan being written")
         return write_atomic(Path(directory) / PLAN_FILE, self.dumps())
 
+    def content_digest(self) -> str:
+        """The digest plan.yaml written by `save` has (`digest` of the loaded file)."""
+        return plan_digest(self.dumps().encode())
+
+    def require_digest(self, expected: str, where: str = "--expect") -> None:
+        """PlanError unless this plan's digest is `expected` (with or without "sha256:")."""
+        want = expected.strip().lower().removeprefix("sha256:")
+        if not re.fullmatch(r"[0-9a-f]{64}", want):
+            raise PlanError(f"{where} {expected!r} is not a plan digest",
+                            hint="pass the `plan digest: sha256:...` line that partc compile or "
+                                 "partc check printed")
+        if self.digest.removeprefix("sha256:") != want:
+            raise PlanError(f"{where}: the plan is not the reviewed one (digest "
+                            f"{self.digest[:19]}.., expected sha256:{want[:12]}..)",
+                            hint="plan.yaml (or a file it pins) changed after review; run "
+                                 "partc check on it and review the change")
+
     @classmethod
     def from_dict(cls, d: dict[str, Any], directory: Path | None = None,
                   where: str = "the plan") -> "Plan":
@@ -367,7 +419,9 @@ class Plan:
             cluster_data = {k: v for k, v in d["cluster"].items()
                             if k not in ("num_devices", "devices_used")}
             cluster = cluster_from_dict(cluster_data, f"{where}: cluster")
-            plan = cls(partc_version=d["partc_version"], model=ModelInfo.from_dict(d["model"]),
+            plan = cls(partc_version=d["partc_version"], partc_build=d["partc_build"],
+                       torch_version=d["torch_version"],
+                       model=ModelInfo.from_dict(d["model"]),
                        cluster=cluster, training=training, costs=PlanCosts.from_dict(d["costs"]),
                        stages=tuple(PlanStage.from_dict(s) for s in d["stages"]),
                        tied_parameters=tuple(TiedParameter(name=t["name"],
@@ -378,9 +432,7 @@ class Plan:
                        predicted=Prediction.from_dict(d["predicted"]), directory=directory)
             if plan.cluster_dict() != d["cluster"]:
                 raise ValueError("its device counts are not the cluster's and the training's")
-            if len(plan.stages) != training.shape.virtual_stages:
-                raise ValueError(f"{len(plan.stages)} stages for a {training.shape.label()} "
-                                 "shape")
+            _check_consistency(plan)
         except (PartcError, KeyError, ValueError, TypeError) as exc:
             reason = exc.message if isinstance(exc, PartcError) else str(exc)
             raise PlanError(f"{where} is not a valid plan: {reason}",
@@ -427,23 +479,119 @@ def validate_plan_dict(data: Any, where: str) -> None:
 
 
 def load_plan(path: str | Path) -> Plan:
-    """Read and validate plan.yaml (a file, or a plan directory containing one)."""
+    """Read and validate plan.yaml (a file, or a plan directory containing one). The file is read
+    once; the Plan's `digest` is of those bytes."""
     path = Path(path)
     if path.is_dir():
         path = path / PLAN_FILE
     if not path.is_file():
         raise PlanError(f"plan file {path} not found",
                         hint="pass the plan.yaml that partc compile wrote (or its directory)")
+    if path.suffix == ".py":
+        raise PlanError(f"{path} is a Python file, not a plan",
+                        hint="pass the plan directory (or its plan.yaml) that `partc compile "
+                             f"{path}` wrote")
+    raw = _read(path, "plan file")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(raw.decode())
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
         raise PlanError(f"plan file {path} is not valid YAML: {' '.join(str(exc).split())[:200]}",
                         hint="re-run partc compile to regenerate it") from exc
-    except OSError as exc:
-        raise PlanError(f"cannot read plan file {path}: {exc.strerror}",
-                        hint="check the path and its permissions") from exc
     validate_plan_dict(data, str(path))
-    return Plan.from_dict(data, directory=path.parent, where=str(path))
+    plan = Plan.from_dict(data, directory=path.parent, where=str(path))
+    return replace(plan, digest=plan_digest(raw))
+
+
+def plan_digest(data: bytes) -> str:
+    """The digest of plan.yaml's bytes: "sha256:<hex>"."""
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def _read(path: Path, what: str) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise PlanError(f"cannot read {what} {path}: {exc.strerror}",
+                        hint="check the path and its permissions") from exc
+
+
+# An environment variable that names the tree a plan's model file must lie in, for checkouts
+# without a .git (a CI tarball); otherwise the git work tree holding the plan directory.
+PLAN_ROOT_ENV = "PARTC_PLAN_ROOT"
+
+
+def plan_tree_root(plan_dir: Path) -> Path | None:
+    """The tree a plan's model file must resolve inside: $PARTC_PLAN_ROOT, else the nearest
+    ancestor of the plan directory holding `.git` (the repository the plan is reviewed in);
+    None when neither exists (then only absolute paths are refused)."""
+    env = os.environ.get(PLAN_ROOT_ENV)
+    if env:
+        return Path(env).resolve()
+    here = plan_dir.resolve()
+    for candidate in (here, *here.parents):
+        if (candidate / ".git").exists():
+            return candidate
+    return None
+
+
+def resolve_model_file(plan_dir: Path, recorded: str) -> Path:
+    """The model file plan.yaml's `model.file` names (`resolve_in_plan_tree`)."""
+    return resolve_in_plan_tree(plan_dir, recorded, "model file")
+
+
+def resolve_in_plan_tree(plan_dir: Path, recorded: str, what: str) -> Path:
+    """A file plan.yaml names (the model file, a profile), resolved (symlinks followed) against
+    the plan directory. PlanError for an absolute path, or one that resolves outside the plan's
+    tree (`plan_tree_root`): a plan may only name files of the repository it is reviewed in."""
+    if Path(recorded).is_absolute() or PureWindowsPath(recorded).is_absolute():
+        raise PlanError(f"the plan's {what} {recorded!r} is an absolute path",
+                        hint=f"plans name their {what} relative to the plan directory; "
+                             "re-run partc compile")
+    path = (plan_dir / recorded).resolve()
+    root = plan_tree_root(plan_dir)
+    if root is not None and not path.is_relative_to(root):
+        raise PlanError(f"the plan's {what} {recorded!r} resolves to {path}, outside the "
+                        f"plan's tree {root}",
+                        hint=f"a plan may only name a {what} in its own repository (set "
+                             f"{PLAN_ROOT_ENV} to widen the tree); re-run partc compile")
+    return path
+
+
+def _check_consistency(plan: Plan) -> None:
+    """What the schema cannot say: the stages form the training shape's grid (index, file,
+    pipeline rank, devices per replica), boundary tensors name existing stages, tied parameters
+    name stages that hold them. ValueError naming the first inconsistency."""
+    shape = plan.training.shape
+    if len(plan.stages) != shape.virtual_stages:
+        raise ValueError(f"{len(plan.stages)} stages for a {shape.label()} shape")
+    if shape.num_devices > plan.cluster.num_devices:
+        raise ValueError(f"the shape uses {shape.num_devices} devices, the cluster has "
+                         f"{plan.cluster.num_devices}")
+    last = len(plan.stages)
+    for k, st in enumerate(plan.stages):
+        expected = (k, stage_file_name(k), k % shape.stages, shape.replicas,
+                    shape.rank_devices(k % shape.stages))
+        if (st.index, st.file, st.rank, st.replicas, st.devices) != expected:
+            raise ValueError(f"stage {k} is (index {st.index}, file {st.file}, rank {st.rank}, "
+                             f"{st.replicas} replica(s) on devices {list(st.devices)}); the "
+                             f"shape puts it at (index {k}, file {expected[1]}, rank "
+                             f"{expected[2]}, {expected[3]} replica(s) on devices "
+                             f"{list(expected[4])})")
+        for t in st.inputs:
+            src = t.peer[0] if t.peer else None
+            if not (src == MODEL_INPUT or (isinstance(src, int) and 0 <= src < k)):
+                raise ValueError(f"stage {k} input {t.name} comes from {src!r}, not an earlier "
+                                 f"stage or {MODEL_INPUT!r}")
+        for t in st.outputs:
+            if any(not (p == LOSS or (isinstance(p, int) and k < p < last)) for p in t.peer):
+                raise ValueError(f"stage {k} output {t.name} goes to {list(t.peer)}, not later "
+                                 f"stages or {LOSS!r}")
+    for tied in plan.tied_parameters:
+        if len(set(tied.stages)) < 2 or any(
+                not 0 <= s < last or tied.name not in plan.stages[s].parameter_names
+                for s in tied.stages):
+            raise ValueError(f"tied parameter {tied.name} names stages {list(tied.stages)} that "
+                             "do not all hold it")
 
 
 def write_timings(directory: str | Path, timings: dict[str, float]) -> Path:
@@ -456,6 +604,26 @@ def write_timings(directory: str | Path, timings: dict[str, float]) -> Path:
 
 def stage_file_name(index: int) -> str:
     return f"stage_{index}.pt"
+
+
+_ARTIFACT = re.compile(r"^(stage_[0-9]+\.pt|" + re.escape(PROFILE_FILE) + "|"
+                       + re.escape(TIMINGS_FILE) + ")$")
+
+
+def refuse_plan_artifact(path: str | Path, what: str, inputs: tuple[Path, ...] = ()) -> None:
+    """PlanError when writing `path` (an output of a command, named by option `what`) would
+    overwrite a plan: a plan.yaml, or a stage file, profile or timings file beside one; or one
+    of the command's own `inputs`."""
+    path = Path(path)
+    resolved = path.resolve()
+    if not resolved.is_dir() and (resolved.name == PLAN_FILE or (
+            _ARTIFACT.match(resolved.name) and (resolved.parent / PLAN_FILE).is_file())):
+        raise PlanError(f"{what} {path} would overwrite a plan file",
+                        hint="write outputs outside plan directories; only partc compile "
+                             "writes a plan")
+    if any(resolved == Path(i).resolve() for i in inputs):
+        raise PlanError(f"{what} {path} is also an input of this command",
+                        hint="write the output to another file")
 
 
 def format_plan(plan: Plan, solver_wall_s: float | None = None) -> str:

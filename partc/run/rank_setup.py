@@ -83,8 +83,10 @@ def pipeline_groups(layout: RankLayout, device: torch.device, rank: int) -> tupl
 def resume_point(plan: Plan, options: TrainOptions, env: RankEnv,
                   device: torch.device) -> Checkpoint | None:
     """The checkpoint to continue from, the same on every rank: rank 0 chooses
-    (checkpoint.choose_resume) and broadcasts the step; every rank must see that checkpoint (the
-    directory is shared across nodes)."""
+    (checkpoint.choose_resume: the newest checkpoint whose files all verify, of the plan's model)
+    and broadcasts its step and manifest digest; every rank must see that same checkpoint (the
+    directory is shared across nodes). Only rank 0 reads the files to verify them, and not
+    again when the launcher's pre-flight already did (checkpoint.SHARED_ENV)."""
     root = options.checkpoint_dir
     if root is None:
         return None
@@ -93,8 +95,11 @@ def resume_point(plan: Plan, options: TrainOptions, env: RankEnv,
         try:
             found = choose_resume(root, resume=options.resume, restarted=env.restart_count > 0,
                                   steps=options.steps, optimizer=plan.training.config.optimizer,
-                                  global_batch_size=plan.training.global_batch_size)
-            decision[0] = ("step", found.step) if found is not None else None
+                                  global_batch_size=plan.training.global_batch_size,
+                                  graph_hash=plan.model.graph_hash, model=plan.model.name,
+                                  allow_other_model=options.allow_other_model)
+            decision[0] = (("step", found.step, found.manifest_sha256) if found is not None
+                           else None)
         except CheckpointError as exc:
             decision[0] = ("error", exc.message, exc.hint)
     dist.broadcast_object_list(decision, src=0, device=device)
@@ -102,10 +107,12 @@ def resume_point(plan: Plan, options: TrainOptions, env: RankEnv,
         return None
     if decision[0][0] == "error":
         raise CheckpointError(decision[0][1], hint=decision[0][2])
-    found = checkpoint_at(root, decision[0][1])
-    if found is None:
-        raise CheckpointError(f"rank {env.rank} cannot see the checkpoint of step "
-                              f"{decision[0][1]} in {root} that rank 0 resumes from",
+    _, step, manifest_sha256 = decision[0]
+    found = checkpoint_at(root, step)
+    if found is None or found.manifest_sha256 != manifest_sha256:
+        raise CheckpointError(f"rank {env.rank} cannot see the checkpoint of step {step} in "
+                              f"{root} that rank 0 resumes from"
+                              + ("" if found is None else " (its manifest differs)"),
                               hint="the checkpoint directory must be one shared filesystem path "
                                    "for all nodes")
     return found

@@ -42,7 +42,7 @@ def train_single_process(plan: Plan, options: TrainOptions, chunks: int = 1,
     model_file = plan.load_model_file()
     dev = torch.device(device)
     model = model_file.build().train()
-    stages = [] if plan.model.on_meta else [load_stage(plan.stage_path(s), map_location=dev)
+    stages = [] if plan.model.on_meta else [load_stage(plan.stage_bytes(s), map_location=dev)
                                             for s in plan.stages]
     checkpoint = load_state_dict_file(options.init_from) if options.init_from else None
     whole_model_weights(model, model_file, plan.model.on_meta, stages, plan.model.aliases(),

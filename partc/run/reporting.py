@@ -46,7 +46,8 @@ class Reporter:
         # later `partc compile --calibrate-from` finds it and sees if it changed since.
         plan_file = ((plan.directory or Path(".")) / PLAN_FILE).resolve()
         self.plan_file = str(plan_file)
-        self.plan_sha256 = sha256_file(plan_file)
+        # of the bytes this run loaded (a plan.yaml edited during the run does not count)
+        self.plan_sha256 = plan.digest.removeprefix("sha256:") or sha256_file(plan_file)
         self.metrics = None
         if options.metrics is not None:
             options.metrics.parent.mkdir(parents=True, exist_ok=True)

@@ -86,6 +86,8 @@ def run_rank(plan_path: str | Path, options: TrainOptions, out: TextIO = sys.std
     """Train the plan on this rank (see the module docstring); rank 0 returns the summary."""
     env = rank_env()
     plan = load_plan(plan_path)
+    if options.expect:  # plan.yaml could have changed since the launcher checked it
+        plan.require_digest(options.expect)
     plan.check_stage_files()
     layout = rank_layout(plan)
     if env.world_size != layout.world_size:

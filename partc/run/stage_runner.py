@@ -25,7 +25,15 @@ from partc.emit.stage_weights import load_state_dict_file, set_stage_tensors, st
 from partc.frontend.model_file import ModelFile
 from partc.options import TrainOptions
 from partc.plans.plan import Plan, PlanStage, TensorRef
-from partc.run.checkpoint import Checkpoint, CheckpointError, save_stage, write_manifest
+from partc.run.checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    StageFile,
+    discard_step,
+    newest_good_checkpoint,
+    save_stage,
+    write_manifest,
+)
 from partc.run.rank_setup import TiedGroup
 from partc.run.training import build_optimizer
 
@@ -187,7 +195,7 @@ def load_local_stages(plan: Plan, stages: Sequence[int], device: torch.device,
     loaded: list[LocalStage] = []
     for k in stages:
         spec = plan.stages[k]
-        module = load_stage(plan.stage_path(spec), map_location=device)
+        module = load_stage(plan.stage_bytes(spec), map_location=device)
         source = init
         where = str(options.init_from) if options.init_from else f"stage {k}"
         opt_state: dict[str, dict[str, Any]] = {}
@@ -327,24 +335,48 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, names: list[str],
 
 def save_checkpoint(plan: Plan, options: TrainOptions, step: int, locals_: list[LocalStage],
                      replica: int, rank: int) -> None:
-    """Replica 0 of each stage writes it; after a barrier rank 0 writes the manifest."""
+    """Replica 0 of each stage writes it (its SHA-256 taken as it is written); rank 0 gathers
+    every rank's files and failures, writes the manifest, reads the checkpoint back and prunes.
+    A failure anywhere (a read-only directory, a full disk, a file size limit) removes the
+    step's half-written directory, keeps the previous checkpoint, and every rank raises the same
+    one-line CheckpointError (no rank is left waiting in a collective)."""
     root = options.checkpoint_dir
     assert root is not None
+    written: dict[int, StageFile] = {}
+    failure: tuple[str, str] | None = None
     if replica == 0:
-        for local in locals_:
-            keep = set(local.spec.parameter_names) | set(local.spec.buffer_names)
-            tensors = {n: t for n, t in {**dict(local.module.named_parameters()),
-                                         **dict(local.module.named_buffers())}.items()
-                       if n in keep}
-            save_stage(root, step, local.spec.index, tensors,
-                       optimizer_state_by_name(local.optimizer, local.optimized_names))
-    dist.barrier()
+        try:
+            for local in locals_:
+                keep = set(local.spec.parameter_names) | set(local.spec.buffer_names)
+                tensors = {n: t for n, t in {**dict(local.module.named_parameters()),
+                                             **dict(local.module.named_buffers())}.items()
+                           if n in keep}
+                written[local.spec.index] = save_stage(
+                    root, step, local.spec.index, tensors,
+                    optimizer_state_by_name(local.optimizer, local.optimized_names))
+        except CheckpointError as exc:
+            failure = (exc.message, exc.hint)
+    gathered: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object((written, failure), gathered, dst=0)
+    outcome: list[Any] = [None]
     if rank == 0:
-        info = {"model": plan.model.name, "graph_hash": plan.model.graph_hash,
-                "stages": plan.num_stages, "optimizer": plan.training.config.optimizer,
-                "plan_stage_sha256": [s.sha256 for s in plan.stages],
-                "global_batch_size": plan.training.global_batch_size}
-        write_manifest(root, step, plan.num_stages, info, options.keep_checkpoints)
-    dist.barrier()
-
-
+        assert gathered is not None
+        try:
+            failed = next((f for _, f in gathered if f is not None), None)
+            if failed is not None:
+                raise CheckpointError(failed[0], hint=failed[1])
+            files = {k: f for w, _ in gathered for k, f in w.items()}
+            info = {"model": plan.model.name, "graph_hash": plan.model.graph_hash,
+                    "stages": plan.num_stages, "optimizer": plan.training.config.optimizer,
+                    "plan_stage_sha256": [s.sha256 for s in plan.stages],
+                    "global_batch_size": plan.training.global_batch_size}
+            write_manifest(root, step, plan.num_stages, files, info, options.keep_checkpoints)
+        except CheckpointError as exc:
+            discard_step(root, step)
+            kept, _ = newest_good_checkpoint(root)
+            outcome[0] = (f"the checkpoint of step {step} failed: {exc.message}",
+                          f"{exc.hint}; " + ("no earlier checkpoint" if kept is None else
+                                             f"the checkpoint of step {kept.step} is kept"))
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[0] is not None:
+        raise CheckpointError(outcome[0][0], hint=outcome[0][1])

@@ -21,7 +21,7 @@ from partc.files import sha256_file
 from partc.frontend.capture import CaptureResult, capture_graph
 from partc.hardware.configs import load_cluster
 from partc.options import SearchOptions
-from partc.plans.check import check_plan
+from partc.emit.check import check_plan
 from partc.plans.plan import load_plan
 from partc.plans.recalibrate import CalibrationError, load_launched_run
 from partc.plans.run_metrics import (

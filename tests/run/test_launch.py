@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import EXAMPLES, ROOT, TEST_MODELS
+from conftest import EXAMPLES, ROOT, TEST_MODELS, losses_of
 
 from partc.emit.compile import CompileOptions, compile_model
 from partc.hardware.configs import load_cluster
@@ -41,15 +41,6 @@ def compile_plan(tmp: Path, model: Path, stages: int, replicas: int, batch: int 
 def launch(plan: Path, *flags: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     return subprocess.run([PARTC, "launch", str(plan), *flags], capture_output=True, text=True,
                           cwd=ROOT, timeout=timeout)
-
-
-def losses_of(metrics: Path) -> list[float]:
-    """The loss of each step; a step run twice (after a restart) counts with its last value."""
-    by_step: dict[int, float] = {}
-    for line in metrics.read_text().splitlines():
-        row = json.loads(line)
-        by_step[row["step"]] = row["loss"]
-    return [by_step[s] for s in sorted(by_step)]
 
 
 def assert_close(got: list[float], want: list[float], rtol: float = RTOL) -> None:

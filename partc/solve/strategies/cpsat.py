@@ -16,14 +16,20 @@ y[b][k+1] -> y[b][k]; block b is on stage k iff y[b][k] - y[b][k+1] = 1 (a linea
 
 Deterministic: fixed seed, `interleave_search` (deterministic whatever the worker count) and a
 deterministic-time limit instead of a wall-clock one, so the same inputs give the same plan.
+
+Interruptible: CP-SAT never touches SIGINT (`catch_sigint_signal` off: by default it catches
+Ctrl-C during a solve and leaves SIG_DFL installed afterwards, so a later Ctrl-C killed partc
+outright); the solve runs in a worker thread and Ctrl-C stops it at once (`_run_solver`).
 """
 from __future__ import annotations
 
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence, TypeAlias
 
-from ortools.sat.python import cp_model
+from ortools.sat.python import cp_model, cp_model_helper
 
 from partc.solve.stage_problem import StageProblem
 
@@ -79,8 +85,9 @@ def solve_cpsat(problem: StageProblem, time_limit_s: float = 10.0, workers: int 
     params.random_seed = seed
     params.max_deterministic_time = time_limit_s
     params.log_search_progress = False
+    params.catch_sigint_signal = False  # Python's handler stays in charge of Ctrl-C
     start = time.perf_counter()
-    status = solver.solve(model)
+    status = _run_solver(solver, model)
     wall = time.perf_counter() - start
     name = solver.status_name(status)
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
@@ -105,6 +112,66 @@ def solve_cpsat(problem: StageProblem, time_limit_s: float = 10.0, workers: int 
                                  None if bound is None else min(bound, problem.objective(best)),
                                  wall, result.deterministic_time)
     return result
+
+
+# How often the waiting thread checks on the solve (a signal interrupts its wait at once).
+_POLL_S = 0.05
+
+
+def _run_solver(solver: cp_model.CpSolver,
+                model: cp_model.CpModel) -> cp_model_helper.CpSolverStatus:
+    """`solver.solve(model)`, interruptible by Ctrl-C (or SIGTERM turned into an exception).
+
+    The solve runs in a worker thread (the binding releases the GIL), while this thread waits in
+    short steps, so a KeyboardInterrupt is raised here at once: it stops the search
+    (`stop_search`, repeated until the solve returns, since a stop asked before the solve has
+    begun is a no-op), waits for the worker and propagates. The answer is the same as a direct
+    `solver.solve(model)`: the parameters (seed, workers, deterministic time) decide it, not the
+    thread. (Waiting on an Event, not on `Thread.join`: an interrupted join marks a running
+    thread as stopped in Python 3.11, and the interpreter would then exit under CP-SAT.)
+
+    Afterwards Python's own SIGINT handler is installed again at the OS level, in case a native
+    library replaced it (CP-SAT does when `catch_sigint_signal` is on).
+    """
+    in_main = threading.current_thread() is threading.main_thread()
+    handler = signal.getsignal(signal.SIGINT) if in_main else None
+    done = threading.Event()
+    statuses: list[cp_model_helper.CpSolverStatus] = []
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            statuses.append(solver.solve(model))
+        except BaseException as exc:  # handed to the waiting thread
+            errors.append(exc)
+        finally:
+            done.set()
+
+    worker = threading.Thread(target=work, name="partc-cpsat", daemon=True)
+    try:
+        worker.start()
+        try:
+            while not done.wait(_POLL_S):
+                pass
+        except BaseException:  # KeyboardInterrupt, or what a signal handler raised
+            _stop(solver, done)
+            raise
+    finally:
+        if handler is not None:
+            signal.signal(signal.SIGINT, handler)
+    if errors:
+        raise errors[0]
+    return statuses[0]
+
+
+def _stop(solver: cp_model.CpSolver, done: threading.Event) -> None:
+    """Stop a running solve and wait until it has returned (milliseconds)."""
+    while not done.is_set():
+        try:
+            solver.stop_search()
+            done.wait(_POLL_S)
+        except KeyboardInterrupt:  # another Ctrl-C: the search is stopping already
+            continue
 
 
 def _build(problem: StageProblem) -> tuple[cp_model.CpModel, list[list[Lit]], cp_model.LinearExpr]:

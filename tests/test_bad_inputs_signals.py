@@ -1,0 +1,414 @@
+"""Ctrl-C, SIGTERM and failures mid-way, through the real `partc` CLI: real processes, real
+signals, no mocks.
+
+What this file guarantees:
+
+* `partc compile` stops promptly on SIGINT (exit 130, one line `partc: interrupted`) and on
+  SIGTERM (exit 143, `partc: terminated`), also in the middle of a CP-SAT solve, and leaves the
+  previous plan directory byte for byte as it was, with nothing beside it (no temporary
+  directory, no stray file);
+* a compile that fails after the solve leaves the previous plan as it was too; one that
+  succeeds replaces the plan whole and keeps the user's files in it; `-o` naming a directory that
+  is not a plan is refused before anything runs;
+* after a CP-SAT solve Python's SIGINT handler is in charge (Ctrl-C raises KeyboardInterrupt
+  instead of killing the process);
+* `partc launch` on SIGINT (to the launcher, or to its process group as a terminal sends it)
+  stops every worker, prints one line `partc launch: interrupted ...` and exits 130;
+* a launch where one rank fails names that rank and its error, not a rank torn down after it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import EXAMPLES, ROOT, TEST_MODELS
+from test_bad_inputs import MLP, PARTC, _context, assert_one_line_error, run
+
+WIDE = str(TEST_MODELS / "wide_dag.py")
+
+
+# ---- helpers -----------------------------------------------------------------------------------
+
+def snapshot(directory: Path) -> dict[str, bytes | str]:
+    """Every entry under `directory` (recursively): a file's bytes, a symlink's target, 'dir'."""
+    found: dict[str, bytes | str] = {}
+    for path in sorted(directory.rglob("*")):
+        key = str(path.relative_to(directory))
+        if path.is_symlink():
+            found[key] = f"-> {os.readlink(path)}"
+        elif path.is_dir():
+            found[key] = "dir"
+        else:
+            found[key] = path.read_bytes()
+    return found
+
+
+def old_plan(tmp: Path) -> Path:
+    """A plan directory as a user has it: a checked-in plan plus a file of the user's."""
+    plan_dir = tmp / "plan"
+    shutil.copytree(EXAMPLES / "plans" / "mlp", plan_dir)
+    (plan_dir / "NOTES.md").write_text("my notes\n")
+    return plan_dir
+
+
+class Watched:
+    """A `partc ...` process whose stderr is read as it comes (for waiting on a step)."""
+
+    def __init__(self, args: list[str], env: dict[str, str] | None = None,
+                 new_session: bool = False) -> None:
+        self.proc = subprocess.Popen([PARTC, *args], stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                                     env={**os.environ, **(env or {})},
+                                     start_new_session=new_session)
+        self.lines: list[str] = []
+        self.stdout = ""
+        self._changed = threading.Condition()
+        self._readers = [threading.Thread(target=self._read_stderr, daemon=True),
+                         threading.Thread(target=self._read_stdout, daemon=True)]
+        for reader in self._readers:
+            reader.start()
+
+    def _read_stderr(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            with self._changed:
+                self.lines.append(line.rstrip("\n"))
+                self._changed.notify_all()
+
+    def _read_stdout(self) -> None:
+        assert self.proc.stdout is not None
+        self.stdout = self.proc.stdout.read()
+
+    def wait_for(self, pattern: str, timeout: float = 240) -> str:
+        """The first stderr line matching `pattern` (a regex); fails on timeout or exit."""
+        regex = re.compile(pattern)
+        end = time.monotonic() + timeout
+        with self._changed:
+            while True:
+                hit = next((ln for ln in self.lines if regex.search(ln)), None)
+                if hit is not None:
+                    return hit
+                left = end - time.monotonic()
+                if left <= 0 or (self.proc.poll() is not None and not self._readers[0].is_alive()):
+                    raise AssertionError(f"no stderr line matching {pattern!r}:\n" + self.text())
+                self._changed.wait(min(left, 0.2))
+
+    def finish(self, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        try:
+            self.proc.wait(timeout)
+        finally:
+            if self.proc.poll() is None:
+                os.killpg(self.proc.pid, signal.SIGKILL) if self._own_group() \
+                    else self.proc.kill()
+                self.proc.wait(30)
+        for reader in self._readers:
+            reader.join(30)
+        return subprocess.CompletedProcess(self.proc.args, self.proc.returncode, self.stdout,
+                                           self.text())
+
+    def _own_group(self) -> bool:
+        try:
+            return os.getpgid(self.proc.pid) == self.proc.pid
+        except OSError:
+            return False
+
+    def text(self) -> str:
+        return "\n".join(self.lines) + "\n"
+
+
+def assert_interrupted(proc: subprocess.CompletedProcess[str], code: int, line: str) -> None:
+    """Exit `code`, exactly one `line` on stderr (its last line), no traceback."""
+    context = _context(proc)
+    assert proc.returncode == code, context
+    assert proc.stderr.splitlines().count(line) == 1, context
+    assert proc.stderr.rstrip("\n").splitlines()[-1] == line, context
+    assert "Traceback" not in proc.stderr and "internal error" not in proc.stderr, context
+
+
+# ---- compile: interrupted, failed, replaced ----------------------------------------------------
+
+@pytest.mark.parametrize("sig, code, line", [
+    (signal.SIGINT, 130, "partc: interrupted"),
+    (signal.SIGTERM, 143, "partc: terminated"),
+], ids=["SIGINT", "SIGTERM"])
+def test_compile_interrupted_in_the_solve_keeps_the_old_plan(
+        sig: signal.Signals, code: int, line: str, tmp_path: Path) -> None:
+    plan_dir = old_plan(tmp_path)
+    before, listing = snapshot(tmp_path), sorted(os.listdir(tmp_path))
+    # an interleaved shape of a wide DAG: CP-SAT searches for minutes (measured: > 100 s)
+    watched = Watched(["compile", WIDE, "-b", "512", "--cluster", "cpu-4", "--costs", "analytic",
+                       "--stages", "4", "--replicas", "1", "--microbatches", "8",
+                       "--schedule", "interleaved-1f1b", "--time-limit", "300",
+                       "-o", str(plan_dir)])
+    watched.wait_for(r"^  \.\. cpsat: S\d")  # the solve of a shape has started
+    time.sleep(1.0)  # well inside it
+    sent = time.monotonic()
+    watched.proc.send_signal(sig)
+    proc = watched.finish(timeout=60)
+    stopped_s = time.monotonic() - sent
+    assert_interrupted(proc, code, line)
+    context = _context(proc)
+    assert any(ln.startswith("  failed cpsat: S") for ln in proc.stderr.splitlines()), context
+    assert stopped_s < 15, (stopped_s, context)  # CP-SAT stopped at once, not at its time limit
+    assert sorted(os.listdir(tmp_path)) == listing, context  # nothing beside the plan
+    assert snapshot(tmp_path) == before, context  # the old plan, byte for byte
+
+
+def test_compile_failing_after_the_solve_keeps_the_old_plan(tmp_path: Path) -> None:
+    plan_dir = old_plan(tmp_path)
+    before, listing = snapshot(tmp_path), sorted(os.listdir(tmp_path))
+    # micro-batches of 1 (-b 8 in 8): the model refuses batch size 1, which emit asks for
+    proc = run("compile", str(TEST_MODELS / "no_batch_of_one.py"), "-b", "8", "--cluster",
+               "cpu-4", "--costs", "analytic", "--stages", "2", "--replicas", "1",
+               "--microbatches", "8", "-o", str(plan_dir))
+    assert_one_line_error(proc, "example_inputs(1)", "no inputs of batch size 1")
+    context = _context(proc)
+    solved = [i for i, ln in enumerate(proc.stderr.splitlines())
+              if ln.startswith("  ok ") and "search" in ln]
+    assert solved, context  # it failed after the search, in emit
+    assert sorted(os.listdir(tmp_path)) == listing, context
+    assert snapshot(tmp_path) == before, context
+
+
+def test_compile_replaces_the_plan_whole_and_keeps_the_users_files(tmp_path: Path) -> None:
+    plan_dir = old_plan(tmp_path)
+    (plan_dir / "stage_7.pt").write_bytes(b"an earlier plan's stage")
+    (plan_dir / ".stage_0.pt.staged").write_bytes(b"left by an interrupted older partc")
+    (plan_dir / "runs").mkdir()
+    (plan_dir / "runs" / "metrics.jsonl").write_text("{}\n")
+    (plan_dir / "latest").symlink_to("runs")
+    proc = run("compile", MLP, "-b", "8", "--cluster", "cpu-4", "--costs", "analytic",
+               "--stages", "2", "--replicas", "1", "-o", str(plan_dir))
+    context = _context(proc)
+    assert proc.returncode == 0, context
+    assert sorted(os.listdir(tmp_path)) == ["plan"], context  # no temporary directory left
+    assert sorted(os.listdir(plan_dir)) == [
+        "NOTES.md", "latest", "plan.yaml", "runs", "stage_0.pt", "stage_1.pt", "timings.yaml"]
+    assert (plan_dir / "NOTES.md").read_text() == "my notes\n"
+    assert (plan_dir / "runs" / "metrics.jsonl").read_text() == "{}\n"
+    assert os.readlink(plan_dir / "latest") == "runs"
+    plan = yaml.safe_load((plan_dir / "plan.yaml").read_text())
+    # built beside the plan directory, but every path is relative to the plan directory itself
+    assert plan["model"]["file"] == os.path.relpath(MLP, plan_dir)
+    assert plan["costs"]["source"] == "analytic"  # the old measured profile.yaml went with it
+    assert run("verify", str(plan_dir)).returncode == 0
+
+
+@pytest.mark.parametrize("kind", ["project", "cwd"])
+def test_compile_refuses_an_output_that_is_not_a_plan(kind: str, tmp_path: Path) -> None:
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "train.py").write_text("print('mine')\n")
+    before = snapshot(tmp_path)
+    if kind == "project":
+        proc = run("compile", MLP, "-b", "8", "--cluster", "cpu-4", "-o", str(project))
+        assert_one_line_error(proc, "is not a plan directory", "train.py")
+    else:  # `-o .` inside a plan directory would swap the current directory away
+        plan_dir = old_plan(tmp_path)
+        before = snapshot(tmp_path)
+        proc = subprocess.run([PARTC, "compile", MLP, "-b", "8", "--cluster", "cpu-4", "-o", "."],
+                              capture_output=True, text=True, cwd=plan_dir, timeout=300)
+        assert_one_line_error(proc, "current directory")
+    assert snapshot(tmp_path) == before, _context(proc)
+
+
+# ---- CP-SAT and SIGINT -------------------------------------------------------------------------
+
+SOLVE_THEN_CTRL_C = textwrap.dedent("""
+    import os, signal, sys, threading, time
+    from ortools.sat.python import cp_model
+    from partc.cost.roofline import analytic_cost_table
+    from partc.frontend.capture import capture_graph
+    from partc.hardware.configs import load_cluster
+    from partc.options import TrainingConfig
+    from partc.solve.coarsen import coarsen
+    from partc.solve.stage_problem import PipelineShape, StageProblem
+    from partc.solve.strategies.cpsat import _run_solver, solve_cpsat
+
+    cluster = load_cluster("cpu-4")
+    table = analytic_cost_table(capture_graph(sys.argv[1], 2, onnx=False).graph, cluster.device)
+    shape = PipelineShape(stages=2, replicas=1, num_microbatches=4, microbatch_size=2,
+                          schedule="1f1b")
+    problem = StageProblem.build(coarsen(table, 32), table, cluster, TrainingConfig(), shape)
+    first = solve_cpsat(problem, time_limit_s=5)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert solve_cpsat(problem, time_limit_s=5).assignment == first.assignment  # deterministic
+
+    def ctrl_c(label):  # Ctrl-C must raise KeyboardInterrupt now, not kill the process
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(2)
+        except KeyboardInterrupt:
+            print(label, "ok", flush=True)
+            return
+        print(label, "not interrupted", flush=True)
+    ctrl_c("after solve_cpsat:")
+
+    # A solver with CP-SAT's default (catch_sigint_signal on) leaves SIG_DFL behind at the OS
+    # level; _run_solver puts Python's handler back.
+    model = cp_model.CpModel()
+    xs = [model.new_int_var(0, 59, f"x{i}") for i in range(60)]
+    model.add_all_different(xs)
+    model.add_all_different([x + i for i, x in enumerate(xs)])
+    model.add_all_different([x - i for i, x in enumerate(xs)])
+    model.minimize(sum((i % 7) * x for i, x in enumerate(xs)))
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = 0.5
+    _run_solver(solver, model)
+    ctrl_c("after a catching solver:")
+
+    # Ctrl-C during a long solve stops it promptly.
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = 60
+    solver.parameters.catch_sigint_signal = False
+    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+    start = time.monotonic()
+    try:
+        _run_solver(solver, model)
+        print("during a solve: not interrupted", flush=True)
+    except KeyboardInterrupt:
+        print(f"during a solve: ok after {time.monotonic() - start:.1f} s", flush=True)
+    ctrl_c("after an interrupted solve:")
+""")
+
+
+def test_cpsat_leaves_pythons_sigint_handler_in_place() -> None:
+    proc = subprocess.run([sys.executable, "-c", SOLVE_THEN_CTRL_C,
+                           str(TEST_MODELS / "deep_chain.py")],
+                          capture_output=True, text=True, cwd=ROOT, timeout=240)
+    context = _context(proc)
+    assert proc.returncode == 0, context  # -2: a SIGINT killed the process
+    lines = proc.stdout.splitlines()
+    assert lines[:2] == ["after solve_cpsat: ok", "after a catching solver: ok"], context
+    assert lines[2].startswith("during a solve: ok after "), context
+    assert float(lines[2].split()[-2]) < 5, context  # stopped, not at the 60 s time limit
+    assert lines[3:] == ["after an interrupted solve: ok"], context
+
+
+# ---- launch: Ctrl-C and the first failure ------------------------------------------------------
+
+def _children(pid: int) -> list[int]:
+    """Live (not zombie) child processes of `pid`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+@pytest.fixture(scope="module")
+def mlp_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("launch") / "mlp"
+    proc = run("compile", MLP, "-b", "8", "--cluster", "cpu-4", "--costs", "analytic",
+               "--stages", "2", "--replicas", "1", "-o", str(out))
+    assert proc.returncode == 0, _context(proc)
+    return out
+
+
+@pytest.mark.parametrize("target", ["launcher", "group"])
+def test_launch_ctrl_c_stops_every_worker(target: str, mlp_plan: Path, tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    watched = Watched(["launch", str(mlp_plan), "--steps", "100000", "--log-every", "1",
+                       "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2"],
+                      new_session=True)
+    watched.wait_for(r"^step 3/", timeout=180)  # training
+    workers = _children(watched.proc.pid)
+    assert len(workers) == 2, (workers, watched.text())
+    if target == "launcher":
+        watched.proc.send_signal(signal.SIGINT)
+    else:  # a terminal's Ctrl-C: the whole foreground process group
+        os.killpg(watched.proc.pid, signal.SIGINT)
+    proc = watched.finish(timeout=90)
+    context = _context(proc)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("partc launch: interrupted")]
+    assert proc.returncode == 130, context
+    assert len(lines) == 1 and "SIGINT" in lines[0], context
+    assert "rerun with --resume to continue from step " in lines[0], context  # a checkpoint
+    assert "Traceback" not in proc.stderr and "internal error" not in proc.stderr, context
+    assert not [p for p in workers if _alive(p)], context  # no orphan worker
+
+
+def test_launch_failure_names_the_rank_that_failed_first(tmp_path: Path) -> None:
+    model = TEST_MODELS / "fails_on_rank.py"
+    plan_dir = tmp_path / "plan"
+    proc = run("compile", str(model), "-b", "8", "--cluster", "cpu-4", "--costs", "analytic",
+               "--stages", "2", "--replicas", "1", "--microbatches", "2", "-o", str(plan_dir))
+    assert proc.returncode == 0, _context(proc)
+    plan = yaml.safe_load((plan_dir / "plan.yaml").read_text())
+    last = plan["stages"][-1]
+    failing = last["devices"][0]  # rank g runs device g; the loss runs on the last stage
+    assert failing != 0  # the rank torch's whole-second timestamps used to blame
+    watched = Watched(["launch", str(plan_dir), "--steps", "5"],
+                      env={"PARTC_TEST_FAIL_RANK": str(failing), "PARTC_TEST_FAIL_AFTER": "3"})
+    proc = watched.finish(timeout=240)
+    context = _context(proc)
+    assert proc.returncode == 1, context
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("partc: error:")]
+    assert len(errors) == 1, context
+    # the rank and its own error (not a peer's closed connection, nor the teardown's SIGTERM)
+    assert f"rank {failing} failed" in errors[0], context
+    assert f"RuntimeError: injected failure on rank {failing}" in errors[0], context
+
+
+def test_the_first_failure_is_the_earliest_error_not_the_lowest_rank(tmp_path: Path) -> None:
+    """torch's error files as the agent reads them (real files, torch's ProcessFailure): two
+    ranks recorded an error within the same second, a third was killed by the teardown."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from partc.run.launch import failure_reason, root_failure
+
+    second = int(time.time())
+
+    def error_file(name: str, message: str, after_ns: int) -> str:
+        path = tmp_path / name
+        path.write_text(json.dumps({"message": {"message": message, "extraInfo": {
+            "py_callstack": f"Traceback ...\n{message}", "timestamp": str(second)}}}))
+        os.utime(path, ns=(second * 10**9 + after_ns,) * 2)
+        return str(path)
+
+    collateral = ProcessFailure(local_rank=0, pid=100, exitcode=1, error_file=error_file(
+        "0.json", "RuntimeError: Connection closed by peer [127.0.0.1]:1234", 700_000_000))
+    cause = ProcessFailure(local_rank=1, pid=101, exitcode=1, error_file=error_file(
+        "1.json", "RuntimeError: injected failure on rank 1", 200_000_000))
+    torn_down = ProcessFailure(local_rank=2, pid=102, exitcode=-signal.SIGTERM,
+                               error_file=str(tmp_path / "none.json"))
+    failures = {0: collateral, 1: cause, 2: torn_down}
+    assert ChildFailedError("w", failures).get_first_failure()[0] == 0  # whole seconds: a tie
+    assert root_failure(failures) == (1, cause)
+    assert failure_reason(cause) == "RuntimeError: injected failure on rank 1"
+    # a rank that recorded its error and was then killed by the teardown while exiting
+    killed_late = ProcessFailure(local_rank=1, pid=101, exitcode=-signal.SIGTERM,
+                                 error_file=cause.error_file)
+    assert root_failure({0: collateral, 1: killed_late, 2: torn_down}) == (1, killed_late)
+    assert failure_reason(killed_late) == "RuntimeError: injected failure on rank 1"
+    # only signals: the one the agent saw first; a crash's signal is its reason
+    crashed = ProcessFailure(local_rank=3, pid=103, exitcode=-signal.SIGSEGV,
+                             error_file=str(tmp_path / "none.json"))
+    assert root_failure({2: torn_down, 3: crashed})[0] == 3
+    assert failure_reason(crashed) == "killed by SIGSEGV"
+    assert failure_reason(torn_down) == "killed by SIGTERM"
