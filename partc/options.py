@@ -376,10 +376,11 @@ class TrainOptions:
                                   "line per step (loss, samples/s, per-stage times) here.")
     log_every: int = option(1, flag="--log-every", min=1, help="Print a progress line every N "
                             "steps (when stderr is not a terminal).")
-    expect: str = option("", flag="--expect", help="Run only if the plan's digest (printed by "
-                         "compile and check: sha256 of plan.yaml, which records every stage "
-                         "file's and the model file's sha256) is this one; pins a reviewed plan "
-                         "from outside it.")
+    expect: str | None = option(
+        None, flag="--expect",
+        help="Run only if the plan's digest (printed by compile and check: sha256 of plan.yaml, "
+             "which records every stage file's and the model file's sha256) is this one; pins a "
+             "reviewed plan from outside it.")
     allow_other_model: bool = option(False, flag="--allow-other-model", help="--resume from a "
                                      "checkpoint written by a plan of another model (graph "
                                      "hash); its tensors are still matched by name and shape.")

@@ -634,7 +634,21 @@ def _stage_file_elsewhere(plan_dir: Path) -> None:
     _set_in_plan(plan_dir, edit)
 
 
+def _nan_time(plan_dir: Path) -> None:
+    def edit(d: dict) -> None:
+        d["stages"][0]["predicted"]["forward_s"] = float("nan")
+    _set_in_plan(plan_dir, edit)
+
+
+def _short_rank_list(plan_dir: Path) -> None:
+    def edit(d: dict) -> None:
+        d["predicted"]["optimizer_s"] = d["predicted"]["optimizer_s"][:1]
+    _set_in_plan(plan_dir, edit)
+
+
 INCONSISTENT = {
+    "nan-time": (_nan_time, "forward_s is nan"),
+    "short-rank-list": (_short_rank_list, "predicted.optimizer_s has 1 entries"),
     "huge-microbatches": (_huge_microbatches, "num_microbatches"),
     "batch-arithmetic": (_batch_mismatch, "global batch"),
     "stage-device": (_stage_on_wrong_device, "stage 1 is"),
@@ -668,3 +682,87 @@ def test_outputs_never_overwrite_a_plan(flag: str, target: str, mlp_plan: Path,
 def test_launch_given_a_model_file(tmp_path: Path) -> None:
     proc = run("launch", MLP, "--steps", "1")
     assert_one_line_error(proc, "is a Python file, not a plan")
+
+
+# ---- holes a hostile review found (2026-11-25) -------------------------------------------------
+
+@pytest.mark.parametrize("injection", [
+    "import os as _o\n_o._exit(0)\n",
+    "import partc.plans.check as _c\n_c.CheckReport.exit_code = property(lambda s: 0)\n",
+], ids=["os-exit", "patches-partc"])
+def test_changed_model_code_cannot_make_check_pass(injection: str, tmp_path: Path) -> None:
+    """A model file changed since compile runs in a child process: whatever its code does, the
+    check of the plan is not "current"."""
+    model = tmp_path / "mlp.py"
+    shutil.copy(EXAMPLES / "mlp.py", model)
+    out = tmp_path / "plan"
+    assert run("compile", str(model), "-b", "8", "--stages", "2", "--cluster", "cpu-4",
+               "-o", str(out)).returncode == 0
+    model.write_text(model.read_text() + "\n" + injection)
+    proc = run("check", str(out))
+    assert proc.returncode == 1, _context(proc)
+    assert "STALE" in proc.stdout, _context(proc)
+
+
+def test_check_compares_the_plan_file_it_was_given(mlp_plan: Path, tmp_path: Path) -> None:
+    """An edited copy of plan.yaml under another name, beside the real one, is not vouched for
+    by comparing the real one."""
+    plan_dir = copy_plan(mlp_plan, tmp_path)
+    text = (plan_dir / "plan.yaml").read_text()
+    assert "  weights: stage-files\n" in text
+    reviewed = plan_dir / "reviewed.yaml"
+    reviewed.write_text(text.replace("  weights: stage-files\n",
+                                     "  weights: initialise-at-launch\n"))
+    proc = run("check", str(reviewed))
+    assert proc.returncode == 4, _context(proc)
+    assert "differs at model/weights" in proc.stdout, _context(proc)
+
+
+def test_an_empty_expect_is_refused(mlp_plan: Path) -> None:
+    proc = run("launch", str(mlp_plan), "--steps", "1", "--expect", "")
+    assert_one_line_error(proc, "is not a plan digest")
+
+
+@pytest.mark.parametrize("command", ["show-html", "launch-metrics", "metrics-hard-link"])
+def test_outputs_never_overwrite_the_model_or_a_linked_plan(command: str, mlp_plan: Path,
+                                                            tmp_path: Path) -> None:
+    model = tmp_path / "mlp.py"
+    shutil.copy(EXAMPLES / "mlp.py", model)
+    out = tmp_path / "plan"
+    assert run("compile", str(model), "-b", "8", "--stages", "2", "--cluster", "cpu-4",
+               "-o", str(out)).returncode == 0
+    before = {p: p.read_bytes() for p in (model, out / "plan.yaml")}
+    if command == "show-html":
+        proc = run("show", str(out), "--html", str(model))
+    elif command == "launch-metrics":
+        proc = run("launch", str(out), "--steps", "1", "--metrics", str(model))
+    else:
+        link = tmp_path / "metrics.jsonl"
+        os.link(out / "plan.yaml", link)
+        proc = run("launch", str(out), "--steps", "1", "--metrics", str(link))
+    assert_one_line_error(proc, ("is also an input", "would overwrite"))
+    assert {p: p.read_bytes() for p in before} == before
+
+
+def test_diff_reads_no_profile_outside_the_plan(mlp_plan: Path, tmp_path: Path) -> None:
+    plan_dir = copy_plan(mlp_plan, tmp_path)
+    _set_in_plan(plan_dir, lambda d: d["costs"].update(source="profile", profile="/dev/zero"))
+    proc = run("diff", str(mlp_plan), str(plan_dir), timeout=60)
+    assert proc.returncode == 0, _context(proc)
+
+
+def test_a_stage_file_without_a_listed_parameter_stops_every_rank(mlp_plan: Path,
+                                                                  tmp_path: Path) -> None:
+    """plan.yaml lists (and ties) a parameter stage 1's file does not hold: every rank stops
+    with that one line before a step, no rank fails on a closed connection."""
+    plan_dir = copy_plan(mlp_plan, tmp_path)
+
+    def edit(d: dict) -> None:
+        d["stages"][1]["parameter_names"].append("layers.0.weight")
+        d["tied_parameters"] = [{"name": "layers.0.weight", "aliases": [], "stages": [0, 1]}]
+    _set_in_plan(plan_dir, edit)
+    metrics = tmp_path / "m.jsonl"
+    proc = run("launch", str(plan_dir), "--steps", "1", "--metrics", str(metrics))
+    assert_one_line_error(proc, "rank 1 cannot load its stages", "holds tensors", code=1)
+    assert "Connection closed" not in proc.stderr
+    assert not metrics.exists() or metrics.read_text() == ""

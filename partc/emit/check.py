@@ -8,6 +8,10 @@ documented in partc.plans.check and docs/trust.md.
 """
 from __future__ import annotations
 
+import hashlib
+import os
+import subprocess
+import sys
 import tempfile
 from dataclasses import replace
 from pathlib import Path
@@ -19,6 +23,7 @@ from partc.errors import ModelFileError
 from partc.files import sha256_file
 from partc.frontend.capture import CaptureResult, capture_graph
 from partc.plans.check import (
+    TAMPERED_EXIT,
     CheckReport,
     model_changes,
     note_cluster_config,
@@ -135,8 +140,9 @@ def compare_artifacts(plan: Plan, plan_path: Path, result: CaptureResult, partit
                           progress, plan_directory=directory)
         fresh_bytes = {st.file: (Path(tmp) / "plan" / st.file).read_bytes()
                        for st in fresh.stages}
-    # the version is reported, not compared: a partc upgrade alone does not make a plan stale;
-    # with --model the file is wherever the user says, and plan.yaml keeps its recorded path
+    # partc_version, partc_build and torch_version are recorded, not compared (docs/trust.md):
+    # which partc and torch wrote identical bytes does not matter; with --model the file is
+    # wherever the user says, and plan.yaml keeps its recorded path
     fresh = replace(fresh, partc_version=plan.partc_version)
     if model_path is None:
         fresh = replace(fresh, model=replace(fresh.model, file=plan.model.file))
@@ -151,9 +157,11 @@ def compare_artifacts(plan: Plan, plan_path: Path, result: CaptureResult, partit
                             f"torch {torch_version()}")
     # the recorded versions are not what makes bytes differ: a difference they explain is below
     fresh = replace(fresh, torch_version=plan.torch_version, partc_build=plan.partc_build)
+    # compared with what plan.yaml pins (the sha256 every loader checks), and with the bytes of
+    # plan.yaml load_plan read (the file named on the command line, read once)
     problems = [f"{st.file} is not what compile writes for this model" for st in plan.stages
-                if fresh_bytes.get(st.file) != plan.stage_bytes(st)]
-    written = (directory / PLAN_FILE).read_bytes()
+                if hashlib.sha256(fresh_bytes.get(st.file, b"")).hexdigest() != st.sha256]
+    written = plan.raw
     if fresh.dumps().encode() != written:
         try:
             data = yaml.safe_load(written.decode())
@@ -195,3 +203,34 @@ def _first_difference(new: object, old: object, at: str = "") -> str:
                 return found
         return ""
     return "" if new == old else (at.lstrip("/") or "(top level)")
+
+
+# Set in the child process `check_in_child` starts: that child checks in-process.
+ISOLATED_ENV = "PARTC_CHECK_ISOLATED"
+
+
+def model_file_changed(plan_path: str | Path, model: str | Path | None = None) -> bool:
+    """Whether the model file (the plan's, or `model`) is not the one the plan was compiled from
+    (its sha256 differs from plan.yaml's); False when it cannot be read (check_plan says why).
+    Reads plan.yaml and the file's bytes only: imports nothing."""
+    plan = load_plan(plan_path)
+    try:
+        data = (Path(model) if model is not None else plan.model_path).read_bytes()
+    except OSError:
+        return False
+    return hashlib.sha256(data).hexdigest() != plan.model.sha256
+
+
+def check_in_child(plan_path: str | Path, model: str | Path | None = None) -> int:
+    """`partc check` of one plan in a child process, for a model file that changed since the
+    plan was compiled: that file is code nobody reviewed with the plan, and code run in this
+    process could decide the outcome (os._exit(0), patching partc). The child's report passes
+    through; the outcome is never "current" (at least exit 1), whatever the child's exit."""
+    command = [sys.executable, "-m", "partc", "check", str(plan_path),
+               *(["--model", str(model)] if model is not None else [])]
+    proc = subprocess.run(command, env={**os.environ, ISOLATED_ENV: "1"}, check=False)
+    if proc.returncode in (1, 2, 3, TAMPERED_EXIT):
+        return proc.returncode
+    print(f"{plan_path}: STALE: the model file changed since the plan was compiled, and checking "
+          f"it ended with exit {proc.returncode} (the model code ended the process)", flush=True)
+    return 1

@@ -25,6 +25,7 @@ import torch
 from partc.errors import PartcError
 from partc.frontend.export import tied_groups
 from partc.frontend.model_file import ModelFile
+from partc.plans.plan import PlanError, PlanStage
 
 
 class WeightsError(PartcError):
@@ -269,3 +270,15 @@ def _initialise_whole(model: torch.nn.Module, model_file: ModelFile, device: tor
         if leaf in owner._buffers:
             owner._buffers[leaf] = value.clone()
     return state
+
+
+def check_stage_tensors(stage: torch.nn.Module, spec: PlanStage) -> None:
+    """PlanError unless the stage file holds exactly the tensors plan.yaml lists for it
+    (parameters, buffers, constants): weights are assigned by those names, so a mismatch is a
+    stage file of another plan or an edited plan.yaml, refused before anything trains."""
+    names = set(stage_tensors(stage))
+    expected = set(spec.parameter_names) | set(spec.buffer_names) | set(spec.constant_names)
+    if names != expected:
+        raise PlanError(f"stage {spec.index} holds tensors {sorted(names ^ expected)[:3]} that "
+                        "plan.yaml does not list (or the reverse)",
+                        hint="the stage file does not belong to this plan; re-run partc compile")

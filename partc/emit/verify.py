@@ -28,10 +28,10 @@ import torch.utils._pytree as pytree
 from partc.emit.stage_code import load_stage
 from partc.emit.stage_graph import flatten_inputs
 from partc.emit.stage_weights import (
+    check_stage_tensors,
     load_state_dict_file,
     set_stage_tensors,
     stage_state,
-    stage_tensors,
     whole_model_weights,
 )
 from partc.plans.plan import Plan, PlanError, load_plan
@@ -82,13 +82,7 @@ def verify_plan(path: str | Path, *, rtol: float = DEFAULT_RTOL, atol: float = D
     dev = _device(device)
     stages = [load_stage(plan.stage_bytes(s), map_location=dev) for s in plan.stages]
     for st, module in zip(plan.stages, stages, strict=True):
-        names = set(stage_tensors(module))
-        expected = set(st.parameter_names) | set(st.buffer_names) | set(st.constant_names)
-        if names != expected:
-            raise PlanError(f"stage {st.index} holds tensors {sorted(names ^ expected)[:3]} that "
-                            "plan.yaml does not list (or the reverse)",
-                            hint="the stage file does not belong to this plan; "
-                                 "re-run partc compile")
+        check_stage_tensors(module, st)
     model_file = plan.load_model_file()
     model = model_file.build().train()
     aliases = plan.model.aliases()

@@ -23,11 +23,12 @@ from typing import Any, Sequence
 
 import yaml
 
-from partc.plans.plan import Plan
+from partc.plans.plan import Plan, PlanError, resolve_in_plan_tree
 from partc.solve.partition import Partition, Prediction, SolverReport, TrainingSetup, round_seconds
 
 ROOT_MODULE = "(root)"  # how stage module lists name the root module ("" in fingerprints)
 _MAX_LINES = 24  # moved-module lines shown before "... and N more"
+_MAX_PROFILE_BYTES = 1 << 30  # a profile larger than this is not read to describe it
 
 
 @dataclass(frozen=True)
@@ -77,10 +78,13 @@ def costs_of_plan(plan: Plan) -> CostsInfo:
     if costs.source != "profile" or costs.profile is None:
         return CostsInfo(source=costs.source)
     kind = run = None
-    path = (plan.directory or Path(".")) / costs.profile
     try:
+        # the profile plan.yaml names, inside the plan's tree, a regular file of a sane size
+        path = resolve_in_plan_tree(plan.directory or Path("."), costs.profile, "profile")
+        if not path.is_file() or path.stat().st_size > _MAX_PROFILE_BYTES:
+            raise OSError("not a profile file")
         d = yaml.load(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, PlanError):
         d = None  # diff describes what it can; `partc check` reports a broken profile
     if isinstance(d, dict):
         kind = str(d["kind"]) if "kind" in d else None

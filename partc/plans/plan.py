@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 from dataclasses import dataclass, field, replace
@@ -271,6 +272,7 @@ class Plan:
     # records every stage file's, the model file's and the profile's sha256, so the digest pins
     # everything the plan runs (`partc launch --expect`).
     digest: str = field(default="", compare=False)
+    raw: bytes = field(default=b"", compare=False, repr=False)  # plan.yaml's bytes, as read
 
     # ---- reading ---------------------------------------------------------------------------
     @property
@@ -318,6 +320,16 @@ class Plan:
     def stage_path(self, stage: PlanStage) -> Path:
         base = self.directory if self.directory is not None else Path(".")
         return base / stage.file
+
+    def pinned_files(self) -> tuple[Path, ...]:
+        """The files this plan pins (plan.yaml, the model file, the stage files, a profile beside
+        it): what no command's output may overwrite."""
+        base = self.directory if self.directory is not None else Path(".")
+        files = [base / PLAN_FILE, base / self.model.file,
+                 *(self.stage_path(s) for s in self.stages)]
+        if self.costs.profile:
+            files.append(base / self.costs.profile)
+        return tuple(files)
 
     def stage_bytes(self, stage: PlanStage) -> bytes:
         """The stage file's bytes, read once and checked against plan.yaml's sha256: load the
@@ -432,7 +444,9 @@ class Plan:
                        predicted=Prediction.from_dict(d["predicted"]), directory=directory)
             if plan.cluster_dict() != d["cluster"]:
                 raise ValueError("its device counts are not the cluster's and the training's")
+            _check_finite(d)
             _check_consistency(plan)
+            plan.pipeline_spec()  # what show and check simulate must be buildable
         except (PartcError, KeyError, ValueError, TypeError) as exc:
             reason = exc.message if isinstance(exc, PartcError) else str(exc)
             raise PlanError(f"{where} is not a valid plan: {reason}",
@@ -499,7 +513,7 @@ def load_plan(path: str | Path) -> Plan:
                         hint="re-run partc compile to regenerate it") from exc
     validate_plan_dict(data, str(path))
     plan = Plan.from_dict(data, directory=path.parent, where=str(path))
-    return replace(plan, digest=plan_digest(raw))
+    return replace(plan, digest=plan_digest(raw), raw=raw)
 
 
 def plan_digest(data: bytes) -> str:
@@ -557,6 +571,18 @@ def resolve_in_plan_tree(plan_dir: Path, recorded: str, what: str) -> Path:
     return path
 
 
+def _check_finite(data: Any, at: str = "") -> None:
+    """ValueError at the first NaN or infinite number (YAML's .nan and .inf pass the schema)."""
+    if isinstance(data, float) and not math.isfinite(data):
+        raise ValueError(f"{at.lstrip('/') or 'a number'} is {data}")
+    if isinstance(data, dict):
+        for key, value in data.items():
+            _check_finite(value, f"{at}/{key}")
+    elif isinstance(data, list):
+        for i, value in enumerate(data):
+            _check_finite(value, f"{at}/{i}")
+
+
 def _check_consistency(plan: Plan) -> None:
     """What the schema cannot say: the stages form the training shape's grid (index, file,
     pipeline rank, devices per replica), boundary tensors name existing stages, tied parameters
@@ -564,6 +590,16 @@ def _check_consistency(plan: Plan) -> None:
     shape = plan.training.shape
     if len(plan.stages) != shape.virtual_stages:
         raise ValueError(f"{len(plan.stages)} stages for a {shape.label()} shape")
+    p = plan.predicted
+    for name, values in (("peak_memory_bytes", p.peak_memory_bytes), ("memory", p.memory),
+                         ("allreduce_s", p.allreduce_s), ("optimizer_s", p.optimizer_s)):
+        if len(values) != shape.stages:
+            raise ValueError(f"predicted.{name} has {len(values)} entries for "
+                             f"{shape.stages} pipeline rank(s)")
+    for sync in p.tied_sync:
+        if any(not 0 <= r < shape.stages for r in sync.ranks):
+            raise ValueError(f"predicted.tied_sync names ranks {list(sync.ranks)} of a "
+                             f"{shape.stages}-rank pipeline")
     if shape.num_devices > plan.cluster.num_devices:
         raise ValueError(f"the shape uses {shape.num_devices} devices, the cluster has "
                          f"{plan.cluster.num_devices}")
@@ -621,9 +657,17 @@ def refuse_plan_artifact(path: str | Path, what: str, inputs: tuple[Path, ...] =
         raise PlanError(f"{what} {path} would overwrite a plan file",
                         hint="write outputs outside plan directories; only partc compile "
                              "writes a plan")
-    if any(resolved == Path(i).resolve() for i in inputs):
-        raise PlanError(f"{what} {path} is also an input of this command",
-                        hint="write the output to another file")
+    if any(_same_file(resolved, Path(i)) for i in inputs):
+        raise PlanError(f"{what} {path} is also an input of this command (or a file the plan "
+                        "pins)", hint="write the output to another file")
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """One file under two names: the same path, a symlink, or a hard link."""
+    try:
+        return a.resolve() == b.resolve() or (a.exists() and b.exists() and os.path.samefile(a, b))
+    except OSError:
+        return False
 
 
 def format_plan(plan: Plan, solver_wall_s: float | None = None) -> str:

@@ -184,7 +184,7 @@ def launch(plan_path: str | Path, options: TrainOptions,
     when a worker fails for good. `elastic` defaults to one node, no restarts."""
     elastic = elastic or ElasticOptions()
     plan = load_plan(plan_path)
-    if options.expect:
+    if options.expect is not None:
         plan.require_digest(options.expect)
     plan.check_stage_files()
     plan.model_source()  # a changed model file is refused before any worker starts
@@ -281,7 +281,8 @@ def check_launch(plan: Plan, options: TrainOptions, elastic: ElasticOptions) -> 
                           hint="pass a torch.save'd state_dict of the model")
     if options.metrics is not None:  # rank 0 appends to it; found out now, not after a step
         metrics = options.metrics
-        refuse_plan_artifact(metrics, "--metrics")  # appending to a plan file would change it
+        # appending to a plan file (or the model file) would change what the plan pins
+        refuse_plan_artifact(metrics, "--metrics", plan.pinned_files())
         if metrics.is_dir():
             raise LaunchError(f"--metrics {metrics} is a directory",
                               hint="pass a file path: one JSON line per step is appended to it")

@@ -31,7 +31,7 @@ import os
 import sys
 import warnings
 from pathlib import Path
-from typing import Iterator, TextIO
+from typing import Callable, Iterator, TextIO
 
 import torch
 import torch.distributed as dist
@@ -39,10 +39,10 @@ import torch.utils._pytree as pytree
 from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
 
 from partc.cost.activations import storage_bytes
-from partc.errors import LaunchError
+from partc.errors import LaunchError, PartcError
 from partc.frontend.model_file import ModelFile
 from partc.options import TrainOptions
-from partc.plans.plan import Plan, load_plan
+from partc.plans.plan import Plan, load_plan, refuse_plan_artifact
 from partc.plans.run_metrics import (
     CLOCK_CPU,
     CLOCK_CUDA,
@@ -72,6 +72,7 @@ from partc.run.schedule import (
     no_loss,
 )
 from partc.run.stage_runner import (
+    LocalStage,
     load_local_stages,
     save_checkpoint,
     sum_tied_gradients,
@@ -86,9 +87,11 @@ def run_rank(plan_path: str | Path, options: TrainOptions, out: TextIO = sys.std
     """Train the plan on this rank (see the module docstring); rank 0 returns the summary."""
     env = rank_env()
     plan = load_plan(plan_path)
-    if options.expect:  # plan.yaml could have changed since the launcher checked it
+    if options.expect is not None:  # plan.yaml could have changed since the launcher checked it
         plan.require_digest(options.expect)
     plan.check_stage_files()
+    if options.metrics is not None:  # under torchrun nothing checked it before this rank started
+        refuse_plan_artifact(options.metrics, "--metrics", plan.pinned_files())
     layout = rank_layout(plan)
     if env.world_size != layout.world_size:
         raise LaunchError(f"the plan runs on {layout.world_size} processes, torchrun started "
@@ -113,6 +116,25 @@ def run_rank(plan_path: str | Path, options: TrainOptions, out: TextIO = sys.std
         dist.destroy_process_group()
 
 
+def _loaded_everywhere(load: Callable[[], list[LocalStage]]) -> list[LocalStage]:
+    """`load()` on every rank, agreeing on the outcome: a user error loading one rank's stages
+    (a stage file that does not hold what plan.yaml lists, a checkpoint that does not fit) stops
+    every rank with that rank's one line, instead of the others failing on a closed connection
+    with tracebacks."""
+    error: tuple[str, str] | None = None
+    stages: list[LocalStage] = []
+    try:
+        stages = load()
+    except PartcError as exc:
+        error = (exc.message, exc.hint)
+    errors: list[tuple[str, str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    for rank, found in enumerate(errors):
+        if found is not None:
+            raise LaunchError(f"rank {rank} cannot load its stages: {found[0]}", hint=found[1])
+    return stages
+
+
 def _set_up(plan: Plan, layout: RankLayout, env: RankEnv, device: torch.device,
             options: TrainOptions) -> RankRun:
     """Steps 2-5 of the module docstring: everything the step loop needs, on this rank."""
@@ -121,7 +143,8 @@ def _set_up(plan: Plan, layout: RankLayout, env: RankEnv, device: torch.device,
     tied = tied_groups(plan, layout, rank)  # collective: every rank creates every group
     model_file = plan.load_model_file()
     resume = resume_point(plan, options, env, device)
-    stages = load_local_stages(plan, layout.stages_of(rank), device, options, resume, model_file)
+    stages = _loaded_everywhere(lambda: load_local_stages(plan, layout.stages_of(rank), device,
+                                                          options, resume, model_file))
     wrap_for_pipeline(plan, stages, device, pp_group, dp_group)
 
     start = resume.step if resume is not None else 0

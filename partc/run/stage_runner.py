@@ -21,7 +21,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 from partc.cost.torch_profiler import precision_autocast
 from partc.emit.stage_code import load_stage
-from partc.emit.stage_weights import load_state_dict_file, set_stage_tensors, stage_state
+from partc.emit.stage_weights import (
+    check_stage_tensors,
+    load_state_dict_file,
+    set_stage_tensors,
+    stage_state,
+)
 from partc.frontend.model_file import ModelFile
 from partc.options import TrainOptions
 from partc.plans.plan import Plan, PlanStage, TensorRef
@@ -196,6 +201,7 @@ def load_local_stages(plan: Plan, stages: Sequence[int], device: torch.device,
     for k in stages:
         spec = plan.stages[k]
         module = load_stage(plan.stage_bytes(spec), map_location=device)
+        check_stage_tensors(module, spec)
         source = init
         where = str(options.init_from) if options.init_from else f"stage {k}"
         opt_state: dict[str, dict[str, Any]] = {}

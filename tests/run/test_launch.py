@@ -49,13 +49,14 @@ def assert_close(got: list[float], want: list[float], rtol: float = RTOL) -> Non
         assert abs(a - b) <= rtol * abs(b), f"step {step + 1}: launch {a!r} vs single process {b!r}"
 
 
-def train_and_compare(plan: Path, tmp: Path, steps: int = 5, chunks: int = 1) -> list[float]:
+def train_and_compare(plan: Path, tmp: Path, steps: int = 5, chunks: int = 1,
+                      rtol: float = RTOL) -> list[float]:
     metrics = tmp / f"{plan.parent.name}.jsonl"
     result = launch(plan, "--steps", str(steps), "--metrics", str(metrics))
     assert result.returncode == 0, result.stderr[-3000:]
     got = losses_of(metrics)
     want = train_single_process(load_plan(plan), TrainOptions(steps=steps), chunks=chunks)
-    assert_close(got, want)
+    assert_close(got, want, rtol=rtol)
     check_metrics(plan, metrics)
     return got
 
@@ -111,7 +112,10 @@ def test_two_by_two_cnn_with_batch_norm(tmp_path: Path) -> None:
     plan = compile_plan(tmp_path, EXAMPLES / "resnet.py", 2, 2)
     p = load_plan(plan)
     chunks = p.training.shape.replicas * p.training.shape.num_microbatches
-    train_and_compare(plan, tmp_path, chunks=chunks)
+    # convolution and batch-norm backward sum over more elements than the MLP's layers, and the
+    # two runs sum in different orders: measured up to 1.2e-5 relative by step 4 (a wrong
+    # gradient is off by far more than 1e-3)
+    train_and_compare(plan, tmp_path, chunks=chunks, rtol=5e-5)
 
 
 def test_interleaved_schedule_with_activation_checkpointing(tmp_path: Path) -> None:
