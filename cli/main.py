@@ -352,7 +352,7 @@ def _search_inputs(kw: dict[str, Any]) -> tuple[Any, TrainingConfig, SearchOptio
 
 @cli.command()
 @click.argument("model", type=click.Path(readable=False, path_type=Path))
-@plan_options(default_cluster="cpu", compare=True)
+@plan_options(default_cluster="local", compare=True)
 @click.option("--output", "-o", type=click.Path(readable=False, dir_okay=False, path_type=Path),
               help="Write the partition (YAML) here.")
 @click.option("--timeline", type=click.Path(readable=False, dir_okay=False, path_type=Path),

@@ -112,6 +112,10 @@ MODEL_CASES = [
      "raised RuntimeError: cannot reach the dataset server"),
     ("compile", TEST_MODELS / "no_build.py", "does not define build_model()"),
     ("compile", TEST_MODELS / "data_dependent.py", "torch.export failed"),
+    ("inspect", TEST_MODELS / "data_dependent_shape.py",
+     "operator aten.index.Tensor (index) gives a data-dependent shape at "
+     "data_dependent_shape.py:14 (`h = h[h.sum(-1) > 0]`)"),
+    ("compile", TEST_MODELS / "data_dependent_shape.py", "gives a data-dependent shape"),
     ("compile", TEST_MODELS / "int_output.py", "non-tensor output at [1]: int"),
     ("compile", TEST_MODELS / "string_output.py", "non-tensor output at [1]: str"),
     ("inspect", TEST_MODELS / "string_output.py", "non-tensor output at [1]: str"),

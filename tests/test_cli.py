@@ -138,3 +138,16 @@ def test_profile_analytic_and_its_errors(tmp_path: Path) -> None:
         assert "(hint: " in lines[-1] and "Traceback" not in proc.stderr
     proc = run("profile", str(EXAMPLES / "mlp.py"), "--batch-sizes", "4")
     assert proc.returncode == 2 and "two or more distinct batch sizes" in proc.stderr
+
+
+@pytest.mark.parametrize("method", ["auto", "torch"])
+def test_profile_output_has_no_library_noise(method: str, tmp_path: Path) -> None:
+    """What partc profile prints is partc's: progress, the summary, the file it wrote; no
+    deprecation notices, profiler or tracer chatter from the libraries it drives."""
+    out = tmp_path / "p.yaml"
+    proc = run("profile", str(EXAMPLES / "bert.py"), "--method", method, "--runs", "2",
+               "--warmup", "1", "-o", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    noise = [ln for ln in proc.stderr.splitlines()
+             if not ln.startswith(("  .. ", "  ok ", "wrote "))]
+    assert noise == [], proc.stderr[-3000:]

@@ -531,7 +531,10 @@ def script_program(module: torch.fx.GraphModule,
     an op the tracer rejects): the caller then keeps the interpreter's times."""
     if not all(isinstance(t, torch.Tensor) for t in flat):
         return None
-    graph = copy.deepcopy(module.graph)
+    with warnings.catch_warnings():
+        # copying the graph copies its pytree specs: torch's own LeafSpec deprecation notice
+        warnings.simplefilter("ignore", FutureWarning)
+        graph = copy.deepcopy(module.graph)
     graph._codegen = torch.fx.graph.CodeGen()  # flat placeholders in, flat outputs out
     flat_module = torch.fx.GraphModule(module, graph)
     try:

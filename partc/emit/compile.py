@@ -457,10 +457,12 @@ def _exported_at(result: CaptureResult, batch: int,
         counts[key] = i + 1
         if i < len(seen.get(key, ())):
             matched[node.name] = seen[key][i]
+    # Nothing a user can act on (verify checks the result): a progress step, not a warning.
     unmatched = len(fresh) - len(matched)
-    progress.warn(f"the graph at micro-batch size {batch} differs from the one captured at batch "
-                  f"size {cap.batch_size}; {len(matched)} operators matched by module, "
-                  f"{unmatched} placed after their inputs")
+    with progress.step(f"matching the graph at micro-batch size {batch} to the one captured at "
+                       f"batch size {cap.batch_size}: {len(matched)} operators by module, "
+                       f"{unmatched} placed after their inputs"):
+        pass
     return exported, matched
 
 

@@ -14,8 +14,10 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import re
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator
 
 import torch
@@ -92,7 +94,7 @@ def export_program(model: torch.nn.Module, inputs: Inputs, where: str) -> Export
     args, kwargs = inputs
     try:
         with quiet_torch():
-            return torch.export.export(model, args, kwargs)
+            exported = torch.export.export(model, args, kwargs)
     except Exception as exc:
         reason = summarize_exception(exc)
         full = f"{exc} {exc.__cause__ or ''}"
@@ -100,6 +102,45 @@ def export_program(model: torch.nn.Module, inputs: Inputs, where: str) -> Export
                     "make forward() capturable by torch.export "
                     "(https://pytorch.org/docs/stable/export.html); pass --debug for the traceback")
         raise CaptureError(f"torch.export failed on {where}: {reason}", hint=hint) from exc
+    refuse_data_dependent_shapes(exported, where)
+    return exported
+
+
+def refuse_data_dependent_shapes(exported: ExportedProgram, where: str) -> None:
+    """CaptureError naming the first operator whose output size depends on tensor values
+    (boolean-mask indexing, nonzero, unique: torch.export represents the size by an unbacked
+    symbol) and the model's source line that calls it. partc prices, cuts and traces fixed shapes:
+    such a size has no value to plan for."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    for node in exported.graph.nodes:
+        if node.op != "call_function":
+            continue
+        values = pytree.tree_leaves(node.meta.get("val"))
+        # tensors only: a scalar read with .item() is unbacked too, but no shape depends on it
+        if not any(isinstance(v, torch.Tensor) and free_unbacked_symbols(v.shape)
+                   for v in values):
+            continue
+        source = _user_line(str(node.meta.get("stack_trace") or ""))
+        raise CaptureError(
+            f"{where}: operator {node.target} ({node.name}) gives a data-dependent shape"
+            + (f" at {source}" if source else "") + ": its size depends on tensor values, and "
+            "partc plans fixed shapes",
+            hint="keep shapes fixed: mask by multiplying or torch.where instead of boolean "
+                 "indexing, nonzero or unique (pad to a maximum size where a variable count is "
+                 "needed)")
+
+
+def _user_line(stack_trace: str) -> str:
+    """'file.py:14 (`h = h[h.sum(-1) > 0]`)' for the innermost frame of an FX stack trace."""
+    lines = stack_trace.strip().splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        found = re.match(r'\s*File "([^"]+)", line (\d+)', lines[i])
+        if found:
+            code = lines[i + 1].strip() if i + 1 < len(lines) else ""
+            where = f"{Path(found.group(1)).name}:{found.group(2)}"
+            return f"{where} (`{code}`)" if code else where
+    return ""
 
 
 def output_paths(exported: ExportedProgram) -> list[str]:

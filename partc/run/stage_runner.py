@@ -11,6 +11,7 @@ trip) that times its own forwards and backwards (`TimedStage`).
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -241,13 +242,18 @@ def wrap_for_pipeline(plan: Plan, stages: list[LocalStage], device: torch.device
                                  wire_dtypes=wire)
         if R > 1 and local.optimizer is not None:
             unused = parameters_without_gradient(local.module, local.spec, device)
-            runner = DistributedDataParallel(
-                runner, process_group=dp_group, gradient_as_bucket_view=True,
-                device_ids=[device.index] if device.type == "cuda" else None,
-                find_unused_parameters=bool(unused),
-                # buffers start equal (same init or checkpoint); re-broadcasting them before
-                # every micro-batch's forward would cost M collectives per stage and step
-                broadcast_buffers=False)
+            with warnings.catch_warnings():
+                # torch 2.13 deprecates broadcast_buffers for forward_sync_buffers, which older
+                # torch (2.11 on the GPU machines) lacks: the notice is nothing a user can act on
+                warnings.filterwarnings("ignore", message=".*broadcast_buffers.* is deprecated",
+                                        category=FutureWarning)
+                runner = DistributedDataParallel(
+                    runner, process_group=dp_group, gradient_as_bucket_view=True,
+                    device_ids=[device.index] if device.type == "cuda" else None,
+                    find_unused_parameters=bool(unused),
+                    # buffers start equal (same init or checkpoint); re-broadcasting them before
+                    # every micro-batch's forward would cost M collectives per stage and step
+                    broadcast_buffers=False)
             local.grad_sync = GradSyncTimer(device)
             runner.register_comm_hook(dp_group, local.grad_sync.hook)
         k = local.spec.index

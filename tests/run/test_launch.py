@@ -54,6 +54,7 @@ def train_and_compare(plan: Path, tmp: Path, steps: int = 5, chunks: int = 1,
     metrics = tmp / f"{plan.parent.name}.jsonl"
     result = launch(plan, "--steps", str(steps), "--metrics", str(metrics))
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "Warning" not in result.stderr, result.stderr[-3000:]  # no library notices
     got = losses_of(metrics)
     want = train_single_process(load_plan(plan), TrainOptions(steps=steps), chunks=chunks)
     assert_close(got, want, rtol=rtol)
