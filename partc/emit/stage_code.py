@@ -29,17 +29,47 @@ import torch
 import torch.jit._state
 
 from partc.emit.stage_graph import StageGraph
+from partc.emit.stage_weights import set_stage_tensors, stage_tensors
 
 
 def trace_stage(stage: StageGraph,
                 example_inputs: Sequence[torch.Tensor]) -> torch.jit.ScriptModule:
-    """torch.jit.trace of one stage at the example inputs' shapes, device-portable."""
+    """torch.jit.trace of one stage at the example inputs' shapes, device-portable.
+
+    A meta-device stage whose operators have meta kernels written in Python (convolution) cannot
+    be traced on meta: under the tracer those kernels read sizes as traced tensors and fail. It is
+    traced on CPU stand-ins instead (uninitialised tensors of the same shapes: the stage's size
+    in host memory while it traces, nothing computed is kept), and its tensors are put back on
+    meta, so the stage file still holds shapes only."""
+    try:
+        return _trace(stage.module, example_inputs)
+    except TypeError:
+        tensors = stage_tensors(stage.module)
+        on_meta = [t for t in [*tensors.values(), *example_inputs]
+                   if isinstance(t, torch.Tensor) and t.is_meta]
+        if not on_meta:
+            raise
+    stand_ins = {n: torch.empty_like(t, device="cpu") for n, t in tensors.items()}
+    set_stage_tensors(stage.module, stand_ins)
+    try:
+        # zeros, not garbage: integer inputs index embeddings
+        traced = _trace(stage.module, [torch.zeros_like(t, device="cpu")
+                                       if isinstance(t, torch.Tensor) else t
+                                       for t in example_inputs])
+    finally:
+        set_stage_tensors(stage.module, tensors)
+    set_stage_tensors(traced, tensors)
+    return traced
+
+
+def _trace(module: torch.nn.Module,
+           example_inputs: Sequence[torch.Tensor]) -> torch.jit.ScriptModule:
     previous = torch.jit._state._python_cu
     torch.jit._state._python_cu = torch._C.CompilationUnit()  # names do not depend on history
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # jit deprecation and TracerWarnings on export graphs
-            traced = torch.jit.trace(stage.module, tuple(example_inputs), check_trace=False,
+            traced = torch.jit.trace(module, tuple(example_inputs), check_trace=False,
                                      strict=False, _store_inputs=False)
     finally:
         torch.jit._state._python_cu = previous
