@@ -119,6 +119,17 @@ def test_two_by_two_cnn_with_batch_norm(tmp_path: Path) -> None:
     train_and_compare(plan, tmp_path, chunks=chunks, rtol=5e-5)
 
 
+def test_a_model_that_computes_its_own_loss(tmp_path: Path) -> None:
+    """The Hugging Face habit: labels are a model input, the model returns `output.loss`, the
+    batches yield no target. Pipeline x data parallel training equals the single-process run,
+    and verify checks it as launch runs it."""
+    plan = compile_plan(tmp_path, TEST_MODELS / "gpt2_model_loss.py", 2, 2, batch=8)
+    verify = subprocess.run([PARTC, "verify", str(plan)], capture_output=True, text=True,
+                            cwd=ROOT, timeout=600)
+    assert verify.returncode == 0 and "verify: ok" in verify.stdout, verify.stdout[-3000:]
+    train_and_compare(plan, tmp_path, steps=3)
+
+
 def test_interleaved_schedule_with_activation_checkpointing(tmp_path: Path) -> None:
     """2 ranks x 2 virtual stages (ScheduleInterleaved1F1B), forward recomputed in backward."""
     plan = compile_plan(tmp_path, EXAMPLES / "transformer.py", 2, 1,
