@@ -56,6 +56,18 @@ def _die_of(sig: signal.Signals) -> NoReturn:
     os._exit(128 + int(sig))
 
 
+def _interrupted(exc: BaseException) -> bool:
+    """Whether a KeyboardInterrupt is among the exceptions `exc` was raised while handling."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, KeyboardInterrupt):
+            return True
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return False
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m partc.launch PLAN [flags]`: a worker under torchrun, else `partc launch`."""
     from torch.distributed.elastic.multiprocessing.errors import record
@@ -81,7 +93,11 @@ def main(argv: list[str] | None = None) -> int:
                       file=sys.stderr, flush=True)
                 _record_user_error(line)
                 sys.exit(1)  # @record leaves SystemExit alone: no traceback in the error file
-            except Exception:
+            except Exception as exc:
+                if _interrupted(exc):
+                    # Ctrl-C inside a library that turned it into its own error on the way out
+                    # (torch.save's zip writer): still the interrupt, not a failure
+                    _die_of(signal.SIGINT)
                 time.sleep(FAILURE_GRACE_S)  # torn down meanwhile if a peer failed first
                 raise  # @record writes the error file (with the traceback)
         except KeyboardInterrupt:  # the agent's SIGINT (Ctrl-C on partc launch): no traceback
