@@ -328,4 +328,9 @@ def check_launch(plan: Plan, options: TrainOptions, elastic: ElasticOptions) -> 
     if elastic.max_restarts and options.checkpoint_dir is None:
         print("partc launch: warning: --max-restarts without --checkpoint-dir: a restarted run "
               "starts again from step 0", file=sys.stderr)
+    if elastic.nnodes > 1 and elastic.node_rank and elastic.rdzv_backend != "static":
+        # torchrun's semantics: a dynamic rendezvous numbers nodes as they join
+        print(f"partc launch: note: --node-rank {elastic.node_rank} is ignored by the "
+              f"{elastic.rdzv_backend} rendezvous, which numbers nodes as they join (as "
+              "torchrun does); pass --rdzv-backend static to fix node ranks", file=sys.stderr)
     return nproc

@@ -394,3 +394,21 @@ def test_metrics_per_stage_and_show_beside_the_prediction(tmp_path: Path) -> Non
     rows = [ln for ln in out.splitlines() if ln.split("|")[0].split()[:1] in (["0"], ["1"])
             and ln.count("|") == 6]
     assert len(rows) == 2, out
+
+
+def test_node_rank_under_a_dynamic_rendezvous_is_named(capsys: pytest.CaptureFixture[str]
+                                                       ) -> None:
+    """--node-rank means nothing to c10d (torchrun ignores it too): partc says so, and says
+    nothing under the static rendezvous that honours it."""
+    from partc.options import ElasticOptions
+    from partc.run.launch import check_launch
+
+    plan = load_plan(EXAMPLES / "plans" / "mlp")
+    options = TrainOptions(steps=1)
+    dynamic = ElasticOptions(nnodes=2, node_rank=1, rdzv_endpoint="127.0.0.1:29400")
+    assert check_launch(plan, options, dynamic) == 1
+    assert "--node-rank 1 is ignored by the c10d rendezvous" in capsys.readouterr().err
+    static = ElasticOptions(nnodes=2, node_rank=1, rdzv_endpoint="127.0.0.1:29400",
+                            rdzv_backend="static")
+    check_launch(plan, options, static)
+    assert "--node-rank" not in capsys.readouterr().err
