@@ -114,7 +114,7 @@ MODEL_CASES = [
     ("compile", TEST_MODELS / "data_dependent.py", "torch.export failed"),
     ("inspect", TEST_MODELS / "data_dependent_shape.py",
      "operator aten.index.Tensor (index) gives a data-dependent shape at "
-     "data_dependent_shape.py:14 (`h = h[h.sum(-1) > 0]`)"),
+     "data_dependent_shape.py:22 (`kept = h[h.sum(-1) > 0]`)"),
     ("compile", TEST_MODELS / "data_dependent_shape.py", "gives a data-dependent shape"),
     ("compile", TEST_MODELS / "int_output.py", "non-tensor output at [1]: int"),
     ("compile", TEST_MODELS / "string_output.py", "non-tensor output at [1]: str"),

@@ -307,11 +307,11 @@ def test_verify_rejects_a_bad_device(bert_plan: Path) -> None:
 
 
 def test_a_meta_cnn_compiles_verifies_and_checks(tmp_path: Path) -> None:
-    """A CNN built on the meta device: convolution's meta kernel is Python, which torch.jit.trace
+    """A Hugging Face CNN (ResNet) built on the meta device: convolution's meta kernel is Python, which torch.jit.trace
     cannot run on meta, so its stages are traced on CPU stand-ins; the stage files still hold
     shapes only, verify passes and check finds the plan current."""
     out = tmp_path / "plan"
-    proc = run("compile", str(TEST_MODELS / "resnet_meta.py"), "-b", "8", "--stages", "2",
+    proc = run("compile", str(TEST_MODELS / "hf_resnet_meta.py"), "-b", "8", "--stages", "2",
                "--cluster", "cpu-4", "--costs", "analytic", "-o", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     plan = yaml.safe_load((out / "plan.yaml").read_text())
