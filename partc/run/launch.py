@@ -207,6 +207,10 @@ def launch(plan_path: str | Path, options: TrainOptions,
     # default), restarted workers read the previous round's gloo/NCCL addresses and fail to
     # connect (pytorch/pytorch#135712).
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    # c10's own warnings (e.g. the CPU memory profiler's "Memory block of unknown size was
+    # allocated before the profiling started", once per rank) are nothing a user can act on;
+    # errors still print. A user who sets the level keeps theirs.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousError
