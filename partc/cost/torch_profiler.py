@@ -303,6 +303,26 @@ def _event_time_us(event: Any, device: torch.device) -> float:
     return float(event.device_time_total if device.type == "cuda" else event.cpu_time_total)
 
 
+def _claim_autograd_nodes(result: Any, claimed: set[Any]) -> list[Any]:
+    """The autograd nodes a graph node's `result` created that no earlier node claimed: walked
+    from its tensors' grad_fns down to the leaves' AccumulateGrad, and now claimed (so each
+    autograd node belongs to the FX node that created it)."""
+    found = []
+    # next_functions holds None where an input needs no gradient.
+    stack: list[torch.autograd.graph.Node | None] = [
+        t.grad_fn for t in pytree.tree_leaves(result)
+        if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in claimed:
+            continue
+        claimed.add(fn)
+        found.append(fn)
+        if type(fn).__name__ != "AccumulateGrad":
+            stack.extend(g for g, _ in fn.next_functions)
+    return found
+
+
 def _profile_once(module: torch.fx.GraphModule, flat: list[Any], device: torch.device,
                   precision: Precision = "fp32"
                   ) -> tuple[dict[str, float], dict[str, float], float, set[str]]:
@@ -316,19 +336,9 @@ def _profile_once(module: torch.fx.GraphModule, flat: list[Any], device: torch.d
 
     def after(n: torch.fx.Node, result: Any) -> None:
         name = owner.get(n.name, n.name)
-        # next_functions holds None where an input needs no gradient.
-        stack: list[torch.autograd.graph.Node | None] = [
-            t.grad_fn for t in pytree.tree_leaves(result)
-            if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-        while stack:
-            fn = stack.pop()
-            if fn is None or fn in claimed:
-                continue
-            claimed.add(fn)
-            if type(fn).__name__ == "AccumulateGrad":
-                continue
-            seq_owner[fn._sequence_nr()] = name
-            stack.extend(g for g, _ in fn.next_functions)
+        for fn in _claim_autograd_nodes(result, claimed):
+            if type(fn).__name__ != "AccumulateGrad":
+                seq_owner[fn._sequence_nr()] = name
 
     def around(n: torch.fx.Node) -> contextlib.AbstractContextManager[Any]:
         return record_function(_NODE_RANGE + owner.get(n.name, n.name))
@@ -391,17 +401,8 @@ def _clock_once(module: torch.fx.GraphModule, flat: list[Any], device: torch.dev
 
     def after(n: torch.fx.Node, result: Any) -> None:
         name = owner.get(n.name, n.name)
-        stack: list[torch.autograd.graph.Node | None] = [
-            t.grad_fn for t in pytree.tree_leaves(result)
-            if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-        while stack:
-            fn = stack.pop()
-            if fn is None or fn in claimed:
-                continue
-            claimed.add(fn)
+        for fn in _claim_autograd_nodes(result, claimed):
             timed(fn, name)
-            if type(fn).__name__ != "AccumulateGrad":
-                stack.extend(g for g, _ in fn.next_functions)
 
     @contextlib.contextmanager
     def around(n: torch.fx.Node) -> Iterator[None]:

@@ -110,8 +110,8 @@ def check_plan(plan_path: str | Path, model: str | Path | None = None,
                                   "and the re-solved plan differs:")
         return _checked(plan, report)
     if not changes.changed:
-        compare_artifacts(plan, path, result, partition, model_path if model is None else None,
-                          report, progress)
+        compare_artifacts(plan, path, result, partition, report, progress,
+                          model_overridden=model is not None)
     return _checked(plan, report)
 
 
@@ -125,13 +125,14 @@ def _checked(plan: Plan, report: CheckReport) -> CheckReport:
 
 
 def compare_artifacts(plan: Plan, plan_path: Path, result: CaptureResult, partition: Partition,
-                      model_path: Path | None, report: CheckReport, progress: Progress) -> None:
+                      report: CheckReport, progress: Progress,
+                      model_overridden: bool = False) -> None:
     """Re-emit the plan (compile is deterministic) into a temporary directory and compare every
     stage file's bytes and plan.yaml's with the checked-in ones. A difference while model, costs
     and solve agree is an artifact compile did not write: `report.tampered`, unless it is
     explained (the model file's bytes changed, another torch traced the stages: stale).
-    `model_path`: the model file plan.yaml names (None: --model overrides it, so its recorded
-    path is kept as is)."""
+    `model_overridden`: --model named the model file, so plan.yaml's recorded path is kept as
+    is."""
     directory = plan_path.parent
     with tempfile.TemporaryDirectory(prefix="partc-check-") as tmp, \
             progress.step(f"re-emitting {plan.num_stages} stage files to compare bytes"):
@@ -144,7 +145,7 @@ def compare_artifacts(plan: Plan, plan_path: Path, result: CaptureResult, partit
     # which partc and torch wrote identical bytes does not matter; with --model the file is
     # wherever the user says, and plan.yaml keeps its recorded path
     fresh = replace(fresh, partc_version=plan.partc_version)
-    if model_path is None:
+    if model_overridden:
         fresh = replace(fresh, model=replace(fresh.model, file=plan.model.file))
     if fresh.model.sha256 != plan.model.sha256:
         report.current = False

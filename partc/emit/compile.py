@@ -45,12 +45,13 @@ from partc.frontend.model_file import inputs_to_meta
 from partc.hardware.specs import ClusterSpec
 from partc.options import DEFAULT_CAPTURE_BATCH, CostsMode, SearchOptions, TrainingConfig
 from partc.plans.plan import (
+    ARTIFACT_NAMES,
     LOSS,
     MODEL_INPUT,
+    PLAN_ARTIFACT,
     PLAN_FILE,
     PLAN_ROOT_ENV,
     PROFILE_FILE,
-    TIMINGS_FILE,
     WEIGHTS_AT_LAUNCH,
     WEIGHTS_IN_STAGE_FILES,
     ModelInfo,
@@ -205,13 +206,9 @@ def recorded_costs(options: CompileOptions, output_dir: Path,
                      search=options.search)
 
 
-# What compile writes into a plan directory; everything else there is the user's and is kept.
-_ARTIFACT = re.compile(rf"^(?:{re.escape(PLAN_FILE)}|{re.escape(PROFILE_FILE)}|"
-                       rf"{re.escape(TIMINGS_FILE)}|stage_\d+\.pt)$")
-# What an interrupted compile of an earlier partc could leave there: dropped, never carried over.
-_LEFTOVER = re.compile(rf"^\.(?:{re.escape(PLAN_FILE)}|{re.escape(PROFILE_FILE)}|"
-                       rf"{re.escape(TIMINGS_FILE)}|stage_\d+\.pt)\.(?:staged|.+\.tmp)$"
-                       r"|^\.partc-write-test$")
+# What an interrupted compile of an earlier partc could leave in a plan directory: dropped,
+# never carried over (everything else that is not a PLAN_ARTIFACT is the user's and is kept).
+_LEFTOVER = re.compile(rf"^\.(?:{ARTIFACT_NAMES})\.(?:staged|.+\.tmp)$|^\.partc-write-test$")
 
 
 def _prepare_output(directory: Path) -> None:
@@ -228,7 +225,7 @@ def _prepare_output(directory: Path) -> None:
     except OSError as exc:
         raise CompileError(f"cannot read the output directory {directory}: {exc.strerror}",
                            hint="pass -o with a directory you can read and write") from exc
-    others = [n for n in names if not _ARTIFACT.match(n) and not _LEFTOVER.match(n)]
+    others = [n for n in names if not PLAN_ARTIFACT.match(n) and not _LEFTOVER.match(n)]
     if others and PLAN_FILE not in names:
         more = f" and {len(others) - 1} more" if len(others) > 1 else ""
         raise CompileError(f"output {directory} is not a plan directory: it holds no "
@@ -290,7 +287,7 @@ def _carry_over(old: Path, new: Path, plan: Plan) -> None:
         entries = sorted(scan, key=lambda e: e.name)
     for entry in entries:
         name = entry.name
-        if _LEFTOVER.match(name) or (_ARTIFACT.match(name)
+        if _LEFTOVER.match(name) or (PLAN_ARTIFACT.match(name)
                                      and not (name == PROFILE_FILE and keep_profile)):
             continue
         source, target = Path(entry.path), new / name

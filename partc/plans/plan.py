@@ -642,8 +642,10 @@ def stage_file_name(index: int) -> str:
     return f"stage_{index}.pt"
 
 
-_ARTIFACT = re.compile(r"^(stage_[0-9]+\.pt|" + re.escape(PROFILE_FILE) + "|"
-                       + re.escape(TIMINGS_FILE) + ")$")
+# The file names compile writes into a plan directory (the one definition of them).
+ARTIFACT_NAMES = (rf"{re.escape(PLAN_FILE)}|{re.escape(PROFILE_FILE)}|{re.escape(TIMINGS_FILE)}"
+                  r"|stage_\d+\.pt")
+PLAN_ARTIFACT = re.compile(rf"^(?:{ARTIFACT_NAMES})$")
 
 
 def refuse_plan_artifact(path: str | Path, what: str, inputs: tuple[Path, ...] = ()) -> None:
@@ -653,7 +655,7 @@ def refuse_plan_artifact(path: str | Path, what: str, inputs: tuple[Path, ...] =
     path = Path(path)
     resolved = path.resolve()
     if not resolved.is_dir() and (resolved.name == PLAN_FILE or (
-            _ARTIFACT.match(resolved.name) and (resolved.parent / PLAN_FILE).is_file())):
+            PLAN_ARTIFACT.match(resolved.name) and (resolved.parent / PLAN_FILE).is_file())):
         raise PlanError(f"{what} {path} would overwrite a plan file",
                         hint="write outputs outside plan directories; only partc compile "
                              "writes a plan")
