@@ -61,6 +61,15 @@ def _fsync_directory(directory: Path) -> None:
         os.close(fd)
 
 
+def probe_writable(directory: str | Path) -> None:
+    """Create and remove a uniquely named file in `directory`; OSError if it cannot be (a
+    read-only directory or filesystem, whatever its mode bits say to root)."""
+    probe = Path(directory) / f".partc-probe-{os.getpid()}-{secrets.token_hex(4)}"
+    fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.close(fd)
+    probe.unlink()
+
+
 def sha256_file(path: str | Path) -> str:
     """Hex SHA-256 of a file, read in chunks."""
     h = hashlib.sha256()

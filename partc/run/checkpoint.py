@@ -355,15 +355,6 @@ def shared_verdicts() -> str:
     return json.dumps({"verdicts": _verdicts, "warned": sorted(_warned)}, sort_keys=True)
 
 
-def probe_writable(directory: Path) -> None:
-    """Create and remove a uniquely named file in `directory`; OSError if it cannot be (a
-    read-only directory or filesystem, whatever its mode bits say to root)."""
-    probe = directory / f".partc-probe-{os.getpid()}-{os.urandom(4).hex()}"
-    fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    os.close(fd)
-    probe.unlink()
-
-
 def _step_dirs(root: Path) -> list[int]:
     if not root.is_dir():
         return []

@@ -255,7 +255,8 @@ def launch(plan_path: str | Path, options: TrainOptions,
 
 def check_launch(plan: Plan, options: TrainOptions, elastic: ElasticOptions) -> int:
     """Everything that can be checked before processes start; returns processes per node."""
-    from partc.run.checkpoint import SHARED_ENV, probe_writable, shared_verdicts
+    from partc.files import probe_writable
+    from partc.run.checkpoint import SHARED_ENV, shared_verdicts
 
     layout = rank_layout(plan)
     world = layout.world_size
