@@ -57,9 +57,15 @@ def test_compile_and_verify_every_example(tmp_path: Path, example: str, stages: 
         assert [t.shape for t in a.outputs] == [t.shape for t in b.inputs]
     assert [t.name for t in plan.stages[-1].outputs] == [t.name for t in plan.model.outputs]
     if example in ("bert", "gpt2"):
-        # the tied embedding sits in the first stage (embedding) and the last (LM head)
+        # The tied embedding is held by the stage with the embedding lookup and by the last (LM
+        # head), and by no other. Which stage looks up the embedding depends on measured costs
+        # (compile measures this machine), so the test names no index for it.
         assert len(plan.tied_parameters) == 1
-        assert plan.tied_parameters[0].stages == (0, stages - 1)
+        tied = plan.tied_parameters[0]
+        holders = tuple(k for k, st in enumerate(plan.stages)
+                        if {tied.name, *tied.aliases} & set(st.parameter_names))
+        assert tied.stages == holders
+        assert len(holders) == 2 and holders[-1] == stages - 1
 
 
 def test_long_skip_is_relayed_through_middle_stages(tmp_path: Path) -> None:
