@@ -346,17 +346,29 @@ def _backward_transient(table: CostTable, nodes: list[str], m: float, bf16: bool
             first.setdefault(pname, i)
             last[pname] = i
         own.append(total)
-    # A tensor used by several nodes of the stage (a residual stream, a reused weight) has its
-    # gradient summed in an autograd buffer from its last use's backward to its first use's.
+    # A tensor's gradient lives from its last use's backward to its producer's (to the end of the
+    # backward for a received tensor: it accumulates in the input's .grad): through the backward
+    # of every node in between, those of the other branches of a fork (the other projections of
+    # an attention, a residual block's shortcut) and, for a tensor used by several nodes (a
+    # residual stream), while autograd sums it. A view's output hands its gradient on to its
+    # input at the view (whose own backward is free).
+    produced_at = {t.name: i for i, name in enumerate(ordered) for t in graph.node(name).outputs}
     uses: dict[str, list[int]] = {}
     for i, name in enumerate(ordered):
         for t in dict.fromkeys(graph.node(name).inputs):
             if t in requires:
                 uses.setdefault(t, []).append(i)
+    # An output both sent and used here: its gradient is the received one plus the local uses',
+    # summed by autograd into a fresh buffer (the receive buffer is kept), as if the send were
+    # one more use after every node.
+    for t in preallocated:
+        if t in uses:
+            uses[t].append(len(ordered))
+    summed = {t for t in preallocated if t in uses}
     spans = [(lo, last[p], grad_size[p]) for p, lo in first.items()]
-    spans += [(u[0], u[-1], _tensor_bytes(table, t, m, bf16)) for t, u in uses.items()
-              if len(u) > 1]
-    pending = [0.0] * (len(ordered) + 1)  # difference array over [first use, last use)
+    spans += [(produced_at.get(t, -1) + 1, u[-1], _tensor_bytes(table, t, m, bf16))
+              for t, u in uses.items()]
+    pending = [0.0] * (len(ordered) + 1)  # difference array over [first index, last index)
     for lo, hi, nbytes in spans:
         if hi > lo:
             pending[lo] += nbytes
@@ -373,38 +385,71 @@ def _backward_transient(table: CostTable, nodes: list[str], m: float, bf16: bool
         if node.is_view:
             continue  # a view's gradient is a view of the incoming one
         grads = sum(_tensor_bytes(table, t.name, m, bf16) for t in node.outputs
-                    if t.name in requires and t.name not in preallocated)
+                    if t.name in requires and (t.name not in preallocated or t.name in summed))
         grads += sum(_tensor_bytes(table, t, m, bf16) for t in set(node.inputs) if t in requires)
-        grads += kernel_scratch(table, node, m, bf16)
+        grads += kernel_scratch(table, node, m, bf16, requires)
         peak = max(peak, prefix + still_pinned + grads + own[i] + held)
     return max(0.0, peak - prefix)
 
 
-# oneDNN's CPU convolution backward reorders its output gradient (and the input gradient it
-# forms) into blocked layouts: two more output-gradient-sized buffers live while it runs
-# (measured: a 1 MiB conv + batch norm + ReLU block peaks 4.1 MiB above its saved tensors
-# through its backward, 2 MiB of it the two grads the model already counts)
-CPU_CONV_SCRATCH = 2
+# oneDNN's CPU convolution backward reorders its operands into blocked layouts and keeps the
+# copies while it runs, besides the gradients it returns (measured with torch.profiler on this
+# CPU over 20 convolutions, 1x1 to 7x7, 3 to 128 channels, strides 1 and 2; docs/memory-model.md):
+# a blocked copy of the input and one of the output gradient (input + output bytes); when it also
+# forms the input gradient of a strided convolution, that gradient is formed at full input size
+# too (2 x input bytes, which is at least input + output); and the input's channels are padded to
+# the vector block (16 on AVX-512) when its gradient is formed. Where the weights outweigh the
+# activations (small images, small micro-batches) it is a weight-sized copy instead.
+CPU_CONV_CHANNEL_BLOCK = 16
 
 
-def kernel_scratch(table: CostTable, node: OpNode, m: float, bf16: bool) -> float:
+def kernel_scratch(table: CostTable, node: OpNode, m: float, bf16: bool,
+                   requires: Collection[str] = ()) -> float:
     """Bytes a node's backward kernel allocates besides the gradients it forms, on the table's
-    device: the CPU's convolution backward (CPU_CONV_SCRATCH)."""
-    if table.source.device_kind != "cpu" or op_class(node.kind) != "conv":
+    device: the CPU's convolution backward (see CPU_CONV_CHANNEL_BLOCK). `requires`: the
+    tensors that get a gradient (whether the convolution forms its input's)."""
+    if table.source.device_kind != "cpu" or op_class(node.kind) != "conv" or not node.inputs:
         return 0.0
-    return CPU_CONV_SCRATCH * sum(_tensor_bytes(table, t.name, m, bf16) for t in node.outputs)
+    graph = table.graph
+    x = node.inputs[0]
+    x_spec = graph.tensor(x)
+    out_bytes = sum(_tensor_bytes(table, t.name, m, bf16) for t in node.outputs)
+    in_bytes = _tensor_bytes(table, x, m, bf16)
+    if x not in requires:
+        return max(in_bytes + out_bytes, _weight_bytes(graph, node, bf16))
+    channels = x_spec.shape[1] if len(x_spec.shape) > 1 else 1
+    if 0 < channels < CPU_CONV_CHANNEL_BLOCK:
+        in_bytes *= CPU_CONV_CHANNEL_BLOCK / channels
+    out_spec = node.outputs[0] if node.outputs else None
+    strided = out_spec is not None and math.prod(out_spec.shape[2:]) < math.prod(x_spec.shape[2:])
+    scratch = max(in_bytes + out_bytes, 2.0 * in_bytes) if strided else in_bytes + out_bytes
+    return max(scratch, _weight_bytes(graph, node, bf16))
+
+
+def _weight_bytes(graph: OpGraph, node: OpNode, bf16: bool) -> float:
+    """Bytes of a node's trainable weights in the dtype its kernel runs them."""
+    total = 0.0
+    for name in dict.fromkeys(graph.param(q).name for q in node.params):
+        p = graph.param(name)
+        if p.kind == "parameter" and p.trainable:
+            total += p.numel * (_BF16 if bf16 else dtype_bytes(p.dtype))
+    return total
 
 
 def stage_memory(table: CostTable, nodes: Collection[str], *, microbatch_size: int,
                  num_microbatches: int, stage_index: int, num_stages: int, config: TrainingConfig,
-                 chunks: int = 1, host_data: float = 0.0) -> StageMemory:
+                 chunks: int = 1, host_data: float = 0.0,
+                 relayed: Collection[str] = ()) -> StageMemory:
     """Peak memory per device of the stage `nodes` (docs/memory-model.md has every formula).
 
     `stage_index`/`num_stages`: the device's position in the pipeline; with interleaved-1f1b,
     `nodes` are all the nodes the device runs (its `chunks` virtual stages together) and
     `num_stages` is the number of devices in the pipeline. `host_data`: bytes of the step's data
     the device's process holds besides its input micro-batches, where the device's memory is
-    the host's (`host_data_bytes`); counted with the communication buffers.
+    the host's (`host_data_bytes`); counted with the communication buffers. `relayed`: the
+    tensors the device passes on from an earlier stage to a later one (once per virtual stage
+    that relays it), which the runtime receives, and whose gradients it receives and sends back,
+    like any boundary tensor.
     """
     if isinstance(microbatch_size, bool) or not isinstance(microbatch_size, int) \
             or microbatch_size < 1:
@@ -439,6 +484,12 @@ def stage_memory(table: CostTable, nodes: Collection[str], *, microbatch_size: i
     # Outputs stay referenced (fwd_cache, send works) until their micro-batch's backward; those the
     # stage also saves for backward are among its activations already (not under checkpointing,
     # which frees them after the forward).
+    # A relayed tensor: a receive buffer per micro-batch where the stage does not read it itself
+    # (else it shares the one above), and one for its gradient, arriving from the later stage.
+    # The stage returns the received tensor itself, so it keeps nothing more in the forward.
+    consumed = set(receives)
+    communication += M * sum(size(t) for t in relayed if t not in consumed)
+    communication += M * sum(size(t) for t in relayed if t in requires)
     kept = [t for t in sends if ckpt or _first_saver(graph, t) not in inside]
     communication += in_flight * sum(size(t) for t in kept) / chunks
     if config.schedule == "1f1b" and M > in_flight >= 2:
@@ -469,6 +520,9 @@ def stage_memory(table: CostTable, nodes: Collection[str], *, microbatch_size: i
     # GPipe: all of them to the end, in place of the activations the backwards free; they add
     # only where they are larger, as under checkpointing.
     input_grads = sum(size(t) for t in from_stages if t in requires)
+    # (a relayed tensor's gradient is sent back too: autograd copies the received one into the
+    # input's .grad, since the receive buffer is still referenced)
+    input_grads += sum(size(t) for t in relayed if t in requires and t not in consumed)
     if config.schedule == "gpipe":
         communication += (M - 1) * max(0.0, input_grads - per_microbatch)
     elif M > in_flight:

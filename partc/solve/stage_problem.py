@@ -373,8 +373,14 @@ class StageProblem:
         nodes: list[list[str]] = [[] for _ in range(S)]
         for b, k in enumerate(assignment):
             nodes[self.rank_of(k)].extend(self.blocks.blocks[b].nodes)
+        # tensors a virtual stage passes on: it neither makes them nor is the last to need them
+        relayed: list[list[str]] = [[] for _ in range(S)]
+        for tensor in self.tensors:
+            crossed = self.crossings(assignment, tensor)
+            for k in crossed[:-1]:
+                relayed[self.rank_of(k)].append(tensor.name)
         return [stage_memory(self.table, nodes[d], microbatch_size=self.shape.microbatch_size,
-                             host_data=self.host_data_bytes[d],
+                             host_data=self.host_data_bytes[d], relayed=relayed[d],
                              num_microbatches=self.shape.num_microbatches, stage_index=d,
                              num_stages=S, config=self.training, chunks=self.shape.chunks)
                 for d in range(S)]
@@ -589,7 +595,7 @@ def _block_transient(table: CostTable, nodes: Sequence[str], m: float,
                     if t.name in requires)
         total += sum(table.runtime_bytes(t, m, precision) for t in set(node.inputs)
                      if t in requires)
-        total += kernel_scratch(table, node, m, bf16)
+        total += kernel_scratch(table, node, m, bf16, requires)
         for p in dict.fromkeys(graph.param(q).name for q in node.params):
             param = graph.param(p)
             if param.kind == "parameter" and param.trainable:

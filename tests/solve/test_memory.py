@@ -33,6 +33,7 @@ from partc.options import OPTIMIZERS, PRECISIONS, SCHEDULES, TrainingConfig
 from partc.solve.memory import (
     StageMemory,
     in_flight_microbatches,
+    kernel_scratch,
     stage_boundary,
     stage_memory,
     usable_memory,
@@ -430,6 +431,130 @@ def test_communication_of_a_middle_stage() -> None:
     # With no forward after a backward (M = in-flight), the steady-state terms vanish.
     short = stage_memory(table, ["b", "c"], num_microbatches=2, **kw)
     assert short.communication == 2 * (tensor + 2 * tensor) + held
+
+
+def _uniform_table(graph: OpGraph) -> CostTable:
+    """Every node saves 32 bytes per sample: only the graph's shapes matter."""
+    from partc.cost.table import Curve, NodeCost
+
+    zero = Curve.line(0.0, 0.0)
+    return CostTable(graph=graph, source=analytic_cost_table(graph, cpu_device()).source,
+                     nodes={n.name: NodeCost(zero, zero, Curve.line(0.0, 32.0), "analytic")
+                            for n in graph.nodes})
+
+
+def test_relayed_tensors_hold_receive_and_gradient_buffers() -> None:
+    """A stage that passes a tensor on from an earlier stage to a later one holds a receive buffer
+    and a gradient-receive buffer per micro-batch for it (a shared receive buffer when it reads
+    the tensor itself), and sends its gradient back."""
+    graph = _two_branch_graph()
+    table = _uniform_table(graph)
+    tensor = 4 * 8 * 4
+    kw: dict[str, Any] = dict(microbatch_size=4, stage_index=1, num_stages=3,
+                              num_microbatches=6, config=TrainingConfig(schedule="1f1b"))
+    plain = stage_memory(table, ["b"], **kw)
+    # b reads a; a is relayed on to the stage of c: a's receive buffer is shared, its gradient's
+    # is not, and the gradient sent back is the one formed anyway.
+    assert stage_memory(table, ["b"], relayed=["a"], **kw).communication \
+        == plain.communication + 6 * tensor
+    # x is relayed without being read here: its buffers and nothing else (no gradient: data).
+    assert stage_memory(table, ["b"], relayed=["x"], **kw).communication \
+        == plain.communication + 6 * tensor
+    # relayed twice (two virtual stages of one rank): counted twice
+    assert stage_memory(table, ["b"], relayed=["x", "x"], **kw).communication \
+        == plain.communication + 12 * tensor
+
+
+def test_exact_memory_counts_a_relayed_skip_connection() -> None:
+    """A long skip cut into three stages: the middle stage's memory includes the relay (the
+    emitted plan relays it there: tests/emit/test_compile.py)."""
+    from partc.solve.coarsen import coarsen
+    from partc.solve.stage_problem import PipelineShape, StageProblem
+    from partc.hardware.configs import load_cluster
+
+    result = capture_graph(ROOT / "tests" / "models" / "long_skip.py", 4, onnx=False)
+    table = analytic_cost_table(result.graph, cpu_device(), saved=saved_activations(result.capture))
+    blocks = coarsen(table, 64)
+    problem = StageProblem.build(blocks, table, load_cluster("cpu-4"), TrainingConfig(),
+                                 PipelineShape(stages=3, replicas=1, num_microbatches=4,
+                                               microbatch_size=4))
+    n = problem.num_blocks
+    assignment = [0] * (n // 3) + [1] * (n // 3) + [2] * (n - 2 * (n // 3))
+    assert problem.valid(assignment)
+    relayed = [t for t in problem.tensors
+               if 1 in problem.crossings(assignment, t)[:-1]]
+    assert relayed, "the skip connection crosses the middle stage"
+    exact = problem.exact_memory(assignment)
+    nodes = [nm for b, k in enumerate(assignment) if k == 1 for nm in blocks.blocks[b].nodes]
+    without = stage_memory(table, nodes, microbatch_size=4, num_microbatches=4, stage_index=1,
+                           num_stages=3, config=problem.training)
+    assert exact[1].communication > without.communication
+    assert exact[1].total > without.total
+
+
+def test_gradient_of_a_fork_lives_through_the_other_branch() -> None:
+    """x -> a -> {b = relu(a), c = linear(a)} -> d: a's gradient is summed from c's backward to
+    a's, and b's gradient (from d's backward) stays alive through c's backward."""
+    graph = _two_branch_graph()
+    table = _uniform_table(graph)
+    got = stage_memory(table, ["a", "b", "c", "d"], microbatch_size=4, stage_index=0,
+                       num_stages=1, num_microbatches=1, config=TrainingConfig(optimizer="sgd"))
+    tensor = 4 * 8 * 4  # every tensor, and every node's saved bytes (the uniform table)
+    weight = 8 * 8 * 4
+    # The peak is c's backward: its output's and input's gradients, w2's, and b's gradient,
+    # formed by d's backward and waiting for b's, with a, b and c's saves still held.
+    peak = 3 * tensor + (tensor + tensor + weight + tensor)
+    loss = tensor  # the loss's copy of d, freed by then
+    assert got.workspace == peak - 4 * tensor - loss
+    # (without b's pending gradient it would be one tensor less: the two-branch gap)
+
+
+@pytest.mark.parametrize("cin,cout,k,stride,hw,batch,input_grad", [
+    (32, 32, 3, 1, 16, 16, True), (32, 64, 3, 2, 16, 16, True), (32, 64, 1, 2, 16, 16, True),
+    (32, 128, 1, 1, 16, 16, True), (128, 32, 1, 1, 16, 16, True), (3, 32, 3, 1, 16, 16, True),
+    (3, 32, 3, 1, 16, 16, False), (64, 64, 3, 1, 8, 2, True), (32, 64, 3, 2, 16, 2, True)])
+def test_conv_backward_scratch_covers_onednn(tmp_path: Path, cin: int, cout: int, k: int,
+                                             stride: int, hw: int, batch: int,
+                                             input_grad: bool) -> None:
+    """kernel_scratch of a CPU convolution against torch.profiler's peak of its real backward,
+    above the gradients it returns: never below, and within one input-sized buffer."""
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+
+    class Conv(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = torch.nn.Conv2d(cin, cout, k, stride=stride, padding=k // 2, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.conv(x)
+
+    module = Conv()
+    x = torch.randn(batch, cin, hw, hw, requires_grad=input_grad)
+    y = module(x)
+    g = torch.randn_like(y)
+    y.backward(g, retain_graph=True)  # warm oneDNN's primitive cache
+    x.grad = None
+    module.conv.weight.grad = None
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                profile_memory=True) as prof:
+        y.backward(g, retain_graph=True)
+    returned = (x.numel() * 4 if input_grad else 0) + module.conv.weight.numel() * 4
+    measured = peak_above_start(prof) - returned
+
+    model_file = tmp_path / "conv.py"
+    model_file.write_text(
+        "import torch\n"
+        f"def build_model():\n    return torch.nn.Conv2d({cin}, {cout}, {k}, stride={stride}, "
+        f"padding={k // 2}, bias=False)\n"
+        f"def example_inputs(b):\n    return (torch.randn(b, {cin}, {hw}, {hw}),)\n")
+    graph = capture_graph(model_file, batch, onnx=False).graph
+    conv = next(n for n in graph.nodes if n.kind in ("conv2d", "convolution"))
+    table = analytic_cost_table(graph, cpu_device())
+    requires = {conv.inputs[0]} if input_grad else set()
+    predicted = kernel_scratch(table, conv, batch, False, requires)
+    assert predicted >= measured, (predicted, measured)
+    assert predicted - measured <= max(x.numel() * 4, 64 * 1024), (predicted, measured)
 
 
 def test_training_config_validation() -> None:
