@@ -274,6 +274,11 @@ def _tensor_bytes(table: CostTable, tensor: str, m: float, bf16: bool) -> float:
     return table.runtime_bytes(tensor, m, "bf16-mixed" if bf16 else "fp32")
 
 
+def _float32_bytes(table: CostTable, tensor: str, m: float) -> float:
+    """Bytes of a floating tensor at micro-batch m cast to float32."""
+    return table.tensor_bytes(tensor, m) * _FP32 / dtype_bytes(table.graph.tensor(tensor).dtype)
+
+
 def _static_bytes(table: CostTable, nodes: Collection[str],
                   config: TrainingConfig) -> tuple[int, int, int, int]:
     """(parameters, gradients, optimizer state, optimizer-step temporaries) of the stage's
@@ -307,15 +312,16 @@ def param_memory(p: Param, config: TrainingConfig) -> tuple[int, int, int, int]:
     elem = _FP32 if bf16 else dtype_bytes(p.dtype)
     weights = p.numel * elem
     grads = p.numel * elem
-    state = p.numel * elem * spec.states
+    state = p.numel * elem * spec.states + spec.step_counter_bytes
     temps = p.numel * elem if spec.step_temporary else 0
     return weights, grads, state, temps
 
 
 def _backward_transient(table: CostTable, nodes: list[str], m: float, bf16: bool,
                         requires: frozenset[str], pinned: dict[str, float],
-                        preallocated: set[str]) -> float:
-    """Peak of one micro-batch's backward above its saved activations.
+                        preallocated: set[str], fresh: bool = False) -> tuple[float, float]:
+    """Peak of one micro-batch's backward above its saved activations, and of that the
+    parameters' `.grad` bytes (0 unless `fresh`).
 
     While node n's backward runs, the micro-batch still holds what the nodes before n saved (the
     later ones have freed theirs), plus the gradient arriving for n's outputs, the ones n makes for
@@ -325,7 +331,9 @@ def _backward_transient(table: CostTable, nodes: list[str], m: float, bf16: bool
     that the pipeline runtime keeps referenced until the micro-batch's backward ends (its sent
     outputs), so they are not freed on the way; `preallocated`: outputs whose gradient arrives in a
     receive buffer that already exists. The largest such sum, minus the micro-batch's saved bytes,
-    is what the backward adds on top.
+    is what the backward adds on top. `fresh`: the step's first backward when gradients are freed
+    between steps: a parameter's `.grad` is allocated when the backward has passed all its uses,
+    so it counts from there on, not before.
     """
     graph = table.graph
     position = {n.name: i for i, n in enumerate(graph.nodes)}
@@ -373,7 +381,17 @@ def _backward_transient(table: CostTable, nodes: list[str], m: float, bf16: bool
         if hi > lo:
             pending[lo] += nbytes
             pending[hi] -= nbytes
+    # `.grad` bytes the step's first backward has allocated once it reaches node i: parameters
+    # all of whose uses come after i (in the parameter's own dtype; bf16-mixed: float32)
+    allocated = [0.0] * (len(ordered) + 1)
+    if fresh:
+        for pname, lo in first.items():
+            p = graph.param(pname)
+            allocated[lo] += p.numel * (_FP32 if bf16 else dtype_bytes(p.dtype))
+        for i in range(len(ordered) - 1, -1, -1):
+            allocated[i] += allocated[i + 1]
     prefix = held = peak = 0.0
+    grads_at_peak = 0.0
     still_pinned = sum(pinned.values())
     for i, name in enumerate(ordered):
         node = graph.node(name)
@@ -388,8 +406,10 @@ def _backward_transient(table: CostTable, nodes: list[str], m: float, bf16: bool
                     if t.name in requires and (t.name not in preallocated or t.name in summed))
         grads += sum(_tensor_bytes(table, t, m, bf16) for t in set(node.inputs) if t in requires)
         grads += kernel_scratch(table, node, m, bf16, requires)
-        peak = max(peak, prefix + still_pinned + grads + own[i] + held)
-    return max(0.0, peak - prefix)
+        here = prefix + still_pinned + grads + own[i] + held + allocated[i + 1]
+        if here > peak:
+            peak, grads_at_peak = here, allocated[i + 1]
+    return max(0.0, peak - prefix), grads_at_peak
 
 
 # oneDNN's CPU convolution backward reorders its operands into blocked layouts and keeps the
@@ -439,7 +459,7 @@ def _weight_bytes(graph: OpGraph, node: OpNode, bf16: bool) -> float:
 def stage_memory(table: CostTable, nodes: Collection[str], *, microbatch_size: int,
                  num_microbatches: int, stage_index: int, num_stages: int, config: TrainingConfig,
                  chunks: int = 1, host_data: float = 0.0,
-                 relayed: Collection[str] = ()) -> StageMemory:
+                 relayed: Collection[str] = (), gradients_resident: bool = True) -> StageMemory:
     """Peak memory per device of the stage `nodes` (docs/memory-model.md has every formula).
 
     `stage_index`/`num_stages`: the device's position in the pipeline; with interleaved-1f1b,
@@ -449,7 +469,11 @@ def stage_memory(table: CostTable, nodes: Collection[str], *, microbatch_size: i
     the host's (`host_data_bytes`); counted with the communication buffers. `relayed`: the
     tensors the device passes on from an earlier stage to a later one (once per virtual stage
     that relays it), which the runtime receives, and whose gradients it receives and sends back,
-    like any boundary tensor.
+    like any boundary tensor. `gradients_resident`: whether the parameters' gradients stay
+    allocated between steps (a DDP bucket holds them, or zero_grad(set_to_none=False)); launch
+    frees them on a stage with one replica, where the `gradients` term is then the gradient
+    bytes live at the peak (none when the peak comes before the step's first backward formed
+    them).
     """
     if isinstance(microbatch_size, bool) or not isinstance(microbatch_size, int) \
             or microbatch_size < 1:
@@ -490,7 +514,19 @@ def stage_memory(table: CostTable, nodes: Collection[str], *, microbatch_size: i
     consumed = set(receives)
     communication += M * sum(size(t) for t in relayed if t not in consumed)
     communication += M * sum(size(t) for t in relayed if t in requires)
-    kept = [t for t in sends if ckpt or _first_saver(graph, t) not in inside]
+    last_rank = stage_index == num_stages - 1
+    if bf16 and last_rank:
+        # Under bf16-mixed the last stage hands the loss float32 copies of the model's floating
+        # outputs (launch's StageRunner): those copies are what the runtime keeps, whether the
+        # stage made the output or received it.
+        float_outputs = [o.tensor for o in graph.outputs
+                         if graph.tensor(o.tensor).dtype in FLOATING_DTYPES]
+        kept = [t for t in sends if t not in float_outputs
+                and (ckpt or _first_saver(graph, t) not in inside)]
+        communication += in_flight * sum(_float32_bytes(table, t, m) for t in
+                                         dict.fromkeys(float_outputs)) / chunks
+    else:
+        kept = [t for t in sends if ckpt or _first_saver(graph, t) not in inside]
     communication += in_flight * sum(size(t) for t in kept) / chunks
     if config.schedule == "1f1b" and M > in_flight >= 2:
         # Schedule1F1B keeps the works of its last early warm-up send, and so that micro-batch's
@@ -542,14 +578,38 @@ def stage_memory(table: CostTable, nodes: Collection[str], *, microbatch_size: i
             pinned[saver] = pinned.get(saver, 0.0) + size(t)
     preallocated = {t for t in to_stages if t in requires}
     through_nodes = _backward_transient(table, nodes, m, bf16, requires, pinned,
-                                        preallocated) - loss
+                                        preallocated)[0] - loss
     through_loss = 2.0 * loss - (recompute if ckpt else 0.0)
-    # The optimizer step runs after the last backward, when activations are gone.
-    workspace = max(through_nodes, through_loss, step_temps - activations - recompute)
-    return StageMemory(parameters=weights, gradients=grads, optimizer_state=state,
-                       activations=_ceil(activations), recompute=_ceil(recompute),
-                       communication=_ceil(communication + host_data),
-                       workspace=_ceil(workspace))
+    communication = _ceil(communication + host_data)
+    if gradients_resident or chunks > 1:
+        # The optimizer step runs after the last backward, when activations are gone.
+        workspace = max(through_nodes, through_loss, step_temps - activations - recompute)
+        return StageMemory(parameters=weights, gradients=grads, optimizer_state=state,
+                           activations=_ceil(activations), recompute=_ceil(recompute),
+                           communication=communication, workspace=_ceil(workspace))
+    # Gradients freed between steps (launch's zero_grad(set_to_none=True) without a DDP bucket):
+    # the step's first backward runs with every in-flight micro-batch's activations and only the
+    # gradients it has formed so far; later backwards with all gradients and the micro-batches
+    # still in flight then (one fewer where no forward comes between two backwards: GPipe, or
+    # 1F1B with M <= in-flight); the optimizer step with all gradients and no activations.
+    fresh, fresh_grads = _backward_transient(table, nodes, m, bf16, requires, pinned,
+                                             preallocated, fresh=True)
+    fresh -= loss
+    first_ws, first_grads = (fresh - fresh_grads, fresh_grads) if fresh >= through_loss \
+        else (through_loss, 0.0)
+    phases = [StageMemory(parameters=weights, gradients=_ceil(first_grads),
+                          optimizer_state=state, activations=_ceil(activations),
+                          recompute=_ceil(recompute), communication=communication,
+                          workspace=_ceil(first_ws))]
+    after = (in_flight if M > in_flight else in_flight - 1) if M > 1 else 0
+    later = after * per_microbatch
+    later_recompute = recompute if M > 1 else 0.0
+    later_ws = max(through_nodes if M > 1 else 0.0, through_loss if M > 1 else 0.0,
+                   step_temps - later - later_recompute)
+    phases.append(StageMemory(parameters=weights, gradients=grads, optimizer_state=state,
+                              activations=_ceil(later), recompute=_ceil(later_recompute),
+                              communication=communication, workspace=_ceil(later_ws)))
+    return max(phases, key=lambda phase: phase.total)
 
 
 def host_data_bytes(table: CostTable, device_kind: str, global_batch: int, microbatch_size: int,

@@ -381,6 +381,8 @@ class StageProblem:
                 relayed[self.rank_of(k)].append(tensor.name)
         return [stage_memory(self.table, nodes[d], microbatch_size=self.shape.microbatch_size,
                              host_data=self.host_data_bytes[d], relayed=relayed[d],
+                             # launch frees them between steps unless a DDP bucket holds them
+                             gradients_resident=self.shape.replicas > 1,
                              num_microbatches=self.shape.num_microbatches, stage_index=d,
                              num_stages=S, config=self.training, chunks=self.shape.chunks)
                 for d in range(S)]

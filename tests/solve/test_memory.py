@@ -309,16 +309,19 @@ def test_parameter_terms_count_tied_weights_once_and_follow_precision() -> None:
     fp32 = stage_memory(table, nodes, config=TrainingConfig(optimizer="adamw"), **kw)
     assert fp32.parameters == table.param_bytes(nodes) + table.buffer_bytes(nodes)
     assert fp32.gradients == 4 * elements
-    assert fp32.optimizer_state == 8 * elements
-    for optimizer, per_element in (("sgd", 0), ("sgd-momentum", 4), ("adam", 8)):
+    # Adam's two moments per element, and its `step` counter (a float32 scalar) per tensor
+    tensors = sum(1 for p in graph.params if p.kind == "parameter" and p.trainable)
+    assert fp32.optimizer_state == 8 * elements + 4 * tensors
+    for optimizer, per_element, per_tensor in (("sgd", 0, 0), ("sgd-momentum", 4, 0),
+                                                ("adam", 8, 4)):
         got = stage_memory(table, nodes, config=TrainingConfig(optimizer=optimizer), **kw)
-        assert got.optimizer_state == per_element * elements
+        assert got.optimizer_state == per_element * elements + per_tensor * tensors
     bf16_table = analytic_cost_table(graph, cpu_device(), precision="bf16-mixed",
                                      saved=saved_activations(result.capture))
     bf16 = stage_memory(bf16_table, nodes, config=TrainingConfig(precision="bf16-mixed"), **kw)
     # as launch runs it (torch autocast): float32 weights, gradients and Adam's two states
     assert (bf16.parameters, bf16.gradients, bf16.optimizer_state) == \
-        (4 * elements, 4 * elements, 8 * elements)
+        (4 * elements, 4 * elements, 8 * elements + 4 * tensors)
     # bf16 activations, plus a bf16 copy of each matrix operator's weight: at this small batch
     # the copies are most of it
     copies = 2 * sum(p.numel for p in graph.params if p.kind == "parameter")
@@ -555,6 +558,32 @@ def test_conv_backward_scratch_covers_onednn(tmp_path: Path, cin: int, cout: int
     predicted = kernel_scratch(table, conv, batch, False, requires)
     assert predicted >= measured, (predicted, measured)
     assert predicted - measured <= max(x.numel() * 4, 64 * 1024), (predicted, measured)
+
+
+def test_gradients_freed_between_steps_are_not_held_before_the_first_backward() -> None:
+    """Without a DDP bucket launch frees the gradients each step: where every micro-batch is in
+    flight at the first backward (GPipe; the first stage of a short 1F1B) the peak holds all the
+    activations and only the gradients formed so far; where forwards go on between backwards
+    (M > in-flight) the later backwards hold as many activations and all gradients."""
+    result, table = captured("transformer")
+    nodes = [n.name for n in result.graph.nodes]
+    config = TrainingConfig(optimizer="adamw", schedule="gpipe")
+    kw: dict[str, Any] = dict(microbatch_size=4, num_microbatches=3, stage_index=0,
+                              num_stages=1, config=config)
+    resident = stage_memory(table, nodes, **kw)
+    freed = stage_memory(table, nodes, gradients_resident=False, **kw)
+    assert freed.total < resident.total
+    assert freed.gradients < resident.gradients  # not all formed at the peak
+    assert freed.activations == resident.activations  # 3 micro-batches in flight at the peak
+    # at the least the later backwards: all gradients, two micro-batches, their transient
+    assert freed.total >= resident.total - resident.activations / 3
+    # 1F1B on the last of 2 ranks (one in flight) with forwards between backwards: the same peak
+    steady = dict(kw, num_microbatches=4, stage_index=1, num_stages=2,
+                  config=TrainingConfig(optimizer="adamw", schedule="1f1b"))
+    assert stage_memory(table, nodes, gradients_resident=False, **steady).total == \
+        stage_memory(table, nodes, **steady).total
+    for memory in (resident, freed):
+        assert memory.total == sum(memory.to_dict()[k] for k in memory.to_dict() if k != "total")
 
 
 def test_training_config_validation() -> None:
