@@ -196,6 +196,8 @@ def _train(run: RankRun, reporter: Reporter | None) -> RunSummary | None:
         if reporter is not None:
             assert rows is not None
             _record(summary, reporter, _step_metrics(run, step, step_s, rows, method))
+        # the gathered rows are the measurement's own: not alive into the next step's probe
+        del rows
         done = step + 1
         if options.checkpoint_dir is not None and (
                 done == options.steps

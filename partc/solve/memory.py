@@ -28,6 +28,7 @@ from partc.options import SCHEDULES, Schedule, TrainingConfig, check_choice
 
 _BF16 = 2
 _FP32 = 4
+_INDEX_BYTES = 8  # int64
 
 
 def in_flight_microbatches(schedule: Schedule, stage_index: int, num_stages: int,
@@ -528,6 +529,9 @@ def stage_memory(table: CostTable, nodes: Collection[str], *, microbatch_size: i
     else:
         kept = [t for t in sends if ckpt or _first_saver(graph, t) not in inside]
     communication += in_flight * sum(size(t) for t in kept) / chunks
+    if last_rank and any(t in graph_outputs for t in sends):
+        # the step's M loss values the schedule keeps, and the loss backward's seed: scalars
+        communication += (M + 1) * _FP32
     if config.schedule == "1f1b" and M > in_flight >= 2:
         # Schedule1F1B keeps the works of its last early warm-up send, and so that micro-batch's
         # outputs, to the end of the step.
@@ -621,7 +625,8 @@ def host_data_bytes(table: CostTable, device_kind: str, global_batch: int, micro
     launch draws the whole global batch (every replica's) on the ranks of the first and the last
     stage, from the model file's batches(): the first needs the inputs, the last the target, and
     the generator keeps the batch it last yielded (`CostTable.batch_bytes`). The first rank's
-    input micro-batches are views of that batch."""
+    input micro-batches are views of that batch. The last rank also holds the int64 sample index
+    of its replica's batch that it hands the schedule as the loss's target (`StageLoss`)."""
     held = [0.0] * num_ranks
     if device_kind != "cpu":
         return tuple(held)
@@ -631,7 +636,9 @@ def host_data_bytes(table: CostTable, device_kind: str, global_batch: int, micro
     held[0] = max(0.0, batch - inputs)
     if num_ranks > 1:
         held[-1] = batch
-    return tuple(held)
+    held[-1] += _INDEX_BYTES * microbatch_size * num_microbatches
+    # torch.distributed.pipelining's module-level loss reducer, a float32 scalar in every process
+    return tuple(x + _FP32 for x in held)
 
 
 def _ceil(x: float) -> int:
