@@ -318,7 +318,8 @@ def measure_sizes(result: CaptureResult, device: torch.device, options: ProfileO
     pinned = pinned_to_core(0, options.threads) if device.type == "cpu" \
         else contextlib.nullcontext()
     # (the neighbours start first: a child inherits its parent's pinning)
-    with busy_neighbours(neighbours, result.capture.model_file.path, max(sizes)), pinned:
+    with busy_neighbours(neighbours, result.capture.model_file.path, max(sizes),
+                         options.precision), pinned:
         measurements = [_measure(result, b, device, use_ort, options, progress) for b in sizes]
     return combine(result.graph, measurements, device, options, use_ort,
                    fallback=choice.fallback)

@@ -14,9 +14,9 @@ generic train-like loop (a GEMM, then a stream over a tensor larger than the cac
 Processes are pinned as launch pins its workers (partc.hardware.local.pin_to_core): the
 measuring process on core 0, neighbour i on core i + 1, modulo the cores.
 
-Run as `python -m partc.cost.neighbours CPUS [MODEL BATCH]` it is one such neighbour, pinned to
-the logical CPUs CPUS (a comma list, or - for none): it prints "ready" once its first step ran
-and loops until killed.
+Run as `python -m partc.cost.neighbours CPUS [MODEL BATCH [PRECISION]]` it is one such neighbour,
+pinned to the logical CPUs CPUS (a comma list, or - for none): it prints "ready" once its first
+step ran and loops until killed.
 """
 from __future__ import annotations
 
@@ -29,16 +29,18 @@ from typing import Callable, Iterator
 
 from partc.errors import PartcError
 from partc.hardware.local import core_cpus, set_affinity
+from partc.options import PRECISIONS, Precision, check_choice
 
 _READY = "ready"
 
 
 @contextlib.contextmanager
 def busy_neighbours(count: int, model: str | Path | None = None,
-                    batch_size: int = 2) -> Iterator[None]:
+                    batch_size: int = 2, precision: Precision = "fp32") -> Iterator[None]:
     """Keep `count` single-threaded neighbour processes busy training `model` (or a generic loop)
-    for the duration of the block; they are killed on exit, whatever ends the block (an error,
-    Ctrl-C)."""
+    for the duration of the block, under `precision` as the pipeline's other stages run it; they
+    are killed on exit, whatever ends the block (an error, Ctrl-C)."""
+    check_choice("precision", precision, PRECISIONS, PartcError)
     procs: list[subprocess.Popen[str]] = []
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     cores = core_cpus()  # this process's, before anything pins it: children inherit a pinning
@@ -48,7 +50,8 @@ def busy_neighbours(count: int, model: str | Path | None = None,
             # launch pins its local ranks, the measuring process being device 0
             cpus = ",".join(str(c) for c in sorted(cores[(index + 1) % len(cores)])) \
                 if cores else "-"
-            what = [cpus, str(model), str(batch_size)] if model is not None else [cpus]
+            what = [cpus, str(model), str(batch_size), precision] if model is not None \
+                else [cpus]
             procs.append(subprocess.Popen([sys.executable, "-m", "partc.cost.neighbours", *what],
                                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                           text=True, env=env))
@@ -65,10 +68,13 @@ def busy_neighbours(count: int, model: str | Path | None = None,
             p.wait()
 
 
-def _model_step(model: str, batch_size: int) -> Callable[[], None] | None:
-    """One eager training step of the model file's model, or None when it cannot run here."""
+def _model_step(model: str, batch_size: int,
+                precision: Precision) -> Callable[[], None] | None:
+    """One eager training step of the model file's model under `precision` (bf16-mixed: bf16
+    autocast, as launch runs a stage), or None when it cannot run here."""
     import torch
 
+    from partc.cost.torch_profiler import precision_autocast
     from partc.frontend.model_file import load_model_file
 
     try:
@@ -79,7 +85,8 @@ def _model_step(model: str, batch_size: int) -> Callable[[], None] | None:
         args, kwargs = spec.inputs(batch_size)
 
         def step() -> None:
-            out = module(*args, **kwargs)
+            with precision_autocast(precision, "cpu"):
+                out = module(*args, **kwargs)
             leaves = [t for t in torch.utils._pytree.tree_leaves(out)
                       if isinstance(t, torch.Tensor) and t.requires_grad]
             torch.autograd.backward(leaves, [torch.ones_like(t) for t in leaves])
@@ -91,11 +98,11 @@ def _model_step(model: str, batch_size: int) -> Callable[[], None] | None:
         return None
 
 
-def _loop(model: str | None, batch_size: int) -> None:
+def _loop(model: str | None, batch_size: int, precision: Precision) -> None:
     import torch
 
     torch.set_num_threads(1)
-    step = _model_step(model, batch_size) if model is not None else None
+    step = _model_step(model, batch_size, precision) if model is not None else None
     if step is not None:
         print(_READY, flush=True)
         while True:
@@ -112,11 +119,13 @@ def _loop(model: str | None, batch_size: int) -> None:
 
 
 if __name__ == "__main__":
-    # python -m partc.cost.neighbours CPUS [MODEL BATCH]: CPUS a comma list, or - (unpinned)
+    # python -m partc.cost.neighbours CPUS [MODEL BATCH [PRECISION]]: CPUS a comma list, or -
+    # (unpinned)
     if sys.argv[1] != "-":
         set_affinity(frozenset(int(c) for c in sys.argv[1].split(",")))
     try:
         _loop(sys.argv[2] if len(sys.argv) > 3 else None,
-              int(sys.argv[3]) if len(sys.argv) > 3 else 2)
+              int(sys.argv[3]) if len(sys.argv) > 3 else 2,
+              "bf16-mixed" if sys.argv[4:5] == ["bf16-mixed"] else "fp32")
     except KeyboardInterrupt:
         pass

@@ -53,6 +53,11 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip(".-")[:48] or "x"
 
 
+# How this partc measures, beyond the file format: bumped when the same options measure
+# differently, so older entries are not found. 2: busy neighbours run the plan's precision.
+MEASUREMENT_REVISION = 2
+
+
 def _entry_name(graph_hash: str, device: str, precision: str, threads: int,
                 batch_sizes: tuple[int, ...], timing: str, neighbours: int = 0) -> str:
     """An entry's file name: readable parts, then a digest of the whole key (the readable parts
@@ -61,7 +66,7 @@ def _entry_name(graph_hash: str, device: str, precision: str, threads: int,
     # are never found, rather than found and refused)
     full = "\n".join([graph_hash, device, precision, str(threads),
                       ",".join(str(b) for b in batch_sizes), timing, f"n{neighbours}",
-                      f"v{PROFILE_VERSION}"])
+                      f"v{PROFILE_VERSION}", f"r{MEASUREMENT_REVISION}"])
     digest = hashlib.sha256(full.encode()).hexdigest()[:16]
     parts = [graph_hash.removeprefix("sha256:")[:12], device, precision, f"t{threads}n{neighbours}",
              "b" + "-".join(str(b) for b in batch_sizes), timing, digest]
