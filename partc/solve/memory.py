@@ -437,18 +437,19 @@ def kernel_scratch(table: CostTable, node: OpNode, m: float, bf16: bool,
     out_bytes = sum(_tensor_bytes(table, t.name, m, bf16) for t in node.outputs)
     in_bytes = _tensor_bytes(table, x, m, bf16)
     if x not in requires:
-        return max(in_bytes + out_bytes, _weight_bytes(graph, node, bf16))
+        return max(in_bytes + out_bytes, trainable_weight_bytes(graph, node, bf16))
     channels = x_spec.shape[1] if len(x_spec.shape) > 1 else 1
     if 0 < channels < CPU_CONV_CHANNEL_BLOCK:
         in_bytes *= CPU_CONV_CHANNEL_BLOCK / channels
     out_spec = node.outputs[0] if node.outputs else None
     strided = out_spec is not None and math.prod(out_spec.shape[2:]) < math.prod(x_spec.shape[2:])
     scratch = max(in_bytes + out_bytes, 2.0 * in_bytes) if strided else in_bytes + out_bytes
-    return max(scratch, _weight_bytes(graph, node, bf16))
+    return max(scratch, trainable_weight_bytes(graph, node, bf16))
 
 
-def _weight_bytes(graph: OpGraph, node: OpNode, bf16: bool) -> float:
-    """Bytes of a node's trainable weights in the dtype its kernel runs them."""
+def trainable_weight_bytes(graph: OpGraph, node: OpNode, bf16: bool) -> float:
+    """Bytes of a node's distinct trainable weights in the dtype its kernel runs them (and its
+    fresh weight gradients are formed in): bfloat16 under bf16-mixed autocast."""
     total = 0.0
     for name in dict.fromkeys(graph.param(q).name for q in node.params):
         p = graph.param(name)
@@ -516,19 +517,17 @@ def stage_memory(table: CostTable, nodes: Collection[str], *, microbatch_size: i
     communication += M * sum(size(t) for t in relayed if t not in consumed)
     communication += M * sum(size(t) for t in relayed if t in requires)
     last_rank = stage_index == num_stages - 1
-    if bf16 and last_rank:
-        # Under bf16-mixed the last stage hands the loss float32 copies of the model's floating
-        # outputs (launch's StageRunner): those copies are what the runtime keeps, whether the
-        # stage made the output or received it.
-        float_outputs = [o.tensor for o in graph.outputs
-                         if graph.tensor(o.tensor).dtype in FLOATING_DTYPES]
-        kept = [t for t in sends if t not in float_outputs
-                and (ckpt or _first_saver(graph, t) not in inside)]
-        communication += in_flight * sum(_float32_bytes(table, t, m) for t in
-                                         dict.fromkeys(float_outputs)) / chunks
-    else:
-        kept = [t for t in sends if ckpt or _first_saver(graph, t) not in inside]
-    communication += in_flight * sum(size(t) for t in kept) / chunks
+    # Under bf16-mixed the last stage hands the loss float32 copies of the model's floating
+    # outputs (launch's StageRunner): those copies are what the runtime keeps, whether the stage
+    # made the output or received it.
+    float_outputs = list(dict.fromkeys(
+        o.tensor for o in graph.outputs if graph.tensor(o.tensor).dtype in FLOATING_DTYPES)) \
+        if bf16 and last_rank else []
+    kept = [t for t in sends if t not in float_outputs
+            and (ckpt or _first_saver(graph, t) not in inside)]
+    kept_bytes = sum(size(t) for t in kept) \
+        + sum(_float32_bytes(table, t, m) for t in float_outputs)
+    communication += in_flight * kept_bytes / chunks
     if last_rank and any(t in graph_outputs for t in sends):
         # the step's M loss values the schedule keeps, and the loss backward's seed: scalars
         communication += (M + 1) * _FP32

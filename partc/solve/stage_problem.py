@@ -39,7 +39,7 @@ from typing import Any, Callable, Sequence, TypeVar
 
 from partc.cost.table import CostTable
 from partc.errors import PartcError
-from partc.graph.opgraph import FLOATING_DTYPES, Param, dtype_bytes
+from partc.graph.opgraph import FLOATING_DTYPES, Param
 from partc.hardware.specs import ClusterSpec, LinkSpec
 from partc.options import PLACEMENTS, SCHEDULES, Placement, Precision, Schedule, TrainingConfig
 from partc.solve.coarsen import BlockGraph
@@ -51,6 +51,7 @@ from partc.solve.memory import (
     kernel_scratch,
     param_memory,
     stage_memory,
+    trainable_weight_bytes,
     usable_memory,
 )
 
@@ -598,9 +599,6 @@ def _block_transient(table: CostTable, nodes: Sequence[str], m: float,
         total += sum(table.runtime_bytes(t, m, precision) for t in set(node.inputs)
                      if t in requires)
         total += kernel_scratch(table, node, m, bf16, requires)
-        for p in dict.fromkeys(graph.param(q).name for q in node.params):
-            param = graph.param(p)
-            if param.kind == "parameter" and param.trainable:
-                total += param.numel * (2 if bf16 else dtype_bytes(param.dtype))
+        total += trainable_weight_bytes(graph, node, bf16)
         peak = max(peak, total)
     return peak
