@@ -6,7 +6,7 @@ checks every comparison against them) with their tuples of values for run-time c
 choices. The option types users set are documented dataclasses here too:
 
 - `TrainingConfig`: how a stage is trained, as far as memory and time are concerned (optimizer,
-  precision, schedule, activation checkpointing, memory margin);
+  precision, schedule, activation checkpointing, sharding, memory margin);
 - `SearchOptions`: what the user pins of the hybrid-parallel search and how hard it works;
 - `TrainOptions`: how `partc launch` trains (steps, seeds, checkpoints, logging);
 - `ElasticOptions`: torchrun's multi-node and restart flags for `partc launch`.
@@ -60,6 +60,12 @@ STRATEGIES: Final[tuple[Strategy, ...]] = get_args(Strategy)
 # node) or a pipeline's ranks side by side (its point-to-point transfers stay in a node).
 Placement = Literal["stage-major", "pipeline-major"]
 PLACEMENTS: Final[tuple[Placement, ...]] = get_args(Placement)
+
+# What a stage's data-parallel replicas shard among themselves instead of each holding a copy:
+# nothing (DDP), or the optimizer state (ZeRO-1: torch's ZeroRedundancyOptimizer; each replica
+# steps the parameters it owns and broadcasts them). docs/memory-model.md prices each.
+Sharding = Literal["none", "optimizer"]
+SHARDINGS: Final[tuple[Sharding, ...]] = get_args(Sharding)
 
 
 @dataclass(frozen=True)
@@ -257,9 +263,11 @@ class TrainingConfig:
     """How a stage is trained, as far as memory and time are concerned.
 
     `activation_checkpointing`: each in-flight micro-batch keeps only its stage inputs; the stage's
-    forward is recomputed right before its backward. `memory_margin`: fraction of device memory
-    kept free for allocator fragmentation, the CUDA context and communication libraries. The
-    search sets `schedule` and `activation_checkpointing` per pipeline shape; users set the rest.
+    forward is recomputed right before its backward. `sharding`: what the stage's data-parallel
+    replicas shard among themselves (`Sharding`; `shards` of them). `memory_margin`: fraction of
+    device memory kept free for allocator fragmentation, the CUDA context and communication
+    libraries. The search sets `schedule` per pipeline shape and `activation_checkpointing`,
+    `sharding` and `shards` per pipeline rank; users set the rest.
     """
 
     optimizer: Optimizer = option("adamw", flag="--optimizer", help="Optimizer the plan trains "
@@ -270,11 +278,17 @@ class TrainingConfig:
     activation_checkpointing: bool = False
     memory_margin: float = option(0.1, flag="--memory-margin", min=0, max=1, max_open=True,
                                   help="Fraction of device memory kept free.")
+    sharding: Sharding = "none"
+    shards: int = 1  # replicas the sharded state is split over (1: none)
 
     def __post_init__(self) -> None:
         check_choice("optimizer", self.optimizer, OPTIMIZERS, MemoryConfigError)
         check_choice("precision", self.precision, PRECISIONS, MemoryConfigError)
         check_choice("schedule", self.schedule, SCHEDULES, MemoryConfigError)
+        check_choice("sharding", self.sharding, SHARDINGS, MemoryConfigError)
+        if isinstance(self.shards, bool) or not isinstance(self.shards, int) or self.shards < 1:
+            raise MemoryConfigError(f"shards must be an integer >= 1, got {self.shards!r}",
+                                    hint="the replicas a sharded stage is split over")
         if not isinstance(self.activation_checkpointing, bool):
             raise MemoryConfigError(
                 f"activation_checkpointing must be true or false, got "
@@ -295,6 +309,11 @@ class TrainingConfig:
     def optimizer_spec(self) -> OptimizerSpec:
         return OPTIMIZER_SPECS[self.optimizer]
 
+    @property
+    def optimizer_shards(self) -> int:
+        """Replicas the optimizer state is split over (1: each holds all of it)."""
+        return self.shards if self.sharding != "none" else 1
+
 
 @dataclass(frozen=True)
 class SearchOptions:
@@ -309,7 +328,12 @@ class SearchOptions:
     schedule: Schedule | None = option(None, flag="--schedule", help="Pin the pipeline schedule.")
     activation_checkpointing: bool | None = option(
         None, flag="--checkpointing",
-        help="Pin activation checkpointing on or off (default: searched).")
+        help="Pin activation checkpointing on or off for every stage (default: searched, per "
+             "stage: a stage recomputes only where its memory needs it).")
+    sharding: Sharding | None = option(
+        None, flag="--sharding",
+        help="Pin what every stage's data-parallel replicas shard (none, or optimizer: ZeRO-1) "
+             "(default: searched, per stage).")
     max_blocks: int = option(DEFAULT_MAX_BLOCKS, flag="--max-blocks", min=1,
                              help="Blocks the graph is coarsened to before solving.")
     time_limit_s: float = option(10.0, flag="--time-limit", min=0, min_open=True,
@@ -321,12 +345,15 @@ class SearchOptions:
 
     # The fields that pin the pipeline shape (plan.yaml's costs.pinned).
     PINNED: typing.ClassVar[tuple[str, ...]] = (
-        "stages", "replicas", "num_microbatches", "schedule", "activation_checkpointing")
+        "stages", "replicas", "num_microbatches", "schedule", "activation_checkpointing",
+        "sharding")
 
     def __post_init__(self) -> None:
         check_choice("strategy", self.strategy, STRATEGIES, SearchError)
         if self.schedule is not None:
             check_choice("schedule", self.schedule, SCHEDULES, SearchError)
+        if self.sharding is not None:
+            check_choice("sharding", self.sharding, SHARDINGS, SearchError)
         for name in ("stages", "replicas", "num_microbatches"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)

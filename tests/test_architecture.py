@@ -123,10 +123,17 @@ print("torch imported:", "torch" in sys.modules)
 
 def test_plan_schema_speaks_the_shared_vocabulary() -> None:
     """The schema's enums are the words of partc.options: a new schedule, strategy, optimizer,
-    precision or placement is added in both or neither."""
+    precision, placement or sharding is added in both or neither."""
     import json
 
-    from partc.options import OPTIMIZERS, PLACEMENTS, PRECISIONS, SCHEDULES, STRATEGIES
+    from partc.options import (
+        OPTIMIZERS,
+        PLACEMENTS,
+        PRECISIONS,
+        SCHEDULES,
+        SHARDINGS,
+        STRATEGIES,
+    )
 
     schema = json.loads((ROOT / "partc" / "plans" / "schema" / "plan-v1.schema.json").read_text())
     props = schema["properties"]
@@ -139,3 +146,6 @@ def test_plan_schema_speaks_the_shared_vocabulary() -> None:
     assert tuple(training["placement"]["enum"]) == PLACEMENTS
     assert tuple(props["costs"]["properties"]["strategy"]["enum"]) == STRATEGIES
     assert tuple(props["solver"]["properties"]["strategy"]["enum"]) == STRATEGIES
+    assert tuple(training["sharding"]["enum"]) == SHARDINGS
+    assert tuple(pinned["sharding"]["enum"]) == SHARDINGS
+    assert tuple(schema["$defs"]["stage"]["properties"]["sharding"]["enum"]) == SHARDINGS

@@ -258,6 +258,12 @@ class ClusterSpec:
         slowest = min(links, key=lambda link: link.bandwidth)
         return 2 * (n - 1) / n * nbytes / slowest.bandwidth + 2 * (n - 1) * slowest.latency_s
 
+    def allgather_s(self, nbytes: int, group: Sequence[int]) -> float:
+        """Ring all-gather of `nbytes` in all (each device contributes its share and ends with
+        all of it) over the devices in `group`: half a ring all-reduce,
+        (n-1)/n * nbytes / B + (n-1) * L on the slowest link the ring uses."""
+        return self.allreduce_s(nbytes, group) / 2
+
     def to_dict(self) -> dict[str, Any]:
         """Plain data in base units, the device inline; `cluster_from_dict` reads it back."""
         return {

@@ -26,7 +26,8 @@ from partc.errors import PartcError
 from partc.files import write_atomic
 from partc.hardware.configs import cluster_from_dict
 from partc.hardware.specs import ClusterSpec
-from partc.options import SearchOptions, from_dict, to_dict
+from partc.hardware.units import format_quantity
+from partc.options import SearchOptions, Sharding, from_dict, to_dict
 from partc.solve.partition import Prediction, SolverReport, TrainingSetup, round_seconds
 from partc.solve.simulator import PipelineSpec, StageTiming
 
@@ -126,9 +127,15 @@ class PlanStage:
     send_backward_s: float = 0.0
     activation_bytes: int = 0
     static_bytes: int = 0
+    # The memory levers its rank uses (partc.solve.levers), which launch runs: recomputing
+    # activations, and what its replicas shard.
+    activation_checkpointing: bool = False
+    sharding: Sharding = "none"
 
     def to_dict(self) -> dict[str, Any]:
         return {"index": self.index, "rank": self.rank, "file": self.file, "sha256": self.sha256,
+                "activation_checkpointing": self.activation_checkpointing,
+                "sharding": self.sharding,
                 "replicas": self.replicas, "devices": list(self.devices),
                 "parameters": self.parameters, "parameter_names": list(self.parameter_names),
                 "buffer_names": list(self.buffer_names),
@@ -145,9 +152,13 @@ class PlanStage:
                               "static_bytes": self.static_bytes}}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "PlanStage":
+    def from_dict(cls, d: dict[str, Any], checkpointing: bool = False) -> "PlanStage":
+        """`checkpointing`: the stage's when plan.yaml does not say (older plans: the
+        training's)."""
         p = d["predicted"]
         return cls(index=d["index"], rank=d["rank"], file=d["file"], sha256=d["sha256"],
+                   activation_checkpointing=d.get("activation_checkpointing", checkpointing),
+                   sharding=d.get("sharding", "none"),
                    replicas=d["replicas"], devices=tuple(d["devices"]),
                    parameters=d["parameters"], parameter_names=tuple(d["parameter_names"]),
                    buffer_names=tuple(d["buffer_names"]),
@@ -435,7 +446,9 @@ class Plan:
                        torch_version=d["torch_version"],
                        model=ModelInfo.from_dict(d["model"]),
                        cluster=cluster, training=training, costs=PlanCosts.from_dict(d["costs"]),
-                       stages=tuple(PlanStage.from_dict(s) for s in d["stages"]),
+                       stages=tuple(PlanStage.from_dict(
+                           s, checkpointing=training.shape.activation_checkpointing)
+                           for s in d["stages"]),
                        tied_parameters=tuple(TiedParameter(name=t["name"],
                                                            aliases=tuple(t["aliases"]),
                                                            stages=tuple(t["stages"]))
@@ -592,7 +605,8 @@ def _check_consistency(plan: Plan) -> None:
         raise ValueError(f"{len(plan.stages)} stages for a {shape.label()} shape")
     p = plan.predicted
     for name, values in (("peak_memory_bytes", p.peak_memory_bytes), ("memory", p.memory),
-                         ("allreduce_s", p.allreduce_s), ("optimizer_s", p.optimizer_s)):
+                         ("allreduce_s", p.allreduce_s), ("optimizer_s", p.optimizer_s),
+                         ("memory_without_levers", p.memory_without_levers or p.memory)):
         if len(values) != shape.stages:
             raise ValueError(f"predicted.{name} has {len(values)} entries for "
                              f"{shape.stages} pipeline rank(s)")
@@ -613,6 +627,17 @@ def _check_consistency(plan: Plan) -> None:
                              f"shape puts it at (index {k}, file {expected[1]}, rank "
                              f"{expected[2]}, {expected[3]} replica(s) on devices "
                              f"{list(expected[4])})")
+        if st.activation_checkpointing and not shape.activation_checkpointing:
+            raise ValueError(f"stage {k} checkpoints activations, which the training does not "
+                             "allow")
+        if st.sharding != "none" and st.sharding != shape.sharding:
+            raise ValueError(f"stage {k} shards {st.sharding}, the training allows "
+                             f"{shape.sharding}")
+        first = plan.stages[st.rank]
+        if (st.activation_checkpointing, st.sharding) != \
+                (first.activation_checkpointing, first.sharding):
+            raise ValueError(f"stage {k} has other levers than stage {first.index} of the same "
+                             f"pipeline rank {st.rank}")
         for t in st.inputs:
             src = t.peer[0] if t.peer else None
             if not (src == MODEL_INPUT or (isinstance(src, int) and 0 <= src < k)):
@@ -672,6 +697,16 @@ def _same_file(a: Path, b: Path) -> bool:
         return False
 
 
+def stage_levers_text(plan: Plan, stage: PlanStage) -> str:
+    """The stage's memory levers and what they save: "ckpt+shard-optimizer -1.2 GiB", "-"."""
+    parts = (["ckpt"] if stage.activation_checkpointing else []) + \
+        ([f"shard-{stage.sharding}"] if stage.sharding != "none" else [])
+    if not parts:
+        return "-"
+    saved = plan.predicted.lever_savings(stage.rank)
+    return "+".join(parts) + (f" -{format_quantity(saved, 'B')}" if saved else "")
+
+
 def format_plan(plan: Plan, solver_wall_s: float | None = None) -> str:
     """The summary table `partc compile` prints: one row per stage (devices, parameters, predicted
     times and memory), then throughput, bubble and the solver's report."""
@@ -679,12 +714,11 @@ def format_plan(plan: Plan, solver_wall_s: float | None = None) -> str:
     lines = [f"{plan.model.name}: {s.stages} stage(s) x {s.replicas} replica(s)"
              + (f" x {s.chunks} virtual" if s.chunks > 1 else "")
              + f", {s.schedule}, {s.num_microbatches} micro-batches of {s.microbatch_size}"
-             + (", activation checkpointing" if s.activation_checkpointing else "")
              + f" on {s.num_devices}/{c.num_devices} {c.device.name} devices of "
                f"{c.name}; global batch {plan.training.global_batch_size}"]
     usable = plan.predicted.usable_memory_bytes
     lines.append(f"{'stage':>5} {'rank':>4} {'devices':<12} {'params':>12} {'fwd ms':>9} "
-                 f"{'bwd ms':>9} {'memory GiB':>11} {'of usable':>9}  modules")
+                 f"{'bwd ms':>9} {'memory GiB':>11} {'of usable':>9} {'levers':<22}  modules")
     for st in plan.stages:
         devices = ",".join(str(d) for d in st.devices)
         modules = ", ".join(st.modules[:3]) + (f" ... ({len(st.modules)})"
@@ -692,7 +726,8 @@ def format_plan(plan: Plan, solver_wall_s: float | None = None) -> str:
         share = st.peak_memory_bytes / usable if usable else 0.0
         lines.append(f"{st.index:>5} {st.rank:>4} {devices:<12.12} {st.parameters:>12,} "
                      f"{st.forward_s * 1e3:>9.3f} {st.backward_s * 1e3:>9.3f} "
-                     f"{st.peak_memory_bytes / 2**30:>11.3f} {share:>9.1%}  {modules}")
+                     f"{st.peak_memory_bytes / 2**30:>11.3f} {share:>9.1%} "
+                     f"{stage_levers_text(plan, st):<22}  {modules}")
     p = plan.predicted
     lines.append(f"predicted: {p.iteration_s * 1e3:.3f} ms/iteration, "
                  f"{p.samples_per_s:,.1f} samples/s, bubble {p.bubble_fraction:.1%}")

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from partc.files import write_atomic
-from partc.plans.plan import Plan, format_plan
+from partc.plans.plan import Plan, format_plan, stage_levers_text
 from partc.plans.run_metrics import RunMetrics
 from partc.solve.simulator import Simulation, simulate
 
@@ -69,10 +69,12 @@ def format_summary(plan: Plan, metrics: RunMetrics | None = None) -> str:
     short = {"optimizer_state": "optimizer", "communication": "comm"}
     kinds = [k for k, _, _ in _MEMORY_KINDS]
     lines.append(f"{'rank':>4} " + " ".join(f"{short.get(k, k):>11}" for k in kinds)
-                 + f" {'total':>9} {'of usable':>9}")
+                 + f" {'total':>9} {'of usable':>9} {'levers save':>11}")
     for rank, mem in enumerate(memory):
+        saved = plan.predicted.lever_savings(rank)
         lines.append(f"{rank:>4} " + " ".join(f"{getattr(mem, k) / div:>11,.2f}" for k in kinds)
-                     + f" {mem.total / div:>9,.2f} {mem.total / usable if usable else 0:>9.1%}")
+                     + f" {mem.total / div:>9,.2f} {mem.total / usable if usable else 0:>9.1%}"
+                     + f" {saved / div:>11,.2f}")
     lines.append("")
     span = sim.last_backward_s
     shape = plan.training.shape
@@ -163,10 +165,29 @@ def _title(plan: Plan) -> str:
     virtual = f" x {s.chunks} virtual" if s.chunks > 1 else ""
     return (f"{plan.model.name}: {s.stages} stages x {s.replicas} replicas{virtual}, "
             f"{s.schedule}, {s.num_microbatches} micro-batches of {s.microbatch_size}"
-            + (", activation checkpointing" if s.activation_checkpointing else "")
+            + (f"; {levers_summary(plan)}" if levers_summary(plan) else "")
             + f" on {s.num_devices} x {c.device.name} ({c.name})\n"
             f"predicted {p.iteration_s * 1e3:.2f} ms/iteration, "
             f"{p.samples_per_s:,.1f} samples/s, bubble {p.bubble_fraction:.1%}")
+
+
+def levers_summary(plan: Plan) -> str:
+    """Which stages use which memory lever: "checkpointing on stage 1; optimizer state sharded
+    on stages 0, 1", or "" when none does."""
+    parts = []
+    ckpt = [st.index for st in plan.stages if st.activation_checkpointing]
+    if ckpt:
+        parts.append(f"checkpointing on stage{'s' if len(ckpt) > 1 else ''} "
+                     f"{', '.join(map(str, ckpt))}")
+    for kind in sorted({st.sharding for st in plan.stages} - {"none"}):
+        sharded = [st.index for st in plan.stages if st.sharding == kind]
+        parts.append(f"{kind} state sharded on stage{'s' if len(sharded) > 1 else ''} "
+                     f"{', '.join(map(str, sharded))}")
+    return "; ".join(parts)
+
+
+def _recomputes(plan: Plan) -> bool:
+    return any(st.activation_checkpointing for st in plan.stages)
 
 
 def _rank_label(plan: Plan, rank: int) -> str:
@@ -225,7 +246,7 @@ def _draw_schedule(ax: Any, plan: Plan, sim: Simulation) -> None:
     ax.set_title("simulated schedule (every replica runs the same)", fontsize=10, loc="left")
     ax.grid(axis="x", linestyle=":", linewidth=0.5)
     labels = {"forward": "forward", "backward": "backward" + (
-        " (with recompute)" if plan.training.shape.activation_checkpointing else ""),
+        " (with recompute)" if _recomputes(plan) else ""),
         "allreduce": "gradient all-reduce", "tied": "tied-gradient sum (waits for the others)",
         "optimizer": "optimizer step"}
     present = {e.kind for e in sim.events if e.end_s > e.start_s}
@@ -304,8 +325,7 @@ def _draw_times(ax: Any, plan: Plan, metrics: RunMetrics | None = None) -> None:
     send = [(s.send_forward_s + s.send_backward_s) * 1e3 for s in stages]
     ax.bar(xs, fwd, color=_COLOURS["forward"][0], width=width, label="forward")
     ax.bar(xs, bwd, bottom=fwd, color=_COLOURS["backward"][0], width=width,
-           label="backward" + (" + recompute" if plan.training.shape.activation_checkpointing
-                             else ""))
+           label="backward" + (" + recompute" if _recomputes(plan) else ""))
     ax.bar(xs, send, bottom=[f + b for f, b in zip(fwd, bwd, strict=True)], color="#BAB0AC",
            width=width, label="send activations + gradients")
     totals = [f + b + s for f, b, s in zip(fwd, bwd, send, strict=True)]
@@ -395,7 +415,7 @@ def render_html(plan: Plan, path: str | Path, png: bytes | None = None,
             "<tr>" + "".join(f"<td>{e(str(v))}</td>" for v in (
                 s.index, s.rank, ",".join(map(str, s.devices)), f"{s.parameters:,}",
                 f"{s.forward_s * 1e3:.3f}", f"{s.backward_s * 1e3:.3f}", _gib(mem),
-                f"{mem / usable:.1%}" if usable else "-", s.file))
+                f"{mem / usable:.1%}" if usable else "-", stage_levers_text(plan, s), s.file))
             + f"<td class='modules'>{e(', '.join(s.modules))}</td></tr>")
     gap = "-" if r.gap is None else f"{r.gap:.2%}"
     facts = [("model", f"{plan.model.name} ({plan.model.parameters:,} parameters, "
@@ -407,8 +427,7 @@ def render_html(plan: Plan, path: str | Path, png: bytes | None = None,
                           f"replicas x {shape.num_microbatches} micro-batches x "
                           f"{shape.microbatch_size}; {shape.schedule}, {setup.config.optimizer}, "
                           f"{setup.config.precision}"
-                          + (", activation checkpointing" if shape.activation_checkpointing
-                             else "")),
+                          + (f"; {levers_summary(plan)}" if levers_summary(plan) else "")),
              ("predicted", f"{p.iteration_s * 1e3:.3f} ms/iteration, "
                            f"{p.samples_per_s:,.1f} samples/s, bubble "
                            f"{p.bubble_fraction:.1%}"),
@@ -437,7 +456,8 @@ pre {{ background: #f7f7f7; padding: 1em; overflow-x: auto; }}
 <img alt="simulated schedule, memory and time per stage" src="data:image/png;base64,{picture}">
 <h2>Stages</h2>
 <table><tr><th>stage</th><th>rank</th><th>devices</th><th>parameters</th><th>fwd ms</th>
-<th>bwd ms</th><th>memory GiB</th><th>of usable</th><th>file</th><th>modules</th></tr>
+<th>bwd ms</th><th>memory GiB</th><th>of usable</th><th>levers (saved)</th><th>file</th>
+<th>modules</th></tr>
 {''.join(rows)}
 </table>
 <h2>Summary</h2>

@@ -9,9 +9,11 @@ Per rank, in order:
 3. the rank's stage file(s) are loaded (TorchScript) and get their weights by FQN: the last
    checkpoint when resuming, else --init-from, else the stage file's own, else (meta plans) the
    model's own initialisation (partc.run.stage_runner);
-4. each stage is wrapped for the plan's precision (bf16 autocast) and activation checkpointing,
-   then in DistributedDataParallel over the "dp" group when the plan has replicas, then in a
-   PipelineStage with its input/output shapes from plan.yaml (no shape-inference round trip);
+4. each stage is wrapped for the plan's precision (bf16 autocast) and its activation
+   checkpointing (per stage, as plan.yaml says), then in DistributedDataParallel over the "dp"
+   group when the plan has replicas (its optimizer a ZeroRedundancyOptimizer over that group
+   where the stage shards its optimizer state), then in a PipelineStage with its input/output
+   shapes from plan.yaml (no shape-inference round trip);
 5. the plan's schedule (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B) runs each step on
    the global batch; the loss (the model file's loss_fn on the last stage, the model's output
    structure rebuilt from the flat stage outputs) is averaged over micro-batches by the schedule's
@@ -144,7 +146,8 @@ def _set_up(plan: Plan, layout: RankLayout, env: RankEnv, device: torch.device,
     model_file = plan.load_model_file()
     resume = resume_point(plan, options, env, device)
     stages = _loaded_everywhere(lambda: load_local_stages(plan, layout.stages_of(rank), device,
-                                                          options, resume, model_file))
+                                                          options, resume, model_file,
+                                                          dp_group))
     wrap_for_pipeline(plan, stages, device, pp_group, dp_group)
 
     start = resume.step if resume is not None else 0

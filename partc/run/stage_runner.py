@@ -192,8 +192,10 @@ class LocalStage:
 
 def load_local_stages(plan: Plan, stages: Sequence[int], device: torch.device,
                       options: TrainOptions, resume: Checkpoint | None,
-                      model_file: ModelFile) -> list[LocalStage]:
-    """This rank's `stages`, loaded with their weights and optimizers (module docstring)."""
+                      model_file: ModelFile, dp_group: Any = None) -> list[LocalStage]:
+    """This rank's `stages`, loaded with their weights and optimizers (module docstring). A
+    stage whose plan entry shards the optimizer state gets a ZeroRedundancyOptimizer over its
+    replicas (`dp_group`)."""
     aliases = plan.model.aliases()
     init = None
     if resume is None and options.init_from is not None:
@@ -217,8 +219,10 @@ def load_local_stages(plan: Plan, stages: Sequence[int], device: torch.device,
         module.train()
         names = [n for n, p in module.named_parameters() if p.requires_grad]
         params = dict(module.named_parameters())
+        sharded = spec.sharding == "optimizer" and plan.training.shape.replicas > 1
         optimizer = build_optimizer(plan.training.config.optimizer, [params[n] for n in names],
-                                    options.lr, options.weight_decay)
+                                    options.lr, options.weight_decay,
+                                    shard_group=dp_group if sharded else None)
         if optimizer is not None and resume is not None:
             load_optimizer_state(optimizer, names, opt_state, resume)
         loaded.append(LocalStage(spec=spec, module=module, optimizer=optimizer,
@@ -232,10 +236,10 @@ def wrap_for_pipeline(plan: Plan, stages: list[LocalStage], device: torch.device
     DDP when the plan has replicas, in a PipelineStage with plan.yaml's boundary shapes."""
     V, R = plan.num_stages, plan.training.shape.replicas
     bf16 = plan.training.config.bf16
-    checkpointing = plan.training.shape.activation_checkpointing
     for local in stages:
         runner: torch.nn.Module = local.module
         is_last = local.spec.index == V - 1
+        checkpointing = local.spec.activation_checkpointing
         if bf16 or checkpointing or not is_last:
             wire = tuple(getattr(torch, ref.runtime_dtype) for ref in local.spec.outputs)
             runner = StageRunner(local.module, device, bf16, checkpointing, last=is_last,
@@ -323,16 +327,37 @@ def sum_tied_gradients(tied: list[TiedGroup], locals_: list[LocalStage]) -> None
                 p.grad.copy_(total)
 
 
+def is_sharded(optimizer: torch.optim.Optimizer | None) -> bool:
+    """Whether the optimizer's state is sharded over replicas (ZeroRedundancyOptimizer)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return isinstance(optimizer, ZeroRedundancyOptimizer)
+
+
 def optimizer_state_by_name(optimizer: torch.optim.Optimizer | None, names: list[str]
                              ) -> dict[str, dict[str, Any]]:
+    """The optimizer's state per parameter FQN, whole (a checkpoint holds it by name, so any
+    plan, sharded or not, can resume from it). A sharded optimizer must have been consolidated
+    onto this replica first (`consolidate_optimizers`)."""
     if optimizer is None:
         return {}
     state = optimizer.state_dict()["state"]
     return {names[i]: s for i, s in state.items()}
 
 
+def consolidate_optimizers(locals_: list[LocalStage]) -> None:
+    """Gather every sharded optimizer's state onto its replica 0 (a collective over each
+    stage's replicas: every replica calls it, before replica 0 saves)."""
+    for local in locals_:
+        if is_sharded(local.optimizer):
+            local.optimizer.consolidate_state_dict(to=0)  # type: ignore[union-attr]
+
+
 def load_optimizer_state(optimizer: torch.optim.Optimizer, names: list[str],
                           by_name: dict[str, dict[str, Any]], checkpoint: Checkpoint) -> None:
+    """Give the optimizer the checkpoint's state of its parameters, by FQN. A sharded one is
+    handed the whole state and keeps the share it owns (ZeroRedundancyOptimizer.load_state_dict),
+    so a checkpoint of any plan resumes under any other."""
     missing = [n for n in names if n not in by_name]
     if missing and len(missing) != len(names):
         raise CheckpointError(f"checkpoint {checkpoint.directory} has no optimizer state for "
@@ -340,9 +365,11 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, names: list[str],
                               hint="resume with the optimizer the checkpoint was written with")
     if missing:  # a checkpoint written before the first optimizer step has no state at all
         return
-    current = optimizer.state_dict()
+    # One parameter group, the parameters in `names` order: state_dict's indices 0..n-1.
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(range(len(names)))}
+              for g in optimizer.param_groups]
     optimizer.load_state_dict({"state": {i: by_name[n] for i, n in enumerate(names)},
-                               "param_groups": current["param_groups"]})
+                               "param_groups": groups})
 
 
 def save_checkpoint(plan: Plan, options: TrainOptions, step: int, locals_: list[LocalStage],
@@ -356,6 +383,7 @@ def save_checkpoint(plan: Plan, options: TrainOptions, step: int, locals_: list[
     assert root is not None
     written: dict[int, StageFile] = {}
     failure: tuple[str, str] | None = None
+    consolidate_optimizers(locals_)
     if replica == 0:
         try:
             for local in locals_:

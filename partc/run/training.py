@@ -21,24 +21,44 @@ from partc.plans.plan import Plan
 
 
 def build_optimizer(name: Optimizer, params: Iterable[torch.nn.Parameter],
-                    lr: float | None = None, weight_decay: float | None = None
-                    ) -> torch.optim.Optimizer | None:
+                    lr: float | None = None, weight_decay: float | None = None,
+                    shard_group: Any = None) -> torch.optim.Optimizer | None:
     """The optimizer `name` over the `params` that require grad (None when there are none: a stage
     without weights), with the defaults of OPTIMIZER_SPECS unless `lr`/`weight_decay` are given.
     foreach kernels, the implementation torch picks by default on CUDA, which the memory model
-    prices. Launch, the single-process reference and the memory measurement all build it here."""
+    prices. Launch, the single-process reference and the memory measurement all build it here.
+
+    `shard_group`: the process group of a stage's data-parallel replicas when its optimizer state
+    is sharded over them (sharding "optimizer", ZeRO-1): torch's ZeroRedundancyOptimizer of the
+    same optimizer, each replica stepping the parameters it owns and broadcasting them (its
+    parameters are moved into one flat bucket per owner, `parameters_as_bucket_view`, so the
+    broadcast is one collective per replica, not one per parameter). The update is the
+    optimizer's own, so training is the unsharded run's."""
     trainable = [p for p in params if p.requires_grad]
     if not trainable:
         return None
+    cls, kwargs = optimizer_class(name, lr, weight_decay)
+    if shard_group is not None:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(trainable, optimizer_class=cls, process_group=shard_group,
+                                       parameters_as_bucket_view=True, **kwargs)
+    return cls(trainable, **kwargs)
+
+
+def optimizer_class(name: Optimizer, lr: float | None = None, weight_decay: float | None = None
+                    ) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
+    """The torch optimizer class of `name` and its keyword arguments (OPTIMIZER_SPECS' defaults
+    unless `lr`/`weight_decay` are given; foreach kernels)."""
     spec = OPTIMIZER_SPECS[name]
     lr = spec.lr if lr is None else lr
     wd = spec.weight_decay if weight_decay is None else weight_decay
     if name in ("sgd", "sgd-momentum"):
-        return torch.optim.SGD(trainable, lr=lr, momentum=spec.momentum, weight_decay=wd,
-                               foreach=True)
+        return torch.optim.SGD, {"lr": lr, "momentum": spec.momentum, "weight_decay": wd,
+                                 "foreach": True}
     if name == "adam":
-        return torch.optim.Adam(trainable, lr=lr, weight_decay=wd, foreach=True)
-    return torch.optim.AdamW(trainable, lr=lr, weight_decay=wd, foreach=True)
+        return torch.optim.Adam, {"lr": lr, "weight_decay": wd, "foreach": True}
+    return torch.optim.AdamW, {"lr": lr, "weight_decay": wd, "foreach": True}
 
 
 def step_seed(seed: int, step: int, rank: int) -> int:

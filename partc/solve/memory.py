@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Collection
+from typing import Any, Collection, Sequence
 
 from partc.cost.op_classes import FREE_KINDS, op_class
 from partc.cost.table import CostTable, needs_backward
@@ -283,18 +283,48 @@ def _float32_bytes(table: CostTable, tensor: str, m: float) -> float:
 def _static_bytes(table: CostTable, nodes: Collection[str],
                   config: TrainingConfig) -> tuple[int, int, int, int]:
     """(parameters, gradients, optimizer state, optimizer-step temporaries) of the stage's
-    distinct parameters (tied ones once) and buffers."""
+    distinct parameters (tied ones once) and buffers. With the optimizer state sharded
+    (`TrainingConfig.optimizer_shards` > 1) the state and temporaries are those of the replica
+    whose share (`optimizer_partition`) is the largest: it sets the stage's peak."""
     graph = table.graph
     params = {}
     for n in nodes:
         for name in graph.node(n).params:
             p = graph.param(name)
             params[p.name] = p
-    weights = grads = state = temps = 0
+    weights = grads = 0
+    per_param: list[tuple[int, int, int]] = []  # (elements, state, temporaries) of optimized ones
+    unsharded_state = unsharded_temps = 0
     for p in params.values():
         w, g, s, t = param_memory(p, config)
-        weights, grads, state, temps = weights + w, grads + g, state + s, temps + t
+        weights, grads = weights + w, grads + g
+        if g:
+            per_param.append((p.numel, s, t))
+        unsharded_state, unsharded_temps = unsharded_state + s, unsharded_temps + t
+    shards = config.optimizer_shards
+    if shards == 1 or not per_param:
+        return weights, grads, unsharded_state, unsharded_temps
+    owned = optimizer_partition([n for n, _, _ in per_param], shards)
+    state, temps = max(((sum(per_param[i][1] for i in part), sum(per_param[i][2] for i in part))
+                        for part in owned), key=lambda st: (st[0] + st[1], st))
     return weights, grads, state, temps
+
+
+def optimizer_partition(numels: Sequence[int], shards: int) -> list[list[int]]:
+    """How torch's ZeroRedundancyOptimizer splits one parameter group over `shards` replicas:
+    parameters largest first (equal sizes in their order), each to the replica owning the fewest
+    elements so far (the lowest such replica). Per replica, the indices into `numels` it owns
+    and steps (its optimizer state lives there alone)."""
+    if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
+        raise MemoryConfigError(f"shards must be an integer >= 1, got {shards!r}",
+                                hint="the replicas the optimizer state is split over")
+    owned: list[list[int]] = [[] for _ in range(shards)]
+    sizes = [0] * shards
+    for i in sorted(range(len(numels)), key=lambda j: -numels[j]):
+        r = sizes.index(min(sizes))
+        owned[r].append(i)
+        sizes[r] += numels[i]
+    return owned
 
 
 def param_memory(p: Param, config: TrainingConfig) -> tuple[int, int, int, int]:

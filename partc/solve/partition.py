@@ -16,10 +16,10 @@ from typing import Any, Mapping
 import yaml
 
 from partc.files import write_atomic
-from partc.options import Strategy, TrainingConfig
+from partc.options import Sharding, Strategy, TrainingConfig
 from partc.solve.memory import StageMemory
 from partc.solve.simulator import PipelineSpec, Simulation, TiedSync
-from partc.solve.stage_problem import PipelineShape
+from partc.solve.stage_problem import PipelineShape, RankLevers
 
 PARTITION_FORMAT = "partc-partition"
 PARTITION_VERSION = 1
@@ -41,9 +41,14 @@ class StagePlan:
     backward_s: float  # includes the recomputed forward under checkpointing
     receives: tuple[str, ...]  # tensors from earlier stages (or the inputs)
     sends: tuple[str, ...]  # tensors to later stages (or the loss)
+    # the levers its rank uses (partc.solve.levers): recompute, and what its replicas shard
+    activation_checkpointing: bool = False
+    sharding: Sharding = "none"
 
     def to_dict(self) -> dict[str, Any]:
         return {"index": self.index, "rank": self.rank, "devices": list(self.devices),
+                "activation_checkpointing": self.activation_checkpointing,
+                "sharding": self.sharding,
                 "blocks": [self.blocks[0], self.blocks[-1]] if self.blocks else [],
                 "num_nodes": len(self.nodes), "modules": list(self.modules),
                 "parameters": list(self.parameters), "parameter_count": self.parameter_count,
@@ -161,10 +166,10 @@ class TrainingSetup:
         if self.shape.global_batch_size != self.global_batch_size:
             raise ValueError(f"global batch {self.global_batch_size} is not replicas x "
                              f"micro-batches x micro-batch size = {self.shape.global_batch_size}")
-        if (self.config.schedule, self.config.activation_checkpointing) != \
-                (self.shape.schedule, self.shape.activation_checkpointing):
-            raise ValueError("the training config's schedule and checkpointing differ from the "
-                             "pipeline shape's")
+        if (self.config.schedule, self.config.activation_checkpointing, self.config.sharding) \
+                != (self.shape.schedule, self.shape.activation_checkpointing, self.shape.sharding):
+            raise ValueError("the training config's schedule, checkpointing and sharding differ "
+                             "from the pipeline shape's")
 
     def to_dict(self) -> dict[str, Any]:
         s, c = self.shape, self.config
@@ -173,6 +178,7 @@ class TrainingSetup:
                 "microbatch_size": s.microbatch_size, "schedule": s.schedule,
                 "virtual_stages_per_rank": s.chunks,
                 "activation_checkpointing": s.activation_checkpointing,
+                "sharding": s.sharding,
                 "placement": s.placement, "optimizer": c.optimizer, "precision": c.precision,
                 "memory_margin": c.memory_margin}
 
@@ -183,11 +189,10 @@ class TrainingSetup:
                               microbatch_size=d["microbatch_size"], schedule=d["schedule"],
                               chunks=d["virtual_stages_per_rank"],
                               activation_checkpointing=d["activation_checkpointing"],
-                              placement=d["placement"])
-        config = TrainingConfig(optimizer=d["optimizer"], precision=d["precision"],
-                                schedule=shape.schedule,
-                                activation_checkpointing=shape.activation_checkpointing,
-                                memory_margin=d["memory_margin"])
+                              placement=d["placement"], sharding=d.get("sharding", "none"))
+        config = shape.training_config(TrainingConfig(optimizer=d["optimizer"],
+                                                      precision=d["precision"],
+                                                      memory_margin=d["memory_margin"]))
         return cls(global_batch_size=d["global_batch_size"], shape=shape, config=config)
 
 
@@ -206,6 +211,9 @@ class Prediction:
     allreduce_s: tuple[float, ...]  # per rank
     optimizer_s: tuple[float, ...]  # per rank
     tied_sync: tuple[TiedSync, ...] = ()  # cross-rank sums of tied gradients, in run order
+    # per rank, the memory model's peak with none of the levers (no checkpointing, no sharding):
+    # what the rank's levers save is this minus its `memory` total; () in older plans
+    memory_without_levers: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, partition: "Partition") -> "Prediction":
@@ -219,7 +227,15 @@ class Prediction:
                    allreduce_s=tuple(round_seconds(x) for x in partition.pipeline.allreduce_s),
                    optimizer_s=tuple(round_seconds(x) for x in partition.pipeline.optimizer_s),
                    tied_sync=tuple(TiedSync(t.ranks, round_seconds(t.seconds))
-                                   for t in partition.pipeline.tied))
+                                   for t in partition.pipeline.tied),
+                   memory_without_levers=tuple(int(x)
+                                               for x in partition.memory_without_levers))
+
+    def lever_savings(self, rank: int) -> int:
+        """Bytes the rank's levers save on its peak (0 when not recorded)."""
+        if rank >= len(self.memory_without_levers):
+            return 0
+        return max(0, self.memory_without_levers[rank] - self.memory[rank].total)
 
     def summary_dict(self) -> dict[str, Any]:
         """Time, throughput, bubble and peak memory per rank (a partition file's `predicted`)."""
@@ -232,7 +248,8 @@ class Prediction:
                 "memory": [m.to_dict() for m in self.memory],
                 "allreduce_s": list(self.allreduce_s), "optimizer_s": list(self.optimizer_s),
                 "tied_sync": [{"ranks": list(t.ranks), "seconds": t.seconds}
-                              for t in self.tied_sync]}
+                              for t in self.tied_sync],
+                "memory_without_levers": list(self.memory_without_levers)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Prediction":
@@ -243,7 +260,8 @@ class Prediction:
                    memory=tuple(StageMemory.from_dict(m) for m in d["memory"]),
                    allreduce_s=tuple(d["allreduce_s"]), optimizer_s=tuple(d["optimizer_s"]),
                    tied_sync=tuple(TiedSync(tuple(t["ranks"]), t["seconds"])
-                                   for t in d.get("tied_sync", ())))
+                                   for t in d.get("tied_sync", ())),
+                   memory_without_levers=tuple(d.get("memory_without_levers", ())))
 
 
 @dataclass(frozen=True)
@@ -263,6 +281,8 @@ class Partition:
     solver: SolverReport
     pipeline: PipelineSpec  # what was simulated: per-stage times and transfers, per-rank sync
     simulation: Simulation
+    levers: tuple[RankLevers, ...] = ()  # per rank (partc.solve.levers); (): none anywhere
+    memory_without_levers: tuple[int, ...] = ()  # per rank: the peak with no lever on
 
     @property
     def iteration_s(self) -> float:
@@ -317,16 +337,21 @@ def format_partition(p: Partition) -> str:
     lines = [f"{p.model}: {s.label()} on {s.num_devices}/{p.num_devices} devices of {p.cluster}, "
              f"global batch {p.global_batch_size}"]
     header = f"{'stage':>5} {'rank':>4} {'devices':<12} {'params':>10} {'fwd ms':>9} " \
-             f"{'bwd ms':>9} {'memory':>10}  modules"
+             f"{'bwd ms':>9} {'memory':>10} {'levers':<22}  modules"
     lines.append(header)
     for st in p.stages:
         mem = p.memory[st.rank].total if st.rank < len(p.memory) else 0
         devices = ",".join(str(d) for d in st.devices)
         modules = ", ".join(st.modules[:3]) + (f" ... ({len(st.modules)})"
                                                if len(st.modules) > 3 else "")
+        levers = RankLevers(st.activation_checkpointing, st.sharding)
+        saved = p.memory_without_levers[st.rank] - mem \
+            if st.rank < len(p.memory_without_levers) else 0
+        lever_text = "-" if levers == RankLevers() else \
+            levers.label + (f" -{_gib(saved)}" if saved > 0 else "")
         lines.append(f"{st.index:>5} {st.rank:>4} {devices:<12.12} {st.parameter_count:>10,} "
                      f"{st.forward_s * 1e3:>9.3f} {st.backward_s * 1e3:>9.3f} "
-                     f"{_gib(mem):>10}  {modules}")
+                     f"{_gib(mem):>10} {lever_text:<22}  {modules}")
     r = p.solver
     gap = "-" if r.gap is None else f"{r.gap:.2%}"
     lines.append(f"predicted: {p.iteration_s * 1e3:.3f} ms/iteration, {p.samples_per_s:,.1f} "

@@ -30,15 +30,26 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, replace
+from itertools import product
 from typing import Any, Sequence
 
 from partc.cost.table import CostTable
 from partc.errors import PartcError, SearchError
 from partc.hardware.specs import ClusterSpec
 from partc.hardware.units import format_quantity
-from partc.options import STRATEGIES, Placement, Schedule, SearchOptions, Strategy, TrainingConfig
+from partc.options import (
+    SHARDINGS,
+    STRATEGIES,
+    Placement,
+    Schedule,
+    SearchOptions,
+    Sharding,
+    Strategy,
+    TrainingConfig,
+)
 from partc.progress import Progress
 from partc.solve.coarsen import BlockGraph, coarsen
+from partc.solve.levers import choose_levers, rank_parameters, step_seconds
 from partc.solve.memory import (
     in_flight_microbatches,
     param_memory,
@@ -49,6 +60,7 @@ from partc.solve.partition import CutCandidate, Partition, SolverReport, StagePl
 from partc.solve.simulator import PipelineSpec, StageTiming, TiedSync, simulate
 from partc.solve.stage_problem import (
     PipelineShape,
+    RankLevers,
     StageProblem,
     stage_fixed_s,
     sync_bytes,
@@ -131,12 +143,12 @@ def enumerate_shapes(cluster: ClusterSpec, global_batch: int, num_blocks: int,
                         placements: list[Placement] = ["stage-major"]
                         if cluster.num_nodes > 1 and S > 1 and R > 1:
                             placements.append("pipeline-major")
-                        for placement in placements:
+                        for placement, sharding in product(placements, _shardings(R, options)):
                             shapes.append(PipelineShape(
                                 stages=S, replicas=R, num_microbatches=M,
                                 microbatch_size=per_replica // M, schedule=schedule,
                                 chunks=chunks, activation_checkpointing=ckpt,
-                                placement=placement))
+                                placement=placement, sharding=sharding))
     if not shapes:
         pinned = _pinned(options)
         raise SearchError(f"no pipeline shape fits global batch {global_batch} on {N} devices"
@@ -144,6 +156,14 @@ def enumerate_shapes(cluster: ClusterSpec, global_batch: int, num_blocks: int,
                           hint="the per-replica batch must split into the micro-batches; 1F1B "
                                "needs at least as many micro-batches as stages")
     return shapes
+
+
+def _shardings(replicas: int, options: SearchOptions) -> tuple[Sharding, ...]:
+    """What a shape of `replicas` replicas may shard: nothing without replicas; else the pinned
+    choice, or every one (each rank then turns it off where it does not pay, partc.solve.levers)."""
+    if replicas < 2:
+        return ("none",) if options.sharding in (None, "none") else ()
+    return (options.sharding,) if options.sharding is not None else SHARDINGS
 
 
 def _schedules(S: int, M: int, num_blocks: int,
@@ -179,6 +199,8 @@ def _pinned(options: SearchOptions) -> str:
     if options.activation_checkpointing is not None:
         parts.append("--checkpointing" if options.activation_checkpointing
                      else "--no-checkpointing")
+    if options.sharding is not None:
+        parts.append(f"--sharding {options.sharding}")
     return " ".join(parts)
 
 
@@ -193,6 +215,8 @@ class ParameterTotals:
     block_static_bytes: tuple[int, ...]  # the same per block
     grad_bytes: int  # gradient bytes all-reduced per iteration
     step_bytes: int  # bytes the optimizer step moves
+    state_bytes: int = 0  # the optimizer state alone (what sharding splits)
+    block_state_bytes: tuple[int, ...] = ()  # the same per block
 
     @classmethod
     def of(cls, blocks: BlockGraph, table: CostTable,
@@ -200,13 +224,26 @@ class ParameterTotals:
         graph = table.graph
         per_param = {p.name: param_memory(p, training) for p in graph.params}
         block_static = tuple(sum(sum(per_param[p][:3]) for p in b.params) for b in blocks.blocks)
+        block_state = tuple(sum(per_param[p][2] for p in b.params) for b in blocks.blocks)
         grad_bytes = step_bytes = 0
         for p in graph.params:
             g_bytes, moved = sync_bytes(p, training)
             grad_bytes += g_bytes
             step_bytes += moved
         return cls(static_bytes=sum(sum(m[:3]) for m in per_param.values()),
-                   block_static_bytes=block_static, grad_bytes=grad_bytes, step_bytes=step_bytes)
+                   block_static_bytes=block_static, grad_bytes=grad_bytes, step_bytes=step_bytes,
+                   state_bytes=sum(m[2] for m in per_param.values()),
+                   block_state_bytes=block_state)
+
+    def static_with(self, shards: int) -> tuple[float, float]:
+        """(the model's static bytes, the largest block's) with the optimizer state split over
+        `shards` replicas: lower bounds of what the ranks hold (a replica's share is at least
+        an even one)."""
+        static = self.static_bytes - self.state_bytes * (1 - 1 / shards)
+        block = max((b - st * (1 - 1 / shards) for b, st in
+                     zip(self.block_static_bytes, self.block_state_bytes or
+                         (0,) * len(self.block_static_bytes), strict=True)), default=0.0)
+        return static, block
 
 
 def shape_lower_bound(blocks: BlockGraph, table: CostTable, cluster: ClusterSpec,
@@ -231,10 +268,10 @@ def shape_lower_bound(blocks: BlockGraph, table: CostTable, cluster: ClusterSpec
     if shape.replicas > 1:
         sync = min(cluster.allreduce_s(max(1, totals.grad_bytes // S), shape.rank_devices(d))
                    for d in range(S))
-    sync += totals.step_bytes / S / cluster.device.bytes_per_s()
+    sync += totals.step_bytes / S / shape.shards / cluster.device.bytes_per_s()
     bound = (M - 1) * T + sync + T + (W - T) / v
-    usable = usable_memory(cluster.device.memory_bytes, replace(
-        training, schedule=shape.schedule, activation_checkpointing=ckpt))
+    usable = usable_memory(cluster.device.memory_bytes, shape.training_config(training))
+    static, block_static = totals.static_with(shape.shards)
     # The fullest rank holds at least static_d + coef_d * saved_d (StageProblem.rank_memory; coef
     # = in-flight micro-batches / chunks, 1 / chunks with checkpointing). Summing
     # saved_d <= (X - static_d) / coef_d over ranks bounds the peak X from below; without this,
@@ -242,10 +279,9 @@ def shape_lower_bound(blocks: BlockGraph, table: CostTable, cluster: ClusterSpec
     saved = sum(b.saved.at(m) for b in blocks.blocks)
     coef = [(1.0 if ckpt else in_flight_microbatches(shape.schedule, d, S, M, v)) / v
             for d in range(S)]
-    peak = max(totals.static_bytes / S,
-               (saved + totals.static_bytes / max(coef)) / sum(1.0 / c for c in coef))
+    peak = max(static / S, (saved + static / max(coef)) / sum(1.0 / c for c in coef))
     slack = usable * 1e-6 + 1.0  # float rounding must never exclude a feasible shape
-    fits = peak <= usable + slack and max(totals.block_static_bytes, default=0) <= usable
+    fits = peak <= usable + slack and block_static <= usable + slack
     return bound, fits
 
 
@@ -274,6 +310,7 @@ def search(table: CostTable, cluster: ClusterSpec, global_batch: int,
             candidates.append(_Candidate(shape, bound))
     candidates.sort(key=lambda c: (c.lower_bound_s, c.shape.label()))
     strategy = options.strategy
+    forced = forced_levers(options)
     best: _Candidate | None = None
     evaluated: list[_Candidate] = []
     pruned = 0
@@ -282,7 +319,7 @@ def search(table: CostTable, cluster: ClusterSpec, global_batch: int,
             if best is not None and cand.lower_bound_s >= best.objective_s:
                 pruned = len(candidates) - i
                 break
-            _screen(cand, blocks, table, cluster, training, strategy, memo)
+            _screen(cand, blocks, table, cluster, training, strategy, memo, forced)
             evaluated.append(cand)
             if cand.assignment is not None and (best is None
                                                 or cand.objective_s < best.objective_s):
@@ -405,10 +442,18 @@ def _gap(objective: float, bound: float | None) -> float | None:
     return max(0.0, (objective - bound) / objective) if objective > 0 else 0.0
 
 
+def forced_levers(options: SearchOptions) -> RankLevers:
+    """The levers the user pinned on (--checkpointing, --sharding X): every rank keeps them."""
+    return RankLevers(activation_checkpointing=options.activation_checkpointing is True,
+                      sharding=options.sharding or "none")
+
+
 def _screen(cand: _Candidate, blocks: BlockGraph, table: CostTable, cluster: ClusterSpec,
-            training: TrainingConfig, strategy: Strategy, memo: dict[tuple, Any]) -> None:
+            training: TrainingConfig, strategy: Strategy, memo: dict[tuple, Any],
+            forced: RankLevers) -> None:
     """First assignment of a shape: the strategy's own cut, or the exact DP for dp/cpsat."""
-    problem = StageProblem.build(blocks, table, cluster, training, cand.shape, memo)
+    problem = StageProblem.build(blocks, table, cluster, training, cand.shape, memo,
+                                 forced_levers=forced)
     cand.problem = problem
     V = cand.shape.virtual_stages
     unit = problem.time_unit_s / cand.shape.chunks
@@ -539,8 +584,8 @@ def _infeasible(blocks: BlockGraph, table: CostTable, cluster: ClusterSpec,
         f"({format_quantity(dev.memory_bytes, 'B')} minus the {training.memory_margin:.0%} "
         "margin)",
         hint="use more or larger devices (--cluster), --precision bf16-mixed or a lighter "
-             "--optimizer, a smaller batch, or leave stages/micro-batches/checkpointing to the "
-             "search")
+             "--optimizer, a smaller batch, or leave stages/replicas/micro-batches/"
+             "checkpointing/sharding to the search")
 
 
 def _least_peak(problem: StageProblem) -> int:
@@ -577,14 +622,16 @@ def build_partition(problem: StageProblem, assignment: Sequence[int], global_bat
     cluster = problem.cluster
     m = shape.microbatch_size
     S, V = shape.stages, shape.virtual_stages
-    ckpt = shape.activation_checkpointing
     bf16 = problem.training.precision == "bf16-mixed"
     members: list[list[int]] = [[] for _ in range(V)]
     for b, k in enumerate(assignment):
         members[k].append(b)
     stages: list[StagePlan] = []
     timings: list[StageTiming] = []
-    memory = problem.exact_memory(assignment)
+    levers = choose_levers(problem, assignment)
+    memory = problem.exact_memory(assignment, levers)
+    bare = [RankLevers()] * S
+    without = memory if tuple(bare) == levers else problem.exact_memory(assignment, bare)
     links = shape.boundary_links(cluster)
     sends_fwd = [0.0] * (V + 1)
     sends_bwd = [0.0] * (V + 1)
@@ -601,6 +648,8 @@ def build_partition(problem: StageProblem, assignment: Sequence[int], global_bat
     fixed = stage_fixed_s(table, cluster, shape)
     for k in range(V):
         nodes = tuple(n for b in members[k] for n in blocks.blocks[b].nodes)
+        rank = k % S
+        ckpt = levers[rank].activation_checkpointing
         # runtime host work per pass, the loss on the last stage (StageProblem.stage_fixed)
         work = sum(blocks.blocks[b].forward.at(m) for b in members[k])
         fwd = fixed[k][0] + work
@@ -609,12 +658,12 @@ def build_partition(problem: StageProblem, assignment: Sequence[int], global_bat
         params = tuple(dict.fromkeys(p for b in members[k] for p in blocks.blocks[b].params
                                      if graph.param(p).kind == "parameter"))
         receives, sends = stage_boundary(graph, nodes)
-        rank = k % S
         stages.append(StagePlan(
             index=k, rank=rank, devices=shape.rank_devices(rank),
             blocks=tuple(members[k]), nodes=nodes, modules=_outer_modules(blocks, members[k]),
             parameters=params, parameter_count=sum(graph.param(p).numel for p in params),
-            forward_s=fwd, backward_s=bwd, receives=tuple(receives), sends=tuple(sends)))
+            forward_s=fwd, backward_s=bwd, receives=tuple(receives), sends=tuple(sends),
+            activation_checkpointing=ckpt, sharding=levers[rank].sharding))
         saved = sum(blocks.blocks[b].saved.at(m) for b in members[k])
         rank_mem = memory[rank]
         static = (rank_mem.parameters + rank_mem.gradients + rank_mem.optimizer_state) \
@@ -623,7 +672,7 @@ def build_partition(problem: StageProblem, assignment: Sequence[int], global_bat
             forward_s=fwd, backward_s=bwd, send_forward_s=sends_fwd[k] if k < V - 1 else 0.0,
             send_backward_s=sends_bwd[k] if k > 0 else 0.0,
             activation_bytes=saved if not ckpt else 0.0, static_bytes=float(static)))
-    allreduce, step = _sync_times(problem, assignment)
+    allreduce, step = _sync_times(problem, assignment, levers)
     pipeline = PipelineSpec(schedule=shape.schedule, num_ranks=S,
                             num_microbatches=shape.num_microbatches, stages=tuple(timings),
                             allreduce_s=tuple(allreduce), optimizer_s=tuple(step),
@@ -634,25 +683,21 @@ def build_partition(problem: StageProblem, assignment: Sequence[int], global_bat
                      num_devices=cluster.num_devices, global_batch_size=global_batch,
                      shape=shape, training=problem.training, stages=tuple(stages),
                      memory=tuple(memory), usable_memory_bytes=problem.usable_bytes(),
-                     solver=report, pipeline=pipeline, simulation=simulation)
+                     solver=report, pipeline=pipeline, simulation=simulation, levers=levers,
+                     memory_without_levers=tuple(m.total for m in without))
 
 
-def _sync_times(problem: StageProblem, assignment: Sequence[int]) -> tuple[list[float],
-                                                                          list[float]]:
-    """Per rank: gradient all-reduce over its replicas and the optimizer step, in seconds."""
+def _sync_times(problem: StageProblem, assignment: Sequence[int],
+                levers: Sequence[RankLevers]) -> tuple[list[float], list[float]]:
+    """Per rank: gradient all-reduce over its replicas, and the optimizer step with its levers
+    (sharded: its share's step and the all-gather of the weights, partc.solve.levers)."""
     shape = problem.shape
-    graph = problem.table.graph
-    S = shape.stages
-    held: list[set[str]] = [set() for _ in range(S)]  # a tied parameter once per rank
-    for b, k in enumerate(assignment):
-        held[k % S].update(problem.blocks.blocks[b].params)
     allreduce, step = [], []
-    for d in range(S):
-        sizes = [sync_bytes(graph.param(p), problem.training) for p in held[d]]
-        grad_bytes = sum(g for g, _ in sizes)
+    for d, params in enumerate(rank_parameters(problem, assignment)):
+        grad_bytes = sum(sync_bytes(p, problem.training)[0] for p in params)
         allreduce.append(problem.cluster.allreduce_s(grad_bytes, shape.rank_devices(d))
                          if shape.replicas > 1 else 0.0)
-        step.append(sum(moved for _, moved in sizes) / problem.cluster.device.bytes_per_s())
+        step.append(step_seconds(problem, params, d, levers[d]))
     return allreduce, step
 
 

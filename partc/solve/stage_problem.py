@@ -41,7 +41,16 @@ from partc.cost.table import CostTable
 from partc.errors import PartcError
 from partc.graph.opgraph import FLOATING_DTYPES, Param
 from partc.hardware.specs import ClusterSpec, LinkSpec
-from partc.options import PLACEMENTS, SCHEDULES, Placement, Precision, Schedule, TrainingConfig
+from partc.options import (
+    PLACEMENTS,
+    SCHEDULES,
+    SHARDINGS,
+    Placement,
+    Precision,
+    Schedule,
+    Sharding,
+    TrainingConfig,
+)
 from partc.solve.coarsen import BlockGraph
 from partc.solve.memory import (
     StageMemory,
@@ -61,8 +70,28 @@ class ShapeError(PartcError):
 
 
 @dataclass(frozen=True)
+class RankLevers:
+    """The memory levers one pipeline rank uses (all its virtual stages alike): activation
+    checkpointing (recompute each micro-batch's forward before its backward, keeping only the
+    stage inputs), and what its data-parallel replicas shard (`Sharding`)."""
+
+    activation_checkpointing: bool = False
+    sharding: Sharding = "none"
+
+    @property
+    def label(self) -> str:
+        parts = (["ckpt"] if self.activation_checkpointing else []) + \
+            ([f"shard-{self.sharding}"] if self.sharding != "none" else [])
+        return "+".join(parts) or "none"
+
+
+@dataclass(frozen=True)
 class PipelineShape:
-    """Everything about a hybrid-parallel layout except where the cuts fall."""
+    """Everything about a hybrid-parallel layout except where the cuts fall.
+
+    `activation_checkpointing` and `sharding` are what the shape allows its ranks: the search
+    prices the cut with them on every rank, then turns them off on each rank whose memory does
+    not need them (`RankLevers`, partc.solve.levers)."""
 
     stages: int  # S: pipeline ranks (devices per pipeline)
     replicas: int  # R: data-parallel copies of the pipeline
@@ -72,6 +101,7 @@ class PipelineShape:
     chunks: int = 1  # virtual stages per rank (interleaved-1f1b only)
     activation_checkpointing: bool = False
     placement: Placement = "stage-major"
+    sharding: Sharding = "none"
 
     def __post_init__(self) -> None:
         for name in ("stages", "replicas", "num_microbatches", "microbatch_size", "chunks"):
@@ -88,6 +118,12 @@ class PipelineShape:
         if self.placement not in PLACEMENTS:
             raise ShapeError(f"unknown placement {self.placement!r}",
                              hint=f"use one of {', '.join(PLACEMENTS)}")
+        if self.sharding not in SHARDINGS:
+            raise ShapeError(f"unknown sharding {self.sharding!r}",
+                             hint=f"use one of {', '.join(SHARDINGS)}")
+        if self.sharding != "none" and self.replicas < 2:
+            raise ShapeError(f"sharding {self.sharding} needs data-parallel replicas, the shape "
+                             "has one", hint="shard only with --replicas 2 or more")
 
     @property
     def virtual_stages(self) -> int:
@@ -110,6 +146,21 @@ class PipelineShape:
         if self.placement == "stage-major":
             return rank * self.replicas + replica
         return replica * self.stages + rank
+
+    @property
+    def shards(self) -> int:
+        """Replicas a sharded rank splits its state over (1 without sharding)."""
+        return self.replicas if self.sharding != "none" else 1
+
+    def training_config(self, training: TrainingConfig,
+                        levers: "RankLevers | None" = None) -> TrainingConfig:
+        """`training` for this shape: its schedule, and the levers of one rank (`levers`; None:
+        every lever the shape allows, on)."""
+        levers = levers or RankLevers(self.activation_checkpointing, self.sharding)
+        return replace(training, schedule=self.schedule,
+                       activation_checkpointing=levers.activation_checkpointing,
+                       sharding=levers.sharding,
+                       shards=self.replicas if levers.sharding != "none" else 1)
 
     def rank_devices(self, rank: int) -> tuple[int, ...]:
         """The devices running pipeline rank `rank`, one per replica."""
@@ -141,6 +192,8 @@ class PipelineShape:
                                                              else "")]
         if self.activation_checkpointing:
             parts.append("ckpt")
+        if self.sharding != "none":
+            parts.append(f"shard-{self.sharding}")
         if self.replicas > 1 and self.stages > 1:
             parts.append(self.placement)
         return " ".join(parts)
@@ -215,12 +268,16 @@ class StageProblem:
     # (partc.solve.memory.host_data_bytes), and the same in memory units
     host_data_bytes: tuple[float, ...] = ()
     host_data: list[int] = field(default_factory=list)
+    # levers every rank keeps on whether its memory needs them or not: the ones the user pinned
+    # (--checkpointing, --sharding), which partc.solve.levers never turns off
+    forced_levers: RankLevers = field(default_factory=lambda: RankLevers())
 
     # ---- construction ----------------------------------------------------------------------
     @classmethod
     def build(cls, blocks: BlockGraph, table: CostTable, cluster: ClusterSpec,
               training: TrainingConfig, shape: PipelineShape,
-              memo: dict[tuple, Any] | None = None) -> "StageProblem":
+              memo: dict[tuple, Any] | None = None,
+              forced_levers: RankLevers | None = None) -> "StageProblem":
         """Price every block for `shape` (see the module docstring). `memo`, shared by the builds
         of one search (same blocks and table), keeps the shape-independent pieces: per-parameter
         bytes and per-block transients at a micro-batch size; a search over thousands of shapes
@@ -229,8 +286,7 @@ class StageProblem:
         if shape.num_devices > cluster.num_devices:
             raise ShapeError(f"{shape.label()} needs {shape.num_devices} devices, the cluster "
                              f"has {cluster.num_devices}", hint="use fewer stages or replicas")
-        training = replace(training, schedule=shape.schedule,
-                           activation_checkpointing=shape.activation_checkpointing)
+        training = shape.training_config(training)
         graph = table.graph
         m, M, S = shape.microbatch_size, shape.num_microbatches, shape.stages
         ckpt = shape.activation_checkpointing
@@ -256,14 +312,19 @@ class StageProblem:
                    temps=terms.temps, saved=terms.saved, transient=terms.transient,
                    sync=terms.sync, has_trainable=terms.has_trainable,
                    tensors=_crossing_tensors(blocks, table, shape, cluster, training.bf16, units),
-                   shared=terms.shared, sync_latency=[units.time(x) for x in latency],
+                   shared=terms.shared,
+                   # a sharded rank all-gathers its updated parameters after the step: half an
+                   # all-reduce's latency more
+                   sync_latency=[units.time(x * (1.5 if shape.shards > 1 else 1.0))
+                                 for x in latency],
                    activation_coef=[(1.0 if ckpt else in_flight[d]) / shape.chunks
                                     for d in range(S)],
                    keep_coef=[in_flight[d] / shape.chunks for d in range(S)], loss=loss,
                    inputs=inputs, capacity=usable // units.memory_bytes, corrections=[0] * S,
                    stage_fixed=[units.time(f + b)
                                 for f, b in stage_fixed_s(table, cluster, shape)],
-                   host_data_bytes=host, host_data=[units.memory(x) for x in host])
+                   host_data_bytes=host, host_data=[units.memory(x) for x in host],
+                   forced_levers=forced_levers or RankLevers())
 
     # ---- evaluation of an assignment ---------------------------------------------------------
     @property
@@ -368,8 +429,10 @@ class StageProblem:
     def fits(self, assignment: Sequence[int]) -> bool:
         return all(x <= self.capacity for x in self.rank_memory(assignment))
 
-    def exact_memory(self, assignment: Sequence[int]) -> list[StageMemory]:
-        """partc.solve.memory.stage_memory of every rank (its virtual stages together)."""
+    def exact_memory(self, assignment: Sequence[int],
+                     levers: Sequence[RankLevers] | None = None) -> list[StageMemory]:
+        """partc.solve.memory.stage_memory of every rank (its virtual stages together), each
+        with its `levers` (None: every lever the shape allows, on every rank)."""
         S = self.shape.stages
         nodes: list[list[str]] = [[] for _ in range(S)]
         for b, k in enumerate(assignment):
@@ -380,13 +443,21 @@ class StageProblem:
             crossed = self.crossings(assignment, tensor)
             for k in crossed[:-1]:
                 relayed[self.rank_of(k)].append(tensor.name)
-        return [stage_memory(self.table, nodes[d], microbatch_size=self.shape.microbatch_size,
-                             host_data=self.host_data_bytes[d], relayed=relayed[d],
-                             # launch frees them between steps unless a DDP bucket holds them
-                             gradients_resident=self.shape.replicas > 1,
-                             num_microbatches=self.shape.num_microbatches, stage_index=d,
-                             num_stages=S, config=self.training, chunks=self.shape.chunks)
+        return [self.rank_memory_with(d, nodes[d], relayed[d],
+                                      None if levers is None else levers[d])
                 for d in range(S)]
+
+    def rank_memory_with(self, rank: int, nodes: Sequence[str], relayed: Sequence[str],
+                         levers: RankLevers | None) -> StageMemory:
+        """stage_memory of one rank running `nodes` (relaying `relayed`) with `levers`."""
+        return stage_memory(self.table, nodes, microbatch_size=self.shape.microbatch_size,
+                            host_data=self.host_data_bytes[rank], relayed=relayed,
+                            # launch frees them between steps unless a DDP bucket holds them
+                            gradients_resident=self.shape.replicas > 1,
+                            num_microbatches=self.shape.num_microbatches, stage_index=rank,
+                            num_stages=self.shape.stages,
+                            config=self.shape.training_config(self.training, levers),
+                            chunks=self.shape.chunks)
 
     def usable_bytes(self) -> int:
         return usable_memory(self.cluster.device.memory_bytes, self.training)
@@ -479,11 +550,18 @@ class _BlockTerms:
                       for p in users}
         step_bps = cluster.device.bytes_per_s()
 
+        shards = training.optimizer_shards
+
         def sync_units(name: str) -> tuple[int, ...]:
-            """Per rank: the parameter's all-reduce over the replicas, then its optimizer step."""
+            """Per rank: the parameter's all-reduce over the replicas, then its optimizer step;
+            sharded, the step of its share (1/shards on average) and the all-gather of the
+            updated weights (half an all-reduce's bytes per byte)."""
             gbytes, moved = _memo(memo, ("sync", name, training),
                                   lambda: sync_bytes(graph.param(name), training))
-            return tuple(units.time(gbytes * per_byte[d] + moved / step_bps) for d in range(S))
+            gather = param_memory(graph.param(name), training)[0] if shards > 1 and gbytes \
+                else 0
+            return tuple(units.time(gbytes * per_byte[d] + gather * per_byte[d] / 2
+                                    + moved / shards / step_bps) for d in range(S))
 
         shared_names = sorted(p for p, bs in users.items() if len(set(bs)) > 1)
         shared = [SharedParam(name=p, blocks=tuple(sorted(set(users[p]))),
@@ -569,9 +647,12 @@ def _memo(memo: dict[tuple, Any], key: tuple, compute: Callable[[], T]) -> T:
 
 
 def _param_bytes(p: Param, training: TrainingConfig) -> tuple[float, float]:
-    """(static, step temporaries) bytes of one parameter/buffer; partc.solve.memory's rules."""
+    """(static, step temporaries) bytes of one parameter/buffer; partc.solve.memory's rules.
+    A sharded optimizer state counts 1/shards of it here (the linear model's even split; the
+    exact model takes ZeroRedundancyOptimizer's partition, and corrections close the gap)."""
     weights, grads, state, temps = param_memory(p, training)
-    return float(weights + grads + state), float(temps)
+    shards = training.optimizer_shards
+    return float(weights + grads + state / shards), float(temps / shards)
 
 
 def sync_bytes(p: Param, training: TrainingConfig) -> tuple[int, int]:

@@ -142,6 +142,40 @@ def test_interleaved_schedule_with_activation_checkpointing(tmp_path: Path) -> N
     train_and_compare(plan, tmp_path, steps=3)
 
 
+def test_sharded_optimizer_state_trains_and_resumes_as_the_unsharded_plan(tmp_path: Path) -> None:
+    """ZeRO-1 (ZeroRedundancyOptimizer over each stage's replicas) on 2 stages x 2 replicas of HF
+    GPT-2, its lm_head tied across the stages: the losses are single-process training's; a
+    checkpoint it writes (by FQN, the sharded state gathered whole) resumes under the unsharded
+    plan and back, with the uninterrupted run's losses; and the measured peak of every rank is
+    below the unsharded plan's."""
+    model = TEST_MODELS / "gpt2_no_dropout.py"
+    sharded = compile_plan(tmp_path / "sharded", model, 2, 2, sharding="optimizer")
+    plain = compile_plan(tmp_path / "plain", model, 2, 2, sharding="none")
+    assert [st.sharding for st in load_plan(sharded).stages] == ["optimizer"] * 2
+    assert [st.sharding for st in load_plan(plain).stages] == ["none"] * 2
+    got = train_and_compare(sharded, tmp_path, steps=4)
+
+    ckpt, resumed = tmp_path / "ckpt", tmp_path / "resumed.jsonl"
+    for plan, steps, flags in ((sharded, 2, ()), (plain, 3, ("--resume",)),
+                               (sharded, 4, ("--resume",))):
+        result = launch(plan, "--steps", str(steps), "--checkpoint-dir", str(ckpt),
+                        "--metrics", str(resumed), *flags)
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert losses_of(resumed) == got  # bit for bit: the state moved whole between the plans
+
+    # step 3 is the step whose memory both runs measured: the sharded run's own (of 4 steps),
+    # the unsharded plan's only step after resuming
+    from partc.plans.run_metrics import RunMetrics
+
+    def peaks(path: Path, step: int) -> list[int]:
+        found = [s for s in RunMetrics.load(path).steps if s.step == step]
+        assert found[-1].memory_method != "none"
+        return [int(st.peak_memory_bytes or 0) for st in found[-1].stages]
+
+    metrics = tmp_path / f"{sharded.parent.name}.jsonl"
+    assert all(a < b for a, b in zip(peaks(metrics, 3), peaks(resumed, 3), strict=True))
+
+
 def test_bf16_mixed_trains_close_to_fp32(tmp_path: Path) -> None:
     plan = compile_plan(tmp_path, EXAMPLES / "transformer.py", 2, 1,
                         training=TrainingConfig(precision="bf16-mixed"))
@@ -174,9 +208,18 @@ def _workers(agent: int) -> list[tuple[int, dict[str, str]]]:
     return found
 
 
-def test_killed_rank_restarts_and_resumes_from_checkpoint(tmp_path: Path) -> None:
-    plan = compile_plan(tmp_path, EXAMPLES / "transformer.py", 2, 1)
-    steps = 24
+@pytest.mark.parametrize("layout", ["2x1", "2x2-sharded"])
+def test_killed_rank_restarts_and_resumes_from_checkpoint(tmp_path: Path, layout: str) -> None:
+    """SIGKILL of a worker under --max-restarts 1: every worker restarts and resumes from the
+    newest checkpoint, and the losses are the clean run's, bit for bit. 2x2-sharded: 2 stages x
+    2 replicas with the optimizer state sharded (ZeRO-1), whose checkpoint is gathered whole
+    from the replicas and handed back to them in shares on resume."""
+    if layout == "2x1":
+        plan = compile_plan(tmp_path, EXAMPLES / "transformer.py", 2, 1)
+    else:
+        plan = compile_plan(tmp_path, EXAMPLES / "transformer.py", 2, 2, sharding="optimizer")
+        assert all(st.sharding == "optimizer" for st in load_plan(plan).stages)
+    steps = 24 if layout == "2x1" else 12
     clean = tmp_path / "clean.jsonl"
     result = launch(plan, "--steps", str(steps), "--metrics", str(clean))
     assert result.returncode == 0, result.stderr[-3000:]

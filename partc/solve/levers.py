@@ -1,0 +1,112 @@
+"""Memory levers per pipeline rank: which ranks of a cut recompute their activations and which
+shard their optimizer state across their data-parallel replicas.
+
+A `PipelineShape` says which levers its ranks may use (`activation_checkpointing`, `sharding`),
+and the solver prices the cut with them on every rank, so that the cut is chosen knowing the
+memory they free. A lever costs time, though: checkpointing recomputes each micro-batch's forward
+before its backward, sharding replaces part of the optimizer step by an all-gather of the updated
+weights. So once a cut is fixed, `choose_levers` gives each rank the cheapest combination of the
+allowed levers under which the exact memory model (partc.solve.memory.stage_memory) fits the
+device: recompute and shard only where memory binds (or where sharding is faster by itself: the
+step it splits can cost more than the all-gather on a fast network).
+
+Precondition: the cut fits with every allowed lever on (the search checked it). Postcondition:
+every rank's levers are a subset of the shape's, and its exact memory fits whenever that
+precondition held.
+"""
+from __future__ import annotations
+
+from itertools import product
+from typing import Sequence
+
+from partc.graph.opgraph import Param
+from partc.options import Sharding
+from partc.solve.memory import optimizer_partition, param_memory
+from partc.solve.stage_problem import RankLevers, StageProblem, sync_bytes
+
+
+def lever_options(problem: StageProblem) -> list[RankLevers]:
+    """Every combination of the levers the problem's shape allows that keeps the forced ones
+    (`StageProblem.forced_levers`: what the user pinned)."""
+    shape, forced = problem.shape, problem.forced_levers
+    ckpts = (True,) if forced.activation_checkpointing else \
+        (False, True) if shape.activation_checkpointing else (False,)
+    shardings: tuple[Sharding, ...] = (shape.sharding,) if forced.sharding != "none" else \
+        ("none", shape.sharding) if shape.sharding != "none" else ("none",)
+    return [RankLevers(c, s) for c, s in product(ckpts, shardings)]
+
+
+def rank_parameters(problem: StageProblem, assignment: Sequence[int]) -> list[list[Param]]:
+    """Per pipeline rank, the distinct parameters its stages hold (a tied one once), in graph
+    order of their first use."""
+    graph = problem.table.graph
+    held: list[dict[str, Param]] = [{} for _ in range(problem.shape.stages)]
+    for b, k in enumerate(assignment):
+        for name in problem.blocks.blocks[b].params:
+            p = graph.param(name)
+            held[problem.rank_of(k)].setdefault(p.name, p)
+    return [list(h.values()) for h in held]
+
+
+def step_seconds(problem: StageProblem, params: Sequence[Param], rank: int,
+                 levers: RankLevers) -> float:
+    """One rank's optimizer step: the step of what it updates (all its parameters, or sharded
+    the largest share ZeroRedundancyOptimizer gives a replica, `optimizer_partition`), and
+    sharded, the all-gather of every replica's updated weights."""
+    training = problem.training
+    bps = problem.cluster.device.bytes_per_s()
+    optimized = [(p, sync_bytes(p, training)[1]) for p in params if sync_bytes(p, training)[0]]
+    shape = problem.shape
+    if levers.sharding == "none" or shape.replicas < 2 or not optimized:
+        return sum(moved for _, moved in optimized) / bps
+    owned = optimizer_partition([p.numel for p, _ in optimized], shape.replicas)
+    step = max(sum(optimized[i][1] for i in part) for part in owned) / bps
+    weights = sum(param_memory(p, training)[0] for p, _ in optimized)
+    return step + problem.cluster.allgather_s(weights, shape.rank_devices(rank))
+
+
+def recompute_seconds(problem: StageProblem, assignment: Sequence[int], rank: int) -> float:
+    """What checkpointing adds to one rank per step: every micro-batch's forward again."""
+    m = problem.shape.microbatch_size
+    forward = sum(problem.blocks.blocks[b].forward.at(m) for b, k in enumerate(assignment)
+                  if problem.rank_of(k) == rank)
+    return problem.shape.num_microbatches * forward
+
+
+def choose_levers(problem: StageProblem, assignment: Sequence[int]) -> tuple[RankLevers, ...]:
+    """Per rank, the cheapest allowed levers whose exact memory fits (module docstring); ties go
+    to fewer levers. A rank that fits under none keeps every allowed lever (the search does not
+    hand such cuts here)."""
+    S = problem.shape.stages
+    options = lever_options(problem)
+    everything = RankLevers(problem.shape.activation_checkpointing, problem.shape.sharding)
+    if len(options) == 1:
+        return (everything,) * S
+    usable = problem.usable_bytes()
+    params = rank_parameters(problem, assignment)
+    nodes: list[list[str]] = [[] for _ in range(S)]
+    for b, k in enumerate(assignment):
+        nodes[problem.rank_of(k)].extend(problem.blocks.blocks[b].nodes)
+    relayed: list[list[str]] = [[] for _ in range(S)]
+    for tensor in problem.tensors:
+        for k in problem.crossings(assignment, tensor)[:-1]:
+            relayed[problem.rank_of(k)].append(tensor.name)
+    chosen = []
+    for d in range(S):
+        base_step = step_seconds(problem, params[d], d, RankLevers())
+        recompute = recompute_seconds(problem, assignment, d)
+
+        def cost(levers: RankLevers, d: int = d, recompute: float = recompute,
+                 base_step: float = base_step) -> tuple[float, int]:
+            added = recompute if levers.activation_checkpointing else 0.0
+            if levers.sharding != "none":
+                added += step_seconds(problem, params[d], d, levers) - base_step
+            return (added, int(levers.activation_checkpointing) + int(levers.sharding != "none"))
+
+        pick = everything
+        for levers in sorted(options, key=cost):
+            if problem.rank_memory_with(d, nodes[d], relayed[d], levers).total <= usable:
+                pick = levers
+                break
+        chosen.append(pick)
+    return tuple(chosen)

@@ -1,0 +1,223 @@
+"""Memory levers per rank (partc.solve.levers): sharded optimizer state (ZeRO-1) in the memory
+model and the search, and checkpointing / sharding only on the ranks whose memory needs them. Real
+captures, real CP-SAT solves; the partition rule is checked against torch's own
+ZeroRedundancyOptimizer in a real gloo process group."""
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from partc.cost.roofline import analytic_cost_table
+from partc.cost.table import CostTable
+from partc.frontend.capture import capture_graph
+from partc.hardware.configs import load_cluster
+from partc.hardware.specs import ClusterSpec, LinkSpec
+from partc.options import SearchOptions, TrainingConfig
+from partc.solve.levers import choose_levers, lever_options, step_seconds
+from partc.solve.memory import optimizer_partition, param_memory, stage_memory
+from partc.solve.partition import Partition
+from partc.solve.search import search
+from partc.solve.stage_problem import PipelineShape, RankLevers, ShapeError
+
+ROOT = Path(__file__).resolve().parents[2]
+_LINK = LinkSpec(bandwidth=4.02e9, latency_s=105e-6)
+CPU8 = replace(load_cluster("cpu"), intra_node=_LINK, inter_node=_LINK, devices_per_node=8)
+
+
+@lru_cache(maxsize=None)
+def table_of(name: str) -> CostTable:
+    model = ROOT / ("examples" if name != "gpt2_no_dropout" else "tests/models") / f"{name}.py"
+    return analytic_cost_table(capture_graph(model, 2, onnx=False).graph, CPU8.device)
+
+
+def with_memory(cluster: ClusterSpec, nbytes: int) -> ClusterSpec:
+    return replace(cluster, device=replace(cluster.device, memory_bytes=nbytes))
+
+
+# ---- the partition ZeroRedundancyOptimizer makes -----------------------------------------------
+def _torch_partition(rank: int, world: int, port: int, sizes: list[int], out: dict) -> None:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in sizes]
+    opt = ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.SGD, lr=0.1)
+    ids = {id(p): i for i, p in enumerate(params)}
+    if rank == 0:
+        out["owned"] = [[ids[id(p)] for g in groups for p in g["params"]]
+                        for groups in opt._partition_parameters()]
+    dist.destroy_process_group()
+
+
+def test_optimizer_partition_is_torchs() -> None:
+    rng = random.Random(7)
+    sizes = [rng.choice([1, 16, 16, 256, 1000, 4096]) for _ in range(23)]
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_torch_partition, args=(3, port, sizes, out), nprocs=3, join=True)
+        expected = [sorted(x) for x in out["owned"]]
+    assert [sorted(x) for x in optimizer_partition(sizes, 3)] == expected
+
+
+# ---- the memory model ----------------------------------------------------------------------------
+def test_sharded_optimizer_state_is_the_largest_share() -> None:
+    table = table_of("transformer")
+    graph = table.graph
+    nodes = [n.name for n in graph.nodes]
+    kwargs = dict(microbatch_size=4, num_microbatches=4, stage_index=0, num_stages=1)
+    whole = stage_memory(table, nodes, config=TrainingConfig(), **kwargs)
+    sharded = stage_memory(table, nodes, config=TrainingConfig(sharding="optimizer", shards=2),
+                           **kwargs)
+    trainable = [p for p in graph.params if p.kind == "parameter" and p.trainable]
+    states = [param_memory(p, TrainingConfig())[2] for p in trainable]
+    largest = max(sum(states[i] for i in part)
+                  for part in optimizer_partition([p.numel for p in trainable], 2))
+    assert sharded.optimizer_state == largest
+    assert whole.optimizer_state == sum(states)
+    assert sharded.optimizer_state < 0.6 * whole.optimizer_state  # close to half
+    # weights and gradients stay whole on every replica (ZeRO-1)
+    assert (sharded.parameters, sharded.gradients) == (whole.parameters, whole.gradients)
+    assert sharded.total < whole.total
+
+
+def test_sharding_needs_replicas() -> None:
+    with pytest.raises(ShapeError, match="needs data-parallel replicas"):
+        PipelineShape(stages=2, replicas=1, num_microbatches=2, microbatch_size=2,
+                      sharding="optimizer")
+
+
+# ---- the search ----------------------------------------------------------------------------------
+def _plan(table: CostTable, cluster: ClusterSpec, **pinned: object) -> Partition:
+    return search(table, cluster, 32, TrainingConfig(),
+                  SearchOptions(stages=2, replicas=2, max_blocks=32, **pinned))  # type: ignore[arg-type]
+
+
+def _needed(partition: Partition, table: CostTable, cluster: ClusterSpec) -> None:
+    """Every rank fits, and every lever a rank uses is one its memory needs: without it (the
+    other lever kept) the rank would not fit."""
+    from partc.solve.coarsen import coarsen
+    from partc.solve.stage_problem import StageProblem
+
+    problem = StageProblem.build(coarsen(table, 32), table, cluster, TrainingConfig(),
+                                 partition.shape)
+    usable = problem.usable_bytes()
+    assert all(m.total <= usable for m in partition.memory)
+    S = partition.shape.stages
+    for d, levers in enumerate(partition.levers):
+        nodes = [n for st in partition.stages if st.rank == d for n in st.nodes]
+        relayed = [t for st in partition.stages if st.rank == d for t in st.sends
+                   if t in st.receives]
+        assert partition.memory[d].total == problem.rank_memory_with(d, nodes, relayed,
+                                                                     levers).total
+        held = [problem.table.graph.param(p) for p in dict.fromkeys(
+            p for st in partition.stages if st.rank == d for p in st.parameters)]
+        for fewer in (replace(levers, activation_checkpointing=False),
+                      replace(levers, sharding="none")):
+            if fewer == levers or problem.rank_memory_with(d, nodes, relayed,
+                                                           fewer).total > usable:
+                continue
+            # not needed for memory: only sharding, and only where it is faster by itself (its
+            # share of the optimizer step saves more than the all-gather of the weights costs)
+            assert fewer == replace(levers, sharding="none"), (d, levers)
+            assert step_seconds(problem, held, d, levers) <= \
+                step_seconds(problem, held, d, fewer), (d, levers)
+    assert len(partition.levers) == S
+
+
+def _least_peak(table: CostTable, shape: PipelineShape) -> int:
+    from partc.solve.coarsen import coarsen
+    from partc.solve.search import _least_peak as least
+    from partc.solve.stage_problem import StageProblem
+
+    return least(StageProblem.build(coarsen(table, 32), table, CPU8, TrainingConfig(), shape))
+
+
+@pytest.mark.parametrize("lever", ["checkpointing", "sharding", "both"])
+def test_levers_only_where_memory_binds(lever: str) -> None:
+    table = table_of("gpt2_no_dropout")
+    free = _plan(table, CPU8, sharding="none", activation_checkpointing=False)
+    assert all(levers == RankLevers() for levers in free.levers)
+    shape = replace(free.shape, activation_checkpointing=False, sharding="none")
+    ckpt, shard = replace(shape, activation_checkpointing=True), replace(shape,
+                                                                          sharding="optimizer")
+    bare = _least_peak(table, shape)
+    # memory between what the best cut needs with the lever(s) and without: some rank of every
+    # cut needs them
+    if lever == "checkpointing":
+        low, high, pinned = _least_peak(table, ckpt), bare, {"sharding": "none"}
+    elif lever == "sharding":
+        low, high, pinned = _least_peak(table, shard), bare, {"activation_checkpointing": False}
+    else:
+        low = _least_peak(table, replace(ckpt, sharding="optimizer"))
+        high, pinned = min(_least_peak(table, ckpt), _least_peak(table, shard)), {}
+    assert low < high
+    tight = with_memory(CPU8, int((low + high) / 2 / (1 - 0.1)))
+    p = _plan(table, tight, num_microbatches=free.shape.num_microbatches, **pinned)
+    _needed(p, table, tight)
+    used = [levers for levers in p.levers if levers != RankLevers()]
+    assert used
+    if lever == "checkpointing":
+        assert all(levers == RankLevers(True) for levers in used)
+    elif lever == "sharding":
+        assert all(levers == RankLevers(sharding="optimizer") for levers in used)
+    # what the levers save is recorded per rank
+    assert any(w > m.total for w, m in zip(p.memory_without_levers, p.memory, strict=True))
+    for st in p.stages:
+        assert (st.activation_checkpointing, st.sharding) == \
+            (p.levers[st.rank].activation_checkpointing, p.levers[st.rank].sharding)
+
+
+def test_pinned_levers_are_on_everywhere() -> None:
+    table = table_of("transformer")
+    p = _plan(table, CPU8, sharding="optimizer", activation_checkpointing=True)
+    assert p.levers == (RankLevers(True, "optimizer"),) * 2
+    assert p.shape.sharding == "optimizer" and p.shape.activation_checkpointing
+    assert all(st.activation_checkpointing and st.sharding == "optimizer" for st in p.stages)
+    # a lever on costs time: the same cut without them is predicted faster
+    off = _plan(table, CPU8, sharding="none", activation_checkpointing=False)
+    assert off.iteration_s < p.iteration_s
+
+
+def test_lever_options_follow_the_shape_and_the_pins() -> None:
+    from partc.solve.coarsen import coarsen
+    from partc.solve.stage_problem import StageProblem
+
+    table = table_of("mlp")
+    blocks = coarsen(table, 8)
+    shape = PipelineShape(stages=2, replicas=2, num_microbatches=2, microbatch_size=4,
+                          activation_checkpointing=True, sharding="optimizer")
+    free = StageProblem.build(blocks, table, CPU8, TrainingConfig(), shape)
+    assert len(lever_options(free)) == 4
+    pinned = StageProblem.build(blocks, table, CPU8, TrainingConfig(), shape,
+                                forced_levers=RankLevers(sharding="optimizer"))
+    assert {o.sharding for o in lever_options(pinned)} == {"optimizer"}
+    plain = replace(shape, activation_checkpointing=False, sharding="none")
+    assert lever_options(StageProblem.build(blocks, table, CPU8, TrainingConfig(), plain)) == \
+        [RankLevers()]
+    # a cut that fits without levers never recomputes, and shards only where that is faster
+    # by itself, unless pinned
+    from partc.solve.levers import rank_parameters
+
+    a = tuple(i * 2 // len(blocks.blocks) for i in range(len(blocks.blocks)))
+    for d, (levers, params) in enumerate(zip(choose_levers(free, a), rank_parameters(free, a),
+                                             strict=True)):
+        faster = step_seconds(free, params, d, RankLevers(sharding="optimizer")) < \
+            step_seconds(free, params, d, RankLevers())
+        assert levers == RankLevers(sharding="optimizer" if faster else "none")
+    assert choose_levers(pinned, a) == (RankLevers(sharding="optimizer"),) * 2
+    # on a slow link sharding costs more than it saves, and a cut that fits does not shard
+    slow = replace(CPU8, intra_node=LinkSpec(bandwidth=1e8, latency_s=1e-3))
+    assert choose_levers(StageProblem.build(blocks, table, slow, TrainingConfig(), shape), a) \
+        == (RankLevers(),) * 2
