@@ -1,14 +1,16 @@
 """What the benchmarks measure of one partc command run in a fresh process: exit code, wall time,
-peak RSS and the step times of its progress lines. Shared by bench/compile.py, check.py and
-compile_scale.py."""
+peak RSS and the step times of its progress lines; a command's last line and a benchmark's end
+(total time, raw rows as JSON). Shared by the bench/ scripts."""
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 # Runs one command and prints its peak RSS last on stderr: a fresh wrapper per run, so
 # RUSAGE_CHILDREN is that command's own peak, not the largest of every run so far.
@@ -45,3 +47,19 @@ def run_measured(args: list[str], cwd: Path, env: dict[str, str] | None = None) 
     lines = proc.stderr.rstrip("\n").split("\n")
     return Measured(returncode=proc.returncode, wall_s=wall, rss_mib=int(lines[-1]) / 1024,
                     stdout=proc.stdout, stderr="\n".join(lines[:-1]))
+
+
+def last_line(text: str) -> str:
+    """The last non-blank line of a command's output (its one-line error, for partc)."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return lines[-1] if lines else "(no output)"
+
+
+def finish(start: float, path: Path | None, payload: dict[str, Any]) -> None:
+    """Print a benchmark's total time; write its raw rows (with the total) to `path` as JSON."""
+    total = time.perf_counter() - start
+    print(f"\ntotal {total / 60:.1f} min")
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({**payload, "total_s": total}, indent=1, sort_keys=True,
+                                   default=str))

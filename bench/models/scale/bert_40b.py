@@ -1,0 +1,10 @@
+"""BERT family at size 40b on the meta device (shapes in scale_family.py)."""
+from scale_family import build_bert, bert_inputs
+
+
+def build_model():
+    return build_bert("40b")
+
+
+def example_inputs(batch_size: int):
+    return bert_inputs(batch_size)
