@@ -8,7 +8,7 @@ PARTC := $(VENV)/bin/partc
 STAMP := $(VENV)/.partc-installed
 
 .PHONY: install lint demo test test-slow test-all bench bench-quality bench-measured bench-scale \
-	bench-runtime bench-plots bench-all clean
+	bench-runtime bench-levers bench-frontier bench-plots bench-all clean
 
 install: $(STAMP)
 
@@ -70,10 +70,19 @@ bench-scale: install
 bench-runtime: install
 	$(PY) bench/launch.py --repeats 3 --json $(RESULTS)/launch.json
 
+# memory levers: each one launched here (time cost, memory saved, vs predicted), and the largest
+# models each set of levers can plan on RaNNC's and an H100 cluster (predicted)
+bench-levers: install
+	$(PY) bench/levers_measured.py --repeats 3 --json $(RESULTS)/levers_measured.json
+
+bench-frontier: install
+	$(PY) bench/frontier.py --json $(RESULTS)/frontier.json
+
 bench-plots: install
 	$(PY) bench/plots.py
 
-bench-all: bench-quality bench-measured bench-scale bench-runtime bench-plots
+bench-all: bench-quality bench-measured bench-scale bench-runtime bench-levers bench-frontier \
+	bench-plots
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

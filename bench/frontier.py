@@ -134,12 +134,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for cluster in args.clusters.split(","):
             for family in args.families.split(","):
-                start = None
+                walk_from = None
                 # each lever set allows what the one before it does (LEVERS' order), so its
                 # frontier is at least that one's: the walk starts there
                 for levers in [v for v in LEVERS if v in args.levers.split(",")]:
-                    best = frontier(family, cluster, levers, Path(tmp), rows, start)
-                    start = best["size"] if best is not None else start
+                    best = frontier(family, cluster, levers, Path(tmp), rows, walk_from)
+                    walk_from = best["size"] if best is not None else walk_from
                     entry: dict[str, Any] = {"cluster": cluster, "family": family,
                                              "levers": levers, "frontier": best}
                     if best is not None and not args.no_compile:

@@ -47,6 +47,7 @@ class LayoutStage:
     send_backward_s: float
     activation_bytes: int
     static_bytes: int
+    levers: str = "-"  # the memory levers it uses ("ckpt+shard-optimizer", "-": none)
 
 
 @dataclass(frozen=True)
@@ -137,7 +138,8 @@ def layout_of_plan(plan: Plan) -> Layout:
         parameters=s.parameters, forward_s=s.forward_s, backward_s=s.backward_s,
         peak_memory_bytes=s.peak_memory_bytes, send_forward_s=s.send_forward_s,
         send_backward_s=s.send_backward_s, activation_bytes=s.activation_bytes,
-        static_bytes=s.static_bytes) for s in plan.stages)
+        static_bytes=s.static_bytes,
+        levers=s.levers.label) for s in plan.stages)
     return Layout(model=plan.model.name, graph_hash=plan.model.graph_hash,
                   cluster=plan.cluster.name, training=plan.training, stages=stages,
                   predicted=plan.predicted, solver=plan.solver,
@@ -156,7 +158,8 @@ def layout_of_partition(partition: Partition, module_fingerprints: dict[str, str
         peak_memory_bytes=partition.memory[st.rank].total,
         send_forward_s=round_seconds(t.send_forward_s),
         send_backward_s=round_seconds(t.send_backward_s),
-        activation_bytes=int(t.activation_bytes), static_bytes=int(t.static_bytes))
+        activation_bytes=int(t.activation_bytes), static_bytes=int(t.static_bytes),
+        levers=st.levers.label)
         for st, t in zip(partition.stages, partition.pipeline.stages, strict=True))
     return Layout(model=partition.model, graph_hash=partition.graph_hash,
                   cluster=partition.cluster, training=partition.training_setup, stages=stages,
@@ -254,7 +257,8 @@ _SHAPE_KEYS = (("stages", "pipeline stages"), ("replicas", "replicas"),
                ("virtual_stages_per_rank", "virtual stages per rank"),
                ("num_microbatches", "micro-batches"), ("microbatch_size", "micro-batch size"),
                ("global_batch_size", "global batch"), ("schedule", "schedule"),
-               ("activation_checkpointing", "activation checkpointing"),
+               ("activation_checkpointing", "activation checkpointing allowed"),
+               ("sharding", "sharding allowed"),
                ("placement", "placement"), ("optimizer", "optimizer"),
                ("precision", "precision"), ("memory_margin", "memory margin"))
 
@@ -361,7 +365,7 @@ def format_diff(diff: LayoutDiff, old_name: str = "a", new_name: str = "b",
             lines.append(f"  ... and {shown - _MAX_LINES} more")
     if diff.stages_changed or diff.moves:
         lines.append(f"{'stage':>5}  {'devices':<17} {'fwd ms':<19} {'bwd ms':<19} "
-                     f"{'memory GiB':<17}  modules ({old_name} -> {new_name})")
+                     f"{'memory GiB':<17} {'levers':<24}  modules ({old_name} -> {new_name})")
         for k in range(max(len(old.stages), len(new.stages))):
             a = old.stages[k] if k < len(old.stages) else None
             b = new.stages[k] if k < len(new.stages) else None
@@ -394,5 +398,6 @@ def _stage_row(k: int, a: LayoutStage | None, b: LayoutStage | None) -> str:
     fwd = pair(_ms, lambda s: s.forward_s)
     bwd = pair(_ms, lambda s: s.backward_s)
     mem = pair(_gib, lambda s: s.peak_memory_bytes)
+    levers = pair(lambda x: x, lambda s: s.levers)
     span = pair(lambda x: x, _span)
-    return f"{k:>5}  {devices:<17} {fwd:<19} {bwd:<19} {mem:<17}  {span}"
+    return f"{k:>5}  {devices:<17} {fwd:<19} {bwd:<19} {mem:<17} {levers:<24}  {span}"

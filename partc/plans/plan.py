@@ -30,6 +30,7 @@ from partc.hardware.units import format_quantity
 from partc.options import SearchOptions, Sharding, from_dict, to_dict
 from partc.solve.partition import Prediction, SolverReport, TrainingSetup, round_seconds
 from partc.solve.simulator import PipelineSpec, StageTiming
+from partc.solve.stage_problem import RankLevers
 
 if TYPE_CHECKING:
     from partc.frontend.model_file import ModelFile
@@ -131,6 +132,10 @@ class PlanStage:
     # activations, and what its replicas shard.
     activation_checkpointing: bool = False
     sharding: Sharding = "none"
+
+    @property
+    def levers(self) -> RankLevers:
+        return RankLevers(self.activation_checkpointing, self.sharding)
 
     def to_dict(self) -> dict[str, Any]:
         return {"index": self.index, "rank": self.rank, "file": self.file, "sha256": self.sha256,
@@ -699,12 +704,8 @@ def _same_file(a: Path, b: Path) -> bool:
 
 def stage_levers_text(plan: Plan, stage: PlanStage) -> str:
     """The stage's memory levers and what they save: "ckpt+shard-optimizer -1.2 GiB", "-"."""
-    parts = (["ckpt"] if stage.activation_checkpointing else []) + \
-        ([f"shard-{stage.sharding}"] if stage.sharding != "none" else [])
-    if not parts:
-        return "-"
     saved = plan.predicted.lever_savings(stage.rank)
-    return "+".join(parts) + (f" -{format_quantity(saved, 'B')}" if saved else "")
+    return stage.levers.label + (f" -{format_quantity(saved, 'B')}" if saved else "")
 
 
 def format_plan(plan: Plan, solver_wall_s: float | None = None) -> str:

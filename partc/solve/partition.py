@@ -45,6 +45,10 @@ class StagePlan:
     activation_checkpointing: bool = False
     sharding: Sharding = "none"
 
+    @property
+    def levers(self) -> RankLevers:
+        return RankLevers(self.activation_checkpointing, self.sharding)
+
     def to_dict(self) -> dict[str, Any]:
         return {"index": self.index, "rank": self.rank, "devices": list(self.devices),
                 "activation_checkpointing": self.activation_checkpointing,
@@ -344,11 +348,9 @@ def format_partition(p: Partition) -> str:
         devices = ",".join(str(d) for d in st.devices)
         modules = ", ".join(st.modules[:3]) + (f" ... ({len(st.modules)})"
                                                if len(st.modules) > 3 else "")
-        levers = RankLevers(st.activation_checkpointing, st.sharding)
         saved = p.memory_without_levers[st.rank] - mem \
             if st.rank < len(p.memory_without_levers) else 0
-        lever_text = "-" if levers == RankLevers() else \
-            levers.label + (f" -{_gib(saved)}" if saved > 0 else "")
+        lever_text = st.levers.label + (f" -{_gib(saved)}" if saved > 0 else "")
         lines.append(f"{st.index:>5} {st.rank:>4} {devices:<12.12} {st.parameter_count:>10,} "
                      f"{st.forward_s * 1e3:>9.3f} {st.backward_s * 1e3:>9.3f} "
                      f"{_gib(mem):>10} {lever_text:<22}  {modules}")

@@ -80,9 +80,10 @@ class RankLevers:
 
     @property
     def label(self) -> str:
+        """How tables show them: "ckpt", "shard-optimizer", "ckpt+shard-optimizer", "-"."""
         parts = (["ckpt"] if self.activation_checkpointing else []) + \
             ([f"shard-{self.sharding}"] if self.sharding != "none" else [])
-        return "+".join(parts) or "none"
+        return "+".join(parts) or "-"
 
 
 @dataclass(frozen=True)

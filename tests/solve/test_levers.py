@@ -185,6 +185,11 @@ def test_pinned_levers_are_on_everywhere() -> None:
     assert p.levers == (RankLevers(True, "optimizer"),) * 2
     assert p.shape.sharding == "optimizer" and p.shape.activation_checkpointing
     assert all(st.activation_checkpointing and st.sharding == "optimizer" for st in p.stages)
+    # the summary says per stage what it uses and saves
+    from partc.solve.partition import format_partition
+
+    rows = [ln for ln in format_partition(p).splitlines() if "ckpt+shard-optimizer -" in ln]
+    assert len(rows) == 2
     # a lever on costs time: the same cut without them is predicted faster
     off = _plan(table, CPU8, sharding="none", activation_checkpointing=False)
     assert off.iteration_s < p.iteration_s
