@@ -16,7 +16,7 @@ their plans compare like for like:
    tightened and the shape re-solved.
 4. `cpsat` then optimises the best `refine` shapes with CP-SAT over the block DAG, seeded with the
    DP's and baselines' cuts, and reports its bound and gap.
-5. `cpsat` and `chain-dp`: the cuts of the best RERANK_SHAPES shapes (by the objective) -- the
+5. `cpsat` and `chain-dp`: the cuts of the best RERANK_SHAPES layouts (by the objective) -- the
    strategy's own, the DP's and the baselines' of the same shape -- are simulated
    (partc.solve.simulator) and the fastest simulated one that fits memory is the plan: the
    objective is a smooth estimate that can disagree with the simulator, and a plan must never be
@@ -398,16 +398,22 @@ def _shape_cuts(cand: _Candidate, blocks: BlockGraph) -> list[tuple[tuple[int, .
 
 def _rerank(evaluated: Sequence[_Candidate], blocks: BlockGraph,
             global_batch: int) -> tuple[_Cut, tuple[CutCandidate, ...]]:
-    """Simulate the cuts of the best RERANK_SHAPES shapes by J and pick the fastest (module
-    docstring, step 5). Cuts within TIE_TOLERANCE of the fastest tie, and a tie goes to the
+    """Simulate the cuts of the best RERANK_SHAPES layouts by J (shapes whatever levers they
+    allow, every evaluated lever policy of each) and pick the fastest (module docstring, step 5). Cuts within TIE_TOLERANCE of the fastest tie, and a tie goes to the
     faster conventional cut (uniform's or params'); otherwise, and among equals, to the faster,
     then the shape's own cut of the strategy, the DP's, uniform's, params', then the shape
     better by J: the same inputs always give the same plan. Returns the chosen cut and every cut
     simulated, fastest first."""
     ranked = sorted((c for c in evaluated if c.assignment is not None),
-                    key=lambda c: (c.objective_s, c.shape.label()))[:RERANK_SHAPES]
+                    key=lambda c: (c.objective_s, c.shape.label()))
+    # The best RERANK_SHAPES layouts, each with every lever policy it was evaluated under: shapes
+    # that differ only in the levers they allow often end as the same plan (a rank keeps only the
+    # levers its memory needs), and must not crowd the other layouts out of the re-ranking.
+    layouts = list(dict.fromkeys(_layout(c.shape) for c in ranked))[:RERANK_SHAPES]
     scored: list[tuple[tuple[float, int, int], _Cut]] = []
-    for shape_rank, cand in enumerate(ranked):
+    seen: set[tuple[tuple[int, ...], tuple[RankLevers, ...], PipelineShape]] = set()
+    for cand in (c for c in ranked if _layout(c.shape) in layouts):
+        shape_rank = layouts.index(_layout(cand.shape))
         problem = cand.problem
         assert problem is not None
         unit = problem.time_unit_s / cand.shape.chunks
@@ -415,6 +421,10 @@ def _rerank(evaluated: Sequence[_Candidate], blocks: BlockGraph,
             objective = cand.objective_s if priority == 0 else problem.objective(a) * unit
             placeholder = _placeholder_report(cand, source, objective)
             partition = build_partition(problem, a, global_batch, placeholder)
+            plan_key = (a, partition.levers, _layout(cand.shape))
+            if plan_key in seen:  # the same plan under a wider lever policy
+                continue
+            seen.add(plan_key)
             key = (round_seconds(partition.iteration_s), priority, shape_rank)
             scored.append((key, _Cut(cand, a, source, objective, partition)))
     scored.sort(key=lambda kc: kc[0])
@@ -426,6 +436,11 @@ def _rerank(evaluated: Sequence[_Candidate], blocks: BlockGraph,
     tied = [(key, cut) for key, cut in scored if key[0] <= fastest * (1 + TIE_TOLERANCE)]
     chosen = min(tied, key=lambda kc: (kc[1].source not in _CONVENTIONAL, kc[0]))
     return chosen[1], considered
+
+
+def _layout(shape: PipelineShape) -> PipelineShape:
+    """The shape without the levers it allows: what the re-ranking counts as one layout."""
+    return replace(shape, activation_checkpointing=False, sharding="none")
 
 
 def _placeholder_report(cand: _Candidate, source: Strategy, objective_s: float) -> SolverReport:
