@@ -244,25 +244,36 @@ class ClusterSpec:
         slowest link the ring uses (inter-node as soon as the group spans nodes). 0 when the group
         has at most one device or there is nothing to reduce.
         """
+        link = self._ring_link(group)
+        if link is None or nbytes == 0:
+            return 0.0
+        n = len(group)
+        return 2 * (n - 1) / n * nbytes / link.bandwidth + 2 * (n - 1) * link.latency_s
+
+    def broadcast_s(self, nbytes: int, group: Sequence[int]) -> float:
+        """Pipelined (chunked) broadcast of `nbytes` from one device of `group` to the others:
+        nbytes / B + (n-1) * L on the slowest link of the ring over `group` (the data streams
+        once along it). 0 when the group has at most one device or nothing is sent."""
+        link = self._ring_link(group)
+        if link is None or nbytes == 0:
+            return 0.0
+        return nbytes / link.bandwidth + (len(group) - 1) * link.latency_s
+
+    def _ring_link(self, group: Sequence[int]) -> LinkSpec | None:
+        """The slowest link a ring over `group` uses (inter-node as soon as it spans nodes);
+        None for at most one device."""
         n = len(group)
         if len(set(group)) != n:
             raise ValueError(f"group has repeated devices: {list(group)}")
+        if n <= 1:
+            return None
         nodes = [self.node_of(i) for i in group]
-        if n <= 1 or nbytes == 0:
-            return 0.0
         links = []
         if len(set(nodes)) < n:  # some two devices share a node: the ring uses an intra link
             links.append(self.intra_node)
         if len(set(nodes)) > 1:
             links.append(self.inter_node)
-        slowest = min(links, key=lambda link: link.bandwidth)
-        return 2 * (n - 1) / n * nbytes / slowest.bandwidth + 2 * (n - 1) * slowest.latency_s
-
-    def allgather_s(self, nbytes: int, group: Sequence[int]) -> float:
-        """Ring all-gather of `nbytes` in all (each device contributes its share and ends with
-        all of it) over the devices in `group`: half a ring all-reduce,
-        (n-1)/n * nbytes / B + (n-1) * L on the slowest link the ring uses."""
-        return self.allreduce_s(nbytes, group) / 2
+        return min(links, key=lambda link: link.bandwidth)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data in base units, the device inline; `cluster_from_dict` reads it back."""

@@ -135,6 +135,7 @@ class PlanStage:
 
     @property
     def levers(self) -> RankLevers:
+        """The memory levers its rank uses (what launch runs it with)."""
         return RankLevers(self.activation_checkpointing, self.sharding)
 
     def to_dict(self) -> dict[str, Any]:

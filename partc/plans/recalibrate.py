@@ -167,7 +167,6 @@ def stage_calibrations(table: CostTable, launched: LaunchedRun,
             f"{launched.run_path.name} ran on {plan.cluster.device.name} devices, this compile "
             f"plans for {device.name}", hint="calibrate from a run on the cluster compiled for")
     m = launched.microbatch_size
-    ckpt = plan.training.shape.activation_checkpointing
     # what every stage pays besides its operators: the runtime's overhead, the loss on the last
     fixed = stage_fixed_s(table, replace(plan.cluster, device=device), plan.training.shape)
     timed = tuple(s for s in launched.run.steps if s.step in set(launched.steps))
@@ -178,8 +177,8 @@ def stage_calibrations(table: CostTable, launched: LaunchedRun,
         bwd_work = table.sum_backward_s(nodes, m)
         fwd_fixed, bwd_fixed = fixed[stage.index]
         f = _factor(summary.forward_s - fwd_fixed, fwd_work, stage.index, "forward", launched)
-        # under checkpointing the measured backward recomputes the forward first
-        recompute = f * fwd_work if ckpt else 0.0
+        # a checkpointing stage's measured backward recomputes its forward first
+        recompute = f * fwd_work if stage.activation_checkpointing else 0.0
         b = _factor(summary.backward_s - bwd_fixed - recompute, bwd_work, stage.index,
                     "backward", launched)
         out.append(StageCalibration(

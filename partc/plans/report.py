@@ -163,9 +163,10 @@ def _at(values: tuple[float, ...], rank: int) -> float:
 def _title(plan: Plan) -> str:
     s, p, c = plan.training.shape, plan.predicted, plan.cluster
     virtual = f" x {s.chunks} virtual" if s.chunks > 1 else ""
+    levers = levers_summary(plan)
     return (f"{plan.model.name}: {s.stages} stages x {s.replicas} replicas{virtual}, "
             f"{s.schedule}, {s.num_microbatches} micro-batches of {s.microbatch_size}"
-            + (f"; {levers_summary(plan)}" if levers_summary(plan) else "")
+            + (f"; {levers}" if levers else "")
             + f" on {s.num_devices} x {c.device.name} ({c.name})\n"
             f"predicted {p.iteration_s * 1e3:.2f} ms/iteration, "
             f"{p.samples_per_s:,.1f} samples/s, bubble {p.bubble_fraction:.1%}")
@@ -418,6 +419,7 @@ def render_html(plan: Plan, path: str | Path, png: bytes | None = None,
                 f"{mem / usable:.1%}" if usable else "-", stage_levers_text(plan, s), s.file))
             + f"<td class='modules'>{e(', '.join(s.modules))}</td></tr>")
     gap = "-" if r.gap is None else f"{r.gap:.2%}"
+    levers = levers_summary(plan)
     facts = [("model", f"{plan.model.name} ({plan.model.parameters:,} parameters, "
                        f"{plan.model.file})"),
              ("graph", plan.model.graph_hash),
@@ -427,7 +429,7 @@ def render_html(plan: Plan, path: str | Path, png: bytes | None = None,
                           f"replicas x {shape.num_microbatches} micro-batches x "
                           f"{shape.microbatch_size}; {shape.schedule}, {setup.config.optimizer}, "
                           f"{setup.config.precision}"
-                          + (f"; {levers_summary(plan)}" if levers_summary(plan) else "")),
+                          + (f"; {levers}" if levers else "")),
              ("predicted", f"{p.iteration_s * 1e3:.3f} ms/iteration, "
                            f"{p.samples_per_s:,.1f} samples/s, bubble "
                            f"{p.bubble_fraction:.1%}"),

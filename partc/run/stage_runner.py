@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -28,6 +29,7 @@ from partc.emit.stage_weights import (
     set_stage_tensors,
     stage_state,
 )
+from partc.errors import LaunchError
 from partc.frontend.model_file import ModelFile
 from partc.options import TrainOptions
 from partc.plans.plan import Plan, PlanStage, TensorRef
@@ -220,9 +222,15 @@ def load_local_stages(plan: Plan, stages: Sequence[int], device: torch.device,
         names = [n for n, p in module.named_parameters() if p.requires_grad]
         params = dict(module.named_parameters())
         sharded = spec.sharding == "optimizer" and plan.training.shape.replicas > 1
-        optimizer = build_optimizer(plan.training.config.optimizer, [params[n] for n in names],
-                                    options.lr, options.weight_decay,
-                                    shard_group=dp_group if sharded else None)
+        try:
+            optimizer = build_optimizer(plan.training.config.optimizer,
+                                        [params[n] for n in names], options.lr,
+                                        options.weight_decay,
+                                        shard_group=dp_group if sharded else None)
+        except (ValueError, TypeError) as exc:  # torch's refusals: mixed dtypes, sparse, ...
+            raise LaunchError(f"stage {k}'s optimizer cannot be built: {exc}",
+                              hint="recompile with --sharding none" if sharded else
+                              "check the model's parameters") from None
         if optimizer is not None and resume is not None:
             load_optimizer_state(optimizer, names, opt_state, resume)
         loaded.append(LocalStage(spec=spec, module=module, optimizer=optimizer,
@@ -347,10 +355,20 @@ def optimizer_state_by_name(optimizer: torch.optim.Optimizer | None, names: list
 
 def consolidate_optimizers(locals_: list[LocalStage]) -> None:
     """Gather every sharded optimizer's state onto its replica 0 (a collective over each
-    stage's replicas: every replica calls it, before replica 0 saves)."""
+    stage's replicas: every replica calls it, before replica 0 saves). Release it with
+    `release_consolidated` once saved."""
     for local in locals_:
         if is_sharded(local.optimizer):
             local.optimizer.consolidate_state_dict(to=0)  # type: ignore[union-attr]
+
+
+def release_consolidated(locals_: list[LocalStage]) -> None:
+    """Drop the whole state `consolidate_optimizers` gathered onto replica 0: torch keeps it
+    until the next consolidation, which would leave replica 0 holding the whole optimizer state
+    that sharding splits, for the rest of the run."""
+    for local in locals_:
+        if is_sharded(local.optimizer):
+            local.optimizer._all_state_dicts = []  # type: ignore[union-attr]
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, names: list[str],
@@ -370,6 +388,12 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, names: list[str],
               for g in optimizer.param_groups]
     optimizer.load_state_dict({"state": {i: by_name[n] for i, n in enumerate(names)},
                                "param_groups": groups})
+    if is_sharded(optimizer):
+        # ZeroRedundancyOptimizer.load_state_dict puts the share this replica owns into its local
+        # optimizer, then hands the same state to Optimizer.load_state_dict, which keeps a second
+        # copy on the device in the wrapper's own `state` (never read: the local optimizer steps,
+        # and state_dict() rebuilds from consolidated shares). On a GPU that doubled the share.
+        optimizer.state = defaultdict(dict)
 
 
 def save_checkpoint(plan: Plan, options: TrainOptions, step: int, locals_: list[LocalStage],
@@ -396,6 +420,7 @@ def save_checkpoint(plan: Plan, options: TrainOptions, step: int, locals_: list[
                     optimizer_state_by_name(local.optimizer, local.optimized_names))
         except CheckpointError as exc:
             failure = (exc.message, exc.hint)
+    release_consolidated(locals_)
     gathered: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object((written, failure), gathered, dst=0)
     outcome: list[Any] = [None]

@@ -16,9 +16,11 @@ precondition held.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from itertools import product
 from typing import Sequence
 
+from partc.errors import SearchError
 from partc.graph.opgraph import Param
 from partc.options import Sharding
 from partc.solve.memory import optimizer_partition, param_memory
@@ -52,7 +54,8 @@ def step_seconds(problem: StageProblem, params: Sequence[Param], rank: int,
                  levers: RankLevers) -> float:
     """One rank's optimizer step: the step of what it updates (all its parameters, or sharded
     the largest share ZeroRedundancyOptimizer gives a replica, `optimizer_partition`), and
-    sharded, the all-gather of every replica's updated weights."""
+    sharded, each replica's broadcast of the weights it updated to the others (torch's
+    `_sync_params`: one broadcast per owner on the replicas' group, one after the other)."""
     training = problem.training
     bps = problem.cluster.device.bytes_per_s()
     optimized = [(p, sync_bytes(p, training)[1]) for p in params if sync_bytes(p, training)[0]]
@@ -61,8 +64,16 @@ def step_seconds(problem: StageProblem, params: Sequence[Param], rank: int,
         return sum(moved for _, moved in optimized) / bps
     owned = optimizer_partition([p.numel for p, _ in optimized], shape.replicas)
     step = max(sum(optimized[i][1] for i in part) for part in owned) / bps
-    weights = sum(param_memory(p, training)[0] for p, _ in optimized)
-    return step + problem.cluster.allgather_s(weights, shape.rank_devices(rank))
+    group = shape.rank_devices(rank)
+    broadcasts = sum(problem.cluster.broadcast_s(
+        sum(param_memory(optimized[i][0], training)[0] for i in part), group) for part in owned)
+    return step + broadcasts
+
+
+def can_shard(params: Sequence[Param]) -> bool:
+    """Whether torch's ZeroRedundancyOptimizer takes these parameters: it refuses trainable
+    parameters of more than one dtype."""
+    return len({p.dtype for p in params if p.kind == "parameter" and p.trainable}) <= 1
 
 
 def recompute_seconds(problem: StageProblem, assignment: Sequence[int], rank: int) -> float:
@@ -76,23 +87,27 @@ def recompute_seconds(problem: StageProblem, assignment: Sequence[int], rank: in
 def choose_levers(problem: StageProblem, assignment: Sequence[int]) -> tuple[RankLevers, ...]:
     """Per rank, the cheapest allowed levers whose exact memory fits (module docstring); ties go
     to fewer levers. A rank that fits under none keeps every allowed lever (the search does not
-    hand such cuts here)."""
+    hand such cuts here). A rank whose parameters ZeroRedundancyOptimizer refuses (`can_shard`)
+    is not sharded; SearchError when the user pinned sharding for it."""
     S = problem.shape.stages
     options = lever_options(problem)
     everything = RankLevers(problem.shape.activation_checkpointing, problem.shape.sharding)
+    params = rank_parameters(problem, assignment)
+    if problem.forced_levers.sharding != "none":
+        for d, held in enumerate(params):
+            if not can_shard(held):
+                raise SearchError(
+                    f"--sharding {problem.forced_levers.sharding}: pipeline rank {d} holds "
+                    "trainable parameters of several dtypes, which torch's "
+                    "ZeroRedundancyOptimizer cannot shard", hint="use --sharding none")
     if len(options) == 1:
         return (everything,) * S
     usable = problem.usable_bytes()
-    params = rank_parameters(problem, assignment)
-    nodes: list[list[str]] = [[] for _ in range(S)]
-    for b, k in enumerate(assignment):
-        nodes[problem.rank_of(k)].extend(problem.blocks.blocks[b].nodes)
-    relayed: list[list[str]] = [[] for _ in range(S)]
-    for tensor in problem.tensors:
-        for k in problem.crossings(assignment, tensor)[:-1]:
-            relayed[problem.rank_of(k)].append(tensor.name)
+    nodes, relayed = problem.rank_nodes(assignment)
     chosen = []
     for d in range(S):
+        allowed = options if can_shard(params[d]) else \
+            [o for o in options if o.sharding == "none"]
         base_step = step_seconds(problem, params[d], d, RankLevers())
         recompute = recompute_seconds(problem, assignment, d)
 
@@ -103,8 +118,8 @@ def choose_levers(problem: StageProblem, assignment: Sequence[int]) -> tuple[Ran
                 added += step_seconds(problem, params[d], d, levers) - base_step
             return (added, int(levers.activation_checkpointing) + int(levers.sharding != "none"))
 
-        pick = everything
-        for levers in sorted(options, key=cost):
+        pick = everything if can_shard(params[d]) else replace(everything, sharding="none")
+        for levers in sorted(allowed, key=cost):
             if problem.rank_memory_with(d, nodes[d], relayed[d], levers).total <= usable:
                 pick = levers
                 break

@@ -47,6 +47,7 @@ class StagePlan:
 
     @property
     def levers(self) -> RankLevers:
+        """The memory levers its rank uses."""
         return RankLevers(self.activation_checkpointing, self.sharding)
 
     def to_dict(self) -> dict[str, Any]:
@@ -348,8 +349,7 @@ def format_partition(p: Partition) -> str:
         devices = ",".join(str(d) for d in st.devices)
         modules = ", ".join(st.modules[:3]) + (f" ... ({len(st.modules)})"
                                                if len(st.modules) > 3 else "")
-        saved = p.memory_without_levers[st.rank] - mem \
-            if st.rank < len(p.memory_without_levers) else 0
+        saved = p.prediction.lever_savings(st.rank)
         lever_text = st.levers.label + (f" -{_gib(saved)}" if saved > 0 else "")
         lines.append(f"{st.index:>5} {st.rank:>4} {devices:<12.12} {st.parameter_count:>10,} "
                      f"{st.forward_s * 1e3:>9.3f} {st.backward_s * 1e3:>9.3f} "

@@ -121,6 +121,16 @@ def enumerate_shapes(cluster: ClusterSpec, global_batch: int, num_blocks: int,
     if options.replicas is not None and global_batch % options.replicas:
         raise SearchError(f"global batch {global_batch} is not divisible by --replicas "
                           f"{options.replicas}", hint="pick a batch size that splits evenly")
+    if options.sharding not in (None, "none"):
+        if options.replicas == 1 or N < 2:
+            raise SearchError(f"--sharding {options.sharding} shards over a stage's data-parallel "
+                              "replicas, and this search has none"
+                              + (" (--replicas 1)" if options.replicas == 1 else
+                                 f" (the cluster has {N} device)"),
+                              hint="use --replicas 2 or more, or --sharding none")
+        if options.schedule == "interleaved-1f1b":
+            raise SearchError(f"--sharding {options.sharding} with --schedule interleaved-1f1b is "
+                              "not supported", hint="use --sharding none, or another schedule")
     stage_counts = [options.stages] if options.stages else range(1, min(N, num_blocks) + 1)
     shapes: list[PipelineShape] = []
     for S in stage_counts:
@@ -143,7 +153,8 @@ def enumerate_shapes(cluster: ClusterSpec, global_batch: int, num_blocks: int,
                         placements: list[Placement] = ["stage-major"]
                         if cluster.num_nodes > 1 and S > 1 and R > 1:
                             placements.append("pipeline-major")
-                        for placement, sharding in product(placements, _shardings(R, options)):
+                        for placement, sharding in product(placements,
+                                                           _shardings(R, chunks, options)):
                             shapes.append(PipelineShape(
                                 stages=S, replicas=R, num_microbatches=M,
                                 microbatch_size=per_replica // M, schedule=schedule,
@@ -158,10 +169,11 @@ def enumerate_shapes(cluster: ClusterSpec, global_batch: int, num_blocks: int,
     return shapes
 
 
-def _shardings(replicas: int, options: SearchOptions) -> tuple[Sharding, ...]:
-    """What a shape of `replicas` replicas may shard: nothing without replicas; else the pinned
-    choice, or every one (each rank then turns it off where it does not pay, partc.solve.levers)."""
-    if replicas < 2:
+def _shardings(replicas: int, chunks: int, options: SearchOptions) -> tuple[Sharding, ...]:
+    """What a shape of `replicas` replicas and `chunks` virtual stages per rank may shard:
+    nothing without replicas or with virtual stages (PipelineShape); else the pinned choice, or
+    every one (each rank then turns it off where it does not pay, partc.solve.levers)."""
+    if replicas < 2 or chunks > 1:
         return ("none",) if options.sharding in (None, "none") else ()
     return (options.sharding,) if options.sharding is not None else SHARDINGS
 
@@ -399,11 +411,12 @@ def _shape_cuts(cand: _Candidate, blocks: BlockGraph) -> list[tuple[tuple[int, .
 def _rerank(evaluated: Sequence[_Candidate], blocks: BlockGraph,
             global_batch: int) -> tuple[_Cut, tuple[CutCandidate, ...]]:
     """Simulate the cuts of the best RERANK_SHAPES layouts by J (shapes whatever levers they
-    allow, every evaluated lever policy of each) and pick the fastest (module docstring, step 5). Cuts within TIE_TOLERANCE of the fastest tie, and a tie goes to the
-    faster conventional cut (uniform's or params'); otherwise, and among equals, to the faster,
-    then the shape's own cut of the strategy, the DP's, uniform's, params', then the shape
-    better by J: the same inputs always give the same plan. Returns the chosen cut and every cut
-    simulated, fastest first."""
+    allow, every evaluated lever policy of each) and pick the fastest (module docstring, step
+    5). Cuts within TIE_TOLERANCE of the fastest tie, and a tie goes to the faster conventional
+    cut (uniform's or params'); otherwise, and among equals, to the faster, then the shape's own
+    cut of the strategy, the DP's, uniform's, params', then the layout better by J: the same
+    inputs always give the same plan. Returns the chosen cut and every cut simulated, fastest
+    first."""
     ranked = sorted((c for c in evaluated if c.assignment is not None),
                     key=lambda c: (c.objective_s, c.shape.label()))
     # The best RERANK_SHAPES layouts, each with every lever policy it was evaluated under: shapes
@@ -572,8 +585,8 @@ def _infeasible(blocks: BlockGraph, table: CostTable, cluster: ClusterSpec,
                 options: SearchOptions) -> InfeasibleMemoryError:
     """The error for a model that fits no shape: the least memory any cut needs per device."""
     N = cluster.num_devices
-    S = min(options.stages or N, len(blocks.blocks), N)
     R = options.replicas or 1
+    S = max(1, min(options.stages or N // R, len(blocks.blocks), N // R))
     per_replica = global_batch // R if global_batch % R == 0 else global_batch
     # The most micro-batches the search tries (the smallest micro-batch it could use): a message
     # about a shape the search never considered could claim a need below the usable memory.
@@ -583,17 +596,23 @@ def _infeasible(blocks: BlockGraph, table: CostTable, cluster: ClusterSpec,
     schedule = options.schedule or ("1f1b" if M >= S else "gpipe")
     ckpt = options.activation_checkpointing if options.activation_checkpointing is not None \
         else True
-    shape = PipelineShape(stages=S, replicas=1, num_microbatches=M, microbatch_size=m,
+    # with replicas pinned, the least memory they need, their optimizer state sharded where
+    # that is allowed
+    sharding: Sharding = "optimizer" if R > 1 and options.sharding in (None, "optimizer") \
+        else "none"
+    shape = PipelineShape(stages=S, replicas=R, num_microbatches=M, microbatch_size=m,
                           schedule=schedule if schedule != "interleaved-1f1b" else "1f1b",
-                          activation_checkpointing=ckpt)
+                          activation_checkpointing=ckpt, sharding=sharding)
     problem = StageProblem.build(blocks, table, cluster, training, shape)
     need = _least_peak(problem)
     usable = problem.usable_bytes()
     dev = cluster.device
     pinned = _pinned(options)
     return InfeasibleMemoryError(
-        f"the model does not fit: even cut into {S} stage(s) with micro-batch {m}"
+        f"the model does not fit: even cut into {S} stage(s)"
+        f"{f' x {R} replicas' if R > 1 else ''} with micro-batch {m}"
         f"{' and activation checkpointing' if ckpt else ''}"
+        f"{' and the optimizer state sharded' if sharding != 'none' else ''}"
         f"{f' ({pinned})' if pinned else ''}, the fullest device needs at least "
         f"{format_quantity(need, 'B')} but a {dev.name} has {format_quantity(usable, 'B')} usable "
         f"({format_quantity(dev.memory_bytes, 'B')} minus the {training.memory_margin:.0%} "
@@ -647,6 +666,13 @@ def build_partition(problem: StageProblem, assignment: Sequence[int], global_bat
     memory = problem.exact_memory(assignment, levers)
     bare = [RankLevers()] * S
     without = memory if tuple(bare) == levers else problem.exact_memory(assignment, bare)
+    # What the plan records as allowed: the levers its ranks use, and those the user pinned, not
+    # the policy of whichever shape variant this cut was evaluated under (the same plan from
+    # two policies must be the same plan.yaml)
+    forced = problem.forced_levers
+    shape = replace(shape, activation_checkpointing=forced.activation_checkpointing or any(
+        r.activation_checkpointing for r in levers), sharding=next(
+            (r.sharding for r in levers if r.sharding != "none"), forced.sharding))
     links = shape.boundary_links(cluster)
     sends_fwd = [0.0] * (V + 1)
     sends_bwd = [0.0] * (V + 1)
@@ -696,7 +722,8 @@ def build_partition(problem: StageProblem, assignment: Sequence[int], global_bat
     simulation = simulate(pipeline)
     return Partition(model=graph.model_name, graph_hash=graph.content_hash(), cluster=cluster.name,
                      num_devices=cluster.num_devices, global_batch_size=global_batch,
-                     shape=shape, training=problem.training, stages=tuple(stages),
+                     shape=shape, training=shape.training_config(problem.training),
+                     stages=tuple(stages),
                      memory=tuple(memory), usable_memory_bytes=problem.usable_bytes(),
                      solver=report, pipeline=pipeline, simulation=simulation, levers=levers,
                      memory_without_levers=tuple(m.total for m in without))

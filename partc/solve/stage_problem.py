@@ -125,6 +125,12 @@ class PipelineShape:
         if self.sharding != "none" and self.replicas < 2:
             raise ShapeError(f"sharding {self.sharding} needs data-parallel replicas, the shape "
                              "has one", hint="shard only with --replicas 2 or more")
+        if self.sharding != "none" and self.chunks > 1:
+            # launch shards each virtual stage's optimizer on its own, a partition the memory
+            # model does not follow (it splits a rank's parameters together)
+            raise ShapeError(f"sharding {self.sharding} with {self.chunks} virtual stages per "
+                             "rank is not supported",
+                             hint="use --sharding none with interleaved-1f1b")
 
     @property
     def virtual_stages(self) -> int:
@@ -150,7 +156,8 @@ class PipelineShape:
 
     @property
     def shards(self) -> int:
-        """Replicas a sharded rank splits its state over (1 without sharding)."""
+        """Replicas a sharded rank splits its state over (1 without sharding);
+        `TrainingConfig.optimizer_shards` of the shape's `training_config`."""
         return self.replicas if self.sharding != "none" else 1
 
     def training_config(self, training: TrainingConfig,
@@ -314,10 +321,10 @@ class StageProblem:
                    sync=terms.sync, has_trainable=terms.has_trainable,
                    tensors=_crossing_tensors(blocks, table, shape, cluster, training.bf16, units),
                    shared=terms.shared,
-                   # a sharded rank all-gathers its updated parameters after the step: half an
-                   # all-reduce's latency more
-                   sync_latency=[units.time(x * (1.5 if shape.shards > 1 else 1.0))
-                                 for x in latency],
+                   # a sharded rank's replicas each broadcast what they updated after the step:
+                   # R broadcasts of (R - 1) latencies, R / 2 all-reduce latencies more
+                   sync_latency=[units.time(x * (1 + shape.shards / 2 if shape.shards > 1
+                                                 else 1.0)) for x in latency],
                    activation_coef=[(1.0 if ckpt else in_flight[d]) / shape.chunks
                                     for d in range(S)],
                    keep_coef=[in_flight[d] / shape.chunks for d in range(S)], loss=loss,
@@ -434,19 +441,23 @@ class StageProblem:
                      levers: Sequence[RankLevers] | None = None) -> list[StageMemory]:
         """partc.solve.memory.stage_memory of every rank (its virtual stages together), each
         with its `levers` (None: every lever the shape allows, on every rank)."""
+        nodes, relayed = self.rank_nodes(assignment)
+        return [self.rank_memory_with(d, nodes[d], relayed[d],
+                                      None if levers is None else levers[d])
+                for d in range(self.shape.stages)]
+
+    def rank_nodes(self, assignment: Sequence[int]) -> tuple[list[list[str]], list[list[str]]]:
+        """Per rank, the OpGraph nodes its stages run, and the tensors they pass on (a virtual
+        stage relays a tensor it neither makes nor is the last to need)."""
         S = self.shape.stages
         nodes: list[list[str]] = [[] for _ in range(S)]
         for b, k in enumerate(assignment):
             nodes[self.rank_of(k)].extend(self.blocks.blocks[b].nodes)
-        # tensors a virtual stage passes on: it neither makes them nor is the last to need them
         relayed: list[list[str]] = [[] for _ in range(S)]
         for tensor in self.tensors:
-            crossed = self.crossings(assignment, tensor)
-            for k in crossed[:-1]:
+            for k in self.crossings(assignment, tensor)[:-1]:
                 relayed[self.rank_of(k)].append(tensor.name)
-        return [self.rank_memory_with(d, nodes[d], relayed[d],
-                                      None if levers is None else levers[d])
-                for d in range(S)]
+        return nodes, relayed
 
     def rank_memory_with(self, rank: int, nodes: Sequence[str], relayed: Sequence[str],
                          levers: RankLevers | None) -> StageMemory:
@@ -561,7 +572,10 @@ class _BlockTerms:
                                   lambda: sync_bytes(graph.param(name), training))
             gather = param_memory(graph.param(name), training)[0] if shards > 1 and gbytes \
                 else 0
-            return tuple(units.time(gbytes * per_byte[d] + gather * per_byte[d] / 2
+            # the owner's broadcast streams its weights once: bytes / B, i.e. the all-reduce's
+            # per-byte rate times n / (2 (n - 1))
+            return tuple(units.time(gbytes * per_byte[d]
+                                    + gather * per_byte[d] * shards / (2 * (shards - 1) or 1)
                                     + moved / shards / step_bps) for d in range(S))
 
         shared_names = sorted(p for p, bs in users.items() if len(set(bs)) > 1)

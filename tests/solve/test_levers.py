@@ -33,7 +33,8 @@ CPU8 = replace(load_cluster("cpu"), intra_node=_LINK, inter_node=_LINK, devices_
 
 @lru_cache(maxsize=None)
 def table_of(name: str) -> CostTable:
-    model = ROOT / ("examples" if name != "gpt2_no_dropout" else "tests/models") / f"{name}.py"
+    folder = "tests/models" if name in ("gpt2_no_dropout", "mixed_dtypes") else "examples"
+    model = ROOT / folder / f"{name}.py"
     return analytic_cost_table(capture_graph(model, 2, onnx=False).graph, CPU8.device)
 
 
@@ -226,3 +227,49 @@ def test_lever_options_follow_the_shape_and_the_pins() -> None:
     slow = replace(CPU8, intra_node=LinkSpec(bandwidth=1e8, latency_s=1e-3))
     assert choose_levers(StageProblem.build(blocks, table, slow, TrainingConfig(), shape), a) \
         == (RankLevers(),) * 2
+
+
+# ---- what cannot be sharded, and what a plan records ------------------------------------------
+def test_sharding_pins_that_cannot_run_are_one_line_errors() -> None:
+    from partc.errors import SearchError
+
+    table = table_of("mlp")
+    with pytest.raises(SearchError, match="replicas, and this search has none"):
+        search(table, CPU8, 32, TrainingConfig(), SearchOptions(replicas=1, sharding="optimizer"))
+    with pytest.raises(SearchError, match="interleaved-1f1b is not supported"):
+        search(table, CPU8, 32, TrainingConfig(),
+               SearchOptions(schedule="interleaved-1f1b", sharding="optimizer"))
+    with pytest.raises(ShapeError, match="virtual stages per rank is not supported"):
+        PipelineShape(stages=2, replicas=2, num_microbatches=4, microbatch_size=2,
+                      schedule="interleaved-1f1b", chunks=2, sharding="optimizer")
+    # ZeroRedundancyOptimizer refuses parameters of two dtypes: pinned, the search says so; free,
+    # it never shards them
+    mixed = table_of("mixed_dtypes")
+    with pytest.raises(SearchError, match="several dtypes"):
+        search(mixed, CPU8, 32, TrainingConfig(),
+               SearchOptions(stages=1, replicas=2, sharding="optimizer"))
+    free = search(mixed, CPU8, 32, TrainingConfig(), SearchOptions(stages=1, replicas=2))
+    assert free.levers == (RankLevers(),)
+
+
+def test_a_plan_records_the_levers_it_uses() -> None:
+    """The policy plan.yaml records as allowed is what some rank uses or the user pinned: on a
+    slow link nothing shards and nothing recomputes, so the plan says none, whichever shape
+    variant its cut came from."""
+    slow = replace(CPU8, intra_node=LinkSpec(bandwidth=1e8, latency_s=1e-3),
+                   inter_node=LinkSpec(bandwidth=1e8, latency_s=1e-3))
+    p = search(table_of("transformer"), slow, 32, TrainingConfig(),
+               SearchOptions(stages=2, replicas=2))
+    assert p.levers == (RankLevers(),) * 2
+    assert (p.shape.activation_checkpointing, p.shape.sharding) == (False, "none")
+    assert (p.training.activation_checkpointing, p.training.sharding) == (False, "none")
+
+
+def test_a_sharded_step_broadcasts_each_share() -> None:
+    """torch's _sync_params broadcasts each replica's updated share on the replicas' group, one
+    after the other: the shares' bytes once over the link, (R - 1) latencies each."""
+    link = CPU8.intra_node
+    group = (0, 1, 2, 3)
+    assert CPU8.broadcast_s(4_000_000, group) == pytest.approx(
+        4_000_000 / link.bandwidth + 3 * link.latency_s)
+    assert CPU8.broadcast_s(0, group) == 0.0 and CPU8.broadcast_s(10, (0,)) == 0.0
