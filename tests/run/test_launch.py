@@ -148,8 +148,9 @@ def test_sharded_optimizer_state_trains_and_resumes_as_the_unsharded_plan(tmp_pa
     """ZeRO-1 (ZeroRedundancyOptimizer over each stage's replicas) on 2 stages x 2 replicas of HF
     GPT-2, its lm_head tied across the stages: the losses are single-process training's; a
     checkpoint it writes (by FQN, the sharded state gathered whole) resumes under the unsharded
-    plan and back, with the uninterrupted run's losses; and the measured peak of every rank is
-    below the unsharded plan's."""
+    plan with the uninterrupted run's losses; and the measured peak of every rank is below the
+    unsharded plan's. (Resuming a whole state into a sharded plan is the killed-rank test's
+    2x2-sharded case: a checkpoint's format does not depend on the plan that wrote it.)"""
     model = TEST_MODELS / "gpt2_no_dropout.py"
     sharded = compile_plan(tmp_path / "sharded", model, 2, 2, sharding="optimizer")
     plain = compile_plan(tmp_path / "plain", model, 2, 2, sharding="none")
@@ -159,17 +160,16 @@ def test_sharded_optimizer_state_trains_and_resumes_as_the_unsharded_plan(tmp_pa
                           text=True, cwd=ROOT, timeout=120)
     assert "sharding allowed: none -> optimizer" in diff.stdout, diff.stdout + diff.stderr
     assert diff.stdout.count("- -> shard-optimizer") == 2, diff.stdout
-    got = train_and_compare(sharded, tmp_path, steps=4)
+    got = train_and_compare(sharded, tmp_path, steps=3)
 
     ckpt, resumed = tmp_path / "ckpt", tmp_path / "resumed.jsonl"
-    for plan, steps, flags in ((sharded, 2, ()), (plain, 3, ("--resume",)),
-                               (sharded, 4, ("--resume",))):
+    for plan, steps, flags in ((sharded, 2, ()), (plain, 3, ("--resume",))):
         result = launch(plan, "--steps", str(steps), "--checkpoint-dir", str(ckpt),
                         "--metrics", str(resumed), *flags)
         assert result.returncode == 0, result.stderr[-3000:]
     assert losses_of(resumed) == got  # bit for bit: the state moved whole between the plans
 
-    # step 3 is the step whose memory both runs measured: the sharded run's own (of 4 steps),
+    # step 3 is the step whose memory both runs measured: the sharded run's own (of 3 steps),
     # the unsharded plan's only step after resuming
     from partc.plans.run_metrics import RunMetrics
 
