@@ -8,7 +8,7 @@ PARTC := $(VENV)/bin/partc
 STAMP := $(VENV)/.partc-installed
 
 .PHONY: install lint demo test test-slow test-all bench bench-quality bench-measured bench-scale \
-	bench-runtime bench-levers bench-frontier bench-plots bench-all clean
+	bench-runtime bench-levers bench-zero bench-frontier bench-plots bench-all clean
 
 install: $(STAMP)
 
@@ -75,13 +75,17 @@ bench-runtime: install
 bench-levers: install
 	$(PY) bench/levers_measured.py --repeats 3 --json $(RESULTS)/levers_measured.json
 
+bench-zero: install
+	$(PY) bench/zero_stages.py --json $(RESULTS)/zero_stages.json
+	$(PY) bench/zero_stages.py --replicas 4 --json $(RESULTS)/zero_stages_r4.json
+
 bench-frontier: install
 	$(PY) bench/frontier.py --json $(RESULTS)/frontier.json
 
 bench-plots: install
 	$(PY) bench/plots.py
 
-bench-all: bench-quality bench-measured bench-scale bench-runtime bench-levers bench-frontier \
+bench-all: bench-quality bench-measured bench-scale bench-runtime bench-levers bench-zero bench-frontier \
 	bench-plots
 
 clean:
