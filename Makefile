@@ -35,7 +35,7 @@ lint: install
 
 # -n auto: one pytest worker per core (xdist); each worker measures its own profiles
 test: lint
-	$(PY) -m pytest -m "not slow" -q -n auto --dist loadgroup
+	$(PY) -m pytest -m "not slow" -q -n auto
 
 test-slow: install
 	$(PY) -m pytest -m slow -q

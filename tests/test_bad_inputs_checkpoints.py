@@ -44,10 +44,6 @@ from partc.run.checkpoint import (
     write_manifest,
 )
 
-# One worker runs this module: its trained checkpoints (module fixtures, ~25 s) are made once,
-# not once per xdist worker (`make test` distributes with --dist loadgroup).
-pytestmark = pytest.mark.xdist_group("checkpoint-fixtures")
-
 STEP = "step-{:08d}"
 
 

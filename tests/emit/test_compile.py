@@ -80,6 +80,9 @@ def test_long_skip_is_relayed_through_middle_stages(tmp_path: Path) -> None:
     assert verify_plan(out).ok
 
 
+# slow set: the default run proves the same across processes and sessions with
+# test_example_plans_are_current (check re-emits the checked-in plans and compares their bytes)
+@pytest.mark.slow
 def test_plans_are_byte_identical_across_runs(tmp_path: Path) -> None:
     dirs = []
     for name in ("a", "b"):  # fresh processes: nothing carried over in torch's global state
