@@ -62,8 +62,7 @@ def worker(variant: str, args: argparse.Namespace, out: Path) -> None:
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
-    from partc.cost.activations import storage_bytes
-    from partc.run.reference import peak_above_start
+    from partc.run.reference import live_tensor_bytes, peak_above_start
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
@@ -163,9 +162,7 @@ def worker(variant: str, args: argparse.Namespace, out: Path) -> None:
         prof = None
         if watch or watch_rss:
             gc.collect()
-            tensors = [t for t in gc.get_objects() if isinstance(t, torch.Tensor)]
-            live = storage_bytes([getattr(t, "_local_tensor", t) for t in tensors])
-            del tensors
+            live = live_tensor_bytes()
         if watch:
             prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                           profile_memory=True)

@@ -9,6 +9,8 @@ CPU, the ground truth the memory model (partc.solve.memory) is tested against.
 """
 from __future__ import annotations
 
+import gc
+import warnings
 from typing import Any
 
 import torch
@@ -71,6 +73,17 @@ def train_single_process(plan: Plan, options: TrainOptions, chunks: int = 1,
             optimizer.step()
         losses.append(total)
     return losses
+
+
+def live_tensor_bytes() -> int:
+    """Bytes of every tensor storage alive in this process (the garbage collector's view; a
+    DTensor counts its local shard). With `peak_above_start` of a profile started right after,
+    a step's peak on CPU: torch.profiler never reports the free of memory allocated before it
+    started."""
+    with warnings.catch_warnings():  # isinstance on torch's deprecated aliases warns
+        warnings.simplefilter("ignore")
+        tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    return storage_bytes([getattr(t, "_local_tensor", t) for t in tensors])
 
 
 def peak_above_start(prof: torch.profiler.profile) -> int:

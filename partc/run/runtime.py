@@ -28,10 +28,8 @@ Per rank, in order:
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
 import sys
-import warnings
 from pathlib import Path
 from typing import Callable, Iterator, TextIO
 
@@ -40,7 +38,6 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
 
-from partc.cost.activations import storage_bytes
 from partc.errors import LaunchError, PartcError
 from partc.frontend.model_file import ModelFile
 from partc.options import TrainOptions
@@ -63,7 +60,7 @@ from partc.run.rank_setup import (
     resume_point,
     tied_groups,
 )
-from partc.run.reference import peak_above_start
+from partc.run.reference import live_tensor_bytes, peak_above_start
 from partc.run.reporting import Reporter, RunSummary
 from partc.run.schedule import (
     P2PTimer,
@@ -240,10 +237,7 @@ class _MemoryProbe:
             # the free of memory allocated before it started, so last step's gradients would
             # count twice), pipeline receive buffers and DDP buckets included, + the
             # profiler's peak above that
-            with warnings.catch_warnings():  # isinstance on torch's deprecated aliases warns
-                warnings.simplefilter("ignore")
-                tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
-            self.live = storage_bytes(tensors)
+            self.live = live_tensor_bytes()
             self.profiler = torch.profiler.profile(
                 activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
             with _no_stderr():

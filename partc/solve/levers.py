@@ -106,8 +106,8 @@ def choose_levers(problem: StageProblem, assignment: Sequence[int]) -> tuple[Ran
     nodes, relayed = problem.rank_nodes(assignment)
     chosen = []
     for d in range(S):
-        allowed = options if can_shard(params[d]) else \
-            [o for o in options if o.sharding == "none"]
+        shardable = can_shard(params[d])
+        allowed = options if shardable else [o for o in options if o.sharding == "none"]
         base_step = step_seconds(problem, params[d], d, RankLevers())
         recompute = recompute_seconds(problem, assignment, d)
 
@@ -118,7 +118,7 @@ def choose_levers(problem: StageProblem, assignment: Sequence[int]) -> tuple[Ran
                 added += step_seconds(problem, params[d], d, levers) - base_step
             return (added, int(levers.activation_checkpointing) + int(levers.sharding != "none"))
 
-        pick = everything if can_shard(params[d]) else replace(everything, sharding="none")
+        pick = everything if shardable else replace(everything, sharding="none")
         for levers in sorted(allowed, key=cost):
             if problem.rank_memory_with(d, nodes[d], relayed[d], levers).total <= usable:
                 pick = levers
