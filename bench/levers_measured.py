@@ -1,7 +1,7 @@
 """Memory levers, launched on this machine: what each lever costs in time and saves in memory,
 measured, against what partc predicts.
 
-For each example model, three plans of the same pipeline shape (2 stages x 2 replicas on the
+For each example model, four plans of the same pipeline shape (2 stages x 2 replicas on the
 `cpu-4` cluster: 4 gloo processes on this 2-core machine, the shape pinned, the micro-batch count
 pinned to the plain plan's), compiled with the default (measured) costs:
 
@@ -9,6 +9,7 @@ pinned to the plain plan's), compiled with the default (measured) costs:
                   --no-checkpointing --sharding none        -> plain
                   --checkpointing    --sharding none        -> checkpointing (every stage)
                   --no-checkpointing --sharding optimizer   -> sharded (ZeRO-1, every stage)
+                  --no-checkpointing --sharding gradients   -> sharded-gradients (ZeRO-2)
     OMP_NUM_THREADS=1 partc launch PLAN --steps N --metrics FILE
 
 Each plan is launched `--repeats` times, the plans in turn (the repeat loop outermost, so drift
@@ -23,7 +24,7 @@ iterations), and the memory it saves per stage, measured against predicted.
     .venv/bin/python bench/levers_measured.py [--models transformer,gpt2,bert] [--repeats 3]
         [--steps 12] [--json bench/results/levers_measured.json]
 
-About 12 minutes with the defaults.
+About 16 minutes with the defaults.
 """
 from __future__ import annotations
 
@@ -49,7 +50,9 @@ MODELS = ["transformer", "gpt2", "bert"]
 BATCH = {"transformer": 64, "gpt2": 32, "bert": 32}
 PLANS = {"plain": ["--no-checkpointing", "--sharding", "none"],
          "checkpointing": ["--checkpointing", "--sharding", "none"],
-         "sharded": ["--no-checkpointing", "--sharding", "optimizer"]}
+         "sharded": ["--no-checkpointing", "--sharding", "optimizer"],
+         "sharded-gradients": ["--no-checkpointing", "--sharding", "gradients"]}
+LEVERS = [name for name in PLANS if name != "plain"]
 WARMUP = 2
 LOSS_RTOL = 1e-5
 
@@ -112,7 +115,7 @@ def main() -> None:
         for model in models:
             plain = compile_plan(model, "plain", Path(tmp) / f"{model}-plain", None)
             plans[model] = {"plain": plain}
-            for name in ("checkpointing", "sharded"):
+            for name in LEVERS:
                 plans[model][name] = compile_plan(model, name, Path(tmp) / f"{model}-{name}",
                                                   plain["microbatches"])
         order = [p for model in models for p in plans[model].values()]
@@ -145,7 +148,7 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for model in models:
         plain = plans[model]["plain"]
-        for name in ("checkpointing", "sharded"):
+        for name in LEVERS:
             p = plans[model][name]
             ratios = [a / b for a, b in zip(p["steps_s"], plain["steps_s"], strict=True)]
             predicted = p["predicted_s"] / plain["predicted_s"]

@@ -62,10 +62,16 @@ Placement = Literal["stage-major", "pipeline-major"]
 PLACEMENTS: Final[tuple[Placement, ...]] = get_args(Placement)
 
 # What a stage's data-parallel replicas shard among themselves instead of each holding a copy:
-# nothing (DDP), or the optimizer state (ZeRO-1: torch's ZeroRedundancyOptimizer; each replica
-# steps the parameters it owns and broadcasts them). docs/memory-model.md prices each.
-Sharding = Literal["none", "optimizer"]
+# nothing (DDP), the optimizer state (ZeRO-1: torch's ZeroRedundancyOptimizer; each replica
+# steps the parameters it owns and broadcasts them), or the optimizer state and the gradients
+# (ZeRO-2: each micro-batch's gradients are reduced to the replica owning them as they form,
+# partc.run.gradient_sharding). docs/memory-model.md prices each.
+Sharding = Literal["none", "optimizer", "gradients"]
 SHARDINGS: Final[tuple[Sharding, ...]] = get_args(Sharding)
+# What each sharding splits, in words (summaries and messages).
+SHARDED_STATE: Final[dict[Sharding, str]] = {
+    "none": "nothing", "optimizer": "optimizer state",
+    "gradients": "optimizer state and gradients"}
 
 
 @dataclass(frozen=True)
@@ -314,6 +320,11 @@ class TrainingConfig:
         """Replicas the optimizer state is split over (1: each holds all of it)."""
         return self.shards if self.sharding != "none" else 1
 
+    @property
+    def gradient_shards(self) -> int:
+        """Replicas the gradients are split over (1: each holds all of them)."""
+        return self.shards if self.sharding == "gradients" else 1
+
 
 @dataclass(frozen=True)
 class SearchOptions:
@@ -332,8 +343,8 @@ class SearchOptions:
              "stage: a stage recomputes only where its memory needs it).")
     sharding: Sharding | None = option(
         None, flag="--sharding",
-        help="Pin what every stage's data-parallel replicas shard (none, or optimizer: ZeRO-1) "
-             "(default: searched, per stage).")
+        help="Pin what every stage's data-parallel replicas shard (none; optimizer: ZeRO-1; "
+             "gradients: ZeRO-2, optimizer state and gradients) (default: searched, per stage).")
     max_blocks: int = option(DEFAULT_MAX_BLOCKS, flag="--max-blocks", min=1,
                              help="Blocks the graph is coarsened to before solving.")
     time_limit_s: float = option(10.0, flag="--time-limit", min=0, min_open=True,

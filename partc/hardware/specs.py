@@ -259,6 +259,11 @@ class ClusterSpec:
             return 0.0
         return nbytes / link.bandwidth + (len(group) - 1) * link.latency_s
 
+    def reduce_s(self, nbytes: int, group: Sequence[int]) -> float:
+        """Pipelined reduce of `nbytes` from every device of `group` onto one of them: the
+        mirror of `broadcast_s` (the partial sums stream once along the ring), the same time."""
+        return self.broadcast_s(nbytes, group)
+
     def _ring_link(self, group: Sequence[int]) -> LinkSpec | None:
         """The slowest link a ring over `group` uses (inter-node as soon as it spans nodes);
         None for at most one device."""

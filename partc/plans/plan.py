@@ -27,7 +27,7 @@ from partc.files import write_atomic
 from partc.hardware.configs import cluster_from_dict
 from partc.hardware.specs import ClusterSpec
 from partc.hardware.units import format_quantity
-from partc.options import SearchOptions, Sharding, from_dict, to_dict
+from partc.options import SHARDINGS, SearchOptions, Sharding, from_dict, to_dict
 from partc.solve.partition import Prediction, SolverReport, TrainingSetup, round_seconds
 from partc.solve.simulator import PipelineSpec, StageTiming
 from partc.solve.stage_problem import RankLevers
@@ -636,7 +636,7 @@ def _check_consistency(plan: Plan) -> None:
         if st.activation_checkpointing and not shape.activation_checkpointing:
             raise ValueError(f"stage {k} checkpoints activations, which the training does not "
                              "allow")
-        if st.sharding != "none" and st.sharding != shape.sharding:
+        if SHARDINGS.index(st.sharding) > SHARDINGS.index(shape.sharding):
             raise ValueError(f"stage {k} shards {st.sharding}, the training allows "
                              f"{shape.sharding}")
         first = plan.stages[st.rank]

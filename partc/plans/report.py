@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from partc.files import write_atomic
+from partc.options import SHARDED_STATE
 from partc.plans.plan import Plan, format_plan, stage_levers_text
 from partc.plans.run_metrics import RunMetrics
 from partc.solve.simulator import Simulation, simulate
@@ -182,7 +183,7 @@ def levers_summary(plan: Plan) -> str:
                      f"{', '.join(map(str, ckpt))}")
     for kind in sorted({st.sharding for st in plan.stages} - {"none"}):
         sharded = [st.index for st in plan.stages if st.sharding == kind]
-        parts.append(f"{kind} state sharded on stage{'s' if len(sharded) > 1 else ''} "
+        parts.append(f"{SHARDED_STATE[kind]} sharded on stage{'s' if len(sharded) > 1 else ''} "
                      f"{', '.join(map(str, sharded))}")
     return "; ".join(parts)
 

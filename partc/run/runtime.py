@@ -51,6 +51,7 @@ from partc.plans.run_metrics import (
     StageMetrics,
     StepMetrics,
 )
+from partc.run.gradient_sharding import GradientSharder
 from partc.run.rank_layout import RankLayout, rank_layout
 from partc.run.rank_setup import (
     RankEnv,
@@ -71,6 +72,7 @@ from partc.run.schedule import (
     no_loss,
 )
 from partc.run.stage_runner import (
+    GradSyncTimer,
     LocalStage,
     load_local_stages,
     save_checkpoint,
@@ -292,8 +294,8 @@ def _step(run: RankRun, step: int, memory_method: str) -> list[torch.Tensor] | N
             # no_sync) accumulate into the buckets. Set to None, those backwards would allocate a
             # second copy of every gradient beside the buckets until the last one's all-reduce
             # (measured: +7 MiB on a 7 MiB-gradient BERT stage). Without replicas they are freed
-            # between steps (the memory model prices both).
-            local.optimizer.zero_grad(set_to_none=local.grad_sync is None)
+            # between steps (the memory model prices both), as are sharded gradients.
+            local.optimizer.zero_grad(set_to_none=not isinstance(local.grad_sync, GradSyncTimer))
     # The data first: the model file's generator frees the batch it held when it yields the next
     # one, a free the CPU profiler would not see (it never reports frees of memory allocated
     # before it started), so drawn inside the probe the batch counted twice.
@@ -306,6 +308,9 @@ def _step(run: RankRun, step: int, memory_method: str) -> list[torch.Tensor] | N
                 local.grad_sync.reset()
         losses: list[torch.Tensor] | None = [] if run.loss_fn is not None else None
         run.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        for local in run.stages:
+            if isinstance(local.grad_sync, GradientSharder):
+                local.grad_sync.finish()
         began = synced_clock(run.device)
         sum_tied_gradients(run.tied, run.stages)
         tied_s = synced_clock(run.device) - began if run.tied else 0.0

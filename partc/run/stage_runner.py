@@ -14,10 +14,11 @@ import time
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.pipelining import PipelineStage
 from torch.nn.parallel import DistributedDataParallel
 
@@ -43,6 +44,9 @@ from partc.run.checkpoint import (
     write_manifest,
 )
 from partc.run.rank_setup import TiedGroup
+
+if TYPE_CHECKING:
+    from partc.run.gradient_sharding import GradientSharder
 from partc.run.training import build_optimizer
 
 
@@ -188,7 +192,8 @@ class LocalStage:
     optimizer: torch.optim.Optimizer | None
     optimized_names: list[str]  # parameter FQNs in the optimizer's order
     pipe: TimedStage | None = None
-    grad_sync: GradSyncTimer | None = None  # times DDP's all-reduce when the plan has replicas
+    # times DDP's all-reduce when the plan has replicas, or reduces sharded gradients
+    grad_sync: GradSyncTimer | GradientSharder | None = None
     optimizer_s: float = 0.0  # this step's optimizer step
 
 
@@ -221,7 +226,7 @@ def load_local_stages(plan: Plan, stages: Sequence[int], device: torch.device,
         module.train()
         names = [n for n, p in module.named_parameters() if p.requires_grad]
         params = dict(module.named_parameters())
-        sharded = spec.sharding == "optimizer" and plan.training.shape.replicas > 1
+        sharded = spec.sharding != "none" and plan.training.shape.replicas > 1
         try:
             optimizer = build_optimizer(plan.training.config.optimizer,
                                         [params[n] for n in names], options.lr,
@@ -241,7 +246,10 @@ def load_local_stages(plan: Plan, stages: Sequence[int], device: torch.device,
 def wrap_for_pipeline(plan: Plan, stages: list[LocalStage], device: torch.device,
                       pp_group: Any, dp_group: Any) -> None:
     """Give each stage its `pipe`: the module under the plan's precision and checkpointing, in
-    DDP when the plan has replicas, in a PipelineStage with plan.yaml's boundary shapes."""
+    DDP when the plan has replicas (or, where the stage shards its gradients, with a
+    GradientSharder on its parameters), in a PipelineStage with plan.yaml's boundary shapes."""
+    from partc.run.gradient_sharding import GradientSharder
+
     V, R = plan.num_stages, plan.training.shape.replicas
     bf16 = plan.training.config.bf16
     for local in stages:
@@ -252,8 +260,17 @@ def wrap_for_pipeline(plan: Plan, stages: list[LocalStage], device: torch.device
             wire = tuple(getattr(torch, ref.runtime_dtype) for ref in local.spec.outputs)
             runner = StageRunner(local.module, device, bf16, checkpointing, last=is_last,
                                  wire_dtypes=wire)
-        if R > 1 and local.optimizer is not None:
-            unused = parameters_without_gradient(local.module, local.spec, device)
+        if R > 1 and isinstance(local.optimizer, ZeroRedundancyOptimizer) \
+                and local.spec.sharding == "gradients":
+            # tied parameters stay whole: sum_tied_gradients adds their copies across stages
+            kept_whole = {t.name for t in plan.tied_parameters if local.spec.index in t.stages}
+            local.grad_sync = GradientSharder(
+                local.module, local.optimizer, gradient_order(local.module, local.spec, device),
+                kept_whole, dp_group, device)
+        elif R > 1 and local.optimizer is not None:
+            formed = set(gradient_order(local.module, local.spec, device))
+            unused = [n for n, p in local.module.named_parameters()
+                      if p.requires_grad and n not in formed]
             with warnings.catch_warnings():
                 # torch 2.13 deprecates broadcast_buffers for forward_sync_buffers, which older
                 # torch (2.11 on the GPU machines) lacks: the notice is nothing a user can act on
@@ -266,8 +283,9 @@ def wrap_for_pipeline(plan: Plan, stages: list[LocalStage], device: torch.device
                     # buffers start equal (same init or checkpoint); re-broadcasting them before
                     # every micro-batch's forward would cost M collectives per stage and step
                     broadcast_buffers=False)
-            local.grad_sync = GradSyncTimer(device)
-            runner.register_comm_hook(dp_group, local.grad_sync.hook)
+            timer = GradSyncTimer(device)
+            runner.register_comm_hook(dp_group, timer.hook)
+            local.grad_sync = timer
         k = local.spec.index
         local.pipe = TimedStage(
             runner, k, V, device,
@@ -289,10 +307,12 @@ def boundary_tensors(refs: tuple[TensorRef, ...], device: torch.device,
     return tuple(out)
 
 
-def parameters_without_gradient(module: torch.nn.Module, spec: PlanStage,
-                                 device: torch.device) -> list[str]:
-    """Parameters a backward through the stage leaves without gradient (DDP must then look for
-    unused parameters). One micro-batch of placeholder inputs; buffers and grads restored."""
+def gradient_order(module: torch.nn.Module, spec: PlanStage,
+                   device: torch.device) -> list[str]:
+    """The trainable parameters a backward through the stage gives a gradient, in the order
+    their gradients form (the others are unused: DDP must then look for them; sharded gradients
+    are bucketed in this order). One micro-batch of placeholder inputs; buffers and grads
+    restored."""
     saved = {n: b.detach().clone() for n, b in module.named_buffers()}
     inputs = []
     for ref in spec.inputs:
@@ -300,19 +320,26 @@ def parameters_without_gradient(module: torch.nn.Module, spec: PlanStage,
         t = (torch.randn(ref.shape, device=device, dtype=dtype).requires_grad_(True)
              if dtype.is_floating_point else torch.zeros(ref.shape, device=device, dtype=dtype))
         inputs.append(t)
-    outputs = module(*inputs)
-    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-    total = sum((o.float().sum() for o in outputs if isinstance(o, torch.Tensor)
-                 and o.requires_grad), torch.zeros((), device=device))
-    if total.requires_grad:
-        total.backward()
-    unused = [n for n, p in module.named_parameters() if p.requires_grad and p.grad is None]
+    formed: list[str] = []
+    handles = [p.register_post_accumulate_grad_hook(
+        lambda _p, name=name: formed.append(name))
+        for name, p in module.named_parameters() if p.requires_grad]
+    try:
+        outputs = module(*inputs)
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        total = sum((o.float().sum() for o in outputs if isinstance(o, torch.Tensor)
+                     and o.requires_grad), torch.zeros((), device=device))
+        if total.requires_grad:
+            total.backward()
+    finally:
+        for handle in handles:
+            handle.remove()
     for p in module.parameters():
         p.grad = None
     with torch.no_grad():
         for n, b in module.named_buffers():
             b.copy_(saved[n])
-    return unused
+    return list(dict.fromkeys(formed))
 
 
 def sum_tied_gradients(tied: list[TiedGroup], locals_: list[LocalStage]) -> None:
@@ -345,8 +372,6 @@ def sum_tied_gradients(tied: list[TiedGroup], locals_: list[LocalStage]) -> None
 
 def is_sharded(optimizer: torch.optim.Optimizer | None) -> bool:
     """Whether the optimizer's state is sharded over replicas (ZeroRedundancyOptimizer)."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
     return isinstance(optimizer, ZeroRedundancyOptimizer)
 
 

@@ -1,12 +1,13 @@
 """Memory levers per pipeline rank: which ranks of a cut recompute their activations and which
-shard their optimizer state across their data-parallel replicas.
+shard their optimizer state (and their gradients) across their data-parallel replicas.
 
 A `PipelineShape` says which levers its ranks may use (`activation_checkpointing`, `sharding`),
 and the solver prices the cut with them on every rank, so that the cut is chosen knowing the
 memory they free. A lever costs time, though: checkpointing recomputes each micro-batch's forward
 before its backward, sharding replaces part of the optimizer step by an all-gather of the updated
-weights. So once a cut is fixed, `choose_levers` gives each rank the cheapest combination of the
-allowed levers under which the exact memory model (partc.solve.memory.stage_memory) fits the
+weights, and sharded gradients replace the all-reduce by a reduce of every micro-batch's
+gradients. So once a cut is fixed, `choose_levers` gives each rank the cheapest combination of
+the allowed levers under which the exact memory model (partc.solve.memory.stage_memory) fits the
 device: recompute and shard only where memory binds (or where sharding is faster by itself: the
 step it splits can cost more than the all-gather on a fast network).
 
@@ -18,12 +19,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 from itertools import product
-from typing import Sequence
+from typing import Collection, Sequence
 
 from partc.errors import SearchError
 from partc.graph.opgraph import Param
-from partc.options import Sharding
-from partc.solve.memory import optimizer_partition, param_memory
+from partc.options import SHARDINGS, Sharding
+from partc.solve.memory import gradient_buckets, optimizer_partition, param_memory
 from partc.solve.stage_problem import RankLevers, StageProblem, sync_bytes
 
 
@@ -33,8 +34,10 @@ def lever_options(problem: StageProblem) -> list[RankLevers]:
     shape, forced = problem.shape, problem.forced_levers
     ckpts = (True,) if forced.activation_checkpointing else \
         (False, True) if shape.activation_checkpointing else (False,)
-    shardings: tuple[Sharding, ...] = (shape.sharding,) if forced.sharding != "none" else \
-        ("none", shape.sharding) if shape.sharding != "none" else ("none",)
+    # each sharding includes the ones before it (gradients: the optimizer state too): a shape
+    # allows its own and the lighter ones
+    allowed = SHARDINGS[:SHARDINGS.index(shape.sharding) + 1]
+    shardings: tuple[Sharding, ...] = (shape.sharding,) if forced.sharding != "none" else allowed
     return [RankLevers(c, s) for c, s in product(ckpts, shardings)]
 
 
@@ -68,6 +71,42 @@ def step_seconds(problem: StageProblem, params: Sequence[Param], rank: int,
     broadcasts = sum(problem.cluster.broadcast_s(
         sum(param_memory(optimized[i][0], training)[0] for i in part), group) for part in owned)
     return step + broadcasts
+
+
+def gradient_reduce_seconds(problem: StageProblem, params: Sequence[Param], rank: int,
+                            kept_whole: Collection[str] = ()) -> float:
+    """One micro-batch's reduces of a rank whose gradients are sharded: each bucket
+    (`gradient_buckets`, the parameters in backward order, each to the replica owning it in
+    ZeroRedundancyOptimizer's partition) reduced onto its owner as the backward forms it, one
+    after the other, holding up the backward (partc.run.gradient_sharding). `kept_whole`
+    (parameters other ranks hold too, StageProblem.tied_across_ranks) are all-reduced instead
+    (`allreduce_seconds`)."""
+    training = problem.training
+    optimized = [(p, sync_bytes(p, training)[0]) for p in params if sync_bytes(p, training)[0]]
+    if problem.shape.replicas < 2 or not optimized:
+        return 0.0
+    owners = [0] * len(optimized)
+    for r, part in enumerate(optimizer_partition([p.numel for p, _ in optimized],
+                                                 problem.shape.replicas)):
+        for i in part:
+            owners[i] = r
+    order = [i for i in reversed(range(len(optimized))) if optimized[i][0].name not in kept_whole]
+    group = problem.shape.rank_devices(rank)
+    sizes = [optimized[i][1] for i in order]
+    return sum(problem.cluster.reduce_s(sum(sizes[j] for j in bucket), group)
+               for bucket in gradient_buckets(sizes, [owners[i] for i in order],
+                                              problem.shape.replicas))
+
+
+def allreduce_seconds(problem: StageProblem, params: Sequence[Param], rank: int,
+                      levers: RankLevers, kept_whole: Collection[str] = ()) -> float:
+    """A rank's gradient all-reduce over its replicas after its last backward: every gradient
+    (DDP's), or with sharded gradients only those of `kept_whole`."""
+    if problem.shape.replicas < 2:
+        return 0.0
+    grads = sum(sync_bytes(p, problem.training)[0] for p in params
+                if levers.sharding != "gradients" or p.name in kept_whole)
+    return problem.cluster.allreduce_s(grads, problem.shape.rank_devices(rank))
 
 
 def can_shard(params: Sequence[Param]) -> bool:
@@ -104,23 +143,31 @@ def choose_levers(problem: StageProblem, assignment: Sequence[int]) -> tuple[Ran
         return (everything,) * S
     usable = problem.usable_bytes()
     nodes, relayed = problem.rank_nodes(assignment)
+    tied = problem.tied_across_ranks(assignment)
     chosen = []
     for d in range(S):
         shardable = can_shard(params[d])
         allowed = options if shardable else [o for o in options if o.sharding == "none"]
-        base_step = step_seconds(problem, params[d], d, RankLevers())
+        base = step_seconds(problem, params[d], d, RankLevers()) \
+            + allreduce_seconds(problem, params[d], d, RankLevers(), tied)
         recompute = recompute_seconds(problem, assignment, d)
+        reduces = problem.shape.num_microbatches * gradient_reduce_seconds(
+            problem, params[d], d, tied)
 
         def cost(levers: RankLevers, d: int = d, recompute: float = recompute,
-                 base_step: float = base_step) -> tuple[float, int]:
+                 base: float = base, reduces: float = reduces) -> tuple[float, int]:
             added = recompute if levers.activation_checkpointing else 0.0
             if levers.sharding != "none":
-                added += step_seconds(problem, params[d], d, levers) - base_step
-            return (added, int(levers.activation_checkpointing) + int(levers.sharding != "none"))
+                added += step_seconds(problem, params[d], d, levers) \
+                    + allreduce_seconds(problem, params[d], d, levers, tied) - base
+            if levers.sharding == "gradients":
+                added += reduces
+            return (added, int(levers.activation_checkpointing)
+                    + SHARDINGS.index(levers.sharding))
 
         pick = everything if shardable else replace(everything, sharding="none")
         for levers in sorted(allowed, key=cost):
-            if problem.rank_memory_with(d, nodes[d], relayed[d], levers).total <= usable:
+            if problem.rank_memory_with(d, nodes[d], relayed[d], levers, tied).total <= usable:
                 pick = levers
                 break
         chosen.append(pick)

@@ -280,12 +280,16 @@ def _float32_bytes(table: CostTable, tensor: str, m: float) -> float:
     return table.tensor_bytes(tensor, m) * _FP32 / dtype_bytes(table.graph.tensor(tensor).dtype)
 
 
-def _static_bytes(table: CostTable, nodes: Collection[str],
-                  config: TrainingConfig) -> tuple[int, int, int, int]:
+def _static_bytes(table: CostTable, nodes: Collection[str], config: TrainingConfig,
+                  kept_whole: Collection[str] = ()) -> tuple[int, int, int, int]:
     """(parameters, gradients, optimizer state, optimizer-step temporaries) of the stage's
     distinct parameters (tied ones once) and buffers. With the optimizer state sharded
     (`TrainingConfig.optimizer_shards` > 1) the state and temporaries are those of the replica
-    whose share (`optimizer_partition`) is the largest: it sets the stage's peak."""
+    whose share (`optimizer_partition`) is the largest: it sets the stage's peak. With the
+    gradients sharded too (`TrainingConfig.gradient_shards` > 1) that replica's gradients are
+    those of the parameters it owns, of `kept_whole` (parameters other pipeline ranks hold too:
+    their copies' gradients are summed across stages) and the others' it holds while their
+    buckets fill (`gradient_window`)."""
     graph = table.graph
     params = {}
     for n in nodes:
@@ -293,21 +297,98 @@ def _static_bytes(table: CostTable, nodes: Collection[str],
             p = graph.param(name)
             params[p.name] = p
     weights = grads = 0
-    per_param: list[tuple[int, int, int]] = []  # (elements, state, temporaries) of optimized ones
+    # (elements, gradient, state, temporaries, kept whole) of the optimized ones, in graph order
+    per_param: list[tuple[int, int, int, int, bool]] = []
     unsharded_state = unsharded_temps = 0
     for p in params.values():
         w, g, s, t = param_memory(p, config)
         weights, grads = weights + w, grads + g
         if g:
-            per_param.append((p.numel, s, t))
+            per_param.append((p.numel, g, s, t, p.name in kept_whole))
         unsharded_state, unsharded_temps = unsharded_state + s, unsharded_temps + t
     shards = config.optimizer_shards
     if shards == 1 or not per_param:
         return weights, grads, unsharded_state, unsharded_temps
-    owned = optimizer_partition([n for n, _, _ in per_param], shards)
-    state, temps = max(((sum(per_param[i][1] for i in part), sum(per_param[i][2] for i in part))
-                        for part in owned), key=lambda st: (st[0] + st[1], st))
-    return weights, grads, state, temps
+    owned = optimizer_partition([x[0] for x in per_param], shards)
+    sharded_grads = config.gradient_shards > 1
+    owner = {i: r for r, part in enumerate(owned) for i in part}
+    # backward order: the gradients of the stage's last parameters form first
+    order = [i for i in reversed(range(len(per_param))) if not per_param[i][4]]
+    windows = gradient_window([per_param[i][1] for i in order], [owner[i] for i in order],
+                              shards) if sharded_grads else [0] * shards
+    best: tuple[int, int, int] | None = None
+    for r, part in enumerate(owned):
+        state = sum(per_param[i][2] for i in part)
+        temps = sum(per_param[i][3] for i in part)
+        held = grads if not sharded_grads else windows[r] + sum(
+            x[1] for i, x in enumerate(per_param) if x[4] or owner[i] == r)
+        if best is None or (held + state + temps, state) > (sum(best), best[1]):
+            best = (held, state, temps)
+    assert best is not None
+    return weights, best[0], best[1], best[2]
+
+
+# Sharded gradients (partc.run.gradient_sharding) are reduced in buckets, one collective per
+# bucket and micro-batch; a replica holds at most one filling bucket per other owner besides the
+# gradients it owns. A bucket is about 1/8 of a replica's share of the stage's gradients, so the
+# buckets in flight stay near 1/8 of the gradients at any replica count, within bounds that keep
+# a collective from being all latency (small) or the window from being large (big).
+GRADIENT_BUCKET_SHARE = 8
+GRADIENT_BUCKET_MIN_BYTES = 64 << 10
+GRADIENT_BUCKET_MAX_BYTES = 32 << 20
+
+
+def gradient_bucket_bytes(sharded_bytes: int, replicas: int) -> int:
+    """The bucket size of a stage whose sharded gradients total `sharded_bytes` over `replicas`
+    replicas (see GRADIENT_BUCKET_SHARE)."""
+    share = sharded_bytes // max(1, replicas * GRADIENT_BUCKET_SHARE)
+    return max(GRADIENT_BUCKET_MIN_BYTES, min(GRADIENT_BUCKET_MAX_BYTES, share))
+
+
+def gradient_buckets(sizes: Sequence[int], owners: Sequence[int],
+                     replicas: int) -> list[list[int]]:
+    """The buckets sharded gradients are reduced in: `sizes` (bytes) and `owners` (replica) of
+    the parameters in the order their gradients form; each owner's parameters in that order,
+    packed into buckets of at most `gradient_bucket_bytes` (a larger parameter is a bucket of
+    its own). Buckets in the order they complete (their last member's position); each is a
+    list of indices into `sizes`."""
+    if len(sizes) != len(owners):
+        raise ValueError(f"{len(sizes)} sizes for {len(owners)} owners")
+    cap = gradient_bucket_bytes(sum(sizes), replicas)
+    open_: dict[int, list[int]] = {}
+    filled: dict[int, int] = {}
+    buckets: list[list[int]] = []
+    for i, (nbytes, r) in enumerate(zip(sizes, owners, strict=True)):
+        if r in open_ and filled[r] + nbytes > cap:
+            buckets.append(open_.pop(r))
+        if r not in open_:
+            open_[r], filled[r] = [], 0
+        open_[r].append(i)
+        filled[r] += nbytes
+    buckets += open_.values()
+    return sorted(buckets, key=lambda b: b[-1])
+
+
+def gradient_window(sizes: Sequence[int], owners: Sequence[int], replicas: int) -> list[int]:
+    """Per replica, the most bytes of gradients it does not own that it holds at once during a
+    backward (`gradient_buckets`' order): those of the other owners' filling buckets, and the
+    flat copy a bucket of several parameters is reduced from. A bucket still open when the
+    backward ends is reduced then, like one that fills."""
+    buckets = gradient_buckets(sizes, owners, replicas)
+    complete_at = {b[-1]: b for b in buckets}
+    peaks = [0] * replicas
+    pending = [0] * replicas  # per owner: bytes of its filling bucket formed so far
+    for i, (nbytes, r) in enumerate(zip(sizes, owners, strict=True)):
+        pending[r] += nbytes
+        bucket = complete_at.get(i)
+        if bucket is None:
+            continue
+        flat = sum(sizes[j] for j in bucket) if len(bucket) > 1 else 0
+        for me in range(replicas):
+            others = sum(pending) - pending[me]
+            peaks[me] = max(peaks[me], others + flat)
+        pending[r] -= sum(sizes[j] for j in bucket)
+    return peaks
 
 
 def optimizer_partition(numels: Sequence[int], shards: int) -> list[list[int]]:
@@ -491,7 +572,8 @@ def trainable_weight_bytes(graph: OpGraph, node: OpNode, bf16: bool) -> float:
 def stage_memory(table: CostTable, nodes: Collection[str], *, microbatch_size: int,
                  num_microbatches: int, stage_index: int, num_stages: int, config: TrainingConfig,
                  chunks: int = 1, host_data: float = 0.0,
-                 relayed: Collection[str] = (), gradients_resident: bool = True) -> StageMemory:
+                 relayed: Collection[str] = (), gradients_resident: bool = True,
+                 kept_whole: Collection[str] = ()) -> StageMemory:
     """Peak memory per device of the stage `nodes` (docs/memory-model.md has every formula).
 
     `stage_index`/`num_stages`: the device's position in the pipeline; with interleaved-1f1b,
@@ -505,7 +587,8 @@ def stage_memory(table: CostTable, nodes: Collection[str], *, microbatch_size: i
     allocated between steps (a DDP bucket holds them, or zero_grad(set_to_none=False)); launch
     frees them on a stage with one replica, where the `gradients` term is then the gradient
     bytes live at the peak (none when the peak comes before the step's first backward formed
-    them).
+    them). `kept_whole`: parameters whose gradients stay whole when the gradients are sharded
+    (those other pipeline ranks hold too, `_static_bytes`).
     """
     if isinstance(microbatch_size, bool) or not isinstance(microbatch_size, int) \
             or microbatch_size < 1:
@@ -520,7 +603,7 @@ def stage_memory(table: CostTable, nodes: Collection[str], *, microbatch_size: i
     M = num_microbatches
     bf16 = config.bf16
     ckpt = config.activation_checkpointing
-    weights, grads, state, step_temps = _static_bytes(table, nodes, config)
+    weights, grads, state, step_temps = _static_bytes(table, nodes, config, kept_whole)
     requires = _requires_grad(graph)
 
     def size(tensor: str) -> float:
@@ -632,8 +715,10 @@ def stage_memory(table: CostTable, nodes: Collection[str], *, microbatch_size: i
     fresh, fresh_grads = _backward_transient(table, nodes, m, bf16, requires, pinned,
                                              preallocated, fresh=True)
     fresh -= loss
-    first_ws, first_grads = (fresh - fresh_grads, fresh_grads) if fresh >= through_loss \
-        else (through_loss, 0.0)
+    # (with the gradients sharded, what a replica keeps of them is at most its sharded share:
+    # the others' are reduced away as their buckets fill)
+    first_ws, first_grads = (fresh - fresh_grads, min(fresh_grads, float(grads))) \
+        if fresh >= through_loss else (through_loss, 0.0)
     phases = [StageMemory(parameters=weights, gradients=_ceil(first_grads),
                           optimizer_state=state, activations=_ceil(activations),
                           recompute=_ceil(recompute), communication=communication,

@@ -38,6 +38,7 @@ from partc.errors import PartcError, SearchError
 from partc.hardware.specs import ClusterSpec
 from partc.hardware.units import format_quantity
 from partc.options import (
+    SHARDED_STATE,
     SHARDINGS,
     STRATEGIES,
     Placement,
@@ -49,7 +50,13 @@ from partc.options import (
 )
 from partc.progress import Progress
 from partc.solve.coarsen import BlockGraph, coarsen
-from partc.solve.levers import choose_levers, rank_parameters, step_seconds
+from partc.solve.levers import (
+    allreduce_seconds,
+    choose_levers,
+    gradient_reduce_seconds,
+    rank_parameters,
+    step_seconds,
+)
 from partc.solve.memory import (
     in_flight_microbatches,
     param_memory,
@@ -229,6 +236,7 @@ class ParameterTotals:
     step_bytes: int  # bytes the optimizer step moves
     state_bytes: int = 0  # the optimizer state alone (what sharding splits)
     block_state_bytes: tuple[int, ...] = ()  # the same per block
+    block_grad_bytes: tuple[int, ...] = ()  # gradient bytes per block (what ZeRO-2 splits)
 
     @classmethod
     def of(cls, blocks: BlockGraph, table: CostTable,
@@ -237,6 +245,7 @@ class ParameterTotals:
         per_param = {p.name: param_memory(p, training) for p in graph.params}
         block_static = tuple(sum(sum(per_param[p][:3]) for p in b.params) for b in blocks.blocks)
         block_state = tuple(sum(per_param[p][2] for p in b.params) for b in blocks.blocks)
+        block_grads = tuple(sum(per_param[p][1] for p in b.params) for b in blocks.blocks)
         grad_bytes = step_bytes = 0
         for p in graph.params:
             g_bytes, moved = sync_bytes(p, training)
@@ -245,15 +254,18 @@ class ParameterTotals:
         return cls(static_bytes=sum(sum(m[:3]) for m in per_param.values()),
                    block_static_bytes=block_static, grad_bytes=grad_bytes, step_bytes=step_bytes,
                    state_bytes=sum(m[2] for m in per_param.values()),
-                   block_state_bytes=block_state)
+                   block_state_bytes=block_state, block_grad_bytes=block_grads)
 
-    def static_with(self, shards: int) -> tuple[float, float]:
-        """(the model's static bytes, the largest block's) with the optimizer state split over
-        `shards` replicas: lower bounds of what the ranks hold (a replica's share is at least
-        an even one)."""
-        static = self.static_bytes - self.state_bytes * (1 - 1 / shards)
-        block = max((b - st * (1 - 1 / shards) for b, st in
+    def static_with(self, shards: int, gradients: bool = False) -> tuple[float, float]:
+        """(the model's static bytes, the largest block's) with the optimizer state (and with
+        `gradients` the gradients) split over `shards` replicas: lower bounds of what the ranks
+        hold (a replica's share is at least an even one; tied gradients, kept whole, are counted
+        split too, which keeps it a bound)."""
+        cut = 1 - 1 / shards
+        static = self.static_bytes - (self.state_bytes + self.grad_bytes * gradients) * cut
+        block = max((b - (st + g * gradients) * cut for b, st, g in
                      zip(self.block_static_bytes, self.block_state_bytes or
+                         (0,) * len(self.block_static_bytes), self.block_grad_bytes or
                          (0,) * len(self.block_static_bytes), strict=True)), default=0.0)
         return static, block
 
@@ -277,13 +289,18 @@ def shape_lower_bound(blocks: BlockGraph, table: CostTable, cluster: ClusterSpec
     S, v, M = shape.stages, shape.chunks, shape.num_microbatches
     T = max(W / S, max(comp) if v == 1 or S == 1 else 0.0)
     sync = 0.0
-    if shape.replicas > 1:
+    if shape.replicas > 1 and shape.sharding == "gradients":
+        # a reduce per micro-batch streams the rank's gradients once (at least its even share
+        # of the model's)
+        sync = M * min(cluster.reduce_s(max(1, totals.grad_bytes // S), shape.rank_devices(d))
+                       for d in range(S))
+    elif shape.replicas > 1:
         sync = min(cluster.allreduce_s(max(1, totals.grad_bytes // S), shape.rank_devices(d))
                    for d in range(S))
     sync += totals.step_bytes / S / shape.shards / cluster.device.bytes_per_s()
     bound = (M - 1) * T + sync + T + (W - T) / v
     usable = usable_memory(cluster.device.memory_bytes, shape.training_config(training))
-    static, block_static = totals.static_with(shape.shards)
+    static, block_static = totals.static_with(shape.shards, shape.sharding == "gradients")
     # The fullest rank holds at least static_d + coef_d * saved_d (StageProblem.rank_memory; coef
     # = in-flight micro-batches / chunks, 1 / chunks with checkpointing). Summing
     # saved_d <= (X - static_d) / coef_d over ranks bounds the peak X from below; without this,
@@ -598,8 +615,8 @@ def _infeasible(blocks: BlockGraph, table: CostTable, cluster: ClusterSpec,
         else True
     # with replicas pinned, the least memory they need, their optimizer state sharded where
     # that is allowed
-    sharding: Sharding = "optimizer" if R > 1 and options.sharding in (None, "optimizer") \
-        else "none"
+    sharding: Sharding = ("gradients" if options.sharding is None else options.sharding) \
+        if R > 1 else "none"
     shape = PipelineShape(stages=S, replicas=R, num_microbatches=M, microbatch_size=m,
                           schedule=schedule if schedule != "interleaved-1f1b" else "1f1b",
                           activation_checkpointing=ckpt, sharding=sharding)
@@ -612,7 +629,7 @@ def _infeasible(blocks: BlockGraph, table: CostTable, cluster: ClusterSpec,
         f"the model does not fit: even cut into {S} stage(s)"
         f"{f' x {R} replicas' if R > 1 else ''} with micro-batch {m}"
         f"{' and activation checkpointing' if ckpt else ''}"
-        f"{' and the optimizer state sharded' if sharding != 'none' else ''}"
+        f"{f' and the {SHARDED_STATE[sharding]} sharded' if sharding != 'none' else ''}"
         f"{f' ({pinned})' if pinned else ''}, the fullest device needs at least "
         f"{format_quantity(need, 'B')} but a {dev.name} has {format_quantity(usable, 'B')} usable "
         f"({format_quantity(dev.memory_bytes, 'B')} minus the {training.memory_margin:.0%} "
@@ -671,8 +688,8 @@ def build_partition(problem: StageProblem, assignment: Sequence[int], global_bat
     # two policies must be the same plan.yaml)
     forced = problem.forced_levers
     shape = replace(shape, activation_checkpointing=forced.activation_checkpointing or any(
-        r.activation_checkpointing for r in levers), sharding=next(
-            (r.sharding for r in levers if r.sharding != "none"), forced.sharding))
+        r.activation_checkpointing for r in levers), sharding=max(
+            (forced.sharding, *(r.sharding for r in levers)), key=SHARDINGS.index))
     links = shape.boundary_links(cluster)
     sends_fwd = [0.0] * (V + 1)
     sends_bwd = [0.0] * (V + 1)
@@ -687,6 +704,11 @@ def build_partition(problem: StageProblem, assignment: Sequence[int], global_bat
             if t.requires_grad:
                 sends_bwd[k] += link.transfer_s(int(nbytes))
     fixed = stage_fixed_s(table, cluster, shape)
+    held = rank_parameters(problem, assignment)
+    tied = problem.tied_across_ranks(assignment)
+    # sharded gradients: each micro-batch's backward also reduces its buckets, one after the other
+    reduces = [gradient_reduce_seconds(problem, held[d], d, tied)
+               if levers[d].sharding == "gradients" else 0.0 for d in range(S)]
     for k in range(V):
         nodes = tuple(n for b in members[k] for n in blocks.blocks[b].nodes)
         rank = k % S
@@ -695,7 +717,7 @@ def build_partition(problem: StageProblem, assignment: Sequence[int], global_bat
         work = sum(blocks.blocks[b].forward.at(m) for b in members[k])
         fwd = fixed[k][0] + work
         bwd = fixed[k][1] + sum(blocks.blocks[b].backward.at(m) for b in members[k]) + (
-            work if ckpt else 0.0)
+            work if ckpt else 0.0) + reduces[rank]
         params = tuple(dict.fromkeys(p for b in members[k] for p in blocks.blocks[b].params
                                      if graph.param(p).kind == "parameter"))
         receives, sends = stage_boundary(graph, nodes)
@@ -731,14 +753,13 @@ def build_partition(problem: StageProblem, assignment: Sequence[int], global_bat
 
 def _sync_times(problem: StageProblem, assignment: Sequence[int],
                 levers: Sequence[RankLevers]) -> tuple[list[float], list[float]]:
-    """Per rank: gradient all-reduce over its replicas, and the optimizer step with its levers
-    (sharded: its share's step and the all-gather of the weights, partc.solve.levers)."""
-    shape = problem.shape
+    """Per rank: gradient all-reduce over its replicas (sharded gradients: the tied ones'), and
+    the optimizer step with its levers (sharded: its share's step and the all-gather of the
+    weights, partc.solve.levers)."""
     allreduce, step = [], []
+    tied = problem.tied_across_ranks(assignment)
     for d, params in enumerate(rank_parameters(problem, assignment)):
-        grad_bytes = sum(sync_bytes(p, problem.training)[0] for p in params)
-        allreduce.append(problem.cluster.allreduce_s(grad_bytes, shape.rank_devices(d))
-                         if shape.replicas > 1 else 0.0)
+        allreduce.append(allreduce_seconds(problem, params, d, levers[d], tied))
         step.append(step_seconds(problem, params, d, levers[d]))
     return allreduce, step
 

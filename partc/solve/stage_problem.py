@@ -35,7 +35,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, Collection, Sequence, TypeVar
 
 from partc.cost.table import CostTable
 from partc.errors import PartcError
@@ -323,8 +323,13 @@ class StageProblem:
                    shared=terms.shared,
                    # a sharded rank's replicas each broadcast what they updated after the step:
                    # R broadcasts of (R - 1) latencies, R / 2 all-reduce latencies more
+                   # (sharded gradients: a reduce per owner and micro-batch, R / 2 all-reduce
+                   # latencies each)
                    sync_latency=[units.time(x * (1 + shape.shards / 2 if shape.shards > 1
-                                                 else 1.0)) for x in latency],
+                                                 else 1.0)
+                                            + x * shape.shards / 2 * shape.num_microbatches
+                                            * (shape.sharding == "gradients"))
+                                 for x in latency],
                    activation_coef=[(1.0 if ckpt else in_flight[d]) / shape.chunks
                                     for d in range(S)],
                    keep_coef=[in_flight[d] / shape.chunks for d in range(S)], loss=loss,
@@ -442,9 +447,16 @@ class StageProblem:
         """partc.solve.memory.stage_memory of every rank (its virtual stages together), each
         with its `levers` (None: every lever the shape allows, on every rank)."""
         nodes, relayed = self.rank_nodes(assignment)
+        tied = self.tied_across_ranks(assignment)
         return [self.rank_memory_with(d, nodes[d], relayed[d],
-                                      None if levers is None else levers[d])
+                                      None if levers is None else levers[d], tied)
                 for d in range(self.shape.stages)]
+
+    def tied_across_ranks(self, assignment: Sequence[int]) -> frozenset[str]:
+        """The parameters two or more pipeline ranks hold (tied or reused weights), whose
+        copies' gradients launch sums across ranks."""
+        return frozenset(p.name for p in self.shared
+                         if len({self.rank_of(assignment[b]) for b in p.blocks}) > 1)
 
     def rank_nodes(self, assignment: Sequence[int]) -> tuple[list[list[str]], list[list[str]]]:
         """Per rank, the OpGraph nodes its stages run, and the tensors they pass on (a virtual
@@ -460,12 +472,17 @@ class StageProblem:
         return nodes, relayed
 
     def rank_memory_with(self, rank: int, nodes: Sequence[str], relayed: Sequence[str],
-                         levers: RankLevers | None) -> StageMemory:
-        """stage_memory of one rank running `nodes` (relaying `relayed`) with `levers`."""
+                         levers: RankLevers | None,
+                         kept_whole: Collection[str] = ()) -> StageMemory:
+        """stage_memory of one rank running `nodes` (relaying `relayed`) with `levers`;
+        `kept_whole`: the parameters other ranks hold too (`tied_across_ranks`)."""
         return stage_memory(self.table, nodes, microbatch_size=self.shape.microbatch_size,
                             host_data=self.host_data_bytes[rank], relayed=relayed,
                             # launch frees them between steps unless a DDP bucket holds them
-                            gradients_resident=self.shape.replicas > 1,
+                            # (sharded gradients have none)
+                            gradients_resident=self.shape.replicas > 1 and (
+                                levers.sharding if levers else self.shape.sharding)
+                            != "gradients", kept_whole=kept_whole,
                             num_microbatches=self.shape.num_microbatches, stage_index=rank,
                             num_stages=self.shape.stages,
                             config=self.shape.training_config(self.training, levers),
@@ -567,15 +584,19 @@ class _BlockTerms:
         def sync_units(name: str) -> tuple[int, ...]:
             """Per rank: the parameter's all-reduce over the replicas, then its optimizer step;
             sharded, the step of its share (1/shards on average) and the all-gather of the
-            updated weights (half an all-reduce's bytes per byte)."""
+            updated weights (half an all-reduce's bytes per byte); gradients sharded (not a
+            tied parameter's), a reduce of its gradient per micro-batch instead of the
+            all-reduce."""
+            p = graph.param(name)
             gbytes, moved = _memo(memo, ("sync", name, training),
-                                  lambda: sync_bytes(graph.param(name), training))
-            gather = param_memory(graph.param(name), training)[0] if shards > 1 and gbytes \
-                else 0
-            # the owner's broadcast streams its weights once: bytes / B, i.e. the all-reduce's
-            # per-byte rate times n / (2 (n - 1))
-            return tuple(units.time(gbytes * per_byte[d]
-                                    + gather * per_byte[d] * shards / (2 * (shards - 1) or 1)
+                                  lambda: sync_bytes(p, training))
+            gather = param_memory(p, training)[0] if shards > 1 and gbytes else 0
+            # the owner's broadcast (a reduce) streams the bytes once: bytes / B, i.e. the
+            # all-reduce's per-byte rate times n / (2 (n - 1))
+            once = shards / (2 * (shards - 1) or 1)
+            reduced = gbytes * (shape.num_microbatches * once
+                                if training.gradient_shards > 1 and not p.aliases else 1.0)
+            return tuple(units.time(reduced * per_byte[d] + gather * per_byte[d] * once
                                     + moved / shards / step_bps) for d in range(S))
 
         shared_names = sorted(p for p, bs in users.items() if len(set(bs)) > 1)
@@ -663,11 +684,13 @@ def _memo(memo: dict[tuple, Any], key: tuple, compute: Callable[[], T]) -> T:
 
 def _param_bytes(p: Param, training: TrainingConfig) -> tuple[float, float]:
     """(static, step temporaries) bytes of one parameter/buffer; partc.solve.memory's rules.
-    A sharded optimizer state counts 1/shards of it here (the linear model's even split; the
-    exact model takes ZeroRedundancyOptimizer's partition, and corrections close the gap)."""
+    A sharded optimizer state (and sharded gradients) count 1/shards of it here (the linear
+    model's even split; the exact model takes ZeroRedundancyOptimizer's partition, and
+    corrections close the gap)."""
     weights, grads, state, temps = param_memory(p, training)
     shards = training.optimizer_shards
-    return float(weights + grads + state / shards), float(temps / shards)
+    grad_shards = 1 if p.aliases else training.gradient_shards  # a tied one's is kept whole
+    return float(weights + grads / grad_shards + state / shards), float(temps / shards)
 
 
 def sync_bytes(p: Param, training: TrainingConfig) -> tuple[int, int]:

@@ -144,22 +144,23 @@ def test_interleaved_schedule_with_activation_checkpointing(tmp_path: Path) -> N
     train_and_compare(plan, tmp_path, steps=3)
 
 
-def test_sharded_optimizer_state_trains_and_resumes_as_the_unsharded_plan(tmp_path: Path) -> None:
-    """ZeRO-1 (ZeroRedundancyOptimizer over each stage's replicas) on 2 stages x 2 replicas of HF
-    GPT-2, its lm_head tied across the stages: the losses are single-process training's; a
-    checkpoint it writes (by FQN, the sharded state gathered whole) resumes under the unsharded
-    plan with the uninterrupted run's losses; and the measured peak of every rank is below the
-    unsharded plan's. (Resuming a whole state into a sharded plan is the killed-rank test's
-    2x2-sharded case: a checkpoint's format does not depend on the plan that wrote it.)"""
+def test_sharded_gradients_train_and_resume_as_the_unsharded_plan(tmp_path: Path) -> None:
+    """ZeRO-2 (ZeroRedundancyOptimizer over each stage's replicas, each micro-batch's gradients
+    reduced onto their owners as they form, partc.run.gradient_sharding) on 2 stages x 2
+    replicas of HF GPT-2, its lm_head tied across the stages (kept whole): the losses are
+    single-process training's; a checkpoint it writes (by FQN, the sharded state gathered
+    whole) resumes under the unsharded plan with the uninterrupted run's losses; and the
+    measured peak of every rank is below the unsharded plan's. (ZeRO-1 and resuming a whole
+    state into a sharded plan: the killed-rank test's 2x2-sharded case.)"""
     model = TEST_MODELS / "gpt2_no_dropout.py"
-    sharded = compile_plan(tmp_path / "sharded", model, 2, 2, sharding="optimizer")
+    sharded = compile_plan(tmp_path / "sharded", model, 2, 2, sharding="gradients")
     plain = compile_plan(tmp_path / "plain", model, 2, 2, sharding="none")
-    assert [st.sharding for st in load_plan(sharded).stages] == ["optimizer"] * 2
+    assert [st.sharding for st in load_plan(sharded).stages] == ["gradients"] * 2
     assert [st.sharding for st in load_plan(plain).stages] == ["none"] * 2
     diff = subprocess.run([PARTC, "diff", str(plain), str(sharded)], capture_output=True,
                           text=True, cwd=ROOT, timeout=120)
-    assert "sharding allowed: none -> optimizer" in diff.stdout, diff.stdout + diff.stderr
-    assert diff.stdout.count("- -> shard-optimizer") == 2, diff.stdout
+    assert "sharding allowed: none -> gradients" in diff.stdout, diff.stdout + diff.stderr
+    assert diff.stdout.count("- -> shard-gradients") == 2, diff.stdout
     got = train_and_compare(sharded, tmp_path, steps=3)
 
     ckpt, resumed = tmp_path / "ckpt", tmp_path / "resumed.jsonl"

@@ -93,6 +93,68 @@ def test_sharded_optimizer_state_is_the_largest_share() -> None:
     assert sharded.total < whole.total
 
 
+def test_gradient_buckets_follow_each_owner_and_bound_the_window() -> None:
+    """Sharded gradients: each owner's parameters in the order their gradients form, a bucket
+    closed at the cap; the window is what a replica holds of the others' (filling buckets and
+    the flat copy a bucket of several parameters is reduced from)."""
+    from partc.solve.memory import (
+        GRADIENT_BUCKET_MIN_BYTES,
+        gradient_bucket_bytes,
+        gradient_buckets,
+        gradient_window,
+    )
+
+    cap = GRADIENT_BUCKET_MIN_BYTES
+    assert gradient_bucket_bytes(4 * cap, 2) == cap  # small stages: the smallest bucket
+    assert gradient_bucket_bytes(10**12, 8) == 32 << 20  # huge ones: the largest
+    assert gradient_bucket_bytes(64 * cap, 2) == 4 * cap  # else 1/8 of a replica's share
+    half = cap // 2
+    sizes, owners = [half] * 4 + [3 * cap], [0, 1, 0, 1, 0]
+    assert gradient_buckets(sizes, owners, 2) == [[0, 2], [1, 3], [4]]
+    # replica 0 holds most of others' at replica 1's bucket: its two halves and their flat copy;
+    # replica 1 at the last parameter, larger than a bucket, which is reduced in place (no copy)
+    assert gradient_window(sizes, owners, 2) == [2 * cap, 3 * cap]
+    assert gradient_window([3 * cap], [1], 2) == [3 * cap, 0]
+    with pytest.raises(ValueError, match="sizes for"):
+        gradient_buckets([1, 2], [0], 2)
+
+
+def test_sharded_gradients_are_the_largest_share_and_the_window() -> None:
+    """ZeRO-2 in the memory model: a replica keeps the gradients of the parameters it owns and
+    the window of the others' (`gradient_window`), parameters other ranks hold too whole; its
+    optimizer state is ZeRO-1's."""
+    from partc.solve.memory import gradient_window
+
+    table = table_of("gpt2_no_dropout")
+    graph = table.graph
+    nodes = [n.name for n in graph.nodes]
+    kwargs = dict(microbatch_size=4, num_microbatches=4, stage_index=0, num_stages=1)
+    zero1 = stage_memory(table, nodes, config=TrainingConfig(sharding="optimizer", shards=2),
+                         **kwargs)
+    zero2 = stage_memory(table, nodes, config=TrainingConfig(sharding="gradients", shards=2),
+                         gradients_resident=False, **kwargs)
+    trainable = [p for p in dict.fromkeys(graph.param(q) for n in graph.nodes
+                                          for q in n.params)
+                 if p.kind == "parameter" and p.trainable]
+    grads = [param_memory(p, TrainingConfig())[1] for p in trainable]
+    parts = optimizer_partition([p.numel for p in trainable], 2)
+    owner = {i: r for r, part in enumerate(parts) for i in part}
+    order = list(reversed(range(len(trainable))))
+    window = gradient_window([grads[i] for i in order], [owner[i] for i in order], 2)
+    states = [param_memory(p, TrainingConfig())[2] for p in trainable]
+    r = max(range(2), key=lambda r: (sum(grads[i] for i in parts[r]) + window[r]
+                                     + sum(states[i] for i in parts[r])))
+    assert zero2.optimizer_state == zero1.optimizer_state
+    assert zero2.gradients <= sum(grads[i] for i in parts[r]) + window[r]
+    assert zero2.gradients < 0.8 * zero1.gradients
+    assert zero2.total < zero1.total
+    # a parameter another rank also holds (the tied embedding) keeps its whole gradient
+    tied = next(p.name for p in trainable if p.aliases)
+    kept = stage_memory(table, nodes, config=TrainingConfig(sharding="gradients", shards=2),
+                        gradients_resident=False, kept_whole={tied}, **kwargs)
+    assert kept.gradients > zero2.gradients
+
+
 def test_sharding_needs_replicas() -> None:
     with pytest.raises(ShapeError, match="needs data-parallel replicas"):
         PipelineShape(stages=2, replicas=1, num_microbatches=2, microbatch_size=2,
@@ -116,18 +178,25 @@ def _needed(partition: Partition, table: CostTable, cluster: ClusterSpec) -> Non
     usable = problem.usable_bytes()
     assert all(m.total <= usable for m in partition.memory)
     S = partition.shape.stages
+    holders: dict[str, set[int]] = {}
+    for st in partition.stages:
+        for name in st.parameters:
+            holders.setdefault(name, set()).add(st.rank)
+    tied = {name for name, ranks in holders.items() if len(ranks) > 1}
     for d, levers in enumerate(partition.levers):
         nodes = [n for st in partition.stages if st.rank == d for n in st.nodes]
         relayed = [t for st in partition.stages if st.rank == d for t in st.sends
                    if t in st.receives]
         assert partition.memory[d].total == problem.rank_memory_with(d, nodes, relayed,
-                                                                     levers).total
+                                                                     levers, tied).total
         held = [problem.table.graph.param(p) for p in dict.fromkeys(
             p for st in partition.stages if st.rank == d for p in st.parameters)]
         for fewer in (replace(levers, activation_checkpointing=False),
-                      replace(levers, sharding="none")):
-            if fewer == levers or problem.rank_memory_with(d, nodes, relayed,
-                                                           fewer).total > usable:
+                      replace(levers, sharding="none"),
+                      replace(levers, sharding="optimizer" if levers.sharding == "gradients"
+                              else levers.sharding)):
+            if fewer == levers or problem.rank_memory_with(d, nodes, relayed, fewer,
+                                                           tied).total > usable:
                 continue
             # not needed for memory: only sharding, and only where it is faster by itself (its
             # share of the optimizer step saves more than the all-gather of the weights costs)
@@ -145,7 +214,7 @@ def _least_peak(table: CostTable, shape: PipelineShape) -> int:
     return least(StageProblem.build(coarsen(table, 32), table, CPU8, TrainingConfig(), shape))
 
 
-@pytest.mark.parametrize("lever", ["checkpointing", "sharding", "both"])
+@pytest.mark.parametrize("lever", ["checkpointing", "sharding", "gradients", "both"])
 def test_levers_only_where_memory_binds(lever: str) -> None:
     table = table_of("gpt2_no_dropout")
     free = _plan(table, CPU8, sharding="none", activation_checkpointing=False)
@@ -160,6 +229,10 @@ def test_levers_only_where_memory_binds(lever: str) -> None:
         low, high, pinned = _least_peak(table, ckpt), bare, {"sharding": "none"}
     elif lever == "sharding":
         low, high, pinned = _least_peak(table, shard), bare, {"activation_checkpointing": False}
+    elif lever == "gradients":  # where sharding the optimizer state is not enough
+        low, high = _least_peak(table, replace(shard, sharding="gradients")), \
+            _least_peak(table, shard)
+        pinned = {"activation_checkpointing": False}
     else:
         low = _least_peak(table, replace(ckpt, sharding="optimizer"))
         high, pinned = min(_least_peak(table, ckpt), _least_peak(table, shard)), {}
@@ -173,6 +246,10 @@ def test_levers_only_where_memory_binds(lever: str) -> None:
         assert all(levers == RankLevers(True) for levers in used)
     elif lever == "sharding":
         assert all(levers == RankLevers(sharding="optimizer") for levers in used)
+    elif lever == "gradients":
+        assert RankLevers(sharding="gradients") in used
+        assert all(levers.sharding != "none" and not levers.activation_checkpointing
+                   for levers in used)
     # what the levers save is recorded per rank
     assert any(w > m.total for w, m in zip(p.memory_without_levers, p.memory, strict=True))
     for st in p.stages:
