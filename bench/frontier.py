@@ -10,7 +10,8 @@ schedule):
 - `checkpointing`: activation checkpointing where a stage needs it (`--sharding none`), which is
   at least what partc could do before per-stage levers (checkpointing every stage or none);
 - `all`: every lever partc has, each stage using what its memory needs: checkpointing, and the
-  optimizer state sharded over the stage's replicas (ZeRO-1).
+  optimizer state (ZeRO-1) or the optimizer state and the gradients (ZeRO-2) sharded over the
+  stage's replicas.
 
 For each (cluster, family, lever set) the ladder is walked upwards with `partc solve --costs
 analytic` until a size does not fit (exit 2, "does not fit"); the largest size that fits is the
@@ -80,6 +81,7 @@ def solve(family: str, size: str, cluster: str, levers: str, out: Path) -> dict[
         peak_gib=max(m["total"] for m in plan["memory"]["ranks"]) / 2**30,
         checkpointing_stages=sum(1 for s in stages if s["activation_checkpointing"]),
         sharded_stages=sum(1 for s in stages if s["sharding"] != "none"),
+        gradient_sharded_stages=sum(1 for s in stages if s["sharding"] == "gradients"),
         num_stages=len(stages))
     return row
 
@@ -156,7 +158,8 @@ def main() -> None:
             continue
         print(f"| {e['cluster']} | {e['family']} | {e['levers']} | {b['size']} | "
               f"{size_billions(b['size']):g}B | {b['shape']} | {b['samples_per_s']:.2f} | "
-              f"{b['checkpointing_stages']} / {b['sharded_stages']} of {b['num_stages']} | "
+              f"{b['checkpointing_stages']} / {b['sharded_stages']} "
+              f"({b.get('gradient_sharded_stages', 0)} with gradients) of {b['num_stages']} | "
               f"{b['peak_gib']:.1f} | {e.get('compile_s', '-')} | "
               f"{e.get('compile_rss_mib', '-')} |")
     finish(start, args.json, {"rows": rows, "table": table})

@@ -100,9 +100,14 @@ class GradientSharder:
                 for g in grads:
                     g.copy_(flat[at:at + g.numel()].view_as(g))
                     at += g.numel()
+                _release(flat)
         else:
             for p in members:
                 p.grad = None
+            for g in grads:
+                _release(g)
+            if flat is not grads[0]:
+                _release(flat)
         del flat, grads
         self.spent += synced_clock(self.device) - start
 
@@ -119,3 +124,14 @@ class GradientSharder:
             p.grad.div_(self.replicas)
             dist.all_reduce(p.grad, group=self.group)
         self.spent += synced_clock(self.device) - start
+
+
+def _release(tensor: torch.Tensor) -> None:
+    """Free a tensor's memory now, on this thread, where it alone spans its storage (a gradient
+    autograd handed over, a bucket's flat copy): the collective's work object may hold the last
+    reference and drop it on the process group's thread, a free that torch's CPU profiler
+    (launch's memory measurement) never sees, so the memory counted as held to the step's end.
+    A tensor sharing its storage with others is left to its references."""
+    storage = tensor.untyped_storage()
+    if tensor.storage_offset() == 0 and storage.nbytes() == tensor.numel() * tensor.element_size():
+        storage.resize_(0)
