@@ -177,9 +177,12 @@ def stage_calibrations(table: CostTable, launched: LaunchedRun,
         bwd_work = table.sum_backward_s(nodes, m)
         fwd_fixed, bwd_fixed = fixed[stage.index]
         f = _factor(summary.forward_s - fwd_fixed, fwd_work, stage.index, "forward", launched)
-        # a checkpointing stage's measured backward recomputes its forward first
+        # a checkpointing stage's measured backward recomputes its forward first; one sharding
+        # its gradients reduces them inside each backward (the sharder's time, per step)
         recompute = f * fwd_work if stage.activation_checkpointing else 0.0
-        b = _factor(summary.backward_s - bwd_fixed - recompute, bwd_work, stage.index,
+        reduces = summary.ddp_allreduce_s / plan.training.shape.num_microbatches \
+            if stage.sharding == "gradients" else 0.0
+        b = _factor(summary.backward_s - bwd_fixed - recompute - reduces, bwd_work, stage.index,
                     "backward", launched)
         out.append(StageCalibration(
             index=stage.index, measured_forward_s=summary.forward_s,

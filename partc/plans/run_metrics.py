@@ -64,7 +64,9 @@ class StageMetrics:
     #               includes waiting for the neighbour stages: pipeline bubbles)
     optimizer_s: float  # per step: this stage's optimizer step
     ddp_allreduce_s: float  # per step: first gradient bucket posted to last one reduced (it
-    #                         overlaps the backward); 0 without replicas
+    #                         overlaps the backward); with sharded gradients the time in their
+    #                         reduces (inside the backwards) and the tied ones' all-reduce; 0
+    #                         without replicas
     tied_sync_s: float  # per step: summing tied parameters' gradients across stages (rank)
     peak_memory_bytes: int | None  # the rank's peak in this step; None when not measured
 
