@@ -28,13 +28,13 @@ at once; measured in bench/zero_stages.py, it held more than ZeRO-1.
 from __future__ import annotations
 
 import functools
+import time
 from typing import Any, Collection, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from partc.run.stage_runner import synced_clock
 from partc.solve.memory import gradient_buckets
 
 
@@ -70,10 +70,20 @@ class GradientSharder:
 
     def reset(self) -> None:
         self.spent = 0.0
+        self.events: list[tuple[Any, Any]] = []
 
     def seconds(self) -> float:
-        """This step's time in reduces and the final all-reduce (call after `finish`)."""
+        """This step's time in reduces and the final all-reduce (call after `finish`). On CUDA
+        from events read once here: synchronising around every bucket would serialise the
+        backward with its reduces."""
+        if self.events:
+            torch.cuda.synchronize(self.device)
+            return sum(a.elapsed_time(b) for a, b in self.events) / 1e3
         return self.spent
+
+    def _timed(self) -> Any:
+        """A span of reduce time: CUDA events on a GPU, the host clock on a CPU."""
+        return _Span(self)
 
     def _ready(self, bucket: int, _param: torch.Tensor) -> None:
         self.waiting[bucket] -= 1
@@ -82,9 +92,12 @@ class GradientSharder:
             self._reduce(bucket)
 
     def _reduce(self, bucket: int) -> None:
+        with self._timed():
+            self._reduce_bucket(bucket)
+
+    def _reduce_bucket(self, bucket: int) -> None:
         members = self.buckets[bucket]
         owner = self.owner_of[bucket]
-        start = synced_clock(self.device)
         grads: list[torch.Tensor] = []
         for p in members:
             assert p.grad is not None  # its hook ran in this backward
@@ -109,21 +122,41 @@ class GradientSharder:
             if flat is not grads[0]:
                 _release(flat)
         del flat, grads
-        self.spent += synced_clock(self.device) - start
 
     def finish(self) -> None:
         """After the step's last backward: the owned gradients become the mean over replicas
         (DDP's), the kept-whole ones are all-reduced to it."""
-        start = synced_clock(self.device)
-        for p in self.owned:
-            if p.grad is not None:
+        with self._timed():
+            for p in self.owned:
+                if p.grad is not None:
+                    p.grad.div_(self.replicas)
+            for p in self.whole:
+                if p.grad is None:  # formed on no micro-batch here, but on the other replicas
+                    p.grad = torch.zeros_like(p)
                 p.grad.div_(self.replicas)
-        for p in self.whole:
-            if p.grad is None:  # formed on no micro-batch here, but on the other replicas
-                p.grad = torch.zeros_like(p)
-            p.grad.div_(self.replicas)
-            dist.all_reduce(p.grad, group=self.group)
-        self.spent += synced_clock(self.device) - start
+                dist.all_reduce(p.grad, group=self.group)
+
+
+class _Span:
+    """`GradientSharder._timed`'s context manager."""
+
+    def __init__(self, sharder: GradientSharder) -> None:
+        self.sharder = sharder
+
+    def __enter__(self) -> None:
+        if self.sharder.device.type == "cuda":
+            self.marks = (torch.cuda.Event(enable_timing=True),
+                          torch.cuda.Event(enable_timing=True))
+            self.marks[0].record()
+        else:
+            self.start = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.sharder.device.type == "cuda":
+            self.marks[1].record()
+            self.sharder.events.append(self.marks)
+        else:
+            self.sharder.spent += time.perf_counter() - self.start
 
 
 def _release(tensor: torch.Tensor) -> None:

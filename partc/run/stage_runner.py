@@ -14,7 +14,7 @@ import time
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -43,10 +43,8 @@ from partc.run.checkpoint import (
     save_stage,
     write_manifest,
 )
+from partc.run.gradient_sharding import GradientSharder
 from partc.run.rank_setup import TiedGroup
-
-if TYPE_CHECKING:
-    from partc.run.gradient_sharding import GradientSharder
 from partc.run.training import build_optimizer
 
 
@@ -248,8 +246,6 @@ def wrap_for_pipeline(plan: Plan, stages: list[LocalStage], device: torch.device
     """Give each stage its `pipe`: the module under the plan's precision and checkpointing, in
     DDP when the plan has replicas (or, where the stage shards its gradients, with a
     GradientSharder on its parameters), in a PipelineStage with plan.yaml's boundary shapes."""
-    from partc.run.gradient_sharding import GradientSharder
-
     V, R = plan.num_stages, plan.training.shape.replicas
     bf16 = plan.training.config.bf16
     for local in stages:
