@@ -215,18 +215,24 @@ def _workers(agent: int) -> list[tuple[int, dict[str, str]]]:
     return found
 
 
-# the sharded 2 x 2 run covers the restart path in the default run; 2 x 1 is the slow set's
-@pytest.mark.parametrize("layout", [pytest.param("2x1", marks=pytest.mark.slow), "2x2-sharded"])
+# the sharded 2 x 2 run covers the restart path in the default run; 2 x 1 and the sharded
+# gradients' (whose restart differs only in re-hooking the new processes' stages) are the slow
+# set's
+@pytest.mark.parametrize("layout", [pytest.param("2x1", marks=pytest.mark.slow), "2x2-sharded",
+                                    pytest.param("2x2-sharded-gradients",
+                                                 marks=pytest.mark.slow)])
 def test_killed_rank_restarts_and_resumes_from_checkpoint(tmp_path: Path, layout: str) -> None:
     """SIGKILL of a worker under --max-restarts 1: every worker restarts and resumes from the
     newest checkpoint, and the losses are the clean run's, bit for bit. 2x2-sharded: 2 stages x
     2 replicas with the optimizer state sharded (ZeRO-1), whose checkpoint is gathered whole
-    from the replicas and handed back to them in shares on resume."""
+    from the replicas and handed back to them in shares on resume; -gradients: the gradients
+    sharded too (ZeRO-2)."""
     if layout == "2x1":
         plan = compile_plan(tmp_path, EXAMPLES / "transformer.py", 2, 1)
     else:
-        plan = compile_plan(tmp_path, EXAMPLES / "transformer.py", 2, 2, sharding="optimizer")
-        assert all(st.sharding == "optimizer" for st in load_plan(plan).stages)
+        sharding = "gradients" if layout.endswith("gradients") else "optimizer"
+        plan = compile_plan(tmp_path, EXAMPLES / "transformer.py", 2, 2, sharding=sharding)
+        assert all(st.sharding == sharding for st in load_plan(plan).stages)
     steps = 24 if layout == "2x1" else 12
     clean = tmp_path / "clean.jsonl"
     result = launch(plan, "--steps", str(steps), "--metrics", str(clean))
