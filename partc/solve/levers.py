@@ -24,7 +24,12 @@ from typing import Collection, Sequence
 from partc.errors import SearchError
 from partc.graph.opgraph import Param
 from partc.options import SHARDINGS, Sharding
-from partc.solve.memory import gradient_buckets, optimizer_partition, param_memory
+from partc.solve.memory import (
+    gradient_buckets,
+    optimizer_partition,
+    param_memory,
+    partition_owners,
+)
 from partc.solve.stage_problem import RankLevers, StageProblem, sync_bytes
 
 
@@ -82,14 +87,11 @@ def gradient_reduce_seconds(problem: StageProblem, params: Sequence[Param], rank
     (parameters other ranks hold too, StageProblem.tied_across_ranks) are all-reduced instead
     (`allreduce_seconds`)."""
     training = problem.training
-    optimized = [(p, sync_bytes(p, training)[0]) for p in params if sync_bytes(p, training)[0]]
+    optimized = [(p, g) for p in params if (g := sync_bytes(p, training)[0])]
     if problem.shape.replicas < 2 or not optimized:
         return 0.0
-    owners = [0] * len(optimized)
-    for r, part in enumerate(optimizer_partition([p.numel for p, _ in optimized],
-                                                 problem.shape.replicas)):
-        for i in part:
-            owners[i] = r
+    owners = partition_owners(optimizer_partition([p.numel for p, _ in optimized],
+                                                  problem.shape.replicas), len(optimized))
     order = [i for i in reversed(range(len(optimized))) if optimized[i][0].name not in kept_whole]
     group = problem.shape.rank_devices(rank)
     sizes = [optimized[i][1] for i in order]

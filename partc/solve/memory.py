@@ -311,7 +311,7 @@ def _static_bytes(table: CostTable, nodes: Collection[str], config: TrainingConf
         return weights, grads, unsharded_state, unsharded_temps
     owned = optimizer_partition([x[0] for x in per_param], shards)
     sharded_grads = config.gradient_shards > 1
-    owner = {i: r for r, part in enumerate(owned) for i in part}
+    owner = partition_owners(owned, len(per_param))
     # backward order: the gradients of the stage's last parameters form first
     order = [i for i in reversed(range(len(per_param))) if not per_param[i][4]]
     windows = gradient_window([per_param[i][1] for i in order], [owner[i] for i in order],
@@ -406,6 +406,15 @@ def optimizer_partition(numels: Sequence[int], shards: int) -> list[list[int]]:
         owned[r].append(i)
         sizes[r] += numels[i]
     return owned
+
+
+def partition_owners(owned: Sequence[Sequence[int]], count: int) -> list[int]:
+    """Per index 0..count-1, the replica owning it in `optimizer_partition`'s output."""
+    owners = [0] * count
+    for r, part in enumerate(owned):
+        for i in part:
+            owners[i] = r
+    return owners
 
 
 def param_memory(p: Param, config: TrainingConfig) -> tuple[int, int, int, int]:
