@@ -185,3 +185,50 @@ def test_refusals(launched: Launched, mlp_capture: CaptureResult, tmp_path: Path
     errors = [x for x in result.stderr.splitlines() if x.startswith("partc: error:")]
     assert len(errors) == 1 and "is a run of another model" in errors[0], result.stderr[-2000:]
     assert not (out / "plan.yaml").exists()
+
+
+def test_calibrating_from_a_run_that_shards_gradients(tmp_path: Path) -> None:
+    """A stage sharding its gradients (ZeRO-2) reduces each micro-batch's buckets inside its
+    backward, so the run's measured backward holds the sharder's time (recorded per step as
+    the stage's ddp_allreduce_s). Calibration takes that time out before scaling the operators
+    and the calibrated plan prices the reduces again as any compile does: its backward is the
+    measured one with the measured reduces replaced by the predicted ones, not the measured
+    backward with the reduces counted twice."""
+    shape = dataclasses.replace(SHAPE, replicas=2, sharding="gradients")
+
+    def compile_sharded(out: Path, calibrate_from: Path | None = None,
+                        search: SearchOptions = shape) -> Path:
+        compile_model(MLP, CPU4, out, CompileOptions(batch_size=16, search=search,
+                                                     costs="analytic",
+                                                     calibrate_from=calibrate_from))
+        return out / "plan.yaml"
+
+    sharded = compile_sharded(tmp_path / "a")
+    run = tmp_path / "run.jsonl"
+    result = subprocess.run([PARTC, "launch", str(sharded), "--steps", str(STEPS), "--metrics",
+                             str(run)], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    old = load_plan(sharded)
+    assert [s.sharding for s in old.stages] == ["gradients"] * 2
+    # the predicted reduces per micro-batch: what sharding adds to the same cut's backward
+    plain = load_plan(compile_sharded(tmp_path / "plain", search=dataclasses.replace(
+        shape, sharding="none")))
+    assert [s.modules for s in plain.stages] == [s.modules for s in old.stages]
+    predicted_reduces = [a.backward_s - b.backward_s
+                         for a, b in zip(old.stages, plain.stages, strict=True)]
+    assert all(r > 0 for r in predicted_reduces)
+
+    calibrated_path = compile_sharded(tmp_path / "b", calibrate_from=run)
+    calibrated = load_plan(calibrated_path)
+    assert [s.modules for s in calibrated.stages] == [s.modules for s in old.stages]
+    assert calibrated.training.shape == old.training.shape
+    metrics = RunMetrics.load(run)
+    measured = metrics.stage_summaries(metrics.strictly_timed_steps())
+    m = old.training.shape.num_microbatches
+    for stage, got, reduce_s in zip(calibrated.stages, measured, predicted_reduces, strict=True):
+        assert got.ddp_allreduce_s > 0  # the sharder timed its reduces
+        assert stage.forward_s == pytest.approx(got.forward_s, abs=2e-9)
+        assert stage.backward_s == pytest.approx(
+            got.backward_s - got.ddp_allreduce_s / m + reduce_s, abs=2e-9)
+    report = check_plan(calibrated_path)
+    assert report.current, report.reasons
