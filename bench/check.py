@@ -68,7 +68,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    print(f"machine: {platform.processor() or platform.machine()}, python {platform.python_version()}")
+    print(f"machine: {platform.processor() or platform.machine()}, "
+          f"python {platform.python_version()}")
     print("| model | cluster | stages | check wall s (median) | capture s | costs s | solve s "
           "| peak RSS MiB |")
     print("|---|---|---|---|---|---|---|---|")

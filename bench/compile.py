@@ -1,11 +1,11 @@
 """Compile benchmark: wall time, per-step time and peak RSS of `partc compile`, end to end.
 
 Each case runs `partc compile` in a fresh process (imports included, as a user runs it) and reads
-the process's peak RSS (`getrusage(RUSAGE_CHILDREN)` in a wrapper process), the per-step times from the plan's
-timings.yaml, and the stage files' total size. Cases: the small examples pinned to 2 and 4 stages on
-the `cpu-4` cluster, and the meta-device BERT-large and GPT-2 1.3B for 8 x A100-80GB with 8 stages
-(compiled without materialising their weights). `--repeats N` runs each case N times and reports
-the median wall time.
+the process's peak RSS (`getrusage(RUSAGE_CHILDREN)` in a wrapper process), the per-step times
+from the plan's timings.yaml, and the stage files' total size. Cases: the small examples pinned to
+2 and 4 stages on the `cpu-4` cluster, and the meta-device BERT-large and GPT-2 1.3B for
+8 x A100-80GB with 8 stages (compiled without materialising their weights). `--repeats N` runs
+each case N times and reports the median wall time.
 
     .venv/bin/python bench/compile.py [--quick] [--repeats 3]
 """
@@ -18,9 +18,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from process_stats import run_measured
-
 import yaml
+from process_stats import run_measured
 
 ROOT = Path(__file__).resolve().parent.parent
 PARTC = str(Path(sys.executable).parent / "partc")
@@ -59,18 +58,21 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     cases = QUICK if args.quick else CASES
-    print(f"machine: {platform.processor() or platform.machine()}, python {platform.python_version()}")
+    print(f"machine: {platform.processor() or platform.machine()}, "
+          f"python {platform.python_version()}")
     print("| model | cluster | stages | params | weights in files | wall s (median) | capture s "
           "| costs s | solve s | emit s | peak RSS MiB | stage files MB |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for model, batch, stages, cluster in cases:
         runs = [run_case(model, batch, stages, cluster) for _ in range(args.repeats)]
         mid = sorted(runs, key=lambda r: r["wall_s"])[len(runs) // 2]
-        print(f"| {Path(model).stem} (b {batch}) | {cluster} | {stages} | {mid['params'] / 1e6:.1f}M "
+        print(f"| {Path(model).stem} (b {batch}) | {cluster} | {stages} "
+              f"| {mid['params'] / 1e6:.1f}M "
               f"| {'yes' if mid['weights'] == 'stage-files' else 'no (meta)'} "
               f"| {statistics.median(r['wall_s'] for r in runs):.1f} | {mid['capture_s']:.1f} "
               f"| {mid['costs_s']:.1f} | {mid['solve_s']:.1f} | {mid['emit_s']:.1f} "
-              f"| {max(r['rss_mib'] for r in runs):.0f} | {mid['size_mb']:.2f} |", flush=True)
+              f"| {max(r['rss_mib'] for r in runs):.0f} | {mid['size_mb']:.2f} |",
+              flush=True)
 
 
 if __name__ == "__main__":

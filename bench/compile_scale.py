@@ -40,11 +40,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
-from process_stats import run_measured
 from typing import Any
 
 import yaml
+from process_stats import run_measured
 
 ROOT = Path(__file__).resolve().parent.parent
 PARTC = str(Path(sys.executable).parent / "partc")

@@ -25,18 +25,19 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from partc.frontend.export import quiet_torch  # noqa: E402
-from partc.cost.roofline import analytic_cost_table  # noqa: E402
-from partc.cost.table import CostTable
-from partc.hardware.configs import load_device  # noqa: E402
+# E402: partc is imported from the checkout, after the sys.path insert above.
 from partc.cost.activations import saved_activations  # noqa: E402
-from partc.cost.measured import ProfileOptions, measure_costs
-from partc.frontend.capture import capture_graph  # noqa: E402
-from partc.progress import Progress  # noqa: E402
-from partc.options import TrainingConfig  # noqa: E402
-from partc.solve.memory import stage_memory
+from partc.cost.measured import ProfileOptions, measure_costs  # noqa: E402
+from partc.cost.roofline import analytic_cost_table  # noqa: E402
+from partc.cost.table import CostTable  # noqa: E402
 from partc.cost.torch_profiler import program_module, time_model  # noqa: E402
-from partc.run.reference import measure_training_peak
+from partc.frontend.capture import capture_graph  # noqa: E402
+from partc.frontend.export import quiet_torch  # noqa: E402
+from partc.hardware.configs import load_device  # noqa: E402
+from partc.options import TrainingConfig  # noqa: E402
+from partc.progress import Progress  # noqa: E402
+from partc.run.reference import measure_training_peak  # noqa: E402
+from partc.solve.memory import stage_memory  # noqa: E402
 
 EXAMPLES = ("mlp", "transformer", "bert", "gpt2", "resnet")
 HELD_OUT = (3, 8)
@@ -94,8 +95,9 @@ def run_example(name: str) -> dict[str, Any]:
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    out = ["| example | batch | torch fwd+bwd (ms) | measured model (ms) | err | analytic model (ms) "
-           "| err | eager module (ms) |", "|---|---|---|---|---|---|---|---|"]
+    out = ["| example | batch | torch fwd+bwd (ms) | measured model (ms) | err "
+           "| analytic model (ms) | err | eager module (ms) |",
+           "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         for b, h in r["held_out"].items():
             out.append(f"| {r['example']} | {b} | {h['program_s'] * 1e3:.2f} | "

@@ -63,7 +63,7 @@ def average_gradients(params: list[nn.Parameter], replicas: int, group: dist.Pro
     flat = _flatten_dense_tensors(grads)
     dist.all_reduce(flat, group=group)
     flat.div_(replicas)
-    for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+    for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
         g.copy_(synced)
 
 
@@ -148,7 +148,7 @@ def main() -> None:
         else:
             losses: list[torch.Tensor] = []
             schedule.step(target=y, losses=losses, return_outputs=False)
-            step_losses[i] = float(torch.stack([l.detach() for l in losses]).mean()) / R
+            step_losses[i] = float(torch.stack([loss.detach() for loss in losses]).mean()) / R
         if dp_group is not None:
             average_gradients(params, R, dp_group)
         optimizer.step()

@@ -41,15 +41,15 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from partc.solve.coarsen import coarsen  # noqa: E402
-from partc.errors import PartcError  # noqa: E402
-from partc.hardware.configs import load_cluster  # noqa: E402
-from partc.options import TrainingConfig  # noqa: E402
-from partc.solve.partition import Partition  # noqa: E402
+# E402: partc is imported from the checkout, after the sys.path insert above.
 from partc.cost.plan_costs import plan_costs  # noqa: E402
-from partc.frontend.capture import capture_graph
-from partc.options import STRATEGIES, SearchOptions  # noqa: E402
-from partc.solve.search import compare_strategies
+from partc.errors import PartcError  # noqa: E402
+from partc.frontend.capture import capture_graph  # noqa: E402
+from partc.hardware.configs import load_cluster  # noqa: E402
+from partc.options import STRATEGIES, SearchOptions, TrainingConfig  # noqa: E402
+from partc.solve.coarsen import coarsen  # noqa: E402
+from partc.solve.partition import Partition  # noqa: E402
+from partc.solve.search import compare_strategies  # noqa: E402
 
 # name -> (model file, global batch on GPU clusters). The small examples' batches scale with the
 # cluster instead (`global_batch()`).

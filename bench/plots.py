@@ -116,7 +116,8 @@ def compile_scale(data: dict[str, Any], out: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.4))
     styles = {"gpt": "-", "bert": "--"}
     clusters = sorted({r["cluster"] for r in rows})
-    colours = dict(zip(clusters, ("#1f77b4", "#ff7f0e", "#2ca02c")))
+    # strict=False: a palette of three, taken as far as there are clusters
+    colours = dict(zip(clusters, ("#1f77b4", "#ff7f0e", "#2ca02c"), strict=False))
     for family in sorted({r["family"] for r in rows}):
         for cluster in clusters:
             pts = sorted((r["params"] / 1e9, r) for r in rows
@@ -188,7 +189,7 @@ def runtime(data: dict[str, Any], out: Path) -> None:
                for k in keys]
     fig, ax = plt.subplots(figsize=(7, 3.2))
     bars = ax.barh(range(len(keys)), values, color=colours)
-    for bar, v in zip(bars, values):
+    for bar, v in zip(bars, values, strict=True):  # one bar per value
         ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {v:,.0f}",
                 va="center", fontsize=8)
     ax.set_yticks(range(len(keys)), [labels[k] for k in keys])

@@ -7,10 +7,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import EXAMPLES, ROOT, TEST_MODELS
 
 from partc.graph.opgraph import OpGraph
-
-from conftest import EXAMPLES, ROOT, TEST_MODELS
 
 PARTC = str(Path(sys.executable).parent / "partc")
 
@@ -90,7 +89,8 @@ def test_unwritable_output_is_a_user_error(tmp_path: Path) -> None:
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "partc: error: cannot write" in proc.stderr
     nested = tmp_path / "new" / "dir" / "s.json"  # missing parents are created
-    assert run("inspect", str(EXAMPLES / "mlp.py"), "--no-onnx", "--json", str(nested)).returncode == 0
+    assert run("inspect", str(EXAMPLES / "mlp.py"), "--no-onnx", "--json",
+               str(nested)).returncode == 0
     assert nested.exists()
 
 

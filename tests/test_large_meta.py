@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import EXAMPLES
 
 SCRIPT = """
@@ -58,7 +57,8 @@ def test_gpt2_1p3b_meta_analytic_profile(tmp_path) -> None:
     assert d["kind"] == "analytic" and d["batch_sizes"] == [1, 2]
     # forward at batch 1 runs at most at the H100's dense fp32 peak (67 TFLOP/s): 2.7 TFLOP
     assert d["totals_at_batch_sizes"]["1"]["forward_s"] > 2 * 1.3e9 * 1024 / 67e12
-    assert d["totals_at_batch_sizes"]["2"]["saved_bytes"] > d["totals_at_batch_sizes"]["1"]["saved_bytes"]
+    assert d["totals_at_batch_sizes"]["2"]["saved_bytes"] \
+        > d["totals_at_batch_sizes"]["1"]["saved_bytes"]
 
 
 SOLVE = """

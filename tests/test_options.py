@@ -7,9 +7,21 @@ from pathlib import Path
 import pytest
 
 from partc.errors import LaunchError, MemoryConfigError, SearchError
-from partc.options import (OPTIMIZER_SPECS, OPTIMIZERS, ElasticOptions, SearchOptions,
-                           TrainingConfig, TrainOptions, add_arguments, flagged_fields,
-                           from_dict, from_flags, from_namespace, to_argv, to_dict)
+from partc.options import (
+    OPTIMIZER_SPECS,
+    OPTIMIZERS,
+    ElasticOptions,
+    SearchOptions,
+    TrainingConfig,
+    TrainOptions,
+    add_arguments,
+    flagged_fields,
+    from_dict,
+    from_flags,
+    from_namespace,
+    to_argv,
+    to_dict,
+)
 
 CASES = [
     TrainingConfig(),

@@ -7,20 +7,18 @@ import pytest
 import torch
 import torch.nn as nn
 import yaml
+from conftest import EXAMPLES, TEST_MODELS
 
-from partc.frontend.export import export_program
+from partc.cost.activations import saved_activation_bytes, saved_activations
+from partc.cost.measured import ProfileOptions, profile_model
 from partc.cost.op_classes import op_class
 from partc.cost.roofline import analytic_cost_table, roofline_s
 from partc.cost.table import CostTable, Curve, Linear, ProfileFileError, needs_backward
-from partc.hardware.configs import load_device
-from partc.frontend.model_file import inputs_to_meta
-from partc.cost.activations import saved_activations
-from partc.cost.measured import ProfileOptions, profile_model
-from partc.frontend.capture import capture_graph
-from partc.cost.activations import saved_activation_bytes
 from partc.cost.torch_profiler import program_module
-
-from conftest import EXAMPLES, TEST_MODELS
+from partc.frontend.capture import capture_graph
+from partc.frontend.export import export_program
+from partc.frontend.model_file import inputs_to_meta
+from partc.hardware.configs import load_device
 
 FAST = ProfileOptions(runs=3, warmup=1)
 
@@ -134,7 +132,8 @@ def test_profile_prices_every_node_and_round_trips(mlp_profile: CostTable, tmp_p
     assert loaded.save(tmp_path / "again.yaml").read_text() == text
 
 
-def test_profile_applies_to_the_same_model_at_another_batch(mlp_profile: CostTable, tmp_path: Path) -> None:
+def test_profile_applies_to_the_same_model_at_another_batch(mlp_profile: CostTable,
+                                                            tmp_path: Path) -> None:
     path = mlp_profile.save(tmp_path / "profile.yaml")
     other_batch = capture_graph(EXAMPLES / "mlp.py", 8, onnx=False).graph
     assert CostTable.load(path, other_batch).total_forward_s(8) > 0

@@ -12,15 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-
 from conftest import EXAMPLES, ROOT, TEST_MODELS
+
 from partc.emit.compile import CompileOptions, compile_model
-from partc.hardware.configs import load_cluster
-from partc.hardware.local import local_cluster
-from partc.plans.plan import PlanError, load_plan, plan_schema, validate_plan_dict
-from partc.options import SearchOptions
 from partc.emit.stage_code import load_stage
 from partc.emit.verify import verify_plan
+from partc.hardware.configs import load_cluster
+from partc.hardware.local import local_cluster
+from partc.options import SearchOptions
+from partc.plans.plan import PlanError, load_plan, plan_schema, validate_plan_dict
 
 PARTC = str(Path(sys.executable).parent / "partc")
 CPU4 = load_cluster("cpu-4")
@@ -44,15 +44,17 @@ def test_compile_and_verify_every_example(tmp_path: Path, example: str, stages: 
     out = compile_to(tmp_path, EXAMPLES / f"{example}.py", stages)
     plan = load_plan(out / "plan.yaml")  # validates against the JSON Schema
     assert plan.num_stages == stages
-    assert sorted(p.name for p in out.glob("stage_*.pt")) == [f"stage_{k}.pt" for k in range(stages)]
+    assert sorted(p.name for p in out.glob("stage_*.pt")) == [
+        f"stage_{k}.pt" for k in range(stages)
+    ]
     report = verify_plan(out / "plan.yaml")
     assert report.ok, [c for c in report.comparisons if not c.ok] + report.problems
     grads = [c for c in report.comparisons if c.what.startswith("grad ")]
-    trainable = sum(1 for _ in __import__("partc.frontend.model_file", fromlist=["x"]).load_model_file(
-        EXAMPLES / f"{example}.py").build().parameters())
+    trainable = sum(1 for _ in __import__("partc.frontend.model_file", fromlist=["x"])
+                    .load_model_file(EXAMPLES / f"{example}.py").build().parameters())
     assert len(grads) == trainable  # every parameter's gradient was compared
     # every stage's outputs are exactly the next stage's inputs (neighbour-only pipelining)
-    for a, b in zip(plan.stages, plan.stages[1:]):
+    for a, b in zip(plan.stages, plan.stages[1:], strict=False):  # neighbours: one pair fewer
         assert [t.name for t in a.outputs] == [t.name for t in b.inputs]
         assert [t.shape for t in a.outputs] == [t.shape for t in b.inputs]
     assert [t.name for t in plan.stages[-1].outputs] == [t.name for t in plan.model.outputs]
@@ -72,7 +74,8 @@ def test_long_skip_is_relayed_through_middle_stages(tmp_path: Path) -> None:
     out = compile_to(tmp_path, TEST_MODELS / "long_skip.py", 4, strategy="uniform")
     plan = load_plan(out)
     skip = plan.stages[0].outputs[0].name
-    relays = [k for k, st in enumerate(plan.stages) if any(t.relay and t.name == skip for t in st.outputs)]
+    relays = [k for k, st in enumerate(plan.stages)
+              if any(t.relay and t.name == skip for t in st.outputs)]
     assert relays and all(0 < k < 3 for k in relays)
     # the relayed tensor comes from stage 0 and goes to the last stage
     entry = next(t for t in plan.stages[1].inputs if t.name == skip)
@@ -140,7 +143,8 @@ def test_produced_plan_matches_the_json_schema(bert_plan: Path) -> None:
     (lambda d: d["solver"].update(wall_s=1.0), "at solver"),
     (lambda d: d["stages"][0].update(sha256="abc"), "at stages/0/sha256"),
     (lambda d: d["training"].update(schedule="zigzag"), "at training/schedule"),
-    (lambda d: d["stages"][0]["inputs"][0].update({"from": "nowhere"}), "at stages/0/inputs/0/from"),
+    (lambda d: d["stages"][0]["inputs"][0].update({"from": "nowhere"}),
+     "at stages/0/inputs/0/from"),
 ])
 def test_schema_rejects_bad_plans(bert_plan: Path, edit, fragment: str) -> None:
     data = yaml.safe_load((bert_plan / "plan.yaml").read_text())
@@ -206,14 +210,15 @@ def test_meta_model_compiles_without_weights_and_verifies(tmp_path: Path) -> Non
         assert all(t.is_meta for t in [*module.parameters(), *module.buffers()])
         assert (out / st.file).stat().st_size < 200_000  # code and shapes, no weights
         # traced on meta, yet no device is baked in: it runs wherever its inputs are
-        assert 'torch.device("meta")' not in module.code and 'torch.device("cpu")' not in module.code
+        assert 'torch.device("meta")' not in module.code \
+            and 'torch.device("cpu")' not in module.code
     report = verify_plan(out)  # runs the meta-traced stages on cpu with per-stage initialisation
     assert report.ok, report.problems + [c for c in report.comparisons if not c.ok]
 
 
 def test_initialisation_of_a_stage_alone_equals_the_whole_model() -> None:
-    from partc.frontend.model_file import load_model_file
     from partc.emit.stage_weights import initial_state
+    from partc.frontend.model_file import load_model_file
 
     mf = load_model_file(TEST_MODELS / "tiny_gpt2_meta.py")
     model = mf.build()
@@ -227,7 +232,8 @@ def test_initialisation_of_a_stage_alone_equals_the_whole_model() -> None:
     # GPT-2's scaled init of c_proj (set by the parent attention module) is honoured
     std = whole["transformer.h.1.attn.c_proj.weight"].std().item()
     assert std < 0.02 * 0.75
-    assert initial_state(mf, some, "cpu", seed=4)["lm_head.weight"].ne(alone["lm_head.weight"]).any()
+    assert initial_state(mf, some, "cpu", seed=4)["lm_head.weight"] \
+        .ne(alone["lm_head.weight"]).any()
 
 
 def test_compile_works_out_of_the_box_on_this_machine(tmp_path: Path) -> None:
@@ -262,8 +268,8 @@ def test_compile_user_errors_are_one_line(tmp_path: Path) -> None:
 def test_meta_plan_takes_weights_from_a_state_dict(tmp_path: Path) -> None:
     """The --init-from path: a checkpoint by FQN (here with the tied tensor saved under its other
     name only) fills the meta stages; verify runs both sides from it."""
-    from partc.frontend.model_file import load_model_file
     from partc.emit.stage_weights import initial_state
+    from partc.frontend.model_file import load_model_file
 
     out = compile_to(tmp_path, TEST_MODELS / "tiny_gpt2_meta.py", 2, batch=4)
     mf = load_model_file(TEST_MODELS / "tiny_gpt2_meta.py")
@@ -316,9 +322,9 @@ def test_verify_rejects_a_bad_device(bert_plan: Path) -> None:
 
 
 def test_a_meta_cnn_compiles_verifies_and_checks(tmp_path: Path) -> None:
-    """A Hugging Face CNN (ResNet) built on the meta device: convolution's meta kernel is Python, which torch.jit.trace
-    cannot run on meta, so its stages are traced on CPU stand-ins; the stage files still hold
-    shapes only, verify passes and check finds the plan current."""
+    """A Hugging Face CNN (ResNet) built on the meta device: convolution's meta kernel is Python,
+    which torch.jit.trace cannot run on meta, so its stages are traced on CPU stand-ins; the stage
+    files still hold shapes only, verify passes and check finds the plan current."""
     out = tmp_path / "plan"
     proc = run("compile", str(TEST_MODELS / "hf_resnet_meta.py"), "-b", "8", "--stages", "2",
                "--cluster", "cpu-4", "--costs", "analytic", "-o", str(out))

@@ -2,13 +2,12 @@
 from __future__ import annotations
 
 import pytest
-
-from partc.frontend.export import capture
-from partc.errors import CaptureError
-from partc.frontend.model_file import load_model_file
-from partc.frontend.capture import capture_graph
-
 from conftest import TEST_MODELS
+
+from partc.errors import CaptureError
+from partc.frontend.capture import capture_graph
+from partc.frontend.export import capture
+from partc.frontend.model_file import load_model_file
 
 
 def test_partly_meta_model_is_captured_on_meta_without_materialising() -> None:

@@ -3,11 +3,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import EXAMPLES, TEST_MODELS
 
 from partc.errors import ModelFileError
 from partc.frontend.model_file import default_loss_fn, load_model_file, normalize_inputs
-
-from conftest import EXAMPLES, TEST_MODELS
 
 
 def test_input_forms_normalise_to_args_kwargs() -> None:
@@ -76,7 +75,8 @@ def test_default_loss_classification_and_regression() -> None:
     expected = torch.nn.functional.cross_entropy(logits.reshape(-1, 7), target.reshape(-1))
     assert torch.allclose(default_loss_fn(logits, target), expected)
     # first tensor of a structured output
-    assert torch.allclose(default_loss_fn({"logits": logits, "aux": torch.ones(1)}, target), expected)
+    assert torch.allclose(default_loss_fn({"logits": logits, "aux": torch.ones(1)}, target),
+                          expected)
     out, tgt = torch.randn(3, 2), torch.randn(3, 2)
     assert torch.allclose(default_loss_fn(out, tgt), torch.nn.functional.mse_loss(out, tgt))
 
@@ -85,9 +85,10 @@ def test_synthetic_batches_match_example_shapes_and_are_deterministic() -> None:
     mf = load_model_file(TEST_MODELS / "string_output.py")
     mf.batches = None  # use the synthetic data source
     mf.build_model = lambda: torch.nn.Linear(4, 6)
-    first = [b for _, b in zip(range(3), mf.data(5))]
-    again = [b for _, b in zip(range(3), mf.data(5))]
-    for ((args, kwargs), target), ((args2, _), target2) in zip(first, again):
+    # strict=False: the first three batches of an endless data source
+    first = [b for _, b in zip(range(3), mf.data(5), strict=False)]
+    again = [b for _, b in zip(range(3), mf.data(5), strict=False)]
+    for ((args, kwargs), target), ((args2, _), target2) in zip(first, again, strict=True):
         assert args[0].shape == (5, 4) and not kwargs
         assert target.shape == (5,) and int(target.max()) < 6
         assert torch.equal(args[0], args2[0]) and torch.equal(target, target2)

@@ -5,14 +5,11 @@ from __future__ import annotations
 import operator
 
 import pytest
-import torch
+from conftest import EXAMPLES
 
 from partc.frontend.flop_count import flop_counter_mode
-
 from partc.frontend.model_file import load_model_file
 from partc.graph.opgraph import OpGraph
-
-from conftest import EXAMPLES
 
 B = 2
 ALL = ["mlp", "transformer", "bert", "gpt2", "resnet"]
@@ -66,7 +63,7 @@ def test_mlp_linear_flops_hand_computed(capture_example) -> None:
     linears = [n for n in graph.nodes if n.kind == "linear"]
     assert len(linears) == 6
     dims = [(64, 256)] + [(256, 256)] * 4 + [(256, 10)]
-    for node, (d_in, d_out) in zip(linears, dims):
+    for node, (d_in, d_out) in zip(linears, dims, strict=True):  # six of each
         assert node.flops == 2 * B * d_in * d_out
         assert node.flops_per_sample == 2 * d_in * d_out
         assert node.flops == _linear_flops(graph, node.name)
@@ -105,7 +102,8 @@ def test_attention_flops_hand_computed(capture_example) -> None:
     ("gpt2", "transformer.wte.weight", "lm_head.weight"),
     ("bert", "bert.embeddings.word_embeddings.weight", "cls.predictions.decoder.weight"),
 ])
-def test_tied_weights_are_one_parameter(capture_example, name: str, canonical: str, alias: str) -> None:
+def test_tied_weights_are_one_parameter(capture_example, name: str, canonical: str,
+                                        alias: str) -> None:
     graph = capture_example(name).graph
     param = graph.param(alias)
     assert param is graph.param(canonical)
@@ -123,7 +121,8 @@ def test_residual_skip_edges_are_present(capture_example) -> None:
     add = next(n for n in graph.nodes if n.module == "layers.1" and n.kind == "add")
     sources = {graph.node(graph.producer(t)).module for t in add.inputs}
     assert "layers.0" in sources and "layers.1.bn2" in sources
-    skip = [e for e in graph.edges() if e.dst == add.name and graph.node(e.src).module == "layers.0"]
+    skip = [e for e in graph.edges()
+            if e.dst == add.name and graph.node(e.src).module == "layers.0"]
     assert skip and skip[0].tensor.shape == (B, 16, 32, 32)
 
     lm = capture_example("transformer").graph
@@ -151,7 +150,8 @@ def test_batch_dimensions_and_scaling(capture_example) -> None:
     assert all(n.flops == n.flops_per_sample * B for n in graph.nodes)
     # and the slope is right: recapturing at batch 3 gives flops_at(3)
     again = capture_example("bert", batch_size=3).graph
-    for a, b in zip(graph.nodes, again.nodes):
+    # strict=False: two captures, compared pair by pair by name as before
+    for a, b in zip(graph.nodes, again.nodes, strict=False):
         assert a.name == b.name and a.flops_at(3, B) == b.flops
 
 
@@ -198,4 +198,5 @@ def test_views_move_no_bytes_and_gathers_read_rows(capture_example) -> None:
     wte = next(n for n in graph.nodes if n.module == "transformer.wte")
     assert wte.bytes_read == wte.outputs[0].nbytes + graph.tensor(wte.inputs[0]).nbytes
     lm_head = next(n for n in graph.nodes if n.module == "lm_head")
-    assert lm_head.bytes_read == graph.param("lm_head.weight").nbytes + graph.tensor(lm_head.inputs[0]).nbytes
+    assert lm_head.bytes_read == graph.param("lm_head.weight").nbytes \
+        + graph.tensor(lm_head.inputs[0]).nbytes

@@ -6,12 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import EXAMPLES
 
 from partc.errors import GraphFileError
-from partc.graph.opgraph import OpGraph
 from partc.frontend.capture import capture_graph
-
-from conftest import EXAMPLES
+from partc.graph.opgraph import OpGraph
 
 
 @pytest.mark.parametrize("suffix", [".json", ".json.gz"])

@@ -9,7 +9,7 @@ WIDTHS = [48, 160, 96, 224, 64, 192, 128, 256, 80, 176, 112, 32]
 def build_model() -> nn.Module:
     torch.manual_seed(0)
     layers: list[nn.Module] = []
-    for a, b in zip(WIDTHS, WIDTHS[1:]):
+    for a, b in zip(WIDTHS, WIDTHS[1:], strict=False):  # consecutive pairs: one shorter
         layers += [nn.Linear(a, b), nn.GELU()]
     return nn.Sequential(*layers[:-1])
 

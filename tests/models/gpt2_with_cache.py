@@ -4,8 +4,8 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 
 def build_model():
-    return GPT2LMHeadModel(GPT2Config(vocab_size=100, n_embd=32, n_layer=1, n_head=2, n_positions=16,
-                                      bos_token_id=0, eos_token_id=0))
+    return GPT2LMHeadModel(GPT2Config(vocab_size=100, n_embd=32, n_layer=1, n_head=2,
+                                      n_positions=16, bos_token_id=0, eos_token_id=0))
 
 
 def example_inputs(batch_size: int):

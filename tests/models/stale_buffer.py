@@ -16,8 +16,8 @@ class M(nn.Module):
 
     def forward(self, x):
         h = x * self.scale
-        for l in self.layers:
-            h = torch.relu(l(h))
+        for layer in self.layers:
+            h = torch.relu(layer(h))
         self.scale.mul_(0.9).add_(0.1 * h.detach().mean(0))
         self.steps.add_(1)
         return self.head(h)

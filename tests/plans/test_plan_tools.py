@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import EXAMPLES, ROOT
 
 PARTC = str(Path(sys.executable).parent / "partc")

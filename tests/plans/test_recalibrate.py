@@ -16,12 +16,12 @@ import pytest
 import yaml
 from conftest import EXAMPLES, ROOT
 
+from partc.emit.check import check_plan
 from partc.emit.compile import CompileOptions, compile_model
 from partc.files import sha256_file
 from partc.frontend.capture import CaptureResult, capture_graph
 from partc.hardware.configs import load_cluster
 from partc.options import SearchOptions
-from partc.emit.check import check_plan
 from partc.plans.plan import load_plan
 from partc.plans.recalibrate import CalibrationError, load_launched_run
 from partc.plans.run_metrics import (

@@ -19,18 +19,22 @@ from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# E402: OMP_NUM_THREADS is set above, before torch (and partc, which imports it) is imported.
 import pytest  # noqa: E402
 import torch  # noqa: E402
-import torch.utils._pytree as pytree  # noqa: E402
 
+from partc.cost.activations import saved_activations, storage_bytes  # noqa: E402
 from partc.cost.roofline import analytic_cost_table  # noqa: E402
-from partc.cost.table import CostTable
+from partc.cost.table import CostTable  # noqa: E402
+from partc.errors import MemoryConfigError  # noqa: E402
+from partc.frontend.capture import CaptureResult, capture_graph  # noqa: E402
+from partc.graph.opgraph import GraphOutput, OpGraph, OpNode, Param, TensorSpec  # noqa: E402
 from partc.hardware.configs import ConfigError, load_device  # noqa: E402
-from partc.hardware.specs import OP_CLASSES, DeviceSpec
-from partc.cost.activations import saved_activations  # noqa: E402
-from partc.errors import MemoryConfigError
-from partc.options import OPTIMIZERS, PRECISIONS, SCHEDULES, TrainingConfig
-from partc.solve.memory import (
+from partc.hardware.specs import OP_CLASSES, DeviceSpec  # noqa: E402
+from partc.options import OPTIMIZERS, PRECISIONS, SCHEDULES, TrainingConfig  # noqa: E402
+from partc.run.reference import measure_training_peak, peak_above_start  # noqa: E402
+from partc.run.training import build_optimizer  # noqa: E402
+from partc.solve.memory import (  # noqa: E402
     StageMemory,
     in_flight_microbatches,
     kernel_scratch,
@@ -38,11 +42,6 @@ from partc.solve.memory import (
     stage_memory,
     usable_memory,
 )
-from partc.graph.opgraph import GraphOutput, OpGraph, OpNode, Param, TensorSpec  # noqa: E402
-from partc.frontend.capture import CaptureResult, capture_graph  # noqa: E402
-from partc.cost.activations import storage_bytes
-from partc.run.reference import measure_training_peak, peak_above_start
-from partc.run.training import build_optimizer
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
@@ -101,7 +100,8 @@ def compare(name: str, case: str) -> Comparison:
     config = TrainingConfig(optimizer=optimizer, schedule="gpipe", activation_checkpointing=ckpt)
     predicted = stage_memory(table, [n.name for n in result.graph.nodes], microbatch_size=m,
                              num_microbatches=count, stage_index=0, num_stages=1, config=config)
-    return Comparison(name, case, predicted, measure_training_peak(result.capture, m, count, optimizer, ckpt))
+    return Comparison(name, case, predicted,
+                      measure_training_peak(result.capture, m, count, optimizer, ckpt))
 
 
 # ---- (a) one stage, one micro-batch; (b) GPipe growth; (c) checkpointing -------------------------
@@ -149,7 +149,8 @@ def test_bf16_saved_bytes_match_saved_tensors_under_autocast() -> None:
         state = {t.untyped_storage()._cdata for t in [*model.parameters(), *model.buffers()]}
         seen: dict[int, torch.Tensor] = {}
 
-        def pack(t: torch.Tensor) -> torch.Tensor:
+        def pack(t: torch.Tensor, state: set[int] = state,
+                 seen: dict[int, torch.Tensor] = seen) -> torch.Tensor:
             key = t.untyped_storage()._cdata
             if key not in state:
                 seen.setdefault(key, t)
@@ -238,7 +239,7 @@ def _pipeline_rank(rank: int, init_file: str) -> None:
             live = storage_bytes([*params, *stage.submod.buffers(), x if rank == 0 else None,
                                    y if rank == 1 else None])
 
-            def step() -> None:
+            def step(schedule: Any = schedule, x: Any = x, y: Any = y, opt: Any = opt) -> None:
                 if rank == 0:
                     schedule.step(x)
                 else:
@@ -252,7 +253,7 @@ def _pipeline_rank(rank: int, init_file: str) -> None:
                 step()
             print(f"PEAK {run} {schedule_name} {rank} {live + peak_above_start(prof)}",
                   flush=True)
-            del stage, schedule, opt, params, prof
+            del stage, schedule, opt, params, prof, step  # step's defaults hold schedule, opt
     dist.destroy_process_group()
 
 
@@ -474,9 +475,9 @@ def test_relayed_tensors_hold_receive_and_gradient_buffers() -> None:
 def test_exact_memory_counts_a_relayed_skip_connection() -> None:
     """A long skip cut into three stages: the middle stage's memory includes the relay (the
     emitted plan relays it there: tests/emit/test_compile.py)."""
+    from partc.hardware.configs import load_cluster
     from partc.solve.coarsen import coarsen
     from partc.solve.stage_problem import PipelineShape, StageProblem
-    from partc.hardware.configs import load_cluster
 
     result = capture_graph(ROOT / "tests" / "models" / "long_skip.py", 4, onnx=False)
     table = analytic_cost_table(result.graph, cpu_device(), saved=saved_activations(result.capture))

@@ -11,20 +11,17 @@ from pathlib import Path
 
 import pytest
 
-from partc.solve.strategies.baselines import layer_runs, params_assignment, uniform_assignment
-from partc.solve.strategies.chain_dp import solve_chain_dp
-from partc.solve.coarsen import CoarsenError, atomic_groups, coarsen
 from partc.cost.op_classes import FREE_KINDS
 from partc.cost.roofline import analytic_cost_table
 from partc.cost.table import CostTable
-from partc.solve.strategies.cpsat import solve_cpsat
+from partc.errors import SearchError
+from partc.frontend.capture import capture_graph
 from partc.hardware.configs import load_cluster
 from partc.hardware.specs import ClusterSpec, LinkSpec
-from partc.options import TrainingConfig
+from partc.options import SearchOptions, TrainingConfig
+from partc.solve.coarsen import CoarsenError, atomic_groups, coarsen
 from partc.solve.memory import in_flight_microbatches
-from partc.frontend.capture import capture_graph
-from partc.errors import SearchError
-from partc.options import SearchOptions
+from partc.solve.partition import Partition
 from partc.solve.search import (
     InfeasibleMemoryError,
     ParameterTotals,
@@ -33,8 +30,10 @@ from partc.solve.search import (
     search,
     shape_lower_bound,
 )
-from partc.solve.partition import Partition
 from partc.solve.stage_problem import PipelineShape, ShapeError, StageProblem
+from partc.solve.strategies.baselines import layer_runs, params_assignment, uniform_assignment
+from partc.solve.strategies.chain_dp import solve_chain_dp
+from partc.solve.strategies.cpsat import solve_cpsat
 
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = {"mlp": ROOT / "examples/mlp.py", "transformer": ROOT / "examples/transformer.py",
@@ -230,7 +229,7 @@ def test_linear_memory_model_tracks_the_exact_one() -> None:
         a = solve_chain_dp(p).assignment
         linear = p.rank_memory(a)
         exact = [m.total / p.memory_unit for m in p.exact_memory(a)]
-        for lin, ex in zip(linear, exact):
+        for lin, ex in zip(linear, exact, strict=True):  # both one per rank
             assert lin == pytest.approx(ex, rel=0.25), (name, linear, exact)
 
 

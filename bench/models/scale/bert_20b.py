@@ -1,5 +1,5 @@
 """BERT family at size 20b on the meta device (shapes in scale_family.py)."""
-from scale_family import build_bert, bert_inputs
+from scale_family import bert_inputs, build_bert
 
 
 def build_model():

@@ -4,9 +4,9 @@ The thin model files beside this one (`gpt_4p9b.py`, `bert_100b.py`, ...) each n
 bench/compile_scale.py compiles them. Shapes:
 
 - GPT: HF GPT2LMHeadModel, vocabulary 50257, sequence 1024, use_cache=False. 0.1B is GPT-2 small,
-  0.35B GPT-2 medium, 1B the GPT-3 XL / "GPT-2 1.3B" shape, 20B GPT-NeoX-20B's width and depth, 100B a GPT-3-style
-  80 x 10240 stack. 4.9B is 39 x 3200; 10B 48 x 4096, 40B 60 x 7424 and 60B 64 x 8960 (heads of
-  128) fill the ladder between (bench/frontier.py needs its steps).
+  0.35B GPT-2 medium, 1B the GPT-3 XL / "GPT-2 1.3B" shape, 20B GPT-NeoX-20B's width and depth,
+  100B a GPT-3-style 80 x 10240 stack. 4.9B is 39 x 3200; 10B 48 x 4096, 40B 60 x 7424 and 60B
+  64 x 8960 (heads of 128) fill the ladder between (bench/frontier.py needs its steps).
 - BERT: HF BertForPreTraining, vocabulary 30522, sequence 512 (pre-training phase 2). 0.1B is
   BERT-base; 4.9B is the RaNNC paper's enlarged BERT (hidden 2048, intermediate 8192, 96 layers,
   32 heads), 1B the same width at 20 layers, 20B and 100B widen and deepen it; 10B (50 x 4096),
