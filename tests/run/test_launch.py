@@ -153,8 +153,10 @@ def test_sharded_gradients_train_and_resume_as_the_unsharded_plan(tmp_path: Path
     measured peak of every rank is below the unsharded plan's. (ZeRO-1 and resuming a whole
     state into a sharded plan: the killed-rank test's 2x2-sharded case.)"""
     model = TEST_MODELS / "gpt2_no_dropout.py"
-    sharded = compile_plan(tmp_path / "sharded", model, 2, 2, sharding="gradients")
-    plain = compile_plan(tmp_path / "plain", model, 2, 2, sharding="none")
+    # the same micro-batches in both, so that resuming one under the other is bit for bit
+    sharded = compile_plan(tmp_path / "sharded", model, 2, 2, sharding="gradients",
+                           num_microbatches=2)
+    plain = compile_plan(tmp_path / "plain", model, 2, 2, sharding="none", num_microbatches=2)
     assert [st.sharding for st in load_plan(sharded).stages] == ["gradients"] * 2
     assert [st.sharding for st in load_plan(plain).stages] == ["none"] * 2
     diff = subprocess.run([PARTC, "diff", str(plain), str(sharded)], capture_output=True,
