@@ -165,14 +165,6 @@ class LinkSpec:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
         return 0.0 if nbytes == 0 else self.latency_s + nbytes / self.bandwidth
 
-    def copy_s(self, nbytes: int) -> float:
-        """The part of `transfer_s(nbytes)` a sending host spends moving the bytes (nbytes /
-        bandwidth): with `ClusterSpec.host_sends` it occupies the sender; the latency is a wait
-        that occupies no core."""
-        if nbytes < 0:
-            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
-        return nbytes / self.bandwidth
-
     def to_dict(self) -> dict[str, float]:
         return {"bandwidth": self.bandwidth, "latency_s": self.latency_s}
 
@@ -229,12 +221,10 @@ class ClusterSpec:
 
     @property
     def host_sends(self) -> bool:
-        """Whether a point-to-point send occupies the sending process for its copy: gloo
+        """Whether a point-to-point send occupies the sending process for its transfer: gloo
         copies a send into the socket on the caller's thread (measured on this repository's
         CPU machine: 47 us + 0.33 us/KiB per isend, waits ~0), while NCCL runs transfers on its
-        own streams and the sender goes on. Only the copy (`LinkSpec.copy_s`) occupies the
-        sender; the link's latency (on a loaded VM mostly the receiver's wake-up) delays the
-        receiver without occupying either core."""
+        own streams and the sender goes on."""
         return self.backend == "gloo"
 
     def node_of(self, device_index: int) -> int:

@@ -48,8 +48,6 @@ class LayoutStage:
     activation_bytes: int
     static_bytes: int
     levers: str = "-"  # the memory levers it uses ("ckpt+shard-optimizer", "-": none)
-    send_forward_copy_s: float | None = None  # None: not recorded (plans before the split)
-    send_backward_copy_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -140,8 +138,7 @@ def layout_of_plan(plan: Plan) -> Layout:
         parameters=s.parameters, forward_s=s.forward_s, backward_s=s.backward_s,
         peak_memory_bytes=s.peak_memory_bytes, send_forward_s=s.send_forward_s,
         send_backward_s=s.send_backward_s, activation_bytes=s.activation_bytes,
-        static_bytes=s.static_bytes, send_forward_copy_s=s.send_forward_copy_s,
-        send_backward_copy_s=s.send_backward_copy_s,
+        static_bytes=s.static_bytes,
         levers=s.levers.label) for s in plan.stages)
     return Layout(model=plan.model.name, graph_hash=plan.model.graph_hash,
                   cluster=plan.cluster.name, training=plan.training, stages=stages,
@@ -161,10 +158,6 @@ def layout_of_partition(partition: Partition, module_fingerprints: dict[str, str
         peak_memory_bytes=partition.memory[st.rank].total,
         send_forward_s=round_seconds(t.send_forward_s),
         send_backward_s=round_seconds(t.send_backward_s),
-        send_forward_copy_s=None if t.send_forward_copy_s is None
-        else round_seconds(t.send_forward_copy_s),
-        send_backward_copy_s=None if t.send_backward_copy_s is None
-        else round_seconds(t.send_backward_copy_s),
         activation_bytes=int(t.activation_bytes), static_bytes=int(t.static_bytes),
         levers=st.levers.label)
         for st, t in zip(partition.stages, partition.pipeline.stages, strict=True))

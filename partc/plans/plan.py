@@ -126,10 +126,6 @@ class PlanStage:
     # `partc show` can replay the schedule from plan.yaml alone.
     send_forward_s: float = 0.0
     send_backward_s: float = 0.0
-    # the parts of the sends that occupy the sender under gloo (StageTiming's; None in plans
-    # written before the split: all of the send)
-    send_forward_copy_s: float | None = None
-    send_backward_copy_s: float | None = None
     activation_bytes: int = 0
     static_bytes: int = 0
     # The memory levers its rank uses (partc.solve.levers), which launch runs: recomputing
@@ -158,11 +154,6 @@ class PlanStage:
                               "peak_memory_bytes": self.peak_memory_bytes,
                               "send_forward_s": round_seconds(self.send_forward_s),
                               "send_backward_s": round_seconds(self.send_backward_s),
-                              **({} if self.send_forward_copy_s is None else {
-                                  "send_forward_copy_s": round_seconds(self.send_forward_copy_s)}),
-                              **({} if self.send_backward_copy_s is None else {
-                                  "send_backward_copy_s":
-                                      round_seconds(self.send_backward_copy_s)}),
                               "activation_bytes": self.activation_bytes,
                               "static_bytes": self.static_bytes}}
 
@@ -184,8 +175,6 @@ class PlanStage:
                    forward_s=p["forward_s"], backward_s=p["backward_s"],
                    peak_memory_bytes=p["peak_memory_bytes"],
                    send_forward_s=p["send_forward_s"], send_backward_s=p["send_backward_s"],
-                   send_forward_copy_s=p.get("send_forward_copy_s"),
-                   send_backward_copy_s=p.get("send_backward_copy_s"),
                    activation_bytes=p["activation_bytes"], static_bytes=p["static_bytes"])
 
 
@@ -386,8 +375,6 @@ class Plan:
             stages=tuple(StageTiming(forward_s=s.forward_s, backward_s=s.backward_s,
                                      send_forward_s=s.send_forward_s,
                                      send_backward_s=s.send_backward_s,
-                                     send_forward_copy_s=s.send_forward_copy_s,
-                                     send_backward_copy_s=s.send_backward_copy_s,
                                      activation_bytes=float(s.activation_bytes),
                                      static_bytes=float(s.static_bytes)) for s in self.stages),
             allreduce_s=p.allreduce_s, optimizer_s=p.optimizer_s, tied=p.tied_sync,

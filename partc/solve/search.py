@@ -693,20 +693,16 @@ def build_partition(problem: StageProblem, assignment: Sequence[int], global_bat
     links = shape.boundary_links(cluster)
     sends_fwd = [0.0] * (V + 1)
     sends_bwd = [0.0] * (V + 1)
-    copies_fwd = [0.0] * (V + 1)  # the part of each send its sender copies (LinkSpec.copy_s)
-    copies_bwd = [0.0] * (V + 1)
     for t in blocks.tensors:
         lo = 0 if t.producer is None else assignment[t.producer]
         hi = V - 1 if t.is_output else max((assignment[c] for c in t.consumers), default=lo)
-        nbytes = int(wire_bytes(table, t.name, m, bf16))
+        nbytes = wire_bytes(table, t.name, m, bf16)
         for k in range(lo + 1, hi + 1):
             link = links[k]
             assert link is not None  # only boundary 0, which nothing crosses, has no link
-            sends_fwd[k - 1] += link.transfer_s(nbytes)
-            copies_fwd[k - 1] += link.copy_s(nbytes)
+            sends_fwd[k - 1] += link.transfer_s(int(nbytes))
             if t.requires_grad:
-                sends_bwd[k] += link.transfer_s(nbytes)
-                copies_bwd[k] += link.copy_s(nbytes)
+                sends_bwd[k] += link.transfer_s(int(nbytes))
     fixed = stage_fixed_s(table, cluster, shape)
     held = rank_parameters(problem, assignment)
     tied = problem.tied_across_ranks(assignment)
@@ -738,8 +734,6 @@ def build_partition(problem: StageProblem, assignment: Sequence[int], global_bat
         timings.append(StageTiming(
             forward_s=fwd, backward_s=bwd, send_forward_s=sends_fwd[k] if k < V - 1 else 0.0,
             send_backward_s=sends_bwd[k] if k > 0 else 0.0,
-            send_forward_copy_s=copies_fwd[k] if k < V - 1 else 0.0,
-            send_backward_copy_s=copies_bwd[k] if k > 0 else 0.0,
             activation_bytes=saved if not ckpt else 0.0, static_bytes=float(static)))
     allreduce, step = _sync_times(problem, assignment, levers)
     pipeline = PipelineSpec(schedule=shape.schedule, num_ranks=S,

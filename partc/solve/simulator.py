@@ -16,17 +16,16 @@ Timing model: F(k, i) starts once its rank is free and F(k-1, i) has finished pl
 `send_forward_s`; B(k, i) once its rank is free, F(k, i) is done and B(k+1, i) has finished plus
 stage k+1's `send_backward_s` (for the last virtual stage, once its own forward is done).
 Transfers delay the dependency only: they are asynchronous p2p and occupy neither rank; with
-`host_sends` (gloo, which copies a send on the sender's thread) a send's copy instead occupies its
-sender right after the forward or backward that produced it (the action's event covers both), and
-the receiver may start once that copy ends plus the rest of the transfer (the link's latency).
-Where several devices share a core (`core_sharing`: a CPU node with more gloo processes than
-cores, each pinned to core local_rank % cores), a rank's action progresses at 1/k of its speed
-while k of the core's ranks are busy (processor sharing: `_run_shared`); the rest of the model
-is unchanged. After its last backward a rank runs its data-parallel gradient all-reduce, then
-the gradient sums of the parameters it shares with other ranks (tied weights, `TiedSync`, in
-order: each one starts when the last of its ranks gets there, a synchronisation point), then its
-optimizer step. The simulator is pure Python with no torch import, so the partition solver can
-call it in a loop.
+`host_sends` (gloo, which copies a send on the sender's thread) a send instead occupies its sender
+right after the forward or backward that produced it, and the receiver may start once that copy
+ends (the action's event covers both). Where several devices share a core (`core_sharing`: a
+CPU node with more gloo processes than cores, each pinned to core local_rank % cores), a rank's
+action progresses at 1/k of its speed while k of the core's ranks are busy (processor sharing:
+`_run_shared`); the rest of the model is unchanged. After its
+last backward a rank runs its data-parallel gradient all-reduce, then the gradient sums of the
+parameters it shares with other ranks (tied weights, `TiedSync`, in order: each one starts when
+the last of its ranks gets there, a synchronisation point), then its optimizer step. The
+simulator is pure Python with no torch import, so the partition solver can call it in a loop.
 
 docs/simulator.md describes the model, its assumptions and the output format.
 """
@@ -82,36 +81,11 @@ class StageTiming:
     backward."""
     static_bytes: float = 0.0
     """Bytes held all the time (weights, gradients, optimizer state, buffers)."""
-    send_forward_copy_s: float | None = None
-    """The part of `send_forward_s` that occupies the sender with `host_sends` (its copy); the
-    rest (the link's latency) delays the receiver only. None: all of it (plans written before
-    the split)."""
-    send_backward_copy_s: float | None = None
-    """`send_forward_copy_s` of `send_backward_s`."""
 
     def __post_init__(self) -> None:
         for name in ("forward_s", "backward_s", "send_forward_s", "send_backward_s",
                      "activation_bytes", "static_bytes"):
             _check_time(name, getattr(self, name))
-        for name, whole in (("send_forward_copy_s", self.send_forward_s),
-                            ("send_backward_copy_s", self.send_backward_s)):
-            part = getattr(self, name)
-            if part is not None:
-                _check_time(name, part)
-                if part > whole * (1 + 1e-9) + 1e-12:
-                    raise ValueError(f"{name} ({part}) exceeds the whole send ({whole})")
-
-    @property
-    def forward_copy_s(self) -> float:
-        """Seconds the forward send occupies its sender with `host_sends`."""
-        return self.send_forward_s if self.send_forward_copy_s is None else \
-            min(self.send_forward_copy_s, self.send_forward_s)
-
-    @property
-    def backward_copy_s(self) -> float:
-        """Seconds the backward send occupies its sender with `host_sends`."""
-        return self.send_backward_s if self.send_backward_copy_s is None else \
-            min(self.send_backward_copy_s, self.send_backward_s)
 
 
 @dataclass(frozen=True)
@@ -587,8 +561,7 @@ def _durations(spec: PipelineSpec) -> tuple[list[float], list[float], list[float
     """Per virtual stage: how long a forward and a backward occupy its rank, and the delay from
     their end to the earliest start of the dependent action on the next (forward) or previous
     (backward) stage. A transfer between stages of one rank costs nothing (torch passes it
-    locally); otherwise it is the delay, or with `host_sends` its copy is part of the sender's
-    action and the rest the delay."""
+    locally); otherwise it is the delay, or with `host_sends` part of the sender's action."""
     s, v = spec.num_ranks, spec.num_stages
     stages = spec.stages
     send_fwd = [st.send_forward_s if k < v - 1 and (k + 1) % s != k % s else 0.0
@@ -596,13 +569,9 @@ def _durations(spec: PipelineSpec) -> tuple[list[float], list[float], list[float
     send_bwd = [st.send_backward_s if k > 0 and (k - 1) % s != k % s else 0.0
                 for k, st in enumerate(stages)]
     if spec.host_sends:
-        # the sender copies (busy), the latency delays the receiver (`LinkSpec.copy_s`)
-        copy_fwd = [min(st.forward_copy_s, x) for st, x in zip(stages, send_fwd, strict=True)]
-        copy_bwd = [min(st.backward_copy_s, x) for st, x in zip(stages, send_bwd, strict=True)]
-        return ([st.forward_s + c for st, c in zip(stages, copy_fwd, strict=True)],
-                [st.backward_s + c for st, c in zip(stages, copy_bwd, strict=True)],
-                [x - c for x, c in zip(send_fwd, copy_fwd, strict=True)],
-                [x - c for x, c in zip(send_bwd, copy_bwd, strict=True)])
+        return ([st.forward_s + x for st, x in zip(stages, send_fwd, strict=True)],
+                [st.backward_s + x for st, x in zip(stages, send_bwd, strict=True)],
+                [0.0] * v, [0.0] * v)
     return ([st.forward_s for st in stages], [st.backward_s for st in stages], send_fwd,
             send_bwd)
 

@@ -638,26 +638,14 @@ def _crossing_tensors(blocks: BlockGraph, table: CostTable, shape: PipelineShape
         nbytes = wire_bytes(table, t.name, m, bf16)
         grad = nbytes if t.requires_grad else 0.0
         hops = [link for link in links[1:] if link is not None]
-        if cluster.host_sends:
-            # before the boundary: the activation's copy and the gradient's wait; after it: the
-            # activation's wait and the gradient's copy
-            before = tuple([0] + [units.time(_host_share(link, nbytes, grad)) for link in hops])
-            after = tuple([0] + [units.time(_host_share(link, grad, nbytes)) for link in hops])
-        else:  # NCCL: the receiver pays all of it, its sender goes on
-            after = tuple([0] + [units.time(link.transfer_s(int(nbytes))) for link in hops])
-            before = tuple([0] + [units.time(link.transfer_s(int(grad))) for link in hops])
+        forward = tuple([0] + [units.time(link.transfer_s(int(nbytes))) for link in hops])
+        backward = tuple([0] + [units.time(link.transfer_s(int(grad))) for link in hops])
+        after, before = (backward, forward) if cluster.host_sends else (forward, backward)
         tensors.append(CrossingTensor(
             name=t.name, producer=-1 if t.producer is None else t.producer,
             consumers=t.consumers, is_output=t.is_output, after=after, before=before,
             size=units.memory(nbytes), grad_size=units.memory(grad)))
     return _merge_parallel(tensors)
-
-
-def _host_share(link: LinkSpec, sent: float, received: float) -> float:
-    """With `ClusterSpec.host_sends`, what a stage pays of its transfers over `link`: the copy
-    of what it sends (it occupies the sender) and the latency of what it receives (a wait on
-    the receiver; LinkSpec.copy_s)."""
-    return link.copy_s(int(sent)) + link.transfer_s(int(received)) - link.copy_s(int(received))
 
 
 def wire_bytes(table: CostTable, tensor: str, m: float, bf16: bool) -> float:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import random
-from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -357,31 +356,6 @@ def test_host_sends_occupy_the_sender(m: int) -> None:
     # a transfer between virtual stages of one rank costs nothing either way
     local = uniform("interleaved-1f1b", 1, 4, 2, comm=5.0, host_sends=True)
     assert simulate(local).iteration_s == pytest.approx(2 * 4 * 3.0)
-
-
-@pytest.mark.parametrize("m", [2, 3, 8])
-def test_host_sends_occupy_the_sender_for_their_copy_only(m: int) -> None:
-    # With the copy recorded, only it occupies the sender; the rest of the send (the link's
-    # latency) delays the receiver and occupies no core.
-    tf, tb, c, lat = 1.0, 2.0, 0.2, 0.3
-    stages = (StageTiming(tf, tb, c + lat, 0.0, 1.0, send_forward_copy_s=c,
-                          send_backward_copy_s=0.0),
-              StageTiming(tf, tb, 0.0, c + lat, 1.0, send_forward_copy_s=0.0,
-                          send_backward_copy_s=c))
-    gpipe = simulate(PipelineSpec("gpipe", 2, m, stages, host_sends=True))
-    assert gpipe.busy_s == pytest.approx([m * (tf + c + tb), m * (tf + tb + c)])
-    first1 = min(e.start_s for e in gpipe.events if e.rank == 1)
-    assert first1 == pytest.approx(tf + c + lat)  # the copy, then the latency
-    # paced as before by the copies; the latency is paid once each way, on the critical path
-    assert gpipe.iteration_s == pytest.approx((m + 1) * (tf + tb) + 2 * m * c + 2 * lat)
-    # without the copy recorded (plans written before the split) all of it is the sender's
-    whole = tuple(replace(st, send_forward_copy_s=None, send_backward_copy_s=None)
-                  for st in stages)
-    old = simulate(PipelineSpec("gpipe", 2, m, whole, host_sends=True))
-    assert old.iteration_s == pytest.approx((m + 1) * (tf + tb) + 2 * m * (c + lat))
-    # a copy cannot exceed its send
-    with pytest.raises(ValueError, match="exceeds the whole send"):
-        StageTiming(tf, tb, c, 0.0, 1.0, send_forward_copy_s=2 * c)
 
 
 def test_ranks_sharing_a_core_share_its_time() -> None:
