@@ -27,9 +27,10 @@ at once; measured in bench/zero_stages.py, it held more than ZeRO-1.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
-from typing import Any, Collection, Sequence
+from typing import Any, Collection, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -81,21 +82,29 @@ class GradientSharder:
             return sum(a.elapsed_time(b) for a, b in self.events) / 1e3
         return self.spent
 
-    def _timed(self) -> Any:
-        """A span of reduce time: CUDA events on a GPU, the host clock on a CPU."""
-        return _Span(self)
+    @contextlib.contextmanager
+    def _timed(self) -> Iterator[None]:
+        """A span of reduce time: CUDA events on a GPU (read in `seconds`), the host clock on a
+        CPU."""
+        if self.device.type == "cuda":
+            marks = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            marks[0].record()
+            yield
+            marks[1].record()
+            self.events.append(marks)
+        else:
+            start = time.perf_counter()
+            yield
+            self.spent += time.perf_counter() - start
 
     def _ready(self, bucket: int, _param: torch.Tensor) -> None:
         self.waiting[bucket] -= 1
         if self.waiting[bucket] == 0:
             self.waiting[bucket] = len(self.buckets[bucket])
-            self._reduce(bucket)
+            with self._timed():
+                self._reduce(bucket)
 
     def _reduce(self, bucket: int) -> None:
-        with self._timed():
-            self._reduce_bucket(bucket)
-
-    def _reduce_bucket(self, bucket: int) -> None:
         members = self.buckets[bucket]
         owner = self.owner_of[bucket]
         grads: list[torch.Tensor] = []
@@ -135,28 +144,6 @@ class GradientSharder:
                     p.grad = torch.zeros_like(p)
                 p.grad.div_(self.replicas)
                 dist.all_reduce(p.grad, group=self.group)
-
-
-class _Span:
-    """`GradientSharder._timed`'s context manager."""
-
-    def __init__(self, sharder: GradientSharder) -> None:
-        self.sharder = sharder
-
-    def __enter__(self) -> None:
-        if self.sharder.device.type == "cuda":
-            self.marks = (torch.cuda.Event(enable_timing=True),
-                          torch.cuda.Event(enable_timing=True))
-            self.marks[0].record()
-        else:
-            self.start = time.perf_counter()
-
-    def __exit__(self, *exc: object) -> None:
-        if self.sharder.device.type == "cuda":
-            self.marks[1].record()
-            self.sharder.events.append(self.marks)
-        else:
-            self.sharder.spent += time.perf_counter() - self.start
 
 
 def _release(tensor: torch.Tensor) -> None:
