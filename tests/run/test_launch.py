@@ -147,12 +147,13 @@ def test_interleaved_schedule_with_activation_checkpointing(tmp_path: Path) -> N
 def test_sharded_gradients_train_and_resume_as_the_unsharded_plan(tmp_path: Path) -> None:
     """ZeRO-2 (ZeroRedundancyOptimizer over each stage's replicas, each micro-batch's gradients
     reduced onto their owners as they form, partc.run.gradient_sharding) on 2 stages x 2
-    replicas of HF GPT-2, its lm_head tied across the stages (kept whole): the losses are
+    replicas of the transformer example, its embedding tied to the output head across the
+    stages (kept whole): the losses are
     single-process training's; a checkpoint it writes (by FQN, the sharded state gathered
     whole) resumes under the unsharded plan with the uninterrupted run's losses; and the
     measured peak of every rank is below the unsharded plan's. (ZeRO-1 and resuming a whole
     state into a sharded plan: the killed-rank test's 2x2-sharded case.)"""
-    model = TEST_MODELS / "gpt2_no_dropout.py"
+    model = EXAMPLES / "transformer.py"
     # the same micro-batches in both, so that resuming one under the other is bit for bit
     sharded = compile_plan(tmp_path / "sharded", model, 2, 2, sharding="gradients",
                            num_microbatches=2)
