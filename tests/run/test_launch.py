@@ -159,6 +159,7 @@ def test_sharded_gradients_train_and_resume_as_the_unsharded_plan(tmp_path: Path
                            num_microbatches=2)
     plain = compile_plan(tmp_path / "plain", model, 2, 2, sharding="none", num_microbatches=2)
     assert [st.sharding for st in load_plan(sharded).stages] == ["gradients"] * 2
+    assert load_plan(sharded).tied_parameters  # the tie spans both stages
     assert [st.sharding for st in load_plan(plain).stages] == ["none"] * 2
     diff = subprocess.run([PARTC, "diff", str(plain), str(sharded)], capture_output=True,
                           text=True, cwd=ROOT, timeout=120)
