@@ -568,6 +568,8 @@ def _emit(result: CaptureResult, partition: Partition, cluster: ClusterSpec, out
             forward_s=st.forward_s, backward_s=st.backward_s,
             peak_memory_bytes=partition.memory[st.rank].total,
             send_forward_s=timing.send_forward_s, send_backward_s=timing.send_backward_s,
+            send_forward_latency_s=timing.send_forward_latency_s,
+            send_backward_latency_s=timing.send_backward_latency_s,
             activation_bytes=int(timing.activation_bytes), static_bytes=int(timing.static_bytes),
             activation_checkpointing=st.activation_checkpointing, sharding=st.sharding))
 

@@ -128,6 +128,9 @@ class PlanStage:
     send_backward_s: float = 0.0
     activation_bytes: int = 0
     static_bytes: int = 0
+    # of the sends, the links' per-message latencies (absent in older plans: 0)
+    send_forward_latency_s: float = 0.0
+    send_backward_latency_s: float = 0.0
     # The memory levers its rank uses (partc.solve.levers), which launch runs: recomputing
     # activations, and what its replicas shard.
     activation_checkpointing: bool = False
@@ -154,6 +157,10 @@ class PlanStage:
                               "peak_memory_bytes": self.peak_memory_bytes,
                               "send_forward_s": round_seconds(self.send_forward_s),
                               "send_backward_s": round_seconds(self.send_backward_s),
+                              "send_forward_latency_s":
+                                  round_seconds(self.send_forward_latency_s),
+                              "send_backward_latency_s":
+                                  round_seconds(self.send_backward_latency_s),
                               "activation_bytes": self.activation_bytes,
                               "static_bytes": self.static_bytes}}
 
@@ -175,6 +182,8 @@ class PlanStage:
                    forward_s=p["forward_s"], backward_s=p["backward_s"],
                    peak_memory_bytes=p["peak_memory_bytes"],
                    send_forward_s=p["send_forward_s"], send_backward_s=p["send_backward_s"],
+                   send_forward_latency_s=p.get("send_forward_latency_s", 0.0),
+                   send_backward_latency_s=p.get("send_backward_latency_s", 0.0),
                    activation_bytes=p["activation_bytes"], static_bytes=p["static_bytes"])
 
 
@@ -375,6 +384,8 @@ class Plan:
             stages=tuple(StageTiming(forward_s=s.forward_s, backward_s=s.backward_s,
                                      send_forward_s=s.send_forward_s,
                                      send_backward_s=s.send_backward_s,
+                                     send_forward_latency_s=s.send_forward_latency_s,
+                                     send_backward_latency_s=s.send_backward_latency_s,
                                      activation_bytes=float(s.activation_bytes),
                                      static_bytes=float(s.static_bytes)) for s in self.stages),
             allreduce_s=p.allreduce_s, optimizer_s=p.optimizer_s, tied=p.tied_sync,

@@ -693,6 +693,8 @@ def build_partition(problem: StageProblem, assignment: Sequence[int], global_bat
     links = shape.boundary_links(cluster)
     sends_fwd = [0.0] * (V + 1)
     sends_bwd = [0.0] * (V + 1)
+    latency_fwd = [0.0] * (V + 1)  # of those, the links' per-message latencies
+    latency_bwd = [0.0] * (V + 1)
     for t in blocks.tensors:
         lo = 0 if t.producer is None else assignment[t.producer]
         hi = V - 1 if t.is_output else max((assignment[c] for c in t.consumers), default=lo)
@@ -701,8 +703,10 @@ def build_partition(problem: StageProblem, assignment: Sequence[int], global_bat
             link = links[k]
             assert link is not None  # only boundary 0, which nothing crosses, has no link
             sends_fwd[k - 1] += link.transfer_s(int(nbytes))
+            latency_fwd[k - 1] += link.latency_s if int(nbytes) else 0.0
             if t.requires_grad:
                 sends_bwd[k] += link.transfer_s(int(nbytes))
+                latency_bwd[k] += link.latency_s if int(nbytes) else 0.0
     fixed = stage_fixed_s(table, cluster, shape)
     held = rank_parameters(problem, assignment)
     tied = problem.tied_across_ranks(assignment)
@@ -734,7 +738,9 @@ def build_partition(problem: StageProblem, assignment: Sequence[int], global_bat
         timings.append(StageTiming(
             forward_s=fwd, backward_s=bwd, send_forward_s=sends_fwd[k] if k < V - 1 else 0.0,
             send_backward_s=sends_bwd[k] if k > 0 else 0.0,
-            activation_bytes=saved if not ckpt else 0.0, static_bytes=float(static)))
+            activation_bytes=saved if not ckpt else 0.0, static_bytes=float(static),
+            send_forward_latency_s=latency_fwd[k] if k < V - 1 else 0.0,
+            send_backward_latency_s=latency_bwd[k] if k > 0 else 0.0))
     allreduce, step = _sync_times(problem, assignment, levers)
     pipeline = PipelineSpec(schedule=shape.schedule, num_ranks=S,
                             num_microbatches=shape.num_microbatches, stages=tuple(timings),

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Sequence
 
 from partc.options import SCHEDULES, Schedule
+from partc.solve import host_p2p
 
 Action = tuple[str, int, int]
 """One compute action: ("F" or "B", virtual stage, micro-batch)."""
@@ -81,11 +82,20 @@ class StageTiming:
     backward."""
     static_bytes: float = 0.0
     """Bytes held all the time (weights, gradients, optimizer state, buffers)."""
+    send_forward_latency_s: float = 0.0
+    """Of `send_forward_s`, the links' per-message latencies: with `host_sends` a wait before
+    the bytes move, not CPU work (the rest is)."""
+    send_backward_latency_s: float = 0.0
+    """Of `send_backward_s`, the links' per-message latencies."""
 
     def __post_init__(self) -> None:
         for name in ("forward_s", "backward_s", "send_forward_s", "send_backward_s",
-                     "activation_bytes", "static_bytes"):
+                     "activation_bytes", "static_bytes", "send_forward_latency_s",
+                     "send_backward_latency_s"):
             _check_time(name, getattr(self, name))
+        if self.send_forward_latency_s > self.send_forward_s or \
+                self.send_backward_latency_s > self.send_backward_s:
+            raise ValueError("a send's latency cannot exceed the send's time")
 
 
 @dataclass(frozen=True)
@@ -410,12 +420,38 @@ def _simulate(spec: PipelineSpec, order: Sequence[Sequence[Action]] | None) -> S
     vm = v * m
     programs = [[(0 if kind == "F" else vm) + stage * m + mb for kind, stage, mb in ops]
                 for ops in orders]
+    if spec.host_sends and order is None:
+        return _simulate_host_p2p(spec, orders, programs)
     run = _run_shared if spec.shares_cores else _run
     start_of, finish, position = run(spec, programs)
     stuck = [rank for rank in range(s) if position[rank] < len(orders[rank])]
     if stuck:
         raise _deadlock(orders, position, stuck)
-    return _replay(spec, programs, start_of, finish)
+    forward_s, backward_s, _, _ = _durations(spec)
+    return _replay(spec, programs, start_of, finish, forward_s, backward_s)
+
+
+def _simulate_host_p2p(spec: PipelineSpec, orders: list[list[Action]],
+                       programs: list[list[int]]) -> Simulation:
+    """`host_sends` (gloo): the schedule's posts and waits around each computation, transfers
+    as rendezvous work on both ends' cores (partc.solve.host_p2p)."""
+    s, v, m = spec.num_ranks, spec.num_stages, spec.num_microbatches
+    stages = spec.stages
+    progs = host_p2p.programs(spec.schedule, orders, s, v, m)
+    forward_s = [st.forward_s for st in stages]
+    backward_s = [st.backward_s for st in stages]
+    start_of, finish, position, ended = host_p2p.run(
+        progs, forward_s, backward_s,
+        [st.send_forward_s if k < v - 1 else 0.0 for k, st in enumerate(stages)],
+        [st.send_backward_s if k > 0 else 0.0 for k, st in enumerate(stages)],
+        spec.core_sharing or tuple((rank,) for rank in range(s)), m,
+        [st.send_forward_latency_s for st in stages], [st.send_backward_latency_s for st in stages])
+    stuck = [rank for rank in range(s) if position[rank] < len(progs[rank])]
+    if stuck:
+        done = [sum(1 for what, _ in progs[rank][:position[rank]] if what == host_p2p.COMPUTE)
+                for rank in range(s)]
+        raise _deadlock(orders, done, stuck)
+    return _replay(spec, programs, start_of, finish, forward_s, backward_s, ended)
 
 
 def _run(spec: PipelineSpec, programs: list[list[int]]
@@ -586,13 +622,15 @@ def _deadlock(orders: list[list[Action]], position: list[int], stuck: list[int])
 
 
 def _replay(spec: PipelineSpec, programs: list[list[int]], start_of: list[float],
-            finish: list[float]) -> Simulation:
-    """The Simulation of a completed run: events, busy time, memory over time and the iteration
-    (each rank's all-reduce, tied-gradient sums and optimizer step after its last backward)."""
+            finish: list[float], forward_s: Sequence[float], backward_s: Sequence[float],
+            ended: Sequence[float] = ()) -> Simulation:
+    """The Simulation of a completed run: events, busy time (the actions' own `forward_s` and
+    `backward_s`), memory over time and the iteration (each rank's all-reduce, tied-gradient
+    sums and optimizer step after its last backward, or after `ended`, when its pipeline
+    program ended, where given)."""
     s, v, m = spec.num_ranks, spec.num_stages, spec.num_microbatches
     stages = spec.stages
     vm = v * m
-    forward_s, backward_s, _, _ = _durations(spec)
     allreduce = spec.allreduce_s or (0.0,) * s
     optimizer = spec.optimizer_s or (0.0,) * s
     events: list[Event] = []
@@ -631,6 +669,8 @@ def _replay(spec: PipelineSpec, programs: list[list[int]], start_of: list[float]
                 steps.append((end, static + held))
             events.append(Event(rank, stage, mb, kind, start, end))
         last_backward = max(last_backward, end)
+        if ended:
+            end = max(end, ended[rank])
         reduced[rank] = end + allreduce[rank]
         events.append(Event(rank, -1, -1, "allreduce", end, reduced[rank]))
         busy.append(rank_busy)

@@ -337,25 +337,80 @@ def test_tied_gradients_wait_for_the_last_of_their_ranks() -> None:
         uniform("1f1b", 2, 4, tied=(TiedSync((0, 2), 0.1),))
 
 
-@pytest.mark.parametrize("m", [2, 3, 8])
-def test_host_sends_occupy_the_sender(m: int) -> None:
-    # gloo copies a send on the sender's thread: the sender is busy for the transfer, and the
-    # receiver can start right after it.
-    tf, tb, c = 1.0, 2.0, 0.5
-    stages = (StageTiming(tf, tb, c, 0.0, 1.0), StageTiming(tf, tb, 0.0, c, 1.0))
-    gpipe = simulate(PipelineSpec("gpipe", 2, m, stages, host_sends=True))
-    # rank 0's forwards take tf + c each; rank 1's backwards tb + c each
-    assert gpipe.busy_s == pytest.approx([m * (tf + c + tb), m * (tf + tb + c)])
-    forwards0 = [e for e in gpipe.events if e.rank == 0 and e.kind == "forward"]
-    assert forwards0[0].end_s == pytest.approx(tf + c)
-    first1 = min(e.start_s for e in gpipe.events if e.rank == 1)
-    assert first1 == pytest.approx(tf + c)  # no delay after the copy
-    # rank 0's forwards and rank 1's backwards are each c longer, and the pipeline is paced by
-    # them: m (tf + c) + tf, then m (tb + c) + tb
-    assert gpipe.iteration_s == pytest.approx((m + 1) * (tf + tb) + 2 * m * c)
+def _starts(sim: object, rank: int, kind: str) -> list[float]:
+    return [e.start_s for e in sim.events if e.rank == rank and e.kind == kind]  # type: ignore[attr-defined]
+
+
+def test_host_sends_are_rendezvous_copies_on_both_cores() -> None:
+    """gloo (`host_sends`): a transfer starts once the sender has posted it and the receiver
+    has posted its receive (torch's schedules post a receive right before the compute that
+    needs it), and its copy is work on both ends' cores. GPipe, 2 ranks, 2 micro-batches,
+    forward 1, backward 2, a copy of 0.5 each way, by hand:
+    - rank 0 ends F0 at 1 and posts its send; rank 1 is waiting, so the copy starts; rank 0
+      computes F1 meanwhile, so core 0 runs two things at half speed: the copy ends at 2, F1
+      at 2.5; rank 1 computes F0 2..3;
+    - F1's copy starts when rank 1 posts its receive at 3 (rank 0 waits on its sends), ends
+      3.5; rank 1: F1 3.5..4.5, B0 4.5..6.5, then B1 while B0's gradient copies (6.5..7.5,
+      half speed), B1 ends 9; rank 0: B0 7.5..9.5, B1's gradient 9.5..10, B1 10..12."""
+    stages = (StageTiming(1.0, 2.0, 0.5, 0.0, 1.0), StageTiming(1.0, 2.0, 0.0, 0.5, 1.0))
+    sim = simulate(PipelineSpec("gpipe", 2, 2, stages, host_sends=True))
+    assert _starts(sim, 0, "forward") == pytest.approx([0.0, 1.0])
+    assert [e.end_s for e in sim.events if e.rank == 0 and e.kind == "forward"] == \
+        pytest.approx([1.0, 2.5])
+    assert _starts(sim, 1, "forward") == pytest.approx([2.0, 3.5])
+    assert _starts(sim, 1, "backward") == pytest.approx([4.5, 6.5])
+    assert _starts(sim, 0, "backward") == pytest.approx([7.5, 10.0])
+    assert sim.iteration_s == pytest.approx(12.0)
+    assert sim.busy_s == pytest.approx([6.0, 6.0])  # the computations' own time
+    # rank 1's all-reduce waits for its last send to be received
+    assert [e.start_s for e in sim.events if e.rank == 1 and e.kind == "allreduce"] == \
+        pytest.approx([10.0])
+    # the same link time as latency is a wait, not work: rank 0's F1 is not slowed
+    stages = (StageTiming(1.0, 2.0, 0.5, 0.0, 1.0, send_forward_latency_s=0.5),
+              StageTiming(1.0, 2.0, 0.0, 0.5, 1.0, send_backward_latency_s=0.5))
+    sim = simulate(PipelineSpec("gpipe", 2, 2, stages, host_sends=True))
+    assert [e.end_s for e in sim.events if e.rank == 0 and e.kind == "forward"] == \
+        pytest.approx([1.0, 2.0])
+    assert sim.iteration_s == pytest.approx(11.0)
     # a transfer between virtual stages of one rank costs nothing either way
     local = uniform("interleaved-1f1b", 1, 4, 2, comm=5.0, host_sends=True)
     assert simulate(local).iteration_s == pytest.approx(2 * 4 * 3.0)
+    with pytest.raises(ValueError, match="latency"):
+        StageTiming(1.0, 2.0, 0.5, 0.0, 1.0, send_forward_latency_s=0.6)
+
+
+def test_host_sends_under_1f1b_meet_at_the_fused_exchanges() -> None:
+    """Schedule1F1B defers a forward's send and waits on it together with the next backward's
+    receive (and a backward's send with the next forward's receive). 2 ranks, 2 micro-batches,
+    forward 1, backward 2, transfers of 0.5 latency (no copy work), by hand: rank 0 computes F0,
+    F1 (0..2) and posts F1's send with B0's receive at 2; rank 1 computes F0 1.5..2.5, B0
+    2.5..4.5 and only then posts B0's send with F1's receive: both arrive at 5, though F1's
+    output was ready at 2. Rank 1: F1 5..6, B1 6..8; rank 0: B0 5..7, B1 (received 8.5)
+    8.5..10.5."""
+    stages = (StageTiming(1.0, 2.0, 0.5, 0.0, 1.0, send_forward_latency_s=0.5),
+              StageTiming(1.0, 2.0, 0.0, 0.5, 1.0, send_backward_latency_s=0.5))
+    sim = simulate(PipelineSpec("1f1b", 2, 2, stages, host_sends=True))
+    assert _starts(sim, 0, "forward") == pytest.approx([0.0, 1.0])
+    assert _starts(sim, 1, "forward") == pytest.approx([1.5, 5.0])
+    assert _starts(sim, 1, "backward") == pytest.approx([2.5, 6.0])
+    assert _starts(sim, 0, "backward") == pytest.approx([5.0, 8.5])
+    assert sim.iteration_s == pytest.approx(10.5)
+    # without host sends the transfer overlaps rank 1's B0: F1 starts when B0 ends
+    nccl = simulate(PipelineSpec("1f1b", 2, 2, stages))
+    assert _starts(nccl, 1, "forward")[1] == pytest.approx(4.5)
+
+
+@pytest.mark.parametrize("schedule,chunks", [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2)])
+def test_host_sends_complete_and_cost_time(schedule: str, chunks: int) -> None:
+    """Every schedule's posts and waits complete (no deadlock), on shared cores too, and moving
+    bytes never makes an iteration faster."""
+    free = simulate(uniform(schedule, 4, 8, chunks, comm=0.0, host_sends=True))
+    for sharing in ((), ((0, 2), (1, 3), (0, 2), (1, 3))):
+        sim = simulate(uniform(schedule, 4, 8, chunks, comm=0.3, host_sends=True,
+                               core_sharing=sharing))
+        assert sim.iteration_s > free.iteration_s
+        assert len([e for e in sim.events if e.kind in ("forward", "backward")]) == \
+            2 * 4 * chunks * 8
 
 
 def test_ranks_sharing_a_core_share_its_time() -> None:

@@ -1,0 +1,313 @@
+"""Host-synchronous p2p (gloo) in the pipeline simulator: each rank's sends, receives and waits
+as torch's schedules post them, transfers that start only when both sides have posted, and
+copies that take CPU on both processes' cores.
+
+Measured on this repository's 2-core machine (gloo over loopback, torch 2.13, processes pinned
+to their own cores), what the simpler model of a send as its sender's busy time misses:
+
+- A gloo send is a rendezvous: its bytes move only once the receiver has posted the matching
+  receive. A sender whose receiver posted 20 ms late waits 20.5 ms for 1 B and 26 ms for 16 MiB.
+- torch's schedules post a receive right before the compute that needs it, so the receiver
+  waits for the whole transfer, and `Schedule1F1B` waits on a stage's deferred send together
+  with its next receive: in steady state two neighbours meet at every exchange.
+- Posting costs ~70 us; the copy runs on gloo's IO thread, on the pinned core of each side
+  (a computation running meanwhile took 5.7 ms longer on the sender of a 16 MiB message,
+  3.4 ms on its receiver), while the transfer itself took 6 ms.
+
+So a transfer here starts when both its sender and its receiver have posted it, progresses like
+work on both ranks' cores (processor sharing with their computations and other transfers, at
+the slower side's rate) for the link's time (`send_forward_s` / `send_backward_s`), and a rank
+blocks where torch waits on it. This module builds the per-rank programs of posts, waits and
+computations (`programs`) and runs them (`run`); `partc.solve.simulator` replays the result.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from partc.options import Schedule
+
+Item = tuple[int, object]
+"""One step of a rank's program: (COMPUTE, action), (POST, keys) or (WAIT, keys)."""
+
+COMPUTE, POST, WAIT = 0, 1, 2
+
+_DONE = 1e-12  # seconds of work below which a computation or transfer counts as finished
+
+
+def programs(schedule: Schedule, orders: Sequence[Sequence[tuple[str, int, int]]], s: int,
+             v: int, m: int) -> list[list[Item]]:
+    """Per rank, its computations with the posts and waits torch's schedule class puts around
+    them. Actions and transfers are integers: F(k, i) is k * M + i, B(k, i) is V * M + k * M + i,
+    and a transfer's key is the action that produced it (F(k, i): its output to stage k + 1;
+    B(k, i): its input gradient to stage k - 1)."""
+    if schedule == "interleaved-1f1b":
+        return _runtime_programs(orders, s, v, m)
+    return [_single_program(schedule, rank, s, m) for rank in range(s)]
+
+
+def _single_program(schedule: Schedule, rank: int, s: int, m: int) -> list[Item]:
+    """ScheduleGPipe / Schedule1F1B `_step_microbatches` (torch 2.13) on rank `rank` = stage."""
+    vm = s * m
+    first, last = rank == 0, rank == s - 1
+
+    def fwd(i: int) -> int:
+        return rank * m + i
+
+    def bwd(i: int) -> int:
+        return vm + rank * m + i
+
+    def recv_f(i: int) -> tuple[int, ...]:
+        return () if first else ((rank - 1) * m + i,)
+
+    def send_f(i: int) -> tuple[int, ...]:
+        return () if last else (fwd(i),)
+
+    def recv_b(i: int) -> tuple[int, ...]:
+        return () if last else (vm + (rank + 1) * m + i,)
+
+    def send_b(i: int) -> tuple[int, ...]:
+        return () if first else (bwd(i),)
+
+    out: list[Item] = []
+
+    def exchange(keys: tuple[int, ...]) -> None:  # _wait_batch_p2p(_batch_p2p(keys))
+        if keys:
+            out.append((POST, keys))
+            out.append((WAIT, keys))
+
+    def post(keys: tuple[int, ...]) -> tuple[int, ...]:
+        if keys:
+            out.append((POST, keys))
+        return keys
+
+    def wait(keys: tuple[int, ...]) -> None:
+        if keys:
+            out.append((WAIT, keys))
+
+    if schedule == "gpipe":
+        pending: tuple[int, ...] = ()
+        for i in range(m):
+            exchange(recv_f(i))
+            out.append((COMPUTE, fwd(i)))
+            pending += post(send_f(i))
+        wait(pending)
+        pending = ()
+        for i in range(m):
+            exchange(recv_b(i))
+            out.append((COMPUTE, bwd(i)))
+            pending += post(send_b(i))
+        wait(pending)
+        return out
+
+    warmup = min(m, s - rank)
+    sending: tuple[int, ...] = ()
+    deferred: tuple[int, ...] = ()
+    for i in range(warmup):
+        exchange(recv_f(i))
+        out.append((COMPUTE, fwd(i)))
+        wait(sending)
+        sending = ()
+        if i != warmup - 1:
+            sending = post(send_f(i))
+        else:
+            deferred = send_f(i)  # fused with the first backward's receive
+    forward = warmup
+    backward = 0
+    while True:
+        exchange(deferred + recv_b(backward))
+        out.append((COMPUTE, bwd(backward)))
+        deferred = send_b(backward)
+        backward += 1
+        if forward == m:
+            break
+        exchange(deferred + recv_f(forward))
+        out.append((COMPUTE, fwd(forward)))
+        deferred = send_f(forward)
+        forward += 1
+    sending = post(deferred)
+    while backward < m:
+        exchange(recv_b(backward))
+        out.append((COMPUTE, bwd(backward)))
+        wait(sending)
+        sending = post(send_b(backward))
+        backward += 1
+    wait(sending)
+    return out
+
+
+def _runtime_programs(orders: Sequence[Sequence[tuple[str, int, int]]], s: int, v: int,
+                      m: int) -> list[list[Item]]:
+    """`_PipelineScheduleRuntime` (ScheduleInterleaved1F1B, torch 2.13): `_add_send_recv` places
+    each send right after its computation and the matching receive on the receiving rank in
+    the same round; the runtime posts both without waiting, waits on a receive right before
+    the computation that consumes it, and on every send at the end of the step."""
+    vm = v * m
+
+    def key(kind: str, stage: int, mb: int) -> int:
+        return (0 if kind == "F" else vm) + stage * m + mb
+
+    def has_comms(kind: str, stage: int) -> bool:
+        if kind == "F":
+            return stage != v - 1 and (stage + 1) % s != stage % s
+        return stage != 0 and (stage - 1) % s != stage % s
+
+    queues = {rank: list(ops) for rank, ops in enumerate(orders) if ops}
+    out: list[list[Item]] = [[] for _ in range(s)]
+    done: list[set[int]] = [set() for _ in range(s)]  # computations run on the rank
+    received: list[set[int]] = [set() for _ in range(s)]  # transfers whose receive it posted
+    sends: list[list[int]] = [[] for _ in range(s)]
+    while queues:
+        progress = False
+        for rank in sorted(queues):
+            kind, stage, mb = queues[rank][0]
+            if kind == "F" and stage != 0:
+                ready = key("F", stage - 1, mb) in received[rank] | done[rank]
+            elif kind == "B" and stage != v - 1:
+                ready = key("B", stage + 1, mb) in received[rank] | done[rank]
+            else:
+                ready = True
+            if not ready:
+                continue
+            progress = True
+            action = key(kind, stage, mb)
+            if kind == "F" and stage != 0 and (stage - 1) % s != rank:
+                out[rank].append((WAIT, (key("F", stage - 1, mb),)))
+            if kind == "B" and stage != v - 1 and (stage + 1) % s != rank:
+                out[rank].append((WAIT, (key("B", stage + 1, mb),)))
+            out[rank].append((COMPUTE, action))
+            done[rank].add(action)
+            if has_comms(kind, stage):
+                peer = (stage + 1) % s if kind == "F" else (stage - 1) % s
+                out[rank].append((POST, (action,)))
+                sends[rank].append(action)
+                out[peer].append((POST, (action,)))
+                received[peer].add(action)
+            queues[rank].pop(0)
+            if not queues[rank]:
+                del queues[rank]
+        if not progress:
+            raise ValueError("deadlock: torch's runtime cannot place the sends and receives "
+                             "of this action order")
+    for rank in range(s):
+        if sends[rank]:
+            out[rank].append((WAIT, tuple(sends[rank])))
+    return out
+
+
+def run(progs: list[list[Item]], forward_s: Sequence[float], backward_s: Sequence[float],
+        send_forward_s: Sequence[float], send_backward_s: Sequence[float],
+        sharing: Sequence[Sequence[int]], m: int,
+        forward_delay_s: Sequence[float] = (), backward_delay_s: Sequence[float] = ()
+        ) -> tuple[list[float], list[float], list[int], list[float]]:
+    """Run the programs: (start, finish) per computation (NaN if it never ran), how far each rank
+    got (in program steps), and when each rank's program ended (NaN if it did not).
+
+    Per virtual stage: its forward and backward compute seconds and the link time of its
+    outputs to the next stage and of its input gradients to the previous one. `sharing`: per
+    rank, the ranks on its core (itself included, once per replica). Every runnable thing on a
+    core (a rank's computation, each transfer with an end on it) progresses at 1 / (their
+    number); a transfer at its slower side's rate."""
+    s = len(progs)
+    v = len(forward_s)
+    vm = v * m
+    start_of = [math.nan] * (2 * vm)
+    finish = [math.nan] * (2 * vm)
+    position = [0] * s
+    ended = [math.nan] * s
+    computing = [-1] * s  # the action a rank is computing, -1 when none
+    left = [0.0] * s  # its own seconds of work still to do
+    posted: dict[int, int] = {}  # transfer -> sides that posted it (1 or 2)
+    moving: dict[int, float] = {}  # transfer in flight -> its seconds of copying still to do
+    ends: dict[int, tuple[int, int]] = {}  # transfer copying -> (sender, receiver) ranks
+    arrived: set[int] = set()
+    waiting_until: dict[int, float] = {}  # transfer in its latency -> when that ends
+    peers: dict[int, tuple[int, int]] = {}
+    now = 0.0
+
+    def start_transfer(k: int) -> None:
+        """Both sides posted transfer k: it waits out its latency, then copies on both cores."""
+        if k < vm:
+            stage = k // m
+            seconds, peer = send_forward_s[stage], stage + 1
+            delay = forward_delay_s[stage] if forward_delay_s else 0.0
+        else:
+            stage = (k - vm) // m
+            seconds, peer = send_backward_s[stage], stage - 1
+            delay = backward_delay_s[stage] if backward_delay_s else 0.0
+        if seconds <= 0:
+            arrived.add(k)
+            return
+        delay = min(delay, seconds)
+        moving[k] = seconds - delay
+        peers[k] = (stage % s, peer % s)
+        if delay > 0:
+            waiting_until[k] = now + delay
+        else:
+            ends[k] = peers[k]
+
+    def advance(rank: int) -> bool:
+        """Run the rank's instantaneous steps (posts, satisfied waits, the start of a
+        computation); whether it moved."""
+        program = progs[rank]
+        moved = False
+        while computing[rank] < 0 and position[rank] < len(program):
+            what, arg = program[position[rank]]
+            if what == WAIT:
+                if not all(k in arrived for k in arg):  # type: ignore[attr-defined]
+                    break
+            elif what == POST:
+                for k in arg:  # type: ignore[attr-defined]
+                    posted[k] = posted.get(k, 0) + 1
+                    if posted[k] == 2:
+                        start_transfer(k)
+            else:
+                action = int(arg)  # type: ignore[call-overload]
+                stage = (action if action < vm else action - vm) // m
+                computing[rank] = action
+                left[rank] = forward_s[stage] if action < vm else backward_s[stage]
+                start_of[action] = now
+            position[rank] += 1
+            moved = True
+        if computing[rank] < 0 and position[rank] == len(program) and ended[rank] != ended[rank]:
+            ended[rank] = now
+        return moved
+
+    while True:
+        while any([advance(rank) for rank in range(s)]):
+            pass
+        if not moving and not waiting_until and all(c < 0 for c in computing):
+            return start_of, finish, position, ended
+        threads = [1 if computing[rank] >= 0 else 0 for rank in range(s)]
+        for a, b in ends.values():
+            threads[a] += 1
+            threads[b] += 1
+        load = [sum(threads[other] for other in sharing[rank]) for rank in range(s)]
+        rate = {k: 1.0 / max(load[a], load[b]) for k, (a, b) in ends.items()}
+        step = math.inf
+        for rank in range(s):
+            if computing[rank] >= 0:
+                step = min(step, left[rank] * load[rank])
+        for k in ends:
+            step = min(step, moving[k] / rate[k])
+        for until in waiting_until.values():
+            step = min(step, until - now)
+        now += step
+        for rank in range(s):
+            if computing[rank] >= 0:
+                left[rank] -= step / load[rank]
+                if left[rank] <= _DONE:
+                    finish[computing[rank]] = now
+                    computing[rank] = -1
+        for k in list(ends):
+            moving[k] -= step * rate[k]
+            if moving[k] <= _DONE:
+                del moving[k], ends[k]
+                arrived.add(k)
+        for k in [k for k, until in waiting_until.items() if until <= now + _DONE]:
+            del waiting_until[k]
+            if moving[k] > _DONE:
+                ends[k] = peers[k]
+            else:
+                del moving[k]
+                arrived.add(k)
