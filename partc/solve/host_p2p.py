@@ -38,11 +38,12 @@ _DONE = 1e-12  # seconds of work below which a computation or transfer counts as
 def programs(schedule: Schedule, orders: Sequence[Sequence[tuple[str, int, int]]], s: int,
              v: int, m: int) -> list[list[Item]]:
     """Per rank, its computations with the posts and waits torch's schedule class puts around
-    them. Actions and transfers are integers: F(k, i) is k * M + i, B(k, i) is V * M + k * M + i,
-    and a transfer's key is the action that produced it (F(k, i): its output to stage k + 1;
-    B(k, i): its input gradient to stage k - 1)."""
+    them, from the ranks' ("F"|"B", virtual stage, micro-batch) orders. Actions and transfers
+    are integers: F(k, i) is k * M + i, B(k, i) is V * M + k * M + i, and a transfer's key is
+    the action that produced it (F(k, i): its output to stage k + 1; B(k, i): its input
+    gradient to stage k - 1)."""
     if schedule == "interleaved-1f1b":
-        return _runtime_programs(orders, s, v, m)
+        return _runtime_programs([_lowered(ops, m) for ops in orders], s, v, m)
     return [_single_program(schedule, rank, s, m) for rank in range(s)]
 
 
@@ -136,7 +137,38 @@ def _single_program(schedule: Schedule, rank: int, s: int, m: int) -> list[Item]
     return out
 
 
-def _runtime_programs(orders: Sequence[Sequence[tuple[str, int, int]]], s: int, v: int,
+def _lowered(ops: Sequence[tuple[str, int, int]], m: int,
+             max_active_stages: int = 3) -> list[tuple[str, int, int] | None]:
+    """A rank's computations as `_PipelineScheduleRuntime` lowers them before placing its
+    sends and receives, its other actions as None: `_add_unshard_reshard` (an UNSHARD before a
+    stage among the next `max_active_stages` distinct ones becomes active, a RESHARD when one
+    drops out of them and for each still active at the end; emitted without FSDP too) and
+    `_add_reduce_grad` (a REDUCE_GRAD after each stage's last backward). Each takes a round of
+    `_add_send_recv` like a computation, which moves where the receives land."""
+    out: list[tuple[str, int, int] | None] = []
+    active: set[int] = set()
+    backwards: dict[int, int] = {}
+    for i, op in enumerate(ops):
+        upcoming: list[int] = []
+        for _, stage, _ in ops[i:]:
+            if stage not in upcoming:
+                upcoming.append(stage)
+                if len(upcoming) == max_active_stages:
+                    break
+        dropped = [stage for stage in active if stage not in upcoming]
+        fetched = [stage for stage in upcoming if stage not in active]
+        out.extend([None] * (len(dropped) + len(fetched)))
+        active = (active - set(dropped)) | set(fetched)
+        out.append(op)
+        if op[0] == "B":
+            backwards[op[1]] = backwards.get(op[1], 0) + 1
+            if backwards[op[1]] == m:
+                out.append(None)
+    out.extend([None] * len(active))
+    return out
+
+
+def _runtime_programs(slots: Sequence[Sequence[tuple[str, int, int] | None]], s: int, v: int,
                       m: int) -> list[list[Item]]:
     """`_PipelineScheduleRuntime` (ScheduleInterleaved1F1B, torch 2.13): `_add_send_recv` places
     each send right after its computation and the matching receive on the receiving rank in
@@ -152,7 +184,7 @@ def _runtime_programs(orders: Sequence[Sequence[tuple[str, int, int]]], s: int, 
             return stage != v - 1 and (stage + 1) % s != stage % s
         return stage != 0 and (stage - 1) % s != stage % s
 
-    queues = {rank: list(ops) for rank, ops in enumerate(orders) if ops}
+    queues = {rank: list(ops) for rank, ops in enumerate(slots) if ops}
     out: list[list[Item]] = [[] for _ in range(s)]
     done: list[set[int]] = [set() for _ in range(s)]  # computations run on the rank
     received: list[set[int]] = [set() for _ in range(s)]  # transfers whose receive it posted
@@ -160,7 +192,14 @@ def _runtime_programs(orders: Sequence[Sequence[tuple[str, int, int]]], s: int, 
     while queues:
         progress = False
         for rank in sorted(queues):
-            kind, stage, mb = queues[rank][0]
+            slot = queues[rank][0]
+            if slot is None:  # not a computation: always ready, places nothing
+                progress = True
+                queues[rank].pop(0)
+                if not queues[rank]:
+                    del queues[rank]
+                continue
+            kind, stage, mb = slot
             if kind == "F" and stage != 0:
                 ready = key("F", stage - 1, mb) in received[rank] | done[rank]
             elif kind == "B" and stage != v - 1:

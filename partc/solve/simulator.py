@@ -15,10 +15,12 @@ Each rank runs its actions strictly in the order torch.distributed.pipelining's 
 Timing model: F(k, i) starts once its rank is free and F(k-1, i) has finished plus stage k-1's
 `send_forward_s`; B(k, i) once its rank is free, F(k, i) is done and B(k+1, i) has finished plus
 stage k+1's `send_backward_s` (for the last virtual stage, once its own forward is done).
-Transfers delay the dependency only: they are asynchronous p2p and occupy neither rank; with
-`host_sends` (gloo, which copies a send on the sender's thread) a send instead occupies its sender
-right after the forward or backward that produced it, and the receiver may start once that copy
-ends (the action's event covers both). Where several devices share a core (`core_sharing`: a
+Transfers delay the dependency only: they are asynchronous p2p and occupy neither rank. With
+`host_sends` (gloo) each rank instead runs the posts and waits torch's schedule issues around
+its computations, and a transfer is a rendezvous (it starts once both sides posted it) whose
+latency is a wait and whose bytes are copied on both ranks' cores (partc.solve.host_p2p; a
+custom `order` keeps the delay model, with the send on its sender's action). Where several
+devices share a core (`core_sharing`: a
 CPU node with more gloo processes than cores, each pinned to core local_rank % cores), a rank's
 action progresses at 1/k of its speed while k of the core's ranks are busy (processor sharing:
 `_run_shared`); the rest of the model is unchanged. After its
@@ -132,7 +134,7 @@ class PipelineSpec:
     allreduce_s: tuple[float, ...] = ()
     optimizer_s: tuple[float, ...] = ()
     tied: tuple[TiedSync, ...] = ()
-    host_sends: bool = False  # sends occupy the sender for their transfer (gloo)
+    host_sends: bool = False  # transfers are the processes' own work (gloo): partc.solve.host_p2p
     # per rank, the pipeline ranks whose devices share its core, itself included (a rank appears
     # once per replica on that core: replicas run in lockstep); empty: every rank has its own
     core_sharing: tuple[tuple[int, ...], ...] = ()
@@ -360,6 +362,14 @@ def action_order(schedule: Schedule, num_ranks: int, num_microbatches: int,
     return [_interleaved_order(rank, s, m, chunks) for rank in range(s)]
 
 
+def host_programs(schedule: Schedule, num_ranks: int, num_microbatches: int,
+                  chunks: int = 1) -> list[list[host_p2p.Item]]:
+    """Per rank, its computations with the p2p posts and waits torch's schedule class issues
+    around them (`partc.solve.host_p2p.programs`): what the simulator runs under `host_sends`."""
+    orders = action_order(schedule, num_ranks, num_microbatches, chunks)
+    return host_p2p.programs(schedule, orders, num_ranks, num_ranks * chunks, num_microbatches)
+
+
 def _check_order(order: Sequence[Sequence[Action]], s: int, v: int, m: int) -> list[list[Action]]:
     """A custom order must hold every (F|B, stage, micro-batch) once, each on its stage's rank."""
     if len(order) != s:
@@ -437,7 +447,7 @@ def _simulate_host_p2p(spec: PipelineSpec, orders: list[list[Action]],
     as rendezvous work on both ends' cores (partc.solve.host_p2p)."""
     s, v, m = spec.num_ranks, spec.num_stages, spec.num_microbatches
     stages = spec.stages
-    progs = host_p2p.programs(spec.schedule, orders, s, v, m)
+    progs = host_programs(spec.schedule, s, m, spec.chunks)
     forward_s = [st.forward_s for st in stages]
     backward_s = [st.backward_s for st in stages]
     start_of, finish, position, ended = host_p2p.run(

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from partc.options import SCHEDULES
+from partc.solve import host_p2p
 from partc.solve.memory import in_flight_microbatches
 from partc.solve.simulator import (
     Event,
@@ -24,6 +25,7 @@ from partc.solve.simulator import (
     StageTiming,
     TiedSync,
     action_order,
+    host_programs,
     simulate,
 )
 
@@ -398,6 +400,86 @@ def test_host_sends_under_1f1b_meet_at_the_fused_exchanges() -> None:
     # without host sends the transfer overlaps rank 1's B0: F1 starts when B0 ends
     nccl = simulate(PipelineSpec("1f1b", 2, 2, stages))
     assert _starts(nccl, 1, "forward")[1] == pytest.approx(4.5)
+
+
+class P2PRecordingStage(RecordingStage):
+    """A RecordingStage whose p2p ops are the simulator's transfer keys (the producing action:
+    F(k, i) = k * M + i, B(k, i) = V * M + k * M + i), and which logs its computations so."""
+
+    def __init__(self, stage_index: int, num_stages: int, group_size: int, m: int,
+                 log: list[tuple[int, Any]]) -> None:
+        super().__init__(stage_index, num_stages, group_size, stage_index % group_size, [])
+        self.m, self.vm, self.plog = m, num_stages * m, log
+
+    def get_fwd_recv_ops(self, mb: int) -> list[Any]:
+        return [] if self.is_first else [(self.stage_index - 1) * self.m + mb]
+
+    def get_fwd_send_ops(self, mb: int) -> list[Any]:
+        return [] if self.is_last else [self.stage_index * self.m + mb]
+
+    def get_bwd_recv_ops(self, mb: int) -> list[Any]:
+        return [] if self.is_last else [self.vm + (self.stage_index + 1) * self.m + mb]
+
+    def get_bwd_send_ops(self, mb: int) -> list[Any]:
+        return [] if self.is_first else [self.vm + self.stage_index * self.m + mb]
+
+    def forward_one_chunk(self, mb: int, *args: Any, **kwargs: Any) -> None:
+        self.plog.append((host_p2p.COMPUTE, self.stage_index * self.m + mb))
+
+    def backward_one_chunk(self, mb: int, loss: Any = None, full_backward: bool = True,
+                           last_backward: bool = False) -> None:
+        self.plog.append((host_p2p.COMPUTE, self.vm + self.stage_index * self.m + mb))
+
+
+def _canonical(program: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
+    """Consecutive waits as one (waiting on a then b is waiting on both), keys sorted."""
+    out: list[tuple[int, Any]] = []
+    for what, arg in program:
+        if what == host_p2p.COMPUTE:
+            out.append((what, arg))
+        elif what == host_p2p.WAIT and out and out[-1][0] == host_p2p.WAIT:
+            out[-1] = (what, tuple(sorted(out[-1][1] + tuple(arg))))
+        else:
+            out.append((what, tuple(sorted(arg))))
+    return out
+
+
+@pytest.mark.parametrize("schedule,s,m,chunks", valid_shapes(4, 8, (1, 2, 4)))
+def test_host_p2p_programs_are_what_torch_posts_and_waits(
+        monkeypatch: pytest.MonkeyPatch, schedule: str, s: int, m: int, chunks: int) -> None:
+    """The posts and waits of `host_p2p.programs` are the ones torch 2.13's own
+    `_step_microbatches` issues (its `_batch_p2p`, `_sorted_batch_p2p`, `_wait_batch_p2p`
+    recorded), around the same computations."""
+    log: list[tuple[int, Any]] = []
+
+    def post(ops: list[Any], desc: str | None = None) -> list[Any]:
+        if ops:
+            log.append((host_p2p.POST, tuple(ops)))
+        return list(ops)
+
+    def wait(work: list[Any]) -> None:
+        if work:
+            log.append((host_p2p.WAIT, tuple(work)))
+
+    monkeypatch.setattr(schedules, "_batch_p2p", post)
+    monkeypatch.setattr(schedules, "_sorted_batch_p2p",
+                        lambda ops, desc=None: {0: post(ops)} if ops else {})
+    monkeypatch.setattr(schedules, "_wait_batch_p2p", wait)
+    v = s * chunks
+    want = host_programs(schedule, s, m, chunks)
+    for rank in range(s):
+        log.clear()
+        sched: Any
+        if schedule == "interleaved-1f1b":
+            stages = [P2PRecordingStage(rank + j * s, v, s, m, log) for j in range(chunks)]
+            sched = schedules.ScheduleInterleaved1F1B(stages, m)
+            sched._initialize_stages = lambda *a, **k: None
+        else:
+            cls = schedules.ScheduleGPipe if schedule == "gpipe" else schedules.Schedule1F1B
+            sched = cls(P2PRecordingStage(rank, s, s, m, log), m)
+            sched._initialize_stage = lambda *a, **k: None
+        sched._step_microbatches()
+        assert _canonical(log) == _canonical(want[rank]), f"rank {rank}"
 
 
 @pytest.mark.parametrize("schedule,chunks", [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2)])
