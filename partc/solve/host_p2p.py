@@ -274,22 +274,25 @@ def run(progs: list[list[Item]], forward_s: Sequence[float], backward_s: Sequenc
             stage = (k - vm) // m
             seconds, peer = send_backward_s[stage], stage - 1
             delay = backward_delay_s[stage] if backward_delay_s else 0.0
+        peers[k] = (stage % s, peer % s)
         if seconds <= 0:
-            arrived.add(k)
+            arrive(k)
             return
         delay = min(delay, seconds)
         moving[k] = seconds - delay
-        peers[k] = (stage % s, peer % s)
         if delay > 0:
             waiting_until[k] = now + delay
         else:
             ends[k] = peers[k]
 
-    def advance(rank: int) -> bool:
-        """Run the rank's instantaneous steps (posts, satisfied waits, the start of a
-        computation); whether it moved."""
+    def arrive(k: int) -> None:
+        arrived.add(k)
+        dirty.update(peers[k])  # both ends may be waiting on it
+
+    def advance(rank: int) -> None:
+        """Run the rank's instantaneous steps: posts, satisfied waits, the start of a
+        computation."""
         program = progs[rank]
-        moved = False
         while computing[rank] < 0 and position[rank] < len(program):
             what, arg = program[position[rank]]
             if what == WAIT:
@@ -306,47 +309,50 @@ def run(progs: list[list[Item]], forward_s: Sequence[float], backward_s: Sequenc
                 computing[rank] = action
                 left[rank] = forward_s[stage] if action < vm else backward_s[stage]
                 start_of[action] = now
+                busy.add(rank)
             position[rank] += 1
-            moved = True
         if computing[rank] < 0 and position[rank] == len(program) and ended[rank] != ended[rank]:
             ended[rank] = now
-        return moved
 
+    # Ranks to re-examine: all at first, then those whose computation ended or to or from
+    # which a transfer arrived (nothing else lets a rank move on).
+    dirty = set(range(s))
+    busy: set[int] = set()  # ranks computing
     while True:
-        while any([advance(rank) for rank in range(s)]):
-            pass
-        if not moving and not waiting_until and all(c < 0 for c in computing):
+        while dirty:
+            advance(dirty.pop())
+        if not moving and not waiting_until and not busy:
             return start_of, finish, position, ended
-        threads = [1 if computing[rank] >= 0 else 0 for rank in range(s)]
+        threads = [1 if rank in busy else 0 for rank in range(s)]
         for a, b in ends.values():
             threads[a] += 1
             threads[b] += 1
         load = [sum(threads[other] for other in sharing[rank]) for rank in range(s)]
         rate = {k: 1.0 / max(load[a], load[b]) for k, (a, b) in ends.items()}
         step = math.inf
-        for rank in range(s):
-            if computing[rank] >= 0:
-                step = min(step, left[rank] * load[rank])
+        for rank in busy:
+            step = min(step, left[rank] * load[rank])
         for k in ends:
             step = min(step, moving[k] / rate[k])
         for until in waiting_until.values():
             step = min(step, until - now)
         now += step
-        for rank in range(s):
-            if computing[rank] >= 0:
-                left[rank] -= step / load[rank]
-                if left[rank] <= _DONE:
-                    finish[computing[rank]] = now
-                    computing[rank] = -1
+        for rank in list(busy):
+            left[rank] -= step / load[rank]
+            if left[rank] <= _DONE:
+                finish[computing[rank]] = now
+                computing[rank] = -1
+                busy.discard(rank)
+                dirty.add(rank)
         for k in list(ends):
             moving[k] -= step * rate[k]
             if moving[k] <= _DONE:
                 del moving[k], ends[k]
-                arrived.add(k)
+                arrive(k)
         for k in [k for k, until in waiting_until.items() if until <= now + _DONE]:
             del waiting_until[k]
             if moving[k] > _DONE:
                 ends[k] = peers[k]
             else:
                 del moving[k]
-                arrived.add(k)
+                arrive(k)
