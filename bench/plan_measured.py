@@ -74,6 +74,8 @@ from typing import Any
 import yaml
 
 from partc.options import PRECISIONS, STRATEGIES
+from partc.plans.plan import load_plan
+from partc.plans.report import replay_measured
 from partc.plans.run_metrics import MEMORY_NONE, RunMetrics
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -106,6 +108,9 @@ class Plan:
     launch_s: list[float] = field(default_factory=list)  # wall time of each launch
     predicted_peaks: list[int] = field(default_factory=list)  # memory model, per stage
     peaks: list[list[int]] = field(default_factory=list)  # measured per stage, per repeat
+    # per repeat: the schedule simulated with that run's own stage times (partc show's replay;
+    # empty where processes share cores)
+    replayed_s: list[float] = field(default_factory=list)
 
 
 def last_line(text: str) -> str:
@@ -162,6 +167,9 @@ def launch(plan: Plan, steps: int) -> None:
     timed = [st for st in run.steps[WARMUP:] if st.memory_method == MEMORY_NONE] or \
         list(run.timed_steps())
     plan.steps_s.append(statistics.median(st.step_s for st in timed))
+    replayed = replay_measured(load_plan(plan.directory), run)
+    if replayed is not None:
+        plan.replayed_s.append(replayed.iteration_s)
     peaks = [st for st in run.steps if st.memory_method != MEMORY_NONE]
     if peaks:
         plan.peaks.append([int(sm.peak_memory_bytes or 0) for sm in peaks[-1].stages])
@@ -325,6 +333,7 @@ def main() -> None:
                                                if step and plan.predicted_iteration_s else None),
                    "predicted_peak_bytes": plan.predicted_peaks,
                    "measured_peak_bytes": m.peaks,
+                   "replayed_steps_s": list(m.replayed_s),
                    "same_plan_as": plan.same_as, "error": error,
                    "compile_s": plan.compile_s, "launch_s": list(plan.launch_s)}
             rows.append(row)
@@ -375,6 +384,21 @@ def main() -> None:
         rate = f"{BATCH[model] / statistics.median(cp.steps_s):,.0f}" if ok else "-"
         print(f"| {model} | {n} | {rate} | {' | '.join(cells)} | {pred or '-'} | {meas or '-'} "
               f"| {match} | {consistent} |")
+
+    print("\nThe schedule alone: each run replayed by the simulator with its own per-stage "
+          "forward, backward and optimizer times (`partc show --metrics`), so the stage-cost "
+          "model's errors drop out (processes with a core each only).\n")
+    print("| model | processes | strategy | measured ms/iter | replayed ms/iter "
+          "| measured/replayed (per repeat) |")
+    print("|---|---|---|---|---|---|")
+    for (model, n), plans in cases.items():
+        for strategy, plan in plans.items():
+            if plan.error or plan.same_as or not plan.replayed_s:
+                continue
+            each = [a / b for a, b in zip(plan.steps_s, plan.replayed_s, strict=True)]
+            print(f"| {model} | {n} | {strategy} | {statistics.median(plan.steps_s) * 1e3:.1f} "
+                  f"| {statistics.median(plan.replayed_s) * 1e3:.1f} "
+                  f"| {statistics.median(each):.3f} ({min(each):.3f}-{max(each):.3f}) |")
 
     print("\n| model | processes | strategy | stage | measured peak MiB (median) "
           "| predicted MiB | predicted/measured |")

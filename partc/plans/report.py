@@ -20,6 +20,7 @@ from __future__ import annotations
 import base64
 import html
 import io
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,28 @@ _MEMORY_KINDS = (("parameters", "parameters", "#4C78A8"), ("gradients", "gradien
 def replay(plan: Plan) -> Simulation:
     """The plan's predicted iteration, re-simulated from plan.yaml."""
     return simulate(plan.pipeline_spec())
+
+
+def replay_measured(plan: Plan, metrics: RunMetrics) -> Simulation | None:
+    """The plan's schedule re-simulated with a run's own per-stage forward and backward times
+    and per-rank optimizer steps (medians over its timed steps) in place of the predicted ones:
+    what the schedule and transfer model predicts once the stage costs are right, so a gap
+    between the run and the prediction splits into the stage costs' part and the rest. None
+    where some ranks share a core: a stage's measured time then includes its core-mates' work,
+    which the simulation would count again. RunMetricsError if the run had another number of
+    stages."""
+    metrics.check_stages(plan.num_stages)
+    spec = plan.pipeline_spec()
+    if spec.shares_cores:
+        return None
+    stages = metrics.stage_summaries()
+    optimizer = [0.0] * spec.num_ranks
+    for m in stages:
+        optimizer[m.index % spec.num_ranks] += m.optimizer_s
+    return simulate(replace(
+        spec, stages=tuple(replace(t, forward_s=m.forward_s, backward_s=m.backward_s)
+                           for t, m in zip(spec.stages, stages, strict=True)),
+        optimizer_s=tuple(optimizer)))
 
 
 def _memory_unit(plan: Plan) -> tuple[str, int]:
@@ -128,6 +151,12 @@ def format_measured(plan: Plan, metrics: RunMetrics) -> str:
              f"iteration {step * 1e3:.1f} ms (median), {samples / step:,.1f} samples/s; "
              f"predicted {p.iteration_s * 1e3:.1f} ms, {p.samples_per_s:,.1f} samples/s "
              f"({step / p.iteration_s if p.iteration_s else 0:.2f}x)"]
+    replayed = replay_measured(plan, metrics)
+    if replayed is not None and replayed.iteration_s > 0:
+        lines.append(f"schedule replayed with this run's stage times: "
+                     f"{replayed.iteration_s * 1e3:.1f} ms (run/replay "
+                     f"{step / replayed.iteration_s:.2f}x; the rest of the gap to the "
+                     "prediction is the stage costs)")
     header = (f"{'stage':>5} {'rank':>4} | {'fwd ms':>8} {'pred':>8} | {'bwd ms':>8} "
               f"{'pred':>8} | {'p2p ms':>8} {'pred':>8} | {'opt ms':>8} {'pred':>8} | "
               f"{'sync ms':>8} {'pred':>8} | {'peak ' + unit:>9} {'pred':>9}")

@@ -6,13 +6,13 @@ Measured on this repository's 2-core machine (gloo over loopback, torch 2.13, pr
 to their own cores), what the simpler model of a send as its sender's busy time misses:
 
 - A gloo send is a rendezvous: its bytes move only once the receiver has posted the matching
-  receive. A sender whose receiver posted 20 ms late waits 20.5 ms for 1 B and 26 ms for 16 MiB.
+  receive. A sender whose receiver posted 20 ms late waits 20.6 ms for 1 B and 26.9 ms for 16 MiB.
 - torch's schedules post a receive right before the compute that needs it, so the receiver
   waits for the whole transfer, and `Schedule1F1B` waits on a stage's deferred send together
   with its next receive: in steady state two neighbours meet at every exchange.
-- Posting costs ~70 us; the copy runs on gloo's IO thread, on the pinned core of each side
-  (a computation running meanwhile took 5.7 ms longer on the sender of a 16 MiB message,
-  3.4 ms on its receiver), while the transfer itself took 6 ms.
+- Posting costs ~90 us; the copy runs on gloo's IO thread, on the pinned core of each side
+  (a computation running meanwhile took 7.3 ms longer on the sender of a 16 MiB message,
+  6.2 ms on its receiver), while the transfer itself took 7.9 ms (bench/gloo_p2p.py).
 
 So a transfer here starts when both its sender and its receiver have posted it, progresses like
 work on both ranks' cores (processor sharing with their computations and other transfers, at

@@ -115,3 +115,39 @@ def test_show_refuses_metrics_of_another_plan(tmp_path: Path) -> None:
     assert "hint:" in lines[0]
     missing = run("show", str(MLP), "--metrics", str(tmp_path / "none.jsonl"))
     assert missing.returncode == 2 and "not found" in missing.stderr
+
+
+def test_replay_with_the_runs_stage_times() -> None:
+    """`replay_measured` re-simulates the plan's schedule with a run's stage times: with the
+    predicted times it is the prediction; slower stages make it slower; ranks that share a core
+    (whose measured times hold their core-mates' work) are not replayed."""
+    from dataclasses import replace
+
+    from partc.plans.plan import load_plan
+    from partc.plans.report import replay, replay_measured
+
+    plan = load_plan(MLP)
+    optimizer = plan.predicted.optimizer_s
+
+    def run_of(scale: float) -> RunMetrics:
+        rows = tuple(StageMetrics(index=k, pipeline_rank=st.rank, forward_s=st.forward_s * scale,
+                                  backward_s=st.backward_s * scale, p2p_s=0.0,
+                                  optimizer_s=optimizer[st.rank], ddp_allreduce_s=0.0,
+                                  tied_sync_s=0.0, peak_memory_bytes=None)
+                     for k, st in enumerate(plan.stages))
+        steps = tuple(StepMetrics(step=n, loss=1.0, step_s=0.1, samples_per_s=1.0,
+                                  stage_forward_s=(), stage_backward_s=(), stages=rows,
+                                  num_microbatches=plan.training.shape.num_microbatches,
+                                  replicas=1, clock=CLOCK_CPU, memory_method=MEMORY_NONE)
+                      for n in (1, 2, 3))
+        return RunMetrics(steps=steps)
+
+    same = replay_measured(plan, run_of(1.0))
+    assert same is not None
+    assert same.iteration_s == pytest.approx(replay(plan).iteration_s, rel=1e-9)
+    slower = replay_measured(plan, run_of(1.5))
+    assert slower is not None and slower.iteration_s > same.iteration_s
+    shared = replace(plan, cluster=replace(plan.cluster, cores_per_node=1))
+    assert replay_measured(shared, run_of(1.0)) is None
+    with pytest.raises(RunMetricsError):
+        replay_measured(plan, RunMetrics(steps=tuple(step(n, stages=3) for n in (1, 2))))

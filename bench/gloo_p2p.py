@@ -1,0 +1,173 @@
+"""What a gloo point-to-point transfer costs the two processes: the facts behind the simulator's
+gloo model (docs/simulator.md#gloo-sends-rendezvous-copies-on-both-cores).
+
+Two processes pinned to cores 0 and 1 (as `partc launch` pins its workers), one thread each,
+gloo over loopback. For each message size:
+
+- one-way time: rank 0 isends, rank 1 irecvs, both wait (median and mean over the repeats);
+- rendezvous: rank 1 posts its receive `--late-ms` after rank 0 posted its send; rank 0's wait
+  (a send that moved without the receive would return in about the one-way time);
+- post: how long rank 0's isend call itself takes;
+- copy on the sender: rank 0 posts its send and computes a fixed matmul loop while the bytes
+  move (rank 1 already waiting): how much longer the loop takes than alone, timed right before
+  in the same repeat;
+- copy on the receiver: rank 1 posts its receive and computes the loop while rank 0 sends.
+
+Prints a markdown table (medians over `--repeats`), or JSON with --json. About 15 s.
+
+Usage: python bench/gloo_p2p.py [--repeats 40] [--late-ms 20] [--json FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+SIZES = (1, 1 << 16, 1 << 20, 4 << 20, 16 << 20)
+
+
+def _worker(rank: int, port: int, repeats: int, late_s: float, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from partc.hardware.local import pin_to_core
+
+    pin_to_core(rank)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    peer = 1 - rank
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+
+    def compute() -> None:
+        for _ in range(40):
+            torch.mm(a, b)
+
+    def timed(fn: Any) -> float:
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    for _ in range(5):
+        compute()
+    compute_s = statistics.median(timed(compute) for _ in range(30))
+    rows: dict[str, Any] = {"compute_alone_ms": compute_s * 1e3, "sizes": {}}
+    for nbytes in SIZES:
+        tensor = torch.zeros(nbytes, dtype=torch.uint8)
+        op = dist.isend if rank == 0 else dist.irecv
+        for _ in range(3):  # warm the connection
+            dist.barrier()
+            op(tensor, peer).wait()
+        one_way, late, post, send_copy, recv_copy = [], [], [], [], []
+        for _ in range(repeats):
+            dist.barrier()
+            start = time.perf_counter()
+            op(tensor, peer).wait()
+            one_way.append(time.perf_counter() - start)
+        for _ in range(max(3, repeats // 5)):
+            dist.barrier()
+            if rank == 0:
+                start = time.perf_counter()
+                dist.isend(tensor, peer).wait()
+                late.append(time.perf_counter() - start)
+            else:
+                time.sleep(late_s)
+                dist.irecv(tensor, peer).wait()
+        # Each repeat times the loop alone, then with the transfer: the machine's drift cancels.
+        for _ in range(repeats):
+            dist.barrier()
+            alone_s = timed(compute) if rank == 0 else 0.0
+            dist.barrier()
+            if rank == 0:
+                start = time.perf_counter()
+                work = dist.isend(tensor, peer)
+                post.append(time.perf_counter() - start)
+                send_copy.append(timed(compute) - alone_s)
+                work.wait()
+            else:
+                dist.irecv(tensor, peer).wait()
+        for _ in range(repeats):
+            dist.barrier()
+            alone_s = timed(compute) if rank == 1 else 0.0
+            dist.barrier()
+            if rank == 1:
+                work = dist.irecv(tensor, peer)
+                recv_copy.append(timed(compute) - alone_s)
+                work.wait()
+            else:
+                time.sleep(0.0005)  # the receiver is computing when the bytes come
+                dist.isend(tensor, peer).wait()
+        ms = 1e3
+        rows["sizes"][str(nbytes)] = (
+            {"one_way_ms_median": statistics.median(one_way) * ms,
+             "one_way_ms_mean": statistics.mean(one_way) * ms,
+             "late_receiver_wait_ms": statistics.median(late) * ms,
+             "post_ms": statistics.median(post) * ms,
+             "sender_compute_slower_ms": statistics.median(send_copy) * ms}
+            if rank == 0 else
+            {"receiver_compute_slower_ms": statistics.median(recv_copy) * ms})
+    gathered: list[Any] = [None, None]
+    dist.all_gather_object(gathered, rows)
+    if rank == 0:
+        merged = gathered[0]
+        for size, row in gathered[1]["sizes"].items():
+            merged["sizes"][size].update(row)
+        Path(out).write_text(json.dumps(merged))
+    dist.destroy_process_group()
+
+
+def measure(repeats: int, late_ms: float) -> dict[str, Any]:
+    """Run the two processes and return rank 0's merged rows."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    out = Path(f"/tmp/partc-gloo-p2p-{os.getpid()}.json")
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_worker, args=(rank, port, repeats, late_ms / 1e3, str(out)))
+             for rank in range(2)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join()
+    if any(proc.exitcode for proc in procs):
+        raise SystemExit("gloo_p2p: a worker failed")
+    try:
+        return dict(json.loads(out.read_text()))
+    finally:
+        out.unlink(missing_ok=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=40)
+    parser.add_argument("--late-ms", type=float, default=20.0,
+                        help="how late the receiver posts in the rendezvous probe")
+    parser.add_argument("--json", type=Path, help="also write the rows here")
+    args = parser.parse_args(argv)
+    found = measure(args.repeats, args.late_ms)
+    print(f"compute loop alone: {found['compute_alone_ms']:.2f} ms (median of 30)")
+    print(f"\n| bytes | one-way ms (median / mean) | sender's wait, receive posted "
+          f"{args.late_ms:g} ms late | isend post ms | computation slower on the sender, ms "
+          "| on the receiver, ms |\n|---|---|---|---|---|---|")
+    for size, row in found["sizes"].items():
+        print(f"| {int(size):,} | {row['one_way_ms_median']:.2f} / {row['one_way_ms_mean']:.2f} "
+              f"| {row['late_receiver_wait_ms']:.2f} | {row['post_ms']:.3f} "
+              f"| {row['sender_compute_slower_ms']:.2f} "
+              f"| {row['receiver_compute_slower_ms']:.2f} |")
+    if args.json:
+        args.json.write_text(json.dumps(found, indent=1, sort_keys=True) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
