@@ -36,6 +36,12 @@ sys.path.insert(0, str(ROOT))
 SIZES = (1, 1 << 16, 1 << 20, 4 << 20, 16 << 20)
 
 
+def _wait(work: Any) -> None:
+    """Wait for a p2p request (torch types isend/irecv as possibly returning None)."""
+    if work is not None:
+        work.wait()
+
+
 def _worker(rank: int, port: int, repeats: int, late_s: float, out: str) -> None:
     import torch
     import torch.distributed as dist
@@ -67,46 +73,43 @@ def _worker(rank: int, port: int, repeats: int, late_s: float, out: str) -> None
         op = dist.isend if rank == 0 else dist.irecv
         for _ in range(3):  # warm the connection
             dist.barrier()
-            op(tensor, peer).wait()
-        one_way, late, post, send_copy, recv_copy = [], [], [], [], []
+            _wait(op(tensor, peer))
+        one_way: list[float] = []
+        late: list[float] = []
+        post: list[float] = []
+        send_copy: list[float] = []
+        recv_copy: list[float] = []
         for _ in range(repeats):
             dist.barrier()
             start = time.perf_counter()
-            op(tensor, peer).wait()
+            _wait(op(tensor, peer))
             one_way.append(time.perf_counter() - start)
         for _ in range(max(3, repeats // 5)):
             dist.barrier()
             if rank == 0:
                 start = time.perf_counter()
-                dist.isend(tensor, peer).wait()
+                _wait(dist.isend(tensor, peer))
                 late.append(time.perf_counter() - start)
             else:
                 time.sleep(late_s)
-                dist.irecv(tensor, peer).wait()
+                _wait(dist.irecv(tensor, peer))
         # Each repeat times the loop alone, then with the transfer: the machine's drift cancels.
-        for _ in range(repeats):
-            dist.barrier()
-            alone_s = timed(compute) if rank == 0 else 0.0
-            dist.barrier()
-            if rank == 0:
+        for computing, slower in ((0, send_copy), (1, recv_copy)):
+            for _ in range(repeats):
+                dist.barrier()
+                alone_s = timed(compute) if rank == computing else 0.0
+                dist.barrier()
+                if rank != computing:
+                    if rank == 0:
+                        time.sleep(0.0005)  # the receiver is computing when the bytes come
+                    _wait(op(tensor, peer))
+                    continue
                 start = time.perf_counter()
-                work = dist.isend(tensor, peer)
-                post.append(time.perf_counter() - start)
-                send_copy.append(timed(compute) - alone_s)
-                work.wait()
-            else:
-                dist.irecv(tensor, peer).wait()
-        for _ in range(repeats):
-            dist.barrier()
-            alone_s = timed(compute) if rank == 1 else 0.0
-            dist.barrier()
-            if rank == 1:
-                work = dist.irecv(tensor, peer)
-                recv_copy.append(timed(compute) - alone_s)
-                work.wait()
-            else:
-                time.sleep(0.0005)  # the receiver is computing when the bytes come
-                dist.isend(tensor, peer).wait()
+                work = op(tensor, peer)
+                if rank == 0:
+                    post.append(time.perf_counter() - start)
+                slower.append(timed(compute) - alone_s)
+                _wait(work)
         ms = 1e3
         rows["sizes"][str(nbytes)] = (
             {"one_way_ms_median": statistics.median(one_way) * ms,

@@ -221,10 +221,10 @@ class ClusterSpec:
 
     @property
     def host_sends(self) -> bool:
-        """Whether a point-to-point send occupies the sending process for its transfer: gloo
-        copies a send into the socket on the caller's thread (measured on this repository's
-        CPU machine: 47 us + 0.33 us/KiB per isend, waits ~0), while NCCL runs transfers on its
-        own streams and the sender goes on."""
+        """Whether point-to-point transfers are the processes' own work (gloo): a send moves
+        only once its receive is posted, and gloo's IO thread copies the bytes on both
+        processes' cores (bench/gloo_p2p.py; the simulator's model: partc.solve.host_p2p). NCCL
+        runs transfers on its own streams and the host goes on."""
         return self.backend == "gloo"
 
     def node_of(self, device_index: int) -> int:
