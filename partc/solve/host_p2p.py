@@ -200,13 +200,10 @@ def _runtime_programs(slots: Sequence[Sequence[tuple[str, int, int] | None]], s:
                     del queues[rank]
                 continue
             kind, stage, mb = slot
-            if kind == "F" and stage != 0:
-                ready = key("F", stage - 1, mb) in received[rank] | done[rank]
-            elif kind == "B" and stage != v - 1:
-                ready = key("B", stage + 1, mb) in received[rank] | done[rank]
-            else:
-                ready = True
-            if not ready:
+            # ready once its input was received, or computed on this rank
+            needs = key("F", stage - 1, mb) if kind == "F" and stage != 0 else \
+                key("B", stage + 1, mb) if kind == "B" and stage != v - 1 else -1
+            if needs >= 0 and needs not in received[rank] and needs not in done[rank]:
                 continue
             progress = True
             action = key(kind, stage, mb)
