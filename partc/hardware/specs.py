@@ -165,6 +165,10 @@ class LinkSpec:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
         return 0.0 if nbytes == 0 else self.latency_s + nbytes / self.bandwidth
 
+    def latency_part_s(self, nbytes: int) -> float:
+        """Of `transfer_s(nbytes)`, the latency (0 for no bytes)."""
+        return 0.0 if nbytes == 0 else self.latency_s
+
     def to_dict(self) -> dict[str, float]:
         return {"bandwidth": self.bandwidth, "latency_s": self.latency_s}
 

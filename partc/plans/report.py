@@ -62,7 +62,7 @@ def replay_measured(plan: Plan, metrics: RunMetrics) -> Simulation | None:
     stages = metrics.stage_summaries()
     optimizer = [0.0] * spec.num_ranks
     for m in stages:
-        optimizer[m.index % spec.num_ranks] += m.optimizer_s
+        optimizer[m.pipeline_rank] += m.optimizer_s
     return simulate(replace(
         spec, stages=tuple(replace(t, forward_s=m.forward_s, backward_s=m.backward_s)
                            for t, m in zip(spec.stages, stages, strict=True)),

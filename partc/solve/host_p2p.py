@@ -207,10 +207,9 @@ def _runtime_programs(slots: Sequence[Sequence[tuple[str, int, int] | None]], s:
                 continue
             progress = True
             action = key(kind, stage, mb)
-            if kind == "F" and stage != 0 and (stage - 1) % s != rank:
-                out[rank].append((WAIT, (key("F", stage - 1, mb),)))
-            if kind == "B" and stage != v - 1 and (stage + 1) % s != rank:
-                out[rank].append((WAIT, (key("B", stage + 1, mb),)))
+            # wait on the receive of an input a neighbour rank sent (has_comms of its producer)
+            if needs >= 0 and has_comms(kind, stage - 1 if kind == "F" else stage + 1):
+                out[rank].append((WAIT, (needs,)))
             out[rank].append((COMPUTE, action))
             done[rank].add(action)
             if has_comms(kind, stage):
@@ -233,14 +232,15 @@ def _runtime_programs(slots: Sequence[Sequence[tuple[str, int, int] | None]], s:
 
 def run(progs: list[list[Item]], forward_s: Sequence[float], backward_s: Sequence[float],
         send_forward_s: Sequence[float], send_backward_s: Sequence[float],
-        sharing: Sequence[Sequence[int]], m: int,
-        forward_delay_s: Sequence[float] = (), backward_delay_s: Sequence[float] = ()
+        forward_latency_s: Sequence[float], backward_latency_s: Sequence[float],
+        sharing: Sequence[Sequence[int]], m: int
         ) -> tuple[list[float], list[float], list[int], list[float]]:
     """Run the programs: (start, finish) per computation (NaN if it never ran), how far each rank
     got (in program steps), and when each rank's program ended (NaN if it did not).
 
-    Per virtual stage: its forward and backward compute seconds and the link time of its
-    outputs to the next stage and of its input gradients to the previous one. `sharing`: per
+    Per virtual stage: its forward and backward compute seconds, the link time of its outputs to
+    the next stage and of its input gradients to the previous one, and the latency part of
+    each (a wait; the rest is copying on both ends' cores). `sharing`: per
     rank, the ranks on its core (itself included, once per replica). Every runnable thing on a
     core (a rank's computation, each transfer with an end on it) progresses at 1 / (their
     number); a transfer at its slower side's rate."""
@@ -255,22 +255,20 @@ def run(progs: list[list[Item]], forward_s: Sequence[float], backward_s: Sequenc
     left = [0.0] * s  # its own seconds of work still to do
     posted: dict[int, int] = {}  # transfer -> sides that posted it (1 or 2)
     moving: dict[int, float] = {}  # transfer in flight -> its seconds of copying still to do
-    ends: dict[int, tuple[int, int]] = {}  # transfer copying -> (sender, receiver) ranks
+    copying: set[int] = set()  # transfers past their latency, copying on both cores
     arrived: set[int] = set()
     waiting_until: dict[int, float] = {}  # transfer in its latency -> when that ends
-    peers: dict[int, tuple[int, int]] = {}
+    peers: dict[int, tuple[int, int]] = {}  # transfer -> (sender, receiver) ranks
     now = 0.0
 
     def start_transfer(k: int) -> None:
         """Both sides posted transfer k: it waits out its latency, then copies on both cores."""
         if k < vm:
             stage = k // m
-            seconds, peer = send_forward_s[stage], stage + 1
-            delay = forward_delay_s[stage] if forward_delay_s else 0.0
+            seconds, delay, peer = send_forward_s[stage], forward_latency_s[stage], stage + 1
         else:
             stage = (k - vm) // m
-            seconds, peer = send_backward_s[stage], stage - 1
-            delay = backward_delay_s[stage] if backward_delay_s else 0.0
+            seconds, delay, peer = send_backward_s[stage], backward_latency_s[stage], stage - 1
         peers[k] = (stage % s, peer % s)
         if seconds <= 0:
             arrive(k)
@@ -280,7 +278,7 @@ def run(progs: list[list[Item]], forward_s: Sequence[float], backward_s: Sequenc
         if delay > 0:
             waiting_until[k] = now + delay
         else:
-            ends[k] = peers[k]
+            copying.add(k)
 
     def arrive(k: int) -> None:
         arrived.add(k)
@@ -321,15 +319,16 @@ def run(progs: list[list[Item]], forward_s: Sequence[float], backward_s: Sequenc
         if not moving and not waiting_until and not busy:
             return start_of, finish, position, ended
         threads = [1 if rank in busy else 0 for rank in range(s)]
-        for a, b in ends.values():
+        for k in copying:
+            a, b = peers[k]
             threads[a] += 1
             threads[b] += 1
         load = [sum(threads[other] for other in sharing[rank]) for rank in range(s)]
-        rate = {k: 1.0 / max(load[a], load[b]) for k, (a, b) in ends.items()}
+        rate = {k: 1.0 / max(load[peers[k][0]], load[peers[k][1]]) for k in copying}
         step = math.inf
         for rank in busy:
             step = min(step, left[rank] * load[rank])
-        for k in ends:
+        for k in copying:
             step = min(step, moving[k] / rate[k])
         for until in waiting_until.values():
             step = min(step, until - now)
@@ -341,15 +340,16 @@ def run(progs: list[list[Item]], forward_s: Sequence[float], backward_s: Sequenc
                 computing[rank] = -1
                 busy.discard(rank)
                 dirty.add(rank)
-        for k in list(ends):
+        for k in list(copying):
             moving[k] -= step * rate[k]
             if moving[k] <= _DONE:
-                del moving[k], ends[k]
+                del moving[k]
+                copying.discard(k)
                 arrive(k)
         for k in [k for k, until in waiting_until.items() if until <= now + _DONE]:
             del waiting_until[k]
             if moving[k] > _DONE:
-                ends[k] = peers[k]
+                copying.add(k)
             else:
                 del moving[k]
                 arrive(k)

@@ -698,15 +698,15 @@ def build_partition(problem: StageProblem, assignment: Sequence[int], global_bat
     for t in blocks.tensors:
         lo = 0 if t.producer is None else assignment[t.producer]
         hi = V - 1 if t.is_output else max((assignment[c] for c in t.consumers), default=lo)
-        nbytes = wire_bytes(table, t.name, m, bf16)
+        nbytes = int(wire_bytes(table, t.name, m, bf16))
         for k in range(lo + 1, hi + 1):
             link = links[k]
             assert link is not None  # only boundary 0, which nothing crosses, has no link
-            sends_fwd[k - 1] += link.transfer_s(int(nbytes))
-            latency_fwd[k - 1] += link.latency_s if int(nbytes) else 0.0
+            sends_fwd[k - 1] += link.transfer_s(nbytes)
+            latency_fwd[k - 1] += link.latency_part_s(nbytes)
             if t.requires_grad:
-                sends_bwd[k] += link.transfer_s(int(nbytes))
-                latency_bwd[k] += link.latency_s if int(nbytes) else 0.0
+                sends_bwd[k] += link.transfer_s(nbytes)
+                latency_bwd[k] += link.latency_part_s(nbytes)
     fixed = stage_fixed_s(table, cluster, shape)
     held = rank_parameters(problem, assignment)
     tied = problem.tied_across_ranks(assignment)

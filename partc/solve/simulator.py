@@ -447,15 +447,15 @@ def _simulate_host_p2p(spec: PipelineSpec, orders: list[list[Action]],
     as rendezvous work on both ends' cores (partc.solve.host_p2p)."""
     s, v, m = spec.num_ranks, spec.num_stages, spec.num_microbatches
     stages = spec.stages
-    progs = host_programs(spec.schedule, s, m, spec.chunks)
+    progs = host_p2p.programs(spec.schedule, orders, s, v, m)
     forward_s = [st.forward_s for st in stages]
     backward_s = [st.backward_s for st in stages]
     start_of, finish, position, ended = host_p2p.run(
         progs, forward_s, backward_s,
         [st.send_forward_s if k < v - 1 else 0.0 for k, st in enumerate(stages)],
         [st.send_backward_s if k > 0 else 0.0 for k, st in enumerate(stages)],
-        spec.core_sharing or tuple((rank,) for rank in range(s)), m,
-        [st.send_forward_latency_s for st in stages], [st.send_backward_latency_s for st in stages])
+        [st.send_forward_latency_s for st in stages], [st.send_backward_latency_s for st in stages],
+        spec.core_sharing or tuple((rank,) for rank in range(s)), m)
     stuck = [rank for rank in range(s) if position[rank] < len(progs[rank])]
     if stuck:
         done = [sum(1 for what, _ in progs[rank][:position[rank]] if what == host_p2p.COMPUTE)
