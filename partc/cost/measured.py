@@ -205,15 +205,18 @@ def _measure(result: CaptureResult, b: int, device: torch.device, use_ort: bool,
     with progress.step(f"{where} to {device} at batch {b}"):
         to_device(module, device)
     inputs = inputs_on(cap.model_file.inputs(b), device)
-    with progress.step(f"torch: saved activations, fwd/bwd per node at batch {b}"):
-        with buffers_restored(module):
+    # Every training-mode forward below updates the model's own buffers (batch-norm statistics),
+    # which emit saves into the stage files: without the restore a plan's weights would depend
+    # on whether its profile came from the cache.
+    with buffers_restored(module):
+        with progress.step(f"torch: saved activations, fwd/bwd per node at batch {b}"):
             # saved bytes under the precision's autocast: bf16-mixed saves bf16 activations
             with precision_autocast(options.precision, device.type):
                 saved = saved_activation_bytes(module, inputs)
             timing = time_nodes(module, inputs, b, device, warmup=options.warmup,
                                 runs=max(3, options.runs // 2), precision=options.precision)
-    with progress.step(f"torch: the loss function at batch {b}"):
-        loss_s, batch_bytes = _time_loss(cap.model_file, module, inputs, b, device, options)
+        with progress.step(f"torch: the loss function at batch {b}"):
+            loss_s, batch_bytes = _time_loss(cap.model_file, module, inputs, b, device, options)
     ort_timing = None
     if use_ort:
         export = _onnx_at(result, b, program, progress)

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
-from conftest import EXAMPLES, captured
+from conftest import EXAMPLES, TEST_MODELS, captured
 
 from partc.cost.measured import ProfileOptions
 from partc.cost.profile_cache import cached_profile, profile_cache_dir
@@ -128,3 +128,26 @@ def test_a_larger_set_of_sizes_measures_only_the_missing_ones(monkeypatch: pytes
     # and a later ask for those sizes is a plain hit
     _, _, hit = _cached(dataclasses.replace(FAST, batch_sizes=(2, 4, 16)))
     assert not hit.measured()
+
+
+def test_measuring_leaves_the_model_state_as_built() -> None:
+    """Measuring runs the model forward in training mode (per node, and the loss at every batch
+    size), which updates batch-norm statistics in place; emit saves the model's state into the
+    stage files, so a plan's weights would otherwise differ with a cold profile cache from the
+    same plan compiled with a warm one (they did: ResNet's running means and counts)."""
+    import torch
+
+    from partc.cost.measured import measure_costs
+    from partc.frontend.capture import capture_graph
+
+    path = TEST_MODELS / "odd_io.py"
+    result = capture_graph(path, 4, onnx=False)
+    before = {n: t.detach().clone() for n, t in result.capture.model.state_dict().items()}
+    assert any(n.endswith("num_batches_tracked") for n in before)  # the model has batch norm
+    measure_costs(result, torch.device("cpu"), dataclasses.replace(FAST, batch_sizes=(2, 4, 8)),
+                  Progress())
+    after = result.capture.model.state_dict()
+    changed = [n for n, t in before.items() if not torch.equal(t, after[n])]
+    assert not changed, changed
+    program = {n: t for n, t in result.capture.exported.state_dict.items() if n in before}
+    assert program and all(torch.equal(t, before[n]) for n, t in program.items())
