@@ -51,21 +51,29 @@ def replay_measured(plan: Plan, metrics: RunMetrics) -> Simulation | None:
     """The plan's schedule re-simulated with a run's own per-stage forward and backward times
     and per-rank optimizer steps (medians over its timed steps) in place of the predicted ones:
     what the schedule and transfer model predicts once the stage costs are right, so a gap
-    between the run and the prediction splits into the stage costs' part and the rest. None
-    where some ranks share a core: a stage's measured time then includes its core-mates' work,
-    which the simulation would count again. RunMetricsError if the run had another number of
-    stages."""
+    between the run and the prediction splits into the stage costs' part and the rest.
+
+    Where ranks share a core, a stage's wall time includes its core-mates' turns, which the
+    simulation shares out again: there the replay takes the computations' CPU times (the work
+    itself), and is None for a run that has none (CUDA, metrics of earlier partc versions).
+    RunMetricsError if the run had another number of stages."""
     metrics.check_stages(plan.num_stages)
     spec = plan.pipeline_spec()
-    if spec.shares_cores:
-        return None
     stages = metrics.stage_summaries()
+    if spec.shares_cores:
+        times = [(m.forward_cpu_s, m.backward_cpu_s, m.optimizer_cpu_s) for m in stages]
+    else:
+        times = [(m.forward_s, m.backward_s, m.optimizer_s) for m in stages]
     optimizer = [0.0] * spec.num_ranks
-    for m in stages:
-        optimizer[m.pipeline_rank] += m.optimizer_s
+    work: list[tuple[float, float]] = []
+    for m, (fwd, bwd, opt) in zip(stages, times, strict=True):
+        if fwd is None or bwd is None or opt is None:
+            return None
+        optimizer[m.pipeline_rank] += opt
+        work.append((fwd, bwd))
     return simulate(replace(
-        spec, stages=tuple(replace(t, forward_s=m.forward_s, backward_s=m.backward_s)
-                           for t, m in zip(spec.stages, stages, strict=True)),
+        spec, stages=tuple(replace(t, forward_s=f, backward_s=b)
+                           for t, (f, b) in zip(spec.stages, work, strict=True)),
         optimizer_s=tuple(optimizer)))
 
 
@@ -153,7 +161,8 @@ def format_measured(plan: Plan, metrics: RunMetrics) -> str:
              f"({step / p.iteration_s if p.iteration_s else 0:.2f}x)"]
     replayed = replay_measured(plan, metrics)
     if replayed is not None and replayed.iteration_s > 0:
-        lines.append(f"schedule replayed with this run's stage times: "
+        what = "CPU times" if plan.pipeline_spec().shares_cores else "times"
+        lines.append(f"schedule replayed with this run's stage {what}: "
                      f"{replayed.iteration_s * 1e3:.1f} ms (run/replay "
                      f"{step / replayed.iteration_s:.2f}x; the rest of the gap to the "
                      "prediction is the stage costs)")
@@ -177,6 +186,16 @@ def format_measured(plan: Plan, metrics: RunMetrics) -> str:
             f"{(m.ddp_allreduce_s + m.tied_sync_s) * 1e3:>8.3f} "
             f"{(_at(p.allreduce_s, r) + tied[r]) * 1e3:>8.3f} | {peak:>9} "
             f"{pred_peak / div:>9,.1f}")
+    summaries = metrics.stage_summaries()
+    if plan.pipeline_spec().shares_cores and all(m.forward_cpu_s is not None
+                                                 and m.backward_cpu_s is not None
+                                                 for m in summaries):
+        # wall times on shared cores include the core-mates' turns; the prediction's are the
+        # work alone, which the simulator shares out
+        lines.append("CPU ms per micro-batch (fwd/bwd; processes share cores, so the wall "
+                     "times above include core-mates' turns): " + ", ".join(
+                         f"stage {m.index} {m.forward_cpu_s * 1e3:.3f}/"  # type: ignore[operator]
+                         f"{m.backward_cpu_s * 1e3:.3f}" for m in summaries))  # type: ignore[operator]
     lines.append("fwd/bwd: per micro-batch; p2p, opt(imizer) and (gradient) sync: per step. "
                  "Measured p2p is posting and waiting, so it includes waiting for the neighbour "
                  "stages (bubbles); predicted is the transfers alone. p2p, tied sync and peak "

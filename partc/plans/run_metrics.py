@@ -69,13 +69,21 @@ class StageMetrics:
     #                         without replicas
     tied_sync_s: float  # per step: summing tied parameters' gradients across stages (rank)
     peak_memory_bytes: int | None  # the rank's peak in this step; None when not measured
+    # The CPU time of forward_s, backward_s and optimizer_s (the computing thread's; where
+    # processes share a core, the work without the core-mates' turns). None on CUDA and in
+    # metrics files of earlier partc versions.
+    forward_cpu_s: float | None = None
+    backward_cpu_s: float | None = None
+    optimizer_cpu_s: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"index": self.index, "pipeline_rank": self.pipeline_rank,
                 "forward_s": self.forward_s, "backward_s": self.backward_s,
                 "p2p_s": self.p2p_s, "optimizer_s": self.optimizer_s,
                 "ddp_allreduce_s": self.ddp_allreduce_s, "tied_sync_s": self.tied_sync_s,
-                "peak_memory_bytes": self.peak_memory_bytes}
+                "peak_memory_bytes": self.peak_memory_bytes,
+                "forward_cpu_s": self.forward_cpu_s, "backward_cpu_s": self.backward_cpu_s,
+                "optimizer_cpu_s": self.optimizer_cpu_s}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> StageMetrics:
@@ -85,7 +93,10 @@ class StageMetrics:
                    p2p_s=float(d["p2p_s"]), optimizer_s=float(d["optimizer_s"]),
                    ddp_allreduce_s=float(d["ddp_allreduce_s"]),
                    tied_sync_s=float(d["tied_sync_s"]),
-                   peak_memory_bytes=None if peak is None else int(peak))
+                   peak_memory_bytes=None if peak is None else int(peak),
+                   forward_cpu_s=_optional(d.get("forward_cpu_s")),
+                   backward_cpu_s=_optional(d.get("backward_cpu_s")),
+                   optimizer_cpu_s=_optional(d.get("optimizer_cpu_s")))
 
 
 @dataclass(frozen=True)
@@ -160,6 +171,10 @@ class StageSummary:
     ddp_allreduce_s: float
     tied_sync_s: float
     peak_memory_bytes: int | None
+    # medians of the CPU times, None unless every timed step has them
+    forward_cpu_s: float | None = None
+    backward_cpu_s: float | None = None
+    optimizer_cpu_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -280,7 +295,10 @@ class RunMetrics:
                 optimizer_s=_median(r.optimizer_s for r in rows),
                 ddp_allreduce_s=_median(r.ddp_allreduce_s for r in rows),
                 tied_sync_s=_median(r.tied_sync_s for r in rows),
-                peak_memory_bytes=int(statistics.median(measured)) if measured else None))
+                peak_memory_bytes=int(statistics.median(measured)) if measured else None,
+                forward_cpu_s=_median_of_measured([r.forward_cpu_s for r in rows]),
+                backward_cpu_s=_median_of_measured([r.backward_cpu_s for r in rows]),
+                optimizer_cpu_s=_median_of_measured([r.optimizer_cpu_s for r in rows])))
         return tuple(out)
 
     @property
@@ -296,3 +314,14 @@ def _optional_str(value: Any) -> str | None:
 
 def _median(values: Iterable[float]) -> float:
     return float(statistics.median(list(values)))
+
+
+def _median_of_measured(values: list[float | None]) -> float | None:
+    """The median, or None if any step lacks the value."""
+    if not values or any(v is None for v in values):
+        return None
+    return float(statistics.median(v for v in values if v is not None))
+
+
+def _optional(value: Any) -> float | None:
+    return None if value is None else float(value)

@@ -147,7 +147,7 @@ def _worker(rank: int, kind: str, port: int, out: str) -> None:
             target = torch.zeros(MICROBATCH * MICROBATCHES, device=device)
             fwd = bwd = 0.0
             for step in range(STEPS + 2):
-                pipe.forward_s = pipe.backward_s = 0.0
+                pipe.reset_times()
                 if rank == 0:
                     schedule.step(batch)
                 else:

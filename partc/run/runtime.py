@@ -31,7 +31,7 @@ import contextlib
 import os
 import sys
 from pathlib import Path
-from typing import Callable, Iterator, TextIO
+from typing import Callable, Iterable, Iterator, TextIO
 
 import torch
 import torch.distributed as dist
@@ -74,6 +74,7 @@ from partc.run.schedule import (
 from partc.run.stage_runner import (
     GradSyncTimer,
     LocalStage,
+    cpu_clock,
     load_local_stages,
     save_checkpoint,
     sum_tied_gradients,
@@ -278,8 +279,10 @@ def _no_stderr() -> Iterator[None]:
 # stage that the rank fills for the stages it runs.
 _HAS_LOSS, _LOSS, _P2P, _TIED, _PEAK = range(5)
 _RANK_FIELDS = 5
+# (CPU times: -1 on CUDA, where the host's clock does not time the device's work)
 _PRESENT, _FORWARD, _BACKWARD, _OPTIMIZER, _ALLREDUCE = range(5)
-_STAGE_FIELDS = 5
+_FORWARD_CPU, _BACKWARD_CPU, _OPTIMIZER_CPU = range(5, 8)
+_STAGE_FIELDS = 8
 
 
 def _step(run: RankRun, step: int, memory_method: str) -> list[torch.Tensor] | None:
@@ -303,7 +306,7 @@ def _step(run: RankRun, step: int, memory_method: str) -> list[torch.Tensor] | N
     with _MemoryProbe(run, memory_method) as memory:
         for local in run.stages:
             assert local.pipe is not None
-            local.pipe.forward_s = local.pipe.backward_s = 0.0
+            local.pipe.reset_times()
             if local.grad_sync is not None:
                 local.grad_sync.reset()
         losses: list[torch.Tensor] | None = [] if run.loss_fn is not None else None
@@ -315,11 +318,12 @@ def _step(run: RankRun, step: int, memory_method: str) -> list[torch.Tensor] | N
         sum_tied_gradients(run.tied, run.stages)
         tied_s = synced_clock(run.device) - began if run.tied else 0.0
         for local in run.stages:
-            local.optimizer_s = 0.0
+            local.optimizer_s = local.optimizer_cpu_s = 0.0
             if local.optimizer is not None:
-                began = synced_clock(run.device)
+                began, cpu = synced_clock(run.device), cpu_clock()
                 local.optimizer.step()
                 local.optimizer_s = synced_clock(run.device) - began
+                local.optimizer_cpu_s = cpu_clock() - cpu
     V, M = run.num_stages, run.plan.training.shape.num_microbatches
     row = torch.zeros(_RANK_FIELDS + _STAGE_FIELDS * V, dtype=torch.float64)
     if losses:
@@ -334,11 +338,18 @@ def _step(run: RankRun, step: int, memory_method: str) -> list[torch.Tensor] | N
         at = _RANK_FIELDS + _STAGE_FIELDS * local.spec.index
         row[at + _PRESENT] = 1.0
         # the last stage's forward includes the loss's, as the prediction does
-        loss_s = run.loss_fn.forward_s if run.loss_fn is not None and \
-            local.spec.index == V - 1 else 0.0
+        with_loss = run.loss_fn is not None and local.spec.index == V - 1
+        loss_s = run.loss_fn.forward_s if with_loss else 0.0  # type: ignore[union-attr]
+        loss_cpu_s = run.loss_fn.forward_cpu_s if with_loss else 0.0  # type: ignore[union-attr]
         row[at + _FORWARD] = (local.pipe.forward_s + loss_s) / M
         row[at + _BACKWARD] = local.pipe.backward_s / M
         row[at + _OPTIMIZER] = local.optimizer_s
+        if run.device.type == "cuda":
+            row[at + _FORWARD_CPU: at + _OPTIMIZER_CPU + 1] = -1.0
+        else:
+            row[at + _FORWARD_CPU] = (local.pipe.forward_cpu_s + loss_cpu_s) / M
+            row[at + _BACKWARD_CPU] = local.pipe.backward_cpu_s / M
+            row[at + _OPTIMIZER_CPU] = local.optimizer_cpu_s
         row[at + _ALLREDUCE] = (local.grad_sync.seconds() if local.grad_sync is not None
                                 else 0.0)
     row = row.to(run.device)
@@ -368,6 +379,9 @@ def _step_metrics(run: RankRun, step: int, step_s: float, gathered: list[torch.T
             backward_s=max(r[at + _BACKWARD] for r in mine),
             p2p_s=max(r[_P2P] for r in mine),
             optimizer_s=max(r[at + _OPTIMIZER] for r in mine),
+            forward_cpu_s=_cpu(r[at + _FORWARD_CPU] for r in mine),
+            backward_cpu_s=_cpu(r[at + _BACKWARD_CPU] for r in mine),
+            optimizer_cpu_s=_cpu(r[at + _OPTIMIZER_CPU] for r in mine),
             ddp_allreduce_s=max(r[at + _ALLREDUCE] for r in mine),
             tied_sync_s=max(r[_TIED] for r in mine),
             peak_memory_bytes=max(peaks) if peaks else None))
@@ -381,6 +395,12 @@ def _step_metrics(run: RankRun, step: int, step_s: float, gathered: list[torch.T
         stages=tuple(stages), num_microbatches=shape.num_microbatches, replicas=run.replicas,
         clock=CLOCK_CUDA if run.device.type == "cuda" else CLOCK_CPU,
         memory_method=memory_method)
+
+
+def _cpu(values: Iterable[float]) -> float | None:
+    """The replicas' largest CPU time, None where it was not measured (CUDA)."""
+    values = list(values)
+    return None if any(v < 0 for v in values) else max(values)
 
 
 def _record(summary: RunSummary, reporter: Reporter, metrics: StepMetrics) -> None:

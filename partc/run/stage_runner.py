@@ -57,27 +57,44 @@ def synced_clock(device: torch.device) -> float:
     return time.perf_counter()
 
 
+def cpu_clock() -> float:
+    """CPU seconds the calling thread has run (time.thread_time). Where processes share a core,
+    a computation's wall time includes its core-mates' turns and its CPU time does not: the
+    work itself, which the simulator shares out (partc.plans.report.replay_measured). The
+    calling thread only: partc's CPU devices run one thread each, and gloo's copies run on its
+    own IO thread, which this leaves out."""
+    return time.thread_time()
+
+
 class TimedStage(PipelineStage):
     """A PipelineStage that adds up the time spent in its forwards and backwards (compute only:
     the schedule waits for receives outside these calls), synchronising a CUDA device around
-    each (`synced_clock`)."""
+    each (`synced_clock`), and the CPU time of those calls (`cpu_clock`)."""
 
     forward_s = 0.0
     backward_s = 0.0
+    forward_cpu_s = 0.0
+    backward_cpu_s = 0.0
+
+    def reset_times(self) -> None:
+        """Zero the step's sums."""
+        self.forward_s = self.backward_s = self.forward_cpu_s = self.backward_cpu_s = 0.0
 
     def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        start = synced_clock(self.device)
+        start, cpu = synced_clock(self.device), cpu_clock()
         try:
             return super().forward_one_chunk(*args, **kwargs)
         finally:
             self.forward_s += synced_clock(self.device) - start
+            self.forward_cpu_s += cpu_clock() - cpu
 
     def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        start = synced_clock(self.device)
+        start, cpu = synced_clock(self.device), cpu_clock()
         try:
             return super().backward_one_chunk(*args, **kwargs)
         finally:
             self.backward_s += synced_clock(self.device) - start
+            self.backward_cpu_s += cpu_clock() - cpu
 
 
 class GradSyncTimer:
@@ -193,6 +210,7 @@ class LocalStage:
     # times DDP's all-reduce when the plan has replicas, or reduces sharded gradients
     grad_sync: GradSyncTimer | GradientSharder | None = None
     optimizer_s: float = 0.0  # this step's optimizer step
+    optimizer_cpu_s: float = 0.0  # its CPU time (cpu_clock)
 
 
 def load_local_stages(plan: Plan, stages: Sequence[int], device: torch.device,

@@ -26,11 +26,15 @@ PARTC = str(Path(sys.executable).parent / "partc")
 MLP = ROOT / "examples" / "plans" / "mlp"  # 2 stages, 1 replica
 
 
-def step(n: int, stages: int = 2, step_s: float = 0.01, peak: int | None = None) -> StepMetrics:
+def step(n: int, stages: int = 2, step_s: float = 0.01, peak: int | None = None,
+         cpu: bool = True) -> StepMetrics:
     rows = tuple(StageMetrics(index=k, pipeline_rank=k, forward_s=0.001 * (k + 1) * n,
                               backward_s=0.002 * (k + 1), p2p_s=0.0005, optimizer_s=0.0003,
                               ddp_allreduce_s=0.0, tied_sync_s=0.0,
-                              peak_memory_bytes=peak and peak + k) for k in range(stages))
+                              peak_memory_bytes=peak and peak + k,
+                              forward_cpu_s=0.0009 * (k + 1) * n if cpu else None,
+                              backward_cpu_s=0.0018 * (k + 1) if cpu else None,
+                              optimizer_cpu_s=0.0002 if cpu else None) for k in range(stages))
     return StepMetrics(step=n, loss=1.0 / n, step_s=step_s * n, samples_per_s=100.0 / n,
                        stage_forward_s=tuple(r.forward_s for r in rows),
                        stage_backward_s=tuple(r.backward_s for r in rows), stages=rows,
@@ -52,6 +56,17 @@ def test_round_trip_and_summaries(tmp_path: Path) -> None:
     assert run.median_step_s() == pytest.approx(0.04)
     first, second = run.stage_summaries()
     assert first.forward_s == pytest.approx(0.004) and second.forward_s == pytest.approx(0.008)
+    assert first.forward_cpu_s == pytest.approx(0.0036)
+    assert second.backward_cpu_s == pytest.approx(0.0036)
+    # a line without CPU times (CUDA, earlier partc) reads as None, and so does the summary
+    legacy = json.loads(step(6).to_json())
+    for row in legacy["stages"]:
+        for key in ("forward_cpu_s", "backward_cpu_s", "optimizer_cpu_s"):
+            del row[key]
+    mixed = RunMetrics.load(write(tmp_path / "l.jsonl", steps))
+    mixed = RunMetrics(steps=(*mixed.steps, StepMetrics.from_dict(legacy)))
+    assert mixed.steps[-1].stages[0].forward_cpu_s is None
+    assert mixed.stage_summaries()[0].forward_cpu_s is None
     assert (first.peak_memory_bytes, second.peak_memory_bytes) == (5 << 20, (5 << 20) + 1)
     assert run.memory_method == MEMORY_CPU_PROFILER
     # a step written twice (a restart) counts with its last line
@@ -119,8 +134,9 @@ def test_show_refuses_metrics_of_another_plan(tmp_path: Path) -> None:
 
 def test_replay_with_the_runs_stage_times() -> None:
     """`replay_measured` re-simulates the plan's schedule with a run's stage times: with the
-    predicted times it is the prediction; slower stages make it slower; ranks that share a core
-    (whose measured times hold their core-mates' work) are not replayed."""
+    predicted times it is the prediction; slower stages make it slower. Where ranks share a core
+    (their wall times hold their core-mates' turns) it replays the CPU times, which the simulator
+    shares out itself, and nothing for a run without them (CUDA, earlier metrics files)."""
     from dataclasses import replace
 
     from partc.plans.plan import load_plan
@@ -129,11 +145,14 @@ def test_replay_with_the_runs_stage_times() -> None:
     plan = load_plan(MLP)
     optimizer = plan.predicted.optimizer_s
 
-    def run_of(scale: float) -> RunMetrics:
+    def run_of(scale: float, cpu: float | None = None) -> RunMetrics:
         rows = tuple(StageMetrics(index=k, pipeline_rank=st.rank, forward_s=st.forward_s * scale,
                                   backward_s=st.backward_s * scale, p2p_s=0.0,
                                   optimizer_s=optimizer[st.rank], ddp_allreduce_s=0.0,
-                                  tied_sync_s=0.0, peak_memory_bytes=None)
+                                  tied_sync_s=0.0, peak_memory_bytes=None,
+                                  forward_cpu_s=None if cpu is None else st.forward_s * cpu,
+                                  backward_cpu_s=None if cpu is None else st.backward_s * cpu,
+                                  optimizer_cpu_s=None if cpu is None else optimizer[st.rank])
                      for k, st in enumerate(plan.stages))
         steps = tuple(StepMetrics(step=n, loss=1.0, step_s=0.1, samples_per_s=1.0,
                                   stage_forward_s=(), stage_backward_s=(), stages=rows,
@@ -147,7 +166,16 @@ def test_replay_with_the_runs_stage_times() -> None:
     assert same.iteration_s == pytest.approx(replay(plan).iteration_s, rel=1e-9)
     slower = replay_measured(plan, run_of(1.5))
     assert slower is not None and slower.iteration_s > same.iteration_s
+    # on one process per core the wall times are replayed, whatever the CPU times say
+    assert replay_measured(plan, run_of(1.0, cpu=3.0)).iteration_s == \
+        pytest.approx(same.iteration_s, rel=1e-9)  # type: ignore[union-attr]
     shared = replace(plan, cluster=replace(plan.cluster, cores_per_node=1))
     assert replay_measured(shared, run_of(1.0)) is None
+    # twice the wall times (the core-mate's turns), the work as predicted: the prediction
+    cpu = replay_measured(shared, run_of(2.0, cpu=1.0))
+    assert cpu is not None
+    assert cpu.iteration_s == pytest.approx(replay(shared).iteration_s, rel=1e-9)
+    heavier = replay_measured(shared, run_of(2.0, cpu=1.3))
+    assert heavier is not None and heavier.iteration_s > cpu.iteration_s
     with pytest.raises(RunMetricsError):
         replay_measured(plan, RunMetrics(steps=tuple(step(n, stages=3) for n in (1, 2))))

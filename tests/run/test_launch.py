@@ -437,6 +437,11 @@ def test_metrics_per_stage_and_show_beside_the_prediction(tmp_path: Path) -> Non
             # the stage's forwards and backwards happen inside the step
             assert M * (s.forward_s + s.backward_s) <= step.step_s
             assert s.ddp_allreduce_s == 0.0  # no replicas
+            # the computing thread's CPU time of the same calls: there, and not above the wall
+            # time (each process has its own core here, so nearly all of it)
+            for cpu, wall in ((s.forward_cpu_s, s.forward_s), (s.backward_cpu_s, s.backward_s),
+                              (s.optimizer_cpu_s, s.optimizer_s)):
+                assert cpu is not None and 0.0 < cpu <= wall * 1.01 + 1e-4, (cpu, wall)
         # the legacy keys agree with the stages (one replica: mean == max)
         assert step.stage_forward_s == tuple(s.forward_s for s in step.stages)
     # CPU: the profiler measures the third step only (and it is left out of time medians)
