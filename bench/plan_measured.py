@@ -109,8 +109,11 @@ class Plan:
     predicted_peaks: list[int] = field(default_factory=list)  # memory model, per stage
     peaks: list[list[int]] = field(default_factory=list)  # measured per stage, per repeat
     # per repeat: the schedule simulated with that run's own stage times (partc show's replay;
-    # empty where processes share cores)
+    # on shared cores from the stages' CPU times)
     replayed_s: list[float] = field(default_factory=list)
+    # per repeat: the stages' measured forward + backward work over the predicted (wall times;
+    # CPU times where processes share cores): the stage-cost model's part of the gap
+    work_ratio: list[float] = field(default_factory=list)
 
 
 def last_line(text: str) -> str:
@@ -167,9 +170,16 @@ def launch(plan: Plan, steps: int) -> None:
     timed = [st for st in run.steps[WARMUP:] if st.memory_method == MEMORY_NONE] or \
         list(run.timed_steps())
     plan.steps_s.append(statistics.median(st.step_s for st in timed))
-    replayed = replay_measured(load_plan(plan.directory), run)
+    loaded = load_plan(plan.directory)
+    replayed = replay_measured(loaded, run)
     if replayed is not None:
         plan.replayed_s.append(replayed.iteration_s)
+    shared = loaded.pipeline_spec().shares_cores
+    work = [(m.forward_cpu_s, m.backward_cpu_s) if shared else (m.forward_s, m.backward_s)
+            for m in run.stage_summaries()]
+    if all(f is not None and b is not None for f, b in work):
+        predicted = sum(st.forward_s + st.backward_s for st in loaded.stages)
+        plan.work_ratio.append(sum(f + b for f, b in work) / predicted)  # type: ignore[operator]
     peaks = [st for st in run.steps if st.memory_method != MEMORY_NONE]
     if peaks:
         plan.peaks.append([int(sm.peak_memory_bytes or 0) for sm in peaks[-1].stages])
@@ -334,6 +344,7 @@ def main() -> None:
                    "predicted_peak_bytes": plan.predicted_peaks,
                    "measured_peak_bytes": m.peaks,
                    "replayed_steps_s": list(m.replayed_s),
+                   "stage_work_ratio": list(m.work_ratio),
                    "same_plan_as": plan.same_as, "error": error,
                    "compile_s": plan.compile_s, "launch_s": list(plan.launch_s)}
             rows.append(row)
@@ -386,19 +397,23 @@ def main() -> None:
               f"| {match} | {consistent} |")
 
     print("\nThe schedule alone: each run replayed by the simulator with its own per-stage "
-          "forward, backward and optimizer times (`partc show --metrics`), so the stage-cost "
-          "model's errors drop out (processes with a core each only).\n")
+          "forward, backward and optimizer times (`partc show --metrics`; where processes "
+          "share cores, their CPU times, which the simulator shares out), so the stage-cost "
+          "model's errors drop out; and those errors: the stages' measured forward + backward "
+          "work over the predicted.\n")
     print("| model | processes | strategy | measured ms/iter | replayed ms/iter "
-          "| measured/replayed (per repeat) |")
-    print("|---|---|---|---|---|---|")
+          "| measured/replayed (per repeat) | stage work measured/predicted |")
+    print("|---|---|---|---|---|---|---|")
     for (model, n), plans in cases.items():
         for strategy, plan in plans.items():
             if plan.error or plan.same_as or not plan.replayed_s:
                 continue
             each = [a / b for a, b in zip(plan.steps_s, plan.replayed_s, strict=True)]
+            work = (f"{statistics.median(plan.work_ratio):.3f} ({min(plan.work_ratio):.3f}-"
+                    f"{max(plan.work_ratio):.3f})" if plan.work_ratio else "-")
             print(f"| {model} | {n} | {strategy} | {statistics.median(plan.steps_s) * 1e3:.1f} "
                   f"| {statistics.median(plan.replayed_s) * 1e3:.1f} "
-                  f"| {statistics.median(each):.3f} ({min(each):.3f}-{max(each):.3f}) |")
+                  f"| {statistics.median(each):.3f} ({min(each):.3f}-{max(each):.3f}) | {work} |")
 
     print("\n| model | processes | strategy | stage | measured peak MiB (median) "
           "| predicted MiB | predicted/measured |")
