@@ -40,7 +40,7 @@ import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
 
 from partc.cost.activations import buffers_restored, saved_activation_bytes, storage_bytes
-from partc.cost.neighbours import busy_neighbours
+from partc.cost.neighbours import busy_neighbours, shares_core
 from partc.cost.ort_profiler import (
     OrtTiming,
     ProfileError,
@@ -51,6 +51,9 @@ from partc.cost.ort_profiler import (
 )
 from partc.cost.table import CostSource, CostTable, Curve, NodeCost, needs_backward
 from partc.cost.torch_profiler import (
+    CPU_CLOCK,
+    WALL_CLOCK,
+    Clock,
     TorchTiming,
     flat_inputs,
     inputs_on,
@@ -97,6 +100,14 @@ def check_options(options: ProfileOptions) -> None:
     if options.precision not in PRECISIONS:
         raise ProfileError(f"unknown precision {options.precision!r}",
                            hint=f"use one of {', '.join(PRECISIONS)}")
+
+
+def cpu_clocked(options: ProfileOptions, device: torch.device) -> bool:
+    """Whether the measurement times by CPU time (torch_profiler.CPU_CLOCK): on a CPU whose
+    measuring core a busy neighbour shares (more neighbours than the other cores), where the wall
+    clock would include the neighbour's turns, which the simulator shares out itself. Such a
+    measurement times every node in torch."""
+    return device.type == "cpu" and options.neighbours > 0 and shares_core(options.neighbours)
 
 
 def timing_choice(options: ProfileOptions, device: torch.device) -> TimingChoice:
@@ -197,7 +208,8 @@ class _Measurement:
 
 
 def _measure(result: CaptureResult, b: int, device: torch.device, use_ort: bool,
-             options: ProfileOptions, progress: Progress) -> _Measurement:
+             options: ProfileOptions, progress: Progress,
+             clock: Clock = WALL_CLOCK) -> _Measurement:
     cap = result.capture
     program = _program_at(result, b)
     module = program_module(program)
@@ -214,9 +226,11 @@ def _measure(result: CaptureResult, b: int, device: torch.device, use_ort: bool,
             with precision_autocast(options.precision, device.type):
                 saved = saved_activation_bytes(module, inputs)
             timing = time_nodes(module, inputs, b, device, warmup=options.warmup,
-                                runs=max(3, options.runs // 2), precision=options.precision)
+                                runs=max(3, options.runs // 2), precision=options.precision,
+                                clock=clock)
         with progress.step(f"torch: the loss function at batch {b}"):
-            loss_s, batch_bytes = _time_loss(cap.model_file, module, inputs, b, device, options)
+            loss_s, batch_bytes = _time_loss(cap.model_file, module, inputs, b, device, options,
+                                             clock)
     ort_timing = None
     if use_ort:
         export = _onnx_at(result, b, program, progress)
@@ -249,7 +263,7 @@ def _measure(result: CaptureResult, b: int, device: torch.device, use_ort: bool,
 
 
 def _time_loss(model_file: ModelFile, module: torch.fx.GraphModule, inputs: Inputs, b: int,
-               device: torch.device, options: ProfileOptions
+               device: torch.device, options: ProfileOptions, clock: Clock = WALL_CLOCK
                ) -> tuple[tuple[float, float], int]:
     """The model file's loss function timed on the program's outputs at batch b, with the
     target of its first batch of b samples (`ModelFile.data`, synthetic without batches()); and
@@ -266,7 +280,7 @@ def _time_loss(model_file: ModelFile, module: torch.fx.GraphModule, inputs: Inpu
     try:
         return time_loss(module, inputs, model_file.loss(), target, device,
                          warmup=options.warmup, runs=max(3, options.runs // 2),
-                         precision=options.precision), batch_bytes
+                         precision=options.precision, clock=clock), batch_bytes
     except Exception as exc:  # the user's loss_fn: one line, as verify reports it
         raise ModelFileError(f"loss_fn(output, target) in {model_file.path} raised "
                              f"{summarize_exception(exc)}",
@@ -310,28 +324,38 @@ def measure_sizes(result: CaptureResult, device: torch.device, options: ProfileO
     if choice.fallback:
         progress.warn(choice.fallback)
     exported = result.onnx is not None and result.onnx.status == "ok"
-    use_ort = choice.provider is not None and exported
+    shared = cpu_clocked(options, device)
+    use_ort = choice.provider is not None and exported and not shared
     if options.method == "onnxruntime" and not use_ort:
+        if shared:
+            raise ProfileError(
+                f"with {options.neighbours} busy neighbours one shares the measuring core, and "
+                "onnxruntime's times would include its turns",
+                hint="use --method torch (it times the work by CPU time) or fewer --neighbours")
         raise ProfileError("the model has no ONNX export, so onnxruntime cannot profile it",
                            hint="use --method torch (or auto)")
     if choice.provider is not None and not exported and result.onnx is not None:
         progress.warn("pricing every node in torch (no ONNX export)")
     neighbours = options.neighbours if device.type == "cpu" else 0
+    clock = CPU_CLOCK if shared else WALL_CLOCK
     # on a CPU this process is the node's device 0, pinned to its core as launch pins rank 0
     pinned = pinned_to_core(0, options.threads) if device.type == "cpu" \
         else contextlib.nullcontext()
     # (the neighbours start first: a child inherits its parent's pinning)
     with busy_neighbours(neighbours, result.capture.model_file.path, max(sizes),
                          options.precision), pinned:
-        measurements = [_measure(result, b, device, use_ort, options, progress) for b in sizes]
+        measurements = [_measure(result, b, device, use_ort, options, progress, clock)
+                        for b in sizes]
     return combine(result.graph, measurements, device, options, use_ort,
-                   fallback=choice.fallback)
+                   fallback=choice.fallback, cpu_time=clock is CPU_CLOCK)
 
 
 def combine(graph: OpGraph, measurements: list[_Measurement], device: torch.device,
-            options: ProfileOptions, use_ort: bool, fallback: str = "") -> CostTable:
+            options: ProfileOptions, use_ort: bool, fallback: str = "",
+            cpu_time: bool = False) -> CostTable:
     """Join torch and onnxruntime measurements into per-node `Curve`s; `fallback` (why `auto`
-    timed in torch) is recorded in the calibration."""
+    timed in torch) and `cpu_time` (timed by the CPU clock: a neighbour shared the core) are
+    recorded in the calibration."""
     kinds = {n.name: n.kind for n in graph.nodes}
     names = [n.name for n in graph.nodes]
     differentiable = set().union(*(m.torch.differentiable for m in measurements)) & set(names)
@@ -418,6 +442,7 @@ def combine(graph: OpGraph, measurements: list[_Measurement], device: torch.devi
                      "measured": validation, "warmup": options.warmup, "runs": options.runs,
                      **({"busy_neighbours": options.neighbours}
                         if options.neighbours and device.type == "cpu" else {}),
+                     **({"clock": "thread_time"} if cpu_time else {}),
                      **({"fallback": fallback} if fallback else {})})
     return CostTable(graph=graph, source=source, nodes=nodes, loss=loss, batch_bytes=batch_bytes)
 

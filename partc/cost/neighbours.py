@@ -34,6 +34,13 @@ from partc.options import PRECISIONS, Precision, check_choice
 _READY = "ready"
 
 
+def shares_core(count: int) -> bool:
+    """Whether `busy_neighbours(count)` puts a neighbour on the measuring process's own core:
+    more processes than this process's cores, as when a cluster's devices oversubscribe them."""
+    cores = core_cpus()
+    return bool(cores) and count >= len(cores)
+
+
 @contextlib.contextmanager
 def busy_neighbours(count: int, model: str | Path | None = None,
                     batch_size: int = 2, precision: Precision = "fp32") -> Iterator[None]:

@@ -79,7 +79,9 @@ def solve_costs(result: CaptureResult, cluster: ClusterSpec, global_batch: int, 
         return plan_costs(result, cluster.device, profile, progress, precision=precision), None
     from partc.cost.profile_cache import cached_profile
 
-    # the node's other cores busy; a core's own time-sharing is the simulator's (core_sharing)
+    # the node's other devices busy, placed as launch places them; where they oversubscribe the
+    # cores one shares the measuring core, and the measurement times the work by CPU time
+    # (partc.cost.measured.cpu_clocked): the turns themselves are the simulator's (core_sharing)
     options = measurement(device, result.graph.batch_size, global_batch, precision,
-                          neighbours=cluster.busy_cores_per_node - 1, extra_sizes=extra_sizes)
+                          neighbours=cluster.devices_per_node - 1, extra_sizes=extra_sizes)
     return cached_profile(result, options, progress=progress)

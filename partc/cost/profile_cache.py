@@ -24,6 +24,7 @@ from typing import Callable
 from partc.cost.measured import (
     ProfileOptions,
     check_options,
+    cpu_clocked,
     device_label,
     intra_op_threads,
     measure_costs,
@@ -59,16 +60,19 @@ MEASUREMENT_REVISION = 2
 
 
 def _entry_name(graph_hash: str, device: str, precision: str, threads: int,
-                batch_sizes: tuple[int, ...], timing: str, neighbours: int = 0) -> str:
+                batch_sizes: tuple[int, ...], timing: str, neighbours: int = 0,
+                cpu_time: bool = False) -> str:
     """An entry's file name: readable parts, then a digest of the whole key (the readable parts
     are shortened and slugged, so they alone could collide)."""
     # the format version too: a new one measures more or differently (entries of an older partc
     # are never found, rather than found and refused)
     full = "\n".join([graph_hash, device, precision, str(threads),
                       ",".join(str(b) for b in batch_sizes), timing, f"n{neighbours}",
-                      f"v{PROFILE_VERSION}", f"r{MEASUREMENT_REVISION}"])
+                      f"v{PROFILE_VERSION}", f"r{MEASUREMENT_REVISION}",
+                      *(["cpu-time"] if cpu_time else [])])
     digest = hashlib.sha256(full.encode()).hexdigest()[:16]
-    parts = [graph_hash.removeprefix("sha256:")[:12], device, precision, f"t{threads}n{neighbours}",
+    parts = [graph_hash.removeprefix("sha256:")[:12], device, precision,
+             f"t{threads}n{neighbours}{'c' if cpu_time else ''}",
              "b" + "-".join(str(b) for b in batch_sizes), timing, digest]
     return "_".join(_slug(p) for p in parts) + ".yaml"
 
@@ -113,19 +117,21 @@ def cached_profile(result: CaptureResult, options: ProfileOptions,
     # what will time the forward: the provider when onnxruntime can run the export, else torch
     provider = timing_choice(options, device).provider
     exported = result.onnx is not None and result.onnx.status == "ok"
-    timing = provider if provider is not None and exported else "torch"
+    clocked = cpu_clocked(options, device)
+    timing = provider if provider is not None and exported and not clocked else "torch"
     label = device_label(device)
     threads = options.threads if device.type == "cpu" else 0
     directory = cache_dir if cache_dir is not None else profile_cache_dir()
     neighbours = options.neighbours if device.type == "cpu" else 0
     path = directory / _entry_name(graph.content_hash(), label, options.precision, threads,
-                                   sizes, timing, neighbours)
+                                   sizes, timing, neighbours, clocked)
 
     def matches(table: CostTable) -> bool:
         """Measured as asked, at any sizes (the key's other parts)."""
         src = table.source
         return (src.kind == "measured" and src.device == label and src.threads == threads
                 and src.calibration.get("busy_neighbours", 0) == neighbours
+                and (src.calibration.get("clock") == "thread_time") == clocked
                 and src.precision == options.precision and (src.provider or "torch") == timing
                 and _complete(table, graph))
 

@@ -8,14 +8,15 @@ The autograd nodes a forward node creates are found by walking `grad_fn` from it
 autograd nodes already claimed by earlier nodes (a parameter's AccumulateGrad belongs to the first
 node that uses it). Two ways to time them:
 
-- CPU (`_clock_once`): wall clock. The forward of each node is timed around its call, and each of
-  its autograd nodes between a pre-hook and a hook (the engine runs a CPU backward on the calling
-  thread, one autograd node at a time). The figures are the nodes' own times, medians over runs;
-  the engine's time between autograd nodes (the whole backward minus their sum) is spread over
-  the nodes by their autograd-node count. No profiler: its per-event cost is 10-100 us and
-  uneven (measured here: a 17 us ReLU profiled at 26-117 us), which skewed the cuts. The shares
-  are then rescaled to the whole program traced to TorchScript, as launch runs its stage files
-  (the FX interpreter around each node costs a few microseconds more: measured 10-15% on the
+- CPU (`_clock_once`): wall clock, or where the measuring process shares its core with a busy
+  neighbour the thread's CPU time (CPU_CLOCK). The forward of each node is timed around its call,
+  and each of its autograd nodes between a pre-hook and a hook (the engine runs a CPU backward on
+  the calling thread, one autograd node at a time). The figures are the nodes' own times, medians
+  over runs; the engine's time between autograd nodes (the whole backward minus their sum) is
+  spread over the nodes by their autograd-node count. No profiler: its per-event cost is 10-100 us
+  and uneven (measured here: a 17 us ReLU profiled at 26-117 us), which skewed the cuts. The
+  shares are then rescaled to the whole program traced to TorchScript, as launch runs its stage
+  files (the FX interpreter around each node costs a few microseconds more: measured 10-15% on the
   transformer examples' forwards).
 - CUDA (`_profile_once`): torch.profiler with one `record_function` range per node gives its
   device time; the profiler's `autograd::engine::evaluate_function` events carry the autograd
@@ -42,6 +43,17 @@ from torch.export import ExportedProgram
 from partc.frontend.export import quiet_torch
 from partc.frontend.model_file import Inputs
 from partc.options import Precision
+
+Clock = Callable[[], float]
+"""Seconds from an arbitrary origin, read before and after what is timed."""
+WALL_CLOCK: Clock = time.perf_counter
+# Where the measuring process shares its core with a busy neighbour (devices oversubscribing the
+# cores, as launch runs them) its wall time holds the neighbour's turns, which the simulator
+# shares out itself; the thread's CPU time is the work alone, including what the sharing costs
+# it (caches refilled after every switch: on this repository's 2-core VM the MLP's stages did
+# 1.12-1.43x their alone-on-a-core work with a core-mate). CPU work runs on the calling thread
+# (autograd's engine too, for CPU tensors).
+CPU_CLOCK: Clock = time.thread_time
 
 _NODE_RANGE = "partc::"
 _BACKWARD_EVENT = "autograd::engine::evaluate_function: "
@@ -234,12 +246,13 @@ def _zero_grads(module: torch.nn.Module) -> None:
 
 def time_model(module: torch.nn.Module, inputs: Inputs, device: torch.device,
                warmup: int = 2, runs: int = 5, precision: Precision = "fp32",
-               cold: bool = False) -> tuple[float, float]:
-    """Median (forward, backward) wall time of a whole training step of the program, without the
+               cold: bool = False, clock: Clock = WALL_CLOCK) -> tuple[float, float]:
+    """Median (forward, backward) time of a whole training step of the program, without the
     loss: backward starts from all-ones output gradients, so only the model is timed. The forward
     runs under `precision_autocast`, as in launch. On CUDA every clock read follows a
     synchronize: kernels run asynchronously, so the clock alone would time their launch. `cold`:
-    the CPU caches are flushed before each run (`flush_cpu_caches`)."""
+    the CPU caches are flushed before each run (`flush_cpu_caches`). `clock`: WALL_CLOCK, or on a
+    CPU whose core is shared CPU_CLOCK."""
     args, kwargs = inputs
     fwd: list[float] = []
     bwd: list[float] = []
@@ -248,16 +261,16 @@ def time_model(module: torch.nn.Module, inputs: Inputs, device: torch.device,
         if cold:
             flush_cpu_caches()
         _sync(device)
-        t0 = time.perf_counter()
+        t0 = clock()
         with precision_autocast(precision, device.type):
             out = module(*args, **kwargs)
         _sync(device)
-        t1 = time.perf_counter()
+        t1 = clock()
         tensors, grads = _output_grads(out)
         if tensors:
             torch.autograd.backward(tensors, grads)
         _sync(device)
-        t2 = time.perf_counter()
+        t2 = clock()
         del out, tensors, grads
         if i >= warmup:
             fwd.append(t1 - t0)
@@ -268,11 +281,12 @@ def time_model(module: torch.nn.Module, inputs: Inputs, device: torch.device,
 
 def time_loss(module: torch.fx.GraphModule, inputs: Inputs, loss_fn: Callable[[Any, Any], Any],
               target: Any, device: torch.device, warmup: int = 2, runs: int = 5,
-              precision: Precision = "fp32") -> tuple[float, float]:
-    """Median (forward, backward) wall time of the loss function alone, as launch's last stage
-    runs it: on the model's outputs (computed under `precision_autocast`, floating ones in fp32
-    as the last stage hands them over), outside autocast, its backward ending at the outputs'
-    gradients. `target` is one batch's target at the inputs' batch size, on `device`."""
+              precision: Precision = "fp32", clock: Clock = WALL_CLOCK) -> tuple[float, float]:
+    """Median (forward, backward) time (`clock`, as time_model's) of the loss function alone, as
+    launch's last stage runs it: on the model's outputs (computed under `precision_autocast`,
+    floating ones in fp32 as the last stage hands them over), outside autocast, its backward ending
+    at the outputs' gradients. `target` is one batch's target at the inputs' batch size, on
+    `device`."""
     args, kwargs = inputs
     with torch.no_grad(), precision_autocast(precision, device.type):
         out = module(*args, **kwargs)
@@ -284,14 +298,14 @@ def time_loss(module: torch.fx.GraphModule, inputs: Inputs, loss_fn: Callable[[A
                   if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in flat]
         outputs = pytree.tree_unflatten(leaves, spec)
         _sync(device)
-        t0 = time.perf_counter()
+        t0 = clock()
         loss = loss_fn(outputs, target)
         _sync(device)
-        t1 = time.perf_counter()
+        t1 = clock()
         if isinstance(loss, torch.Tensor) and loss.requires_grad:
             loss.backward()
         _sync(device)
-        t2 = time.perf_counter()
+        t2 = clock()
         del loss, outputs, leaves
         if i >= warmup:
             fwd.append(t1 - t0)
@@ -373,9 +387,9 @@ def _profile_once(module: torch.fx.GraphModule, flat: list[Any], device: torch.d
 
 
 def _clock_once(module: torch.fx.GraphModule, flat: list[Any], device: torch.device,
-                precision: Precision = "fp32"
+                precision: Precision = "fp32", clock: Clock = WALL_CLOCK
                 ) -> tuple[dict[str, float], dict[str, float], float, set[str], dict[str, int]]:
-    """One fwd+bwd timed by the wall clock on the CPU (module docstring): per-node forward and
+    """One fwd+bwd timed by `clock` on the CPU (module docstring): per-node forward and
     backward microseconds, the backward's unattributed microseconds (the engine between autograd
     nodes), the nodes with a backward and each one's autograd-node count."""
     owner = node_owner(module)
@@ -390,10 +404,10 @@ def _clock_once(module: torch.fx.GraphModule, flat: list[Any], device: torch.dev
         key = id(fn)
 
         def pre(*_: Any) -> None:
-            started[key] = time.perf_counter()
+            started[key] = clock()
 
         def post(*_: Any) -> None:
-            bwd[name] = bwd.get(name, 0.0) + (time.perf_counter() - started.pop(key)) * 1e6
+            bwd[name] = bwd.get(name, 0.0) + (clock() - started.pop(key)) * 1e6
 
         handles.append(fn.register_prehook(pre))
         handles.append(fn.register_hook(post))
@@ -406,12 +420,12 @@ def _clock_once(module: torch.fx.GraphModule, flat: list[Any], device: torch.dev
 
     @contextlib.contextmanager
     def around(n: torch.fx.Node) -> Iterator[None]:
-        start = time.perf_counter()
+        start = clock()
         try:
             yield
         finally:
             name = owner.get(n.name, n.name)
-            fwd[name] = fwd.get(name, 0.0) + (time.perf_counter() - start) * 1e6
+            fwd[name] = fwd.get(name, 0.0) + (clock() - start) * 1e6
 
     _zero_grads(module)
     flush_cpu_caches()
@@ -419,10 +433,10 @@ def _clock_once(module: torch.fx.GraphModule, flat: list[Any], device: torch.dev
         with precision_autocast(precision, device.type):
             out = NodeRunner(module, around, after).run(*flat)
         tensors, grads = _output_grads(out)
-        start = time.perf_counter()
+        start = clock()
         if tensors:
             torch.autograd.backward(tensors, grads)
-        total = (time.perf_counter() - start) * 1e6
+        total = (clock() - start) * 1e6
     finally:
         for handle in handles:
             handle.remove()
@@ -433,12 +447,13 @@ def _clock_once(module: torch.fx.GraphModule, flat: list[Any], device: torch.dev
 
 def time_nodes(module: torch.fx.GraphModule, inputs: Inputs, batch_size: int,
                device: torch.device, warmup: int = 3, runs: int = 5,
-               precision: Precision = "fp32") -> TorchTiming:
+               precision: Precision = "fp32", clock: Clock = WALL_CLOCK) -> TorchTiming:
     """Whole-model and per-node forward/backward times of the program on `device`, forward under
-    `precision_autocast(precision)` (the module docstring says how, per device)."""
+    `precision_autocast(precision)` (the module docstring says how, per device); on a CPU by
+    `clock` (CPU_CLOCK where the core is shared)."""
     flat = flat_inputs(module, inputs)
     if device.type == "cpu":
-        return _clocked_nodes(module, flat, batch_size, device, warmup, runs, precision)
+        return _clocked_nodes(module, flat, batch_size, device, warmup, runs, precision, clock)
     model_fwd, model_bwd = time_model(module, inputs, device, warmup, runs, precision)
     per_run: list[tuple[dict[str, float], dict[str, float], float]] = []
     differentiable: set[str] = set()
@@ -462,8 +477,8 @@ def time_nodes(module: torch.fx.GraphModule, inputs: Inputs, batch_size: int,
 
 def _clocked_nodes(module: torch.fx.GraphModule, flat: list[Any], batch_size: int,
                    device: torch.device, warmup: int, runs: int,
-                   precision: Precision) -> TorchTiming:
-    """`time_nodes` on the CPU: wall-clock medians per node (`_clock_once`), the engine's time
+                   precision: Precision, clock: Clock = WALL_CLOCK) -> TorchTiming:
+    """`time_nodes` on the CPU: `clock` medians per node (`_clock_once`), the engine's time
     between autograd nodes spread by autograd-node count; the model's times are their sums."""
     per_run: list[tuple[dict[str, float], dict[str, float], float]] = []
     differentiable: set[str] = set()
@@ -471,7 +486,7 @@ def _clocked_nodes(module: torch.fx.GraphModule, flat: list[Any], batch_size: in
     # the first runs are slow (allocator and interpreter paths)
     for i in range(warmup + runs):
         fwd, bwd, unattributed, with_backward, counts = _clock_once(module, flat, device,
-                                                                    precision)
+                                                                    precision, clock)
         differentiable |= with_backward
         if i >= warmup:
             per_run.append((fwd, bwd, unattributed))
@@ -495,7 +510,7 @@ def _clocked_nodes(module: torch.fx.GraphModule, flat: list[Any], batch_size: in
             model_fwd + model_bwd, 1e-6))))
         with torch.jit.optimized_execution(False):
             model_fwd, model_bwd = time_model(scripted, (tuple(flat), {}), device, warmup, reps,
-                                              precision, cold=True)
+                                              precision, cold=True, clock=clock)
     return TorchTiming(batch_size=batch_size, model_forward_s=model_fwd,
                        model_backward_s=model_bwd, node_forward_s=node_fwd,
                        node_backward_s=node_bwd, unattributed_backward_s=0.0,

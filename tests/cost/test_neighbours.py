@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import pytest
 from conftest import EXAMPLES, captured
 
 from partc.cost.measured import ProfileOptions
@@ -48,3 +49,43 @@ def test_compile_measures_with_the_other_devices_of_the_node_busy(tmp_path: Path
     assert a != b  # separate cache entries
     assert busy.source.calibration["busy_neighbours"] == 1
     assert "busy_neighbours" not in alone.source.calibration
+
+
+def test_a_neighbour_on_the_measuring_core_times_the_work_by_cpu_time(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Devices that oversubscribe the cores (cpu-4: 4 processes on 2): compile keeps all the
+    node's other devices busy, so one shares the measuring process's core, and the profile times
+    each node by the thread's CPU time (the wall clock would hold the neighbour's turns, which the
+    simulator shares out itself). A separate cache entry, recorded in the calibration."""
+    import torch
+
+    from partc.cost.measured import cpu_clocked
+    from partc.cost.plan_costs import solve_costs
+    from partc.hardware.configs import load_cluster
+    from partc.hardware.local import core_cpus
+
+    cores = len(core_cpus())
+    cpu = torch.device("cpu")
+    fast = ProfileOptions(runs=2, warmup=1, method="torch")
+    assert not cpu_clocked(fast, cpu)
+    assert not cpu_clocked(dataclasses.replace(fast, neighbours=cores - 1), cpu)
+    assert cpu_clocked(dataclasses.replace(fast, neighbours=cores), cpu)
+    assert not cpu_clocked(dataclasses.replace(fast, neighbours=cores), torch.device("meta"))
+    result = captured(EXAMPLES / "mlp.py")
+    other, a = cached_profile(result, dataclasses.replace(fast, neighbours=cores - 1),
+                              cache_dir=tmp_path)
+    shared, b = cached_profile(result, dataclasses.replace(fast, neighbours=cores),
+                               cache_dir=tmp_path)
+    assert a != b and "clock" not in other.source.calibration
+    assert shared.source.calibration["clock"] == "thread_time"
+    assert all(c.forward.at(2) > 0 for c in shared.nodes.values() if c.forward.at(2))
+    # and a second call reads the entry back rather than measuring again
+    again, c = cached_profile(result, dataclasses.replace(fast, neighbours=cores),
+                              cache_dir=tmp_path)
+    assert c == b and again.source.calibration == shared.source.calibration
+    # compile measures with the node's other devices busy: on cpu-4 (4 devices), 3
+    monkeypatch.setenv("PARTC_CACHE_DIR", str(tmp_path / "compile"))
+    table, path = solve_costs(result, load_cluster("cpu-4"), 8, costs="measured")
+    assert path is not None and table.source.calibration["busy_neighbours"] == 3
+    three = dataclasses.replace(fast, neighbours=3)
+    assert (table.source.calibration.get("clock") == "thread_time") == cpu_clocked(three, cpu)
