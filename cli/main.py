@@ -213,7 +213,8 @@ def _batch_sizes(_ctx: click.Context, _param: click.Parameter,
               help="Intra-op threads on CPU (partc runs one process per core).")
 @click.option("--neighbours", type=click.IntRange(min=0), default=0, show_default=True,
               help="CPU: processes kept training the same model while measuring (the node's "
-                   "other busy cores; compile uses its cluster's busy cores per node - 1).")
+                   "other devices; compile uses its cluster's devices per node - 1). As many "
+                   "as the cores: one shares the measuring core, timed by CPU time.")
 @click.option("--runs", type=click.IntRange(min=1), default=10, show_default=True,
               help="Timed runs per measurement (median).")
 @click.option("--warmup", type=click.IntRange(min=0), default=3, show_default=True,
