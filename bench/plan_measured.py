@@ -175,11 +175,11 @@ def launch(plan: Plan, steps: int) -> None:
     if replayed is not None:
         plan.replayed_s.append(replayed.iteration_s)
     shared = loaded.pipeline_spec().shares_cores
-    work = [(m.forward_cpu_s, m.backward_cpu_s) if shared else (m.forward_s, m.backward_s)
-            for m in run.stage_summaries()]
-    if all(f is not None and b is not None for f, b in work):
+    stages = run.stage_summaries()
+    work = [w for m in stages if (w := m.compute_s(shared)) is not None]
+    if len(work) == len(stages):
         predicted = sum(st.forward_s + st.backward_s for st in loaded.stages)
-        plan.work_ratio.append(sum(f + b for f, b in work) / predicted)  # type: ignore[operator]
+        plan.work_ratio.append(sum(fwd + bwd for fwd, bwd, _ in work) / predicted)
     peaks = [st for st in run.steps if st.memory_method != MEMORY_NONE]
     if peaks:
         plan.peaks.append([int(sm.peak_memory_bytes or 0) for sm in peaks[-1].stages])

@@ -52,6 +52,7 @@ from partc.cost.ort_profiler import (
 from partc.cost.table import CostSource, CostTable, Curve, NodeCost, needs_backward
 from partc.cost.torch_profiler import (
     CPU_CLOCK,
+    CPU_CLOCK_NAME,
     WALL_CLOCK,
     Clock,
     TorchTiming,
@@ -442,7 +443,7 @@ def combine(graph: OpGraph, measurements: list[_Measurement], device: torch.devi
                      "measured": validation, "warmup": options.warmup, "runs": options.runs,
                      **({"busy_neighbours": options.neighbours}
                         if options.neighbours and device.type == "cpu" else {}),
-                     **({"clock": "thread_time"} if cpu_time else {}),
+                     **({"clock": CPU_CLOCK_NAME} if cpu_time else {}),
                      **({"fallback": fallback} if fallback else {})})
     return CostTable(graph=graph, source=source, nodes=nodes, loss=loss, batch_bytes=batch_bytes)
 

@@ -34,6 +34,7 @@ from partc.cost.measured import (
 )
 from partc.cost.ort_profiler import ProfileError
 from partc.cost.table import PROFILE_VERSION, CostTable, ProfileFileError
+from partc.cost.torch_profiler import CPU_CLOCK_NAME
 from partc.frontend.capture import CaptureResult
 from partc.graph.opgraph import OpGraph
 from partc.progress import Progress
@@ -131,7 +132,7 @@ def cached_profile(result: CaptureResult, options: ProfileOptions,
         src = table.source
         return (src.kind == "measured" and src.device == label and src.threads == threads
                 and src.calibration.get("busy_neighbours", 0) == neighbours
-                and (src.calibration.get("clock") == "thread_time") == clocked
+                and (src.calibration.get("clock") == CPU_CLOCK_NAME) == clocked
                 and src.precision == options.precision and (src.provider or "torch") == timing
                 and _complete(table, graph))
 

@@ -52,8 +52,9 @@ WALL_CLOCK: Clock = time.perf_counter
 # shares out itself; the thread's CPU time is the work alone, including what the sharing costs
 # it (caches refilled after every switch: on this repository's 2-core VM the MLP's stages did
 # 1.12-1.43x their alone-on-a-core work with a core-mate). CPU work runs on the calling thread
-# (autograd's engine too, for CPU tensors).
+# (autograd's engine too, for CPU tensors). Launch times its stages' CPU work with it as well.
 CPU_CLOCK: Clock = time.thread_time
+CPU_CLOCK_NAME = "thread_time"  # how a profile's calibration names it (`clock`)
 
 _NODE_RANGE = "partc::"
 _BACKWARD_EVENT = "autograd::engine::evaluate_function: "

@@ -60,20 +60,15 @@ def replay_measured(plan: Plan, metrics: RunMetrics) -> Simulation | None:
     metrics.check_stages(plan.num_stages)
     spec = plan.pipeline_spec()
     stages = metrics.stage_summaries()
-    if spec.shares_cores:
-        times = [(m.forward_cpu_s, m.backward_cpu_s, m.optimizer_cpu_s) for m in stages]
-    else:
-        times = [(m.forward_s, m.backward_s, m.optimizer_s) for m in stages]
+    work = [w for m in stages if (w := m.compute_s(spec.shares_cores)) is not None]
+    if len(work) < len(stages):
+        return None
     optimizer = [0.0] * spec.num_ranks
-    work: list[tuple[float, float]] = []
-    for m, (fwd, bwd, opt) in zip(stages, times, strict=True):
-        if fwd is None or bwd is None or opt is None:
-            return None
+    for m, (_, _, opt) in zip(stages, work, strict=True):
         optimizer[m.pipeline_rank] += opt
-        work.append((fwd, bwd))
     return simulate(replace(
-        spec, stages=tuple(replace(t, forward_s=f, backward_s=b)
-                           for t, (f, b) in zip(spec.stages, work, strict=True)),
+        spec, stages=tuple(replace(t, forward_s=fwd, backward_s=bwd)
+                           for t, (fwd, bwd, _) in zip(spec.stages, work, strict=True)),
         optimizer_s=tuple(optimizer)))
 
 
@@ -159,9 +154,11 @@ def format_measured(plan: Plan, metrics: RunMetrics) -> str:
              f"iteration {step * 1e3:.1f} ms (median), {samples / step:,.1f} samples/s; "
              f"predicted {p.iteration_s * 1e3:.1f} ms, {p.samples_per_s:,.1f} samples/s "
              f"({step / p.iteration_s if p.iteration_s else 0:.2f}x)"]
+    shared = plan.pipeline_spec().shares_cores
+    summaries = metrics.stage_summaries()
     replayed = replay_measured(plan, metrics)
     if replayed is not None and replayed.iteration_s > 0:
-        what = "CPU times" if plan.pipeline_spec().shares_cores else "times"
+        what = "CPU times" if shared else "times"
         lines.append(f"schedule replayed with this run's stage {what}: "
                      f"{replayed.iteration_s * 1e3:.1f} ms (run/replay "
                      f"{step / replayed.iteration_s:.2f}x; the rest of the gap to the "
@@ -171,7 +168,7 @@ def format_measured(plan: Plan, metrics: RunMetrics) -> str:
               f"{'sync ms':>8} {'pred':>8} | {'peak ' + unit:>9} {'pred':>9}")
     lines.append(header)
     tied = _tied_span_s(plan)
-    for m in metrics.stage_summaries():
+    for m in summaries:
         st = plan.stages[m.index]
         r = st.rank
         peak = "-" if m.peak_memory_bytes is None else f"{m.peak_memory_bytes / div:,.1f}"
@@ -186,16 +183,14 @@ def format_measured(plan: Plan, metrics: RunMetrics) -> str:
             f"{(m.ddp_allreduce_s + m.tied_sync_s) * 1e3:>8.3f} "
             f"{(_at(p.allreduce_s, r) + tied[r]) * 1e3:>8.3f} | {peak:>9} "
             f"{pred_peak / div:>9,.1f}")
-    summaries = metrics.stage_summaries()
-    if plan.pipeline_spec().shares_cores and all(m.forward_cpu_s is not None
-                                                 and m.backward_cpu_s is not None
-                                                 for m in summaries):
+    work = [(m.index, w) for m in summaries if (w := m.compute_s(shared_core=True)) is not None]
+    if shared and len(work) == len(summaries):
         # wall times on shared cores include the core-mates' turns; the prediction's are the
         # work alone, which the simulator shares out
         lines.append("CPU ms per micro-batch (fwd/bwd; processes share cores, so the wall "
                      "times above include core-mates' turns): " + ", ".join(
-                         f"stage {m.index} {m.forward_cpu_s * 1e3:.3f}/"  # type: ignore[operator]
-                         f"{m.backward_cpu_s * 1e3:.3f}" for m in summaries))  # type: ignore[operator]
+                         f"stage {k} {fwd * 1e3:.3f}/{bwd * 1e3:.3f}"
+                         for k, (fwd, bwd, _) in work))
     lines.append("fwd/bwd: per micro-batch; p2p, opt(imizer) and (gradient) sync: per step. "
                  "Measured p2p is posting and waiting, so it includes waiting for the neighbour "
                  "stages (bubbles); predicted is the transfers alone. p2p, tied sync and peak "

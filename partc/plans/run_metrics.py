@@ -176,6 +176,17 @@ class StageSummary:
     backward_cpu_s: float | None = None
     optimizer_cpu_s: float | None = None
 
+    def compute_s(self, shared_core: bool) -> tuple[float, float, float] | None:
+        """(forward, backward, optimizer) seconds of the stage's own work: the wall times, or
+        where processes share a core the CPU times (the wall times there include the
+        core-mates' turns); None where those were not measured."""
+        if not shared_core:
+            return self.forward_s, self.backward_s, self.optimizer_s
+        if self.forward_cpu_s is None or self.backward_cpu_s is None or \
+                self.optimizer_cpu_s is None:
+            return None
+        return self.forward_cpu_s, self.backward_cpu_s, self.optimizer_cpu_s
+
 
 @dataclass(frozen=True)
 class RunMetrics:

@@ -38,6 +38,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
 
+from partc.cost.torch_profiler import CPU_CLOCK
 from partc.errors import LaunchError, PartcError
 from partc.frontend.model_file import ModelFile
 from partc.options import TrainOptions
@@ -74,7 +75,6 @@ from partc.run.schedule import (
 from partc.run.stage_runner import (
     GradSyncTimer,
     LocalStage,
-    cpu_clock,
     load_local_stages,
     save_checkpoint,
     sum_tied_gradients,
@@ -320,10 +320,10 @@ def _step(run: RankRun, step: int, memory_method: str) -> list[torch.Tensor] | N
         for local in run.stages:
             local.optimizer_s = local.optimizer_cpu_s = 0.0
             if local.optimizer is not None:
-                began, cpu = synced_clock(run.device), cpu_clock()
+                began, cpu = synced_clock(run.device), CPU_CLOCK()
                 local.optimizer.step()
                 local.optimizer_s = synced_clock(run.device) - began
-                local.optimizer_cpu_s = cpu_clock() - cpu
+                local.optimizer_cpu_s = CPU_CLOCK() - cpu
     V, M = run.num_stages, run.plan.training.shape.num_microbatches
     row = torch.zeros(_RANK_FIELDS + _STAGE_FIELDS * V, dtype=torch.float64)
     if losses:
@@ -338,9 +338,8 @@ def _step(run: RankRun, step: int, memory_method: str) -> list[torch.Tensor] | N
         at = _RANK_FIELDS + _STAGE_FIELDS * local.spec.index
         row[at + _PRESENT] = 1.0
         # the last stage's forward includes the loss's, as the prediction does
-        with_loss = run.loss_fn is not None and local.spec.index == V - 1
-        loss_s = run.loss_fn.forward_s if with_loss else 0.0  # type: ignore[union-attr]
-        loss_cpu_s = run.loss_fn.forward_cpu_s if with_loss else 0.0  # type: ignore[union-attr]
+        loss = run.loss_fn if local.spec.index == V - 1 else None
+        loss_s, loss_cpu_s = (loss.forward_s, loss.forward_cpu_s) if loss is not None else (0, 0)
         row[at + _FORWARD] = (local.pipe.forward_s + loss_s) / M
         row[at + _BACKWARD] = local.pipe.backward_s / M
         row[at + _OPTIMIZER] = local.optimizer_s

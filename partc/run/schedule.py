@@ -12,6 +12,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
+from partc.cost.torch_profiler import CPU_CLOCK
 from partc.emit.stage_graph import flatten_inputs
 from partc.errors import LaunchError
 from partc.frontend.model_file import ModelFile
@@ -19,7 +20,7 @@ from partc.options import TrainOptions
 from partc.plans.plan import Plan
 from partc.run.checkpoint import Checkpoint
 from partc.run.rank_setup import TiedGroup
-from partc.run.stage_runner import LocalStage, TimedStage, cpu_clock, synced_clock
+from partc.run.stage_runner import LocalStage, TimedStage, synced_clock
 from partc.run.training import check_inputs, next_batch, split_batch
 
 
@@ -82,7 +83,7 @@ class StageLoss:
         # this step's time in the loss's forwards (the schedule calls it after each forward of
         # the last stage, outside the stage's own timing; its backward is inside the stage's)
         self.forward_s = 0.0
-        self.forward_cpu_s = 0.0  # their CPU time (stage_runner.cpu_clock)
+        self.forward_cpu_s = 0.0  # their CPU time (CPU_CLOCK)
 
     def set_target(self, target: Any, batch: int) -> torch.Tensor:
         """Remember this step's target; returns the index tensor to hand the schedule."""
@@ -91,7 +92,7 @@ class StageLoss:
         return torch.arange(batch)
 
     def __call__(self, outputs: Any, index: torch.Tensor) -> torch.Tensor:
-        start, cpu = synced_clock(self.device), cpu_clock()
+        start, cpu = synced_clock(self.device), CPU_CLOCK()
         lo, hi = int(index[0]), int(index[-1]) + 1
         target = pytree.tree_map(
             lambda t: t[lo:hi] if isinstance(t, torch.Tensor) and t.dim() and
@@ -101,7 +102,7 @@ class StageLoss:
             return self.loss_fn(pytree.tree_unflatten(flat, self.spec), target)
         finally:
             self.forward_s += synced_clock(self.device) - start
-            self.forward_cpu_s += cpu_clock() - cpu
+            self.forward_cpu_s += CPU_CLOCK() - cpu
 
 
 def build_schedule(plan: Plan, pipes: Sequence[TimedStage], M: int, loss_fn: Callable[..., Any],

@@ -22,7 +22,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.pipelining import PipelineStage
 from torch.nn.parallel import DistributedDataParallel
 
-from partc.cost.torch_profiler import precision_autocast
+from partc.cost.torch_profiler import CPU_CLOCK, precision_autocast
 from partc.emit.stage_code import load_stage
 from partc.emit.stage_weights import (
     check_stage_tensors,
@@ -57,19 +57,12 @@ def synced_clock(device: torch.device) -> float:
     return time.perf_counter()
 
 
-def cpu_clock() -> float:
-    """CPU seconds the calling thread has run (time.thread_time). Where processes share a core,
-    a computation's wall time includes its core-mates' turns and its CPU time does not: the
-    work itself, which the simulator shares out (partc.plans.report.replay_measured). The
-    calling thread only: partc's CPU devices run one thread each, and gloo's copies run on its
-    own IO thread, which this leaves out."""
-    return time.thread_time()
-
-
 class TimedStage(PipelineStage):
     """A PipelineStage that adds up the time spent in its forwards and backwards (compute only:
     the schedule waits for receives outside these calls), synchronising a CUDA device around
-    each (`synced_clock`), and the CPU time of those calls (`cpu_clock`)."""
+    each (`synced_clock`), and the CPU time of those calls (CPU_CLOCK: the computing thread's,
+    which leaves out gloo's copies on its IO thread; where processes share a core, the work
+    without the core-mates' turns, as partc.plans.report.replay_measured replays it)."""
 
     forward_s = 0.0
     backward_s = 0.0
@@ -81,20 +74,20 @@ class TimedStage(PipelineStage):
         self.forward_s = self.backward_s = self.forward_cpu_s = self.backward_cpu_s = 0.0
 
     def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        start, cpu = synced_clock(self.device), cpu_clock()
+        start, cpu = synced_clock(self.device), CPU_CLOCK()
         try:
             return super().forward_one_chunk(*args, **kwargs)
         finally:
             self.forward_s += synced_clock(self.device) - start
-            self.forward_cpu_s += cpu_clock() - cpu
+            self.forward_cpu_s += CPU_CLOCK() - cpu
 
     def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        start, cpu = synced_clock(self.device), cpu_clock()
+        start, cpu = synced_clock(self.device), CPU_CLOCK()
         try:
             return super().backward_one_chunk(*args, **kwargs)
         finally:
             self.backward_s += synced_clock(self.device) - start
-            self.backward_cpu_s += cpu_clock() - cpu
+            self.backward_cpu_s += CPU_CLOCK() - cpu
 
 
 class GradSyncTimer:
@@ -210,7 +203,7 @@ class LocalStage:
     # times DDP's all-reduce when the plan has replicas, or reduces sharded gradients
     grad_sync: GradSyncTimer | GradientSharder | None = None
     optimizer_s: float = 0.0  # this step's optimizer step
-    optimizer_cpu_s: float = 0.0  # its CPU time (cpu_clock)
+    optimizer_cpu_s: float = 0.0  # its CPU time (CPU_CLOCK)
 
 
 def load_local_stages(plan: Plan, stages: Sequence[int], device: torch.device,
