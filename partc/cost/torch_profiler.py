@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import math
 import statistics
 import time
 import warnings
@@ -247,17 +246,19 @@ def _zero_grads(module: torch.nn.Module) -> None:
 
 def time_model(module: torch.nn.Module, inputs: Inputs, device: torch.device,
                warmup: int = 2, runs: int = 5, precision: Precision = "fp32",
-               cold: bool = False, clock: Clock = WALL_CLOCK) -> tuple[float, float]:
+               cold: bool = False, clock: Clock = WALL_CLOCK, budget_s: float = 0.0,
+               max_runs: int = 0) -> tuple[float, float]:
     """Median (forward, backward) time of a whole training step of the program, without the
     loss: backward starts from all-ones output gradients, so only the model is timed. The forward
     runs under `precision_autocast`, as in launch. On CUDA every clock read follows a
     synchronize: kernels run asynchronously, so the clock alone would time their launch. `cold`:
     the CPU caches are flushed before each run (`flush_cpu_caches`). `clock`: WALL_CLOCK, or on a
-    CPU whose core is shared CPU_CLOCK."""
+    CPU whose core is shared CPU_CLOCK. `budget_s`: after `runs` timed runs, more until that much
+    wall time has passed since the first timed one (whatever `clock` times), at most `max_runs`
+    in all: a fixed cost in the user's time, the same whether the core is shared or not."""
     args, kwargs = inputs
-    fwd: list[float] = []
-    bwd: list[float] = []
-    for i in range(warmup + runs):
+
+    def once() -> tuple[float, float]:
         _zero_grads(module)
         if cold:
             flush_cpu_caches()
@@ -272,10 +273,17 @@ def time_model(module: torch.nn.Module, inputs: Inputs, device: torch.device,
             torch.autograd.backward(tensors, grads)
         _sync(device)
         t2 = clock()
-        del out, tensors, grads
-        if i >= warmup:
-            fwd.append(t1 - t0)
-            bwd.append(t2 - t1)
+        return t1 - t0, t2 - t1
+
+    for _ in range(warmup):
+        once()
+    fwd: list[float] = []
+    bwd: list[float] = []
+    started = WALL_CLOCK()
+    while len(fwd) < runs or (len(fwd) < max_runs and WALL_CLOCK() - started < budget_s):
+        f, b = once()
+        fwd.append(f)
+        bwd.append(b)
     _zero_grads(module)
     return statistics.median(fwd), statistics.median(bwd)
 
@@ -505,20 +513,22 @@ def _clocked_nodes(module: torch.fx.GraphModule, flat: list[Any], batch_size: in
     model_fwd, model_bwd = sum(node_fwd.values()), sum(node_bwd.values())
     scripted = script_program(module, flat)
     if scripted is not None:  # the totals launch's stage files run in
-        # The totals decide every stage's time: timed for at least TOTALS_BUDGET_S (this VM's
-        # run-to-run spread is +-5-15% over a handful of runs; medians of many settle it).
-        reps = max(runs, min(TOTALS_MAX_RUNS, math.ceil(TOTALS_BUDGET_S / max(
-            model_fwd + model_bwd, 1e-6))))
+        # The totals decide every stage's time: timed for TOTALS_BUDGET_S of wall time (this
+        # VM's run-to-run spread is +-5-15% over a handful of runs; medians of many settle it).
+        # Wall time, not `clock`'s: on a shared core CPU time passes at a fraction of the wall's,
+        # and a CPU-time budget doubled cpu-4 compiles (with the neighbours spinning throughout).
         with torch.jit.optimized_execution(False):
-            model_fwd, model_bwd = time_model(scripted, (tuple(flat), {}), device, warmup, reps,
-                                              precision, cold=True, clock=clock)
+            model_fwd, model_bwd = time_model(scripted, (tuple(flat), {}), device, warmup, runs,
+                                              precision, cold=True, clock=clock,
+                                              budget_s=TOTALS_BUDGET_S,
+                                              max_runs=TOTALS_MAX_RUNS)
     return TorchTiming(batch_size=batch_size, model_forward_s=model_fwd,
                        model_backward_s=model_bwd, node_forward_s=node_fwd,
                        node_backward_s=node_bwd, unattributed_backward_s=0.0,
                        differentiable=frozenset(differentiable), runs=runs)
 
 
-TOTALS_BUDGET_S = 1.0  # the least wall time a CPU profile spends timing a size's totals
+TOTALS_BUDGET_S = 1.0  # the wall time a CPU profile spends timing a size's totals
 TOTALS_MAX_RUNS = 100
 
 _FLUSH: list[torch.Tensor] = []
