@@ -192,6 +192,8 @@ def compile_command(plan: Plan, plan_path: Path, model_path: Path | None = None)
             "--cluster", plan.cluster.name, *to_argv(costs.search)]
     if costs.source == "profile":
         args += ["--profile", _shown(directory / str(costs.profile))]
+    else:  # said outright: on this machine the default (auto) would measure instead
+        args += ["--costs", "analytic"]
     if costs.capture_batch_size != DEFAULT_CAPTURE_BATCH:
         args += ["--capture-batch", str(costs.capture_batch_size)]
     args += to_argv(plan.training.config)

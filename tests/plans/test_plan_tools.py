@@ -138,10 +138,13 @@ def test_check_re_solves_and_shows_what_moves(plan_copy: Path) -> None:
     assert "the model changed" not in out
     assert "modules that change stage" in out and "stage 1 -> stage 0" in out
     assert "fwd ms" in out
-    # The printed fix recompiles the plan; afterwards it is current again.
+    # The printed fix recompiles the plan from the same kind of costs (the default would measure
+    # on this machine); afterwards it is current again.
     fix = next(line for line in out.splitlines() if line.strip().startswith("fix: "))
+    assert "--costs analytic" in fix
     args = fix.strip().removeprefix("fix: partc ").split()
     assert run(*args).returncode == 0
+    assert yaml.safe_load((plan_copy / "plan.yaml").read_text())["costs"]["source"] == "analytic"
     assert run("check", str(plan_copy)).returncode == 0
 
 
