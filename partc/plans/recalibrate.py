@@ -25,6 +25,11 @@ so a recompile of the same shape and cut predicts exactly the measured stage tim
 costs the launched plan was solved with. Fixed and per-sample parts scale alike: other
 micro-batch sizes move proportionally. A stage whose work is zero keeps factor 1.
 
+Where the plan's ranks share cores (more devices than cores, as cpu-4 on 2 cores) the measured
+times are the stages' CPU times (launch records them beside the wall times), not the wall times,
+which hold the core-mates' turns: the profile prices the work there by CPU time, and the
+simulator shares the cores out itself. A run without CPU times (an older partc's) is refused.
+
 The corrected table keeps its `kind` (what distributed time over nodes: "measured" or
 "analytic") and records the correction in `calibration["calibrated_from"]` (CALIBRATED_FROM):
 run and plan paths, the plan's sha256, the steps used and each stage's factors and times. Plans
@@ -170,23 +175,34 @@ def stage_calibrations(table: CostTable, launched: LaunchedRun,
     # what every stage pays besides its operators: the runtime's overhead, the loss on the last
     fixed = stage_fixed_s(table, replace(plan.cluster, device=device), plan.training.shape)
     timed = tuple(s for s in launched.run.steps if s.step in set(launched.steps))
+    # Where ranks share a core their wall times hold the core-mates' turns, which the simulator
+    # adds itself: the stages' own work is their CPU time, as the profile prices it there.
+    shared = plan.pipeline_spec().shares_cores
     out = []
     for summary, nodes, stage in zip(launched.run.stage_summaries(timed), launched.stage_nodes,
                                      plan.stages, strict=True):
+        work = summary.compute_s(shared)
+        if work is None:
+            raise CalibrationError(
+                f"{launched.run_path.name} ran processes that share cores but has no CPU "
+                "times per stage (launched by an older partc), and its wall times hold the "
+                "core-mates' turns", hint=_hint(launched.run_path))
+        forward_s, backward_s, _ = work
         fwd_work = table.sum_forward_s(nodes, m)
         bwd_work = table.sum_backward_s(nodes, m)
         fwd_fixed, bwd_fixed = fixed[stage.index]
-        f = _factor(summary.forward_s - fwd_fixed, fwd_work, stage.index, "forward", launched)
+        f = _factor(forward_s - fwd_fixed, fwd_work, stage.index, "forward", launched)
         # a checkpointing stage's measured backward recomputes its forward first; one sharding
-        # its gradients reduces them inside each backward (the sharder's time, per step)
+        # its gradients reduces them inside each backward (the sharder's wall time, per step;
+        # gloo reduces on its own threads, outside the computing thread's CPU time)
         recompute = f * fwd_work if stage.activation_checkpointing else 0.0
         reduces = summary.ddp_allreduce_s / plan.training.shape.num_microbatches \
-            if stage.sharding == "gradients" else 0.0
-        b = _factor(summary.backward_s - bwd_fixed - recompute - reduces, bwd_work, stage.index,
+            if stage.sharding == "gradients" and not shared else 0.0
+        b = _factor(backward_s - bwd_fixed - recompute - reduces, bwd_work, stage.index,
                     "backward", launched)
         out.append(StageCalibration(
-            index=stage.index, measured_forward_s=summary.forward_s,
-            measured_backward_s=summary.backward_s, predicted_forward_s=stage.forward_s,
+            index=stage.index, measured_forward_s=forward_s,
+            measured_backward_s=backward_s, predicted_forward_s=stage.forward_s,
             predicted_backward_s=stage.backward_s, forward_factor=f, backward_factor=b))
     return tuple(out)
 

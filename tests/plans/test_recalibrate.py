@@ -187,13 +187,14 @@ def test_refusals(launched: Launched, mlp_capture: CaptureResult, tmp_path: Path
     assert not (out / "plan.yaml").exists()
 
 
-def test_calibrating_from_a_run_that_shards_gradients(tmp_path: Path) -> None:
-    """A stage sharding its gradients (ZeRO-2) reduces each micro-batch's buckets inside its
-    backward, so the run's measured backward holds the sharder's time (recorded per step as
-    the stage's ddp_allreduce_s). Calibration takes that time out before scaling the operators
-    and the calibrated plan prices the reduces again as any compile does: its backward is the
-    measured one with the measured reduces replaced by the predicted ones, not the measured
-    backward with the reduces counted twice."""
+def test_calibrating_from_a_run_on_shared_cores_that_shards_gradients(tmp_path: Path) -> None:
+    """2 stages x 2 replicas on cpu-4: 4 processes on this machine's 2 cores, so the stages'
+    wall times hold their core-mates' turns and calibration takes each stage's CPU times
+    instead (launch records both; the simulator adds the turns itself). Each stage shards its
+    gradients (ZeRO-2): gloo reduces each micro-batch's buckets on its own threads, outside the
+    computing thread's CPU time, so nothing is taken out for them, and the calibrated plan
+    prices the reduces as any compile does: its backward is the measured CPU backward plus the
+    predicted reduces. A run without CPU times (an older partc's) cannot calibrate such a plan."""
     shape = dataclasses.replace(SHAPE, replicas=2, sharding="gradients")
 
     def compile_sharded(out: Path, calibrate_from: Path | None = None,
@@ -224,11 +225,21 @@ def test_calibrating_from_a_run_that_shards_gradients(tmp_path: Path) -> None:
     assert calibrated.training.shape == old.training.shape
     metrics = RunMetrics.load(run)
     measured = metrics.stage_summaries(metrics.strictly_timed_steps())
-    m = old.training.shape.num_microbatches
+    assert old.pipeline_spec().shares_cores
     for stage, got, reduce_s in zip(calibrated.stages, measured, predicted_reduces, strict=True):
         assert got.ddp_allreduce_s > 0  # the sharder timed its reduces
-        assert stage.forward_s == pytest.approx(got.forward_s, abs=2e-9)
-        assert stage.backward_s == pytest.approx(
-            got.backward_s - got.ddp_allreduce_s / m + reduce_s, abs=2e-9)
+        assert got.forward_cpu_s is not None and got.backward_cpu_s is not None
+        assert got.forward_cpu_s <= got.forward_s  # the thread's share of the wall time
+        assert stage.forward_s == pytest.approx(got.forward_cpu_s, abs=2e-9)
+        assert stage.backward_s == pytest.approx(got.backward_cpu_s + reduce_s, abs=2e-9)
     report = check_plan(calibrated_path)
     assert report.current, report.reasons
+
+    older = tmp_path / "older.jsonl"  # the same run as an older launch wrote it
+    steps = [StepMetrics.from_dict(json.loads(x)) for x in run.read_text().splitlines()]
+    older.write_text("".join(dataclasses.replace(step, stages=tuple(
+        dataclasses.replace(st, forward_cpu_s=None, backward_cpu_s=None, optimizer_cpu_s=None)
+        for st in step.stages)).to_json() + "\n" for step in steps))
+    with pytest.raises(CalibrationError, match="no CPU times per stage") as info:
+        compile_sharded(tmp_path / "c", calibrate_from=older)
+    assert info.value.hint and "\n" not in info.value.one_line()
