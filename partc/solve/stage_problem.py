@@ -218,8 +218,9 @@ class CrossingTensor:
     # Per boundary k (index 0 unused): the transfer time units the stage after the boundary (k)
     # and the stage before it (k - 1) pay when the tensor crosses it. Where sends are
     # asynchronous (NCCL) each pays for what it receives: the activation is `after`'s, the
-    # gradient `before`'s; where the sending process copies the data itself (gloo) each pays
-    # for what it sends: the activation is `before`'s, the gradient `after`'s.
+    # gradient `before`'s. Where the processes copy the data themselves (gloo) both pay for
+    # both: a send is a rendezvous the receiver waits through, its bytes copied on both cores
+    # (partc.solve.host_p2p, as the simulator runs it).
     after: tuple[int, ...]
     before: tuple[int, ...]
     size: int  # memory units per micro-batch
@@ -362,7 +363,7 @@ class StageProblem:
             t[k] += self.compute[b]
         for tensor in self.tensors:
             for k in self.crossings(assignment, tensor):
-                # Counted once, on the stage that waits for it (CrossingTensor)
+                # On the stage that waits for it, or with gloo on both (CrossingTensor)
                 t[k] += tensor.after[k]
                 t[k - 1] += tensor.before[k]
         return t
@@ -640,7 +641,10 @@ def _crossing_tensors(blocks: BlockGraph, table: CostTable, shape: PipelineShape
         hops = [link for link in links[1:] if link is not None]
         forward = tuple([0] + [units.time(link.transfer_s(int(nbytes))) for link in hops])
         backward = tuple([0] + [units.time(link.transfer_s(int(grad))) for link in hops])
-        after, before = (backward, forward) if cluster.host_sends else (forward, backward)
+        if cluster.host_sends:
+            after = before = tuple(f + b for f, b in zip(forward, backward, strict=True))
+        else:
+            after, before = forward, backward
         tensors.append(CrossingTensor(
             name=t.name, producer=-1 if t.producer is None else t.producer,
             consumers=t.consumers, is_output=t.is_output, after=after, before=before,

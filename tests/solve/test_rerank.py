@@ -77,13 +77,13 @@ def random_table(seed: int, n: int = 8) -> CostTable:
     return chain_table(fwd, bwd, [rng.choice([16, 4096, 65536]) for _ in range(n)])
 
 
-# Found by sweeping random chains on CPU4: J puts the strategy's own cut 6% ahead of the uniform
-# cut (layers 0-3 | 4-7, whose boundary carries layer 3's 16-wide output); the simulator, in which
-# a gloo transfer is a rendezvous both neighbours wait for and a copy on both cores, puts the
-# uniform cut 1% ahead.
-DISAGREE = chain_table(fwd_ms=[1.4, 1.0, 2.7, 1.6, 0.4, 2.3, 0.4, 0.8],
-                       bwd_ms=[1.1, 2.7, 9.3, 4.2, 0.5, 8.0, 1.4, 1.3],
-                       widths=[4096, 65536, 65536, 16, 16, 65536, 65536, 16])
+# Found by sweeping random chains on CPU4: J puts the strategy's own cut 3.5% ahead of the
+# uniform cut (layers 0-3 | 4-7); the simulator, which runs the schedule's order (J sees only each
+# stage's forward + backward) and a gloo transfer as a rendezvous at the points torch posts and
+# waits, puts the uniform cut 2.5% ahead.
+DISAGREE = chain_table(fwd_ms=[1.8, 0.7, 2.9, 2.8, 1.5, 2.1, 0.8, 0.8],
+                       bwd_ms=[2.7, 2.0, 3.6, 10.9, 1.1, 2.5, 0.6, 2.6],
+                       widths=[4096, 16, 4096, 4096, 16, 65536, 4096, 4096])
 PINNED = SearchOptions(stages=2, replicas=1, schedule="1f1b", num_microbatches=4,
                        time_limit_s=1)
 
@@ -119,13 +119,13 @@ def test_the_simulator_overrules_the_objective_when_they_disagree() -> None:
         chosen, own = r.candidates[0], r.candidates[1]
         assert chosen.cut_from == "uniform" and own.cut_from == strategy
         # J prefers the strategy's own cut, the simulator the uniform one.
-        assert own.objective_s < chosen.objective_s * 0.95
-        assert chosen.iteration_s < own.iteration_s
+        assert own.objective_s < chosen.objective_s * 0.97
+        assert chosen.iteration_s < own.iteration_s * 0.98
         assert chosen.iteration_s == p.iteration_s
         assert r.objective_s == pytest.approx(chosen.objective_s)  # J of the cut emitted
         # The bound is still over every cut of the shape, so it bounds the emitted cut's J too.
         assert r.bound_s is not None and r.bound_s <= r.objective_s
-        assert r.gap is not None and r.gap > 0.05
+        assert r.gap is not None and r.gap > 0.03
 
 
 @pytest.mark.parametrize("strategy", ["cpsat", "chain-dp"])

@@ -242,6 +242,30 @@ def test_in_flight_coefficients_follow_the_schedule() -> None:
     assert c.activation_coef == [1.0] * 4
 
 
+def test_who_pays_a_transfer_follows_the_backend() -> None:
+    """J's stage times: under NCCL a crossing tensor's transfer is paid once, by the stage that
+    waits for it (the activation by the stage after the cut, the gradient by the one before);
+    under gloo both neighbours pay both directions, as the simulator runs a gloo send (a
+    rendezvous the receiver waits through, copied on both cores)."""
+    gloo = problem("deep_chain", 2, 2, cluster=CPU)
+    nccl = problem("deep_chain", 2, 2, cluster=replace(CPU, backend="nccl"))
+    assert gloo.cluster.host_sends and not nccl.cluster.host_sends
+    n = gloo.num_blocks
+    cut = [0] * (n // 2) + [1] * (n - n // 2)
+    crossing = [t for t in gloo.tensors if 1 in gloo.crossings(cut, t)]
+    assert crossing and gloo.compute == nccl.compute and gloo.stage_fixed == nccl.stage_fixed
+    base = list(gloo.stage_fixed)
+    for b, k in enumerate(cut):
+        base[k] += gloo.compute[b]
+    by_name = {t.name: t for t in nccl.tensors}
+    activation = sum(by_name[t.name].after[1] for t in crossing)
+    gradient = sum(by_name[t.name].before[1] for t in crossing)
+    assert activation > 0 and gradient > 0
+    assert nccl.stage_times(cut) == [base[0] + gradient, base[1] + activation]
+    both = activation + gradient
+    assert gloo.stage_times(cut) == [base[0] + both, base[1] + both]
+
+
 def test_shape_validation() -> None:
     with pytest.raises(ShapeError):
         PipelineShape(stages=2, replicas=1, num_microbatches=4, microbatch_size=1,
