@@ -431,6 +431,15 @@ def compile_command(model: Path, output: Path | None, calibrate_from: Path | Non
                f"in {result.timings['total_s']:.1f} s", err=True)
 
 
+def _refuse_a_bad_plan(plan: Path) -> None:
+    """Read and validate the plan (torch-free) before the command imports torch: a missing,
+    damaged or inconsistent plan is refused in a fraction of a second instead of after seconds
+    of imports. The command reads it again itself; this only fails it early."""
+    from partc.plans.plan import load_plan
+
+    load_plan(plan)
+
+
 @cli.command()
 @click.argument("plan", type=click.Path(readable=False, path_type=Path))
 @click.option("--rtol", type=click.FloatRange(min=0), default=1e-4, show_default=True,
@@ -450,6 +459,7 @@ def verify(plan: Path, rtol: float, atol: float, seed: int, device: str,
            init_from: Path | None) -> None:
     """Check a plan: schema, stage file hashes, and that the stages in sequence compute the model's
     outputs, loss and every gradient (exit 1 when above tolerance)."""
+    _refuse_a_bad_plan(plan)
     from partc.emit.verify import format_report, verify_plan
 
     report = verify_plan(plan, rtol=rtol, atol=atol, seed=seed, device=device,
@@ -467,6 +477,7 @@ def verify(plan: Path, rtol: float, atol: float, seed: int, device: str,
 def launch(plan: Path, **kw: Any) -> None:
     """Train a plan on torch.distributed: one process per device, pipeline x data parallel,
     started by torch's elastic launcher (torchrun's flags and semantics)."""
+    _refuse_a_bad_plan(plan)
     from partc.run.launch import launch as run_plan
 
     run_plan(plan, from_flags(TrainOptions, kw), from_flags(ElasticOptions, kw))
@@ -482,11 +493,13 @@ def check(plans: tuple[Path, ...], model: Path | None) -> None:
     its graph with the plan's and re-solves with the plan's recorded inputs. A directory stands
     for every plan.yaml under it. Exit 0: all current; 1: a plan is stale (what changed, what
     moves, old vs new throughput, the command that refreshes it); 2: bad input."""
-    from partc.emit.check import ISOLATED_ENV, check_in_child, check_plan, model_file_changed
     from partc.plans.check import find_plans, format_check
     from partc.progress import TerminalProgress
 
     def check_one(path: Path) -> int:
+        _refuse_a_bad_plan(path)
+        from partc.emit.check import ISOLATED_ENV, check_in_child, check_plan, model_file_changed
+
         # a model file changed since compile is checked in a child process: its code cannot
         # make this process report the plan current
         if os.environ.get(ISOLATED_ENV) != "1" and model_file_changed(path, model):
