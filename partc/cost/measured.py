@@ -222,7 +222,10 @@ def _measure(result: CaptureResult, b: int, device: torch.device, use_ort: bool,
     # which emit saves into the stage files: without the restore a plan's weights would depend
     # on whether its profile came from the cache.
     with buffers_restored(module):
-        with progress.step(f"torch: saved activations, fwd/bwd per node at batch {b}"):
+        # by CPU time where a neighbour shares this core (with --method auto, instead of
+        # onnxruntime: said here, so a profile's method is never a silent choice)
+        clocked = " (CPU time: a neighbour shares this core)" if clock is CPU_CLOCK else ""
+        with progress.step(f"torch: saved activations, fwd/bwd per node at batch {b}{clocked}"):
             # saved bytes under the precision's autocast: bf16-mixed saves bf16 activations
             with precision_autocast(options.precision, device.type):
                 saved = saved_activation_bytes(module, inputs)
@@ -344,7 +347,7 @@ def measure_sizes(result: CaptureResult, device: torch.device, options: ProfileO
         else contextlib.nullcontext()
     # (the neighbours start first: a child inherits its parent's pinning)
     with busy_neighbours(neighbours, result.capture.model_file.path, max(sizes),
-                         options.precision), pinned:
+                         options.precision, progress), pinned:
         measurements = [_measure(result, b, device, use_ort, options, progress, clock)
                         for b in sizes]
     return combine(result.graph, measurements, device, options, use_ort,

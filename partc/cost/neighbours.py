@@ -30,6 +30,7 @@ from typing import Callable, Iterator
 from partc.errors import PartcError
 from partc.hardware.local import core_cpus, set_affinity
 from partc.options import PRECISIONS, Precision, check_choice
+from partc.progress import Progress
 
 _READY = "ready"
 
@@ -43,36 +44,49 @@ def shares_core(count: int) -> bool:
 
 @contextlib.contextmanager
 def busy_neighbours(count: int, model: str | Path | None = None,
-                    batch_size: int = 2, precision: Precision = "fp32") -> Iterator[None]:
+                    batch_size: int = 2, precision: Precision = "fp32",
+                    progress: Progress | None = None) -> Iterator[None]:
     """Keep `count` single-threaded neighbour processes busy training `model` (or a generic loop)
     for the duration of the block, under `precision` as the pipeline's other stages run it; they
-    are killed on exit, whatever ends the block (an error, Ctrl-C)."""
+    are killed on exit, whatever ends the block (an error, Ctrl-C). Their start (seconds: each
+    imports torch and builds the model) is a `progress` step."""
     check_choice("precision", precision, PRECISIONS, PartcError)
     procs: list[subprocess.Popen[str]] = []
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     cores = core_cpus()  # this process's, before anything pins it: children inherit a pinning
+    starting = (progress or Progress()).step(
+        f"starting {count} busy neighbour(s): the node's other devices, training the model") \
+        if count else contextlib.nullcontext()
     try:
-        for index in range(count):
-            # neighbour i is the node's device i + 1: on core i + 1 (modulo the cores), as
-            # launch pins its local ranks, the measuring process being device 0
-            cpus = ",".join(str(c) for c in sorted(cores[(index + 1) % len(cores)])) \
-                if cores else "-"
-            what = [cpus, str(model), str(batch_size), precision] if model is not None \
-                else [cpus]
-            procs.append(subprocess.Popen([sys.executable, "-m", "partc.cost.neighbours", *what],
-                                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                          text=True, env=env))
-        for p in procs:
-            assert p.stdout is not None
-            if p.stdout.readline().strip() != _READY:
-                raise PartcError("a busy-neighbour process for profiling did not start",
-                                 hint="profile without neighbours (--neighbours 0)")
+        with starting:
+            _start(procs, count, cores, model, batch_size, precision, env)
         yield
     finally:
         for p in procs:
             p.kill()
         for p in procs:
             p.wait()
+
+
+def _start(procs: list[subprocess.Popen[str]], count: int, cores: list[frozenset[int]],
+           model: str | Path | None, batch_size: int, precision: Precision,
+           env: dict[str, str]) -> None:
+    """Start the neighbours into `procs` (the caller kills them) and wait until each is busy."""
+    for index in range(count):
+        # neighbour i is the node's device i + 1: on core i + 1 (modulo the cores), as
+        # launch pins its local ranks, the measuring process being device 0
+        cpus = ",".join(str(c) for c in sorted(cores[(index + 1) % len(cores)])) \
+            if cores else "-"
+        what = [cpus, str(model), str(batch_size), precision] if model is not None \
+            else [cpus]
+        procs.append(subprocess.Popen([sys.executable, "-m", "partc.cost.neighbours", *what],
+                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                      text=True, env=env))
+    for p in procs:
+        assert p.stdout is not None
+        if p.stdout.readline().strip() != _READY:
+            raise PartcError("a busy-neighbour process for profiling did not start",
+                             hint="profile without neighbours (--neighbours 0)")
 
 
 def _model_step(model: str, batch_size: int,

@@ -62,6 +62,8 @@ def check_plan(plan_path: str | Path, model: str | Path | None = None,
     note_cluster_config(plan, report)
 
     costs = plan.costs
+    # a recorded profile that is gone is an error: said before seconds of capture
+    profile = recorded_profile(plan, path)
     result = capture_graph(model_path, costs.capture_batch_size, onnx=False, progress=progress)
     changes = model_changes(plan, result.graph)
     report.changes = changes
@@ -69,7 +71,6 @@ def check_plan(plan_path: str | Path, model: str | Path | None = None,
         report.current = False
         report.reasons.append(f"the model changed since the plan was compiled (graph "
                               f"{changes.old_hash[:19]}.. -> {changes.new_hash[:19]}..)")
-    profile = recorded_profile(plan, path)
     if profile is not None:
         if costs.profile_sha256 is not None and sha256_file(profile) != costs.profile_sha256:
             # the costs the plan was solved with are not the ones reviewed: never re-solve

@@ -3,6 +3,7 @@ real measurement of a small model)."""
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 import pytest
@@ -15,14 +16,17 @@ from partc.cost.profile_cache import cached_profile
 
 
 def _neighbour_pids() -> set[int]:
+    """This process's neighbour children (other tests may be measuring in parallel workers)."""
     found = set()
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit():
             try:
                 cmdline = (proc / "cmdline").read_bytes()
-            except OSError:
+                # the parent pid: the field after the parenthesised command name
+                ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
                 continue
-            if b"partc.cost.neighbours" in cmdline:
+            if b"partc.cost.neighbours" in cmdline and ppid == os.getpid():
                 found.add(int(proc.name))
     return found
 

@@ -158,8 +158,12 @@ def test_check_when_memory_no_longer_fits(plan_copy: Path) -> None:
     assert "no plan fits any more" in proc.stdout
 
 
-def test_check_reuses_a_checked_in_profile(tmp_path: Path) -> None:
-    # the example plan's checked-in profile (`partc profile` itself: tests/test_cli.py)
+def test_check_of_a_plan_with_a_profile(tmp_path: Path) -> None:
+    """A plan priced by a profile (what the default compile measures on this machine, or a
+    checked-in `--profile`: here the example plan's, so nothing is measured; measuring itself is
+    tests/cost's): check re-solves from that file and finds the plan current; a changed model
+    asks to recompile; a different profile makes the plan stale; a missing one is a one-line
+    error."""
     plan_dir = tmp_path / "tf"
     plan_dir.mkdir()
     profile = plan_dir / "profile.yaml"
@@ -168,8 +172,17 @@ def test_check_reuses_a_checked_in_profile(tmp_path: Path) -> None:
                  "--profile", str(profile))
     plan = yaml.safe_load((plan_dir / "plan.yaml").read_text())
     assert plan["costs"]["source"] == "profile" and plan["costs"]["profile"] == "profile.yaml"
+    assert len(plan["costs"]["profile_sha256"]) == 64
     proc = run("check", str(plan_dir))
     assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+    # The model changed: the profile measured the old one, so the fix recompiles (and measures).
+    text = (EXAMPLES / "transformer.py").read_text()
+    edited = tmp_path / "transformer_edited.py"
+    assert "LAYERS = 4" in text
+    edited.write_text(text.replace("LAYERS = 4", "LAYERS = 5"))
+    proc = run("check", str(plan_dir), "--model", str(edited))
+    assert proc.returncode == 1, proc.stdout + proc.stderr[-2000:]
+    assert "STALE" in proc.stdout and "recompile" in proc.stdout, proc.stdout
     # The profile is part of the plan's inputs: a different one makes the plan stale.
     data = yaml.safe_load(profile.read_text())
     for row in data["nodes"].values():  # [method, fwd fixed, fwd per sample, bwd ..., saved ...]
@@ -182,24 +195,6 @@ def test_check_reuses_a_checked_in_profile(tmp_path: Path) -> None:
     proc = run("check", str(plan_dir))
     assert proc.returncode == 2 and "profile.yaml recorded in" in proc.stderr
     assert "(hint: " in proc.stderr and "Traceback" not in proc.stderr
-
-
-def test_check_of_a_measured_plan_asks_to_recompile(tmp_path: Path) -> None:
-    """The default compile on this machine measures its costs into profile.yaml; check re-solves
-    from that file, and when the model changed it says to recompile (which measures again)."""
-    plan_dir = compile_plan(tmp_path / "tf", EXAMPLES / "transformer.py", "-b", "8",
-                            "--stages", "2")
-    plan = yaml.safe_load((plan_dir / "plan.yaml").read_text())
-    assert plan["costs"]["source"] == "profile" and plan["costs"]["profile"] == "profile.yaml"
-    assert len(plan["costs"]["profile_sha256"]) == 64
-    assert run("check", str(plan_dir)).returncode == 0
-    text = (EXAMPLES / "transformer.py").read_text()
-    edited = tmp_path / "transformer_edited.py"
-    assert "LAYERS = 4" in text
-    edited.write_text(text.replace("LAYERS = 4", "LAYERS = 5"))
-    proc = run("check", str(plan_dir), "--model", str(edited))
-    assert proc.returncode == 1, proc.stdout + proc.stderr[-2000:]
-    assert "STALE" in proc.stdout and "recompile" in proc.stdout, proc.stdout
 
 
 def test_check_several_plans_reports_each(bert2: Path, tmp_path: Path) -> None:

@@ -229,7 +229,6 @@ def test_calibrating_from_a_run_on_shared_cores_that_shards_gradients(tmp_path: 
     for stage, got, reduce_s in zip(calibrated.stages, measured, predicted_reduces, strict=True):
         assert got.ddp_allreduce_s > 0  # the sharder timed its reduces
         assert got.forward_cpu_s is not None and got.backward_cpu_s is not None
-        assert got.forward_cpu_s <= got.forward_s  # the thread's share of the wall time
         assert stage.forward_s == pytest.approx(got.forward_cpu_s, abs=2e-9)
         assert stage.backward_s == pytest.approx(got.backward_cpu_s + reduce_s, abs=2e-9)
     report = check_plan(calibrated_path)

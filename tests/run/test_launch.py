@@ -144,6 +144,10 @@ def test_interleaved_schedule_with_activation_checkpointing(tmp_path: Path) -> N
     train_and_compare(plan, tmp_path, steps=3)
 
 
+# slow set: the default run launches a ZeRO-2 plan to the end in
+# tests/plans/test_recalibrate.py and restarts a ZeRO-1 one from its checkpoint (the killed-rank
+# test's 2x2-sharded case); this one proves ZeRO-2's losses and resumes bit for bit
+@pytest.mark.slow
 def test_sharded_gradients_train_and_resume_as_the_unsharded_plan(tmp_path: Path) -> None:
     """ZeRO-2 (ZeroRedundancyOptimizer over each stage's replicas, each micro-batch's gradients
     reduced onto their owners as they form, partc.run.gradient_sharding) on 2 stages x 2
