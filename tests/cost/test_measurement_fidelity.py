@@ -3,6 +3,7 @@ profiler's uneven per-event cost), totals of the program as TorchScript runs it,
 priced on the last stage, and a compile that measures the micro-batch size its plan runs."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -51,9 +52,12 @@ def test_identical_layers_are_timed_alike_on_the_cpu() -> None:
 
 def test_the_loss_is_measured_and_paid_by_the_last_stage() -> None:
     result = captured(EXAMPLES / "transformer.py")
-    table = measure_costs(result, CPU, FAST, progress=Progress())
+    # batches 2 and 16: the loss's growth is far above the timing noise of a loaded machine
+    # (at 2 and 4 both once measured 0.42 ms under the test suite's load)
+    table = measure_costs(result, CPU, dataclasses.replace(FAST, batch_sizes=(2, 16)),
+                          progress=Progress())
     # cross-entropy over 1000-way logits of every token: real work, growing with the batch
-    assert 0 < table.loss.forward.at(2) < table.loss.forward.at(4)
+    assert 0 < table.loss.forward.at(2) < table.loss.forward.at(16)
     assert table.loss.backward.at(4) > 0 and table.loss.method == "torch"
     cluster = load_cluster("cpu")
     shape = PipelineShape(stages=2, replicas=1, num_microbatches=4, microbatch_size=4)
