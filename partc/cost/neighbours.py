@@ -54,12 +54,11 @@ def busy_neighbours(count: int, model: str | Path | None = None,
     procs: list[subprocess.Popen[str]] = []
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     cores = core_cpus()  # this process's, before anything pins it: children inherit a pinning
-    starting = (progress or Progress()).step(
-        f"starting {count} busy neighbour(s): the node's other devices, training the model") \
-        if count else contextlib.nullcontext()
     try:
-        with starting:
-            _start(procs, count, cores, model, batch_size, precision, env)
+        if count:
+            with (progress or Progress()).step(f"starting {count} busy neighbour(s): the node's "
+                                               "other devices, training the model"):
+                _start(procs, count, cores, model, batch_size, precision, env)
         yield
     finally:
         for p in procs:
