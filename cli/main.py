@@ -157,6 +157,7 @@ def cli() -> None:
 def inspect(model: Path, batch_size: int, depth: int, json_out: Path | None,
             save_dir: Path | None, no_onnx: bool) -> None:
     """Capture MODEL (a model file) and print parameters, FLOPs and activations per module."""
+    _refuse_a_bad_model_file(model)
     from partc.frontend.capture import capture_graph
     from partc.graph.module_summary import format_table, summarize_modules
     from partc.progress import TerminalProgress
@@ -227,6 +228,7 @@ def profile(model: Path, device: str, batch_size: int, batch_sizes: tuple[int, .
             threads: int, neighbours: int, runs: int, warmup: int, output: Path) -> None:
     """Measure (or compute) the cost of every operator of MODEL: forward and backward time and
     activation bytes per node, as a function of the micro-batch size."""
+    _refuse_a_bad_model_file(model)
     from partc.cost.table import format_cost_summary
     from partc.progress import TerminalProgress
 
@@ -362,6 +364,7 @@ def _search_inputs(kw: dict[str, Any]) -> tuple[Any, TrainingConfig, SearchOptio
 def solve(model: Path, output: Path | None, timeline: Path | None, **kw: Any) -> None:
     """Find the best pipeline x data-parallel partition of MODEL for a cluster and global batch:
     coarsen, search shapes, cut stages (CP-SAT by default), simulate; print the plan."""
+    _refuse_a_bad_model_file(model)
     from partc.frontend.capture import capture_graph
     from partc.plans.priced_search import priced_search
     from partc.progress import TerminalProgress
@@ -413,6 +416,7 @@ def compile_command(model: Path, output: Path | None, calibrate_from: Path | Non
                     **kw: Any) -> None:
     """Compile MODEL into a plan directory: capture, price, coarsen, solve, simulate, then split
     the program into stages, trace each to TorchScript (stage_<k>.pt) and write plan.yaml."""
+    _refuse_a_bad_model_file(model)
     from partc.emit.compile import CompileOptions, compile_model
     from partc.plans.plan import format_plan
     from partc.progress import TerminalProgress
@@ -429,6 +433,14 @@ def compile_command(model: Path, output: Path | None, calibrate_from: Path | Non
     click.echo(f"plan digest: {result.plan.content_digest()}")
     click.echo(f"wrote {output / 'plan.yaml'} and {result.plan.num_stages} stage files "
                f"in {result.timings['total_s']:.1f} s", err=True)
+
+
+def _refuse_a_bad_model_file(model: Path) -> None:
+    """Refuse a missing, unreadable or syntactically broken model file (torch-free) before the
+    command imports torch and the capture stack, seconds that would only end in that one line."""
+    from partc.frontend.model_source import refuse_bad_model_source
+
+    refuse_bad_model_source(model)
 
 
 def _refuse_a_bad_plan(plan: Path) -> None:

@@ -85,7 +85,7 @@ TORCH_FREE = ("partc", "partc.options", "partc.errors", "partc.files", "partc.gr
               "partc.graph.module_summary", "partc.hardware.configs", "partc.cost.table",
               "partc.cost.roofline", "partc.solve.search", "partc.solve.simulator",
               "partc.solve.partition", "partc.plans.plan", "partc.plans.diff",
-              "partc.plans.report", "partc.cli.main")
+              "partc.plans.report", "partc.cli.main", "partc.frontend.model_source")
 
 
 @pytest.mark.parametrize("module", TORCH_FREE)
@@ -149,3 +149,28 @@ def test_plan_schema_speaks_the_shared_vocabulary() -> None:
     assert tuple(training["sharding"]["enum"]) == SHARDINGS
     assert tuple(pinned["sharding"]["enum"]) == SHARDINGS
     assert tuple(schema["$defs"]["stage"]["properties"]["sharding"]["enum"]) == SHARDINGS
+
+
+def test_a_bad_model_path_is_refused_before_torch_is_imported(tmp_path: Path) -> None:
+    """A missing, directory or syntactically broken model file ends in its one line before any
+    command that takes a model imports torch (seconds of imports that would end the same way)."""
+    broken = tmp_path / "broken.py"
+    broken.write_text("def build_model(:\n    pass\n")
+    code = f"""
+import contextlib, io, sys
+from partc.cli.main import cli
+cases = [({str(tmp_path / "missing.py")!r}, "not found"), ({str(tmp_path)!r}, "is a directory"),
+         ({str(broken)!r}, "syntax error at line 1")]
+for command in (["compile", "-b", "4"], ["solve", "-b", "4"], ["profile", "-b", "4"],
+                ["inspect"]):
+    for path, fragment in cases:
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            code = cli.main(args=[command[0], path, *command[1:]], prog_name="partc",
+                            standalone_mode=False)
+        lines = err.getvalue().splitlines()
+        assert code == 2 and len(lines) == 1 and fragment in lines[0], (command, code, lines)
+print("torch imported:", "torch" in sys.modules)
+"""
+    out = _run_python(code)
+    assert out.endswith("torch imported: False"), out

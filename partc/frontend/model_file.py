@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterable, Iterator, TextIO
 import torch
 
 from partc.errors import ModelFileError, PartcError, summarize_exception
+from partc.frontend.model_source import read_model_source, syntax_error
 
 Inputs = tuple[tuple[Any, ...], dict[str, Any]]
 
@@ -318,19 +319,8 @@ def load_model_file(path: str | Path, source: bytes | None = None) -> ModelFile:
     that calls sys.exit() while importing, or a missing function.
     """
     path = Path(path)
-    if not path.exists():
-        raise ModelFileError(f"model file not found: {path}",
-                             hint="pass the path of a .py file that defines build_model() and "
-                                  "example_inputs(batch_size)")
-    if path.is_dir():
-        raise ModelFileError(f"model file {path} is a directory",
-                             hint="pass the path of a .py file")
     if source is None:
-        try:
-            source = path.read_bytes()
-        except OSError as exc:
-            raise ModelFileError(f"cannot read model file {path}: {exc.strerror}",
-                                 hint="check the file's permissions") from exc
+        source = read_model_source(path)
     resolved = path.resolve()
     # A stable module name; a digest of the path only when another file already took the name.
     module_name = f"partc_model_{_identifier(path.stem)}"
@@ -350,10 +340,7 @@ def load_model_file(path: str | Path, source: bytes | None = None) -> ModelFile:
             loader.exec_module(module)
     except SyntaxError as exc:
         del sys.modules[module_name]
-        raise ModelFileError(f"model file {path} has a syntax error at line {exc.lineno}: "
-                             f"{exc.msg}",
-                             hint="fix the file; `python -m py_compile FILE` shows the "
-                                  "same") from exc
+        raise syntax_error(path, exc) from exc
     except Exception as exc:
         del sys.modules[module_name]
         if isinstance(exc, PartcError):
