@@ -1030,6 +1030,30 @@ def output_paths(out_dir: str | Path, name: str) -> tuple[Path, Path]:
     return paths
 
 
+def check_calibration_inputs(out_dir: str | Path, device: str = "cpu", *,
+                             name: str | None = None, threads: int = 1,
+                             seconds: float = 20.0) -> tuple[str, str]:
+    """(device kind, config name) of a calibration, after refusing what would fail it later (a
+    bad device, name, --threads or --seconds, a missing GPU, an unwritable `out_dir`: its
+    folders are created here), so nothing is measured for a run that cannot write its result."""
+    kind = parse_calibration_device(device)
+    if threads < 1:
+        raise CalibrationError(f"--threads must be >= 1, got {threads}", "e.g. --threads 1")
+    if not seconds > 0:
+        raise CalibrationError(f"--seconds must be > 0, got {seconds}", "e.g. --seconds 20")
+    if kind != "cpu":
+        _cuda_device(kind)  # fail before writing anything
+    if name is None:
+        if kind == "cpu":
+            name = "cpu"
+        else:
+            import torch
+            name = gpu_slug(torch.cuda.get_device_name(torch.device(kind)))
+    name = check_name(name)
+    output_paths(out_dir, name)
+    return kind, name
+
+
 def calibrate(out_dir: str | Path, device: str = "cpu", *, name: str | None = None,
               threads: int = 1, seconds: float = 20.0, measure_link: bool = True,
               command: str | None = None,
@@ -1047,20 +1071,8 @@ def calibrate(out_dir: str | Path, device: str = "cpu", *, name: str | None = No
     CalibrationError (a PartcError) for a bad device or name, a missing GPU or an unwritable
     `out_dir`.
     """
-    kind = parse_calibration_device(device)
-    if threads < 1:
-        raise CalibrationError(f"--threads must be >= 1, got {threads}", "e.g. --threads 1")
-    if not seconds > 0:
-        raise CalibrationError(f"--seconds must be > 0, got {seconds}", "e.g. --seconds 20")
-    if kind != "cpu":
-        _cuda_device(kind)  # fail before writing anything
-    if name is None:
-        if kind == "cpu":
-            name = "cpu"
-        else:
-            import torch
-            name = gpu_slug(torch.cuda.get_device_name(torch.device(kind)))
-    name = check_name(name)
+    kind, name = check_calibration_inputs(out_dir, device, name=name, threads=threads,
+                                          seconds=seconds)
     device_path, cluster_path = output_paths(out_dir, name)
     command = command or (f"partc calibrate --device {device} --threads {threads} "
                           f"--seconds {seconds:g} --name {name} -o {out_dir}")

@@ -180,9 +180,11 @@ def calibrate_machine(out_dir: str | Path, device: str = "cpu", *, name: str | N
     """`partc calibrate`: the device and link measurements (partc.hardware.calibration.calibrate)
     with the pipelining runtime's overhead measured here, where two processes (or two GPUs) can
     run a pipeline; without them (one GPU) the device config has no `microbatch_overhead_s`."""
-    from partc.hardware.calibration import calibrate, parse_calibration_device
+    from partc.hardware.calibration import calibrate, check_calibration_inputs
 
-    kind = parse_calibration_device(device)  # a bad --device fails before anything runs
+    # bad options or an unwritable -o fail before anything is measured
+    kind, _ = check_calibration_inputs(out_dir, device, name=name, threads=threads,
+                                       seconds=seconds)
     runtime = None
     if measure_link and (kind == "cpu" or torch.cuda.device_count() >= 2):
         found = measure_microbatch_overhead(kind)
