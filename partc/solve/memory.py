@@ -250,15 +250,29 @@ def _first_saver(graph: OpGraph, tensor: str) -> str | None:
         found.append(producer)
     stack = [tensor]
     while stack:
-        for name in consumers.get(stack.pop(), ()):
+        reaching = stack.pop()
+        for name in consumers.get(reaching, ()):
             node = graph.node(name)
             if node.is_view:
                 stack.extend(t.name for t in node.outputs)
-            elif node.kind in _SAVES_INPUTS and name in differentiable:
+            elif node.kind in _SAVES_INPUTS and name in differentiable \
+                    and not _converted_before_saving(graph, node, reaching):
                 found.append(name)
     saver = min(found, key=position.__getitem__) if found else None
     savers[tensor] = saver
     return saver
+
+
+def _converted_before_saving(graph: OpGraph, node: OpNode, tensor: str) -> bool:
+    """Whether `node` keeps a converted copy of its input `tensor` rather than the tensor itself:
+    scaled_dot_product_attention turns a boolean mask (its fourth input) into an additive float
+    mask before any kernel runs, and it is that copy it keeps (which a measured profile counts in
+    the attention's saved bytes). Measured on this repository's BERT: its (b, 1, s, s) boolean
+    mask, sent on to the next stage, is held per micro-batch in flight by the runtime alone."""
+    if node.kind != "scaled_dot_product_attention" or len(node.inputs) < 4:
+        return False
+    return tensor in node.inputs[3:4] and tensor not in node.inputs[:3] \
+        and graph.tensor(tensor).dtype == "bool"
 
 
 # ---- the terms ---------------------------------------------------------------------------------

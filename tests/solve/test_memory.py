@@ -650,3 +650,84 @@ if __name__ == "__main__":
         _pipeline_rank(int(sys.argv[2]), sys.argv[3])
     else:
         main()
+
+
+_MASKED_ATTENTION = '''
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(32, 96)
+
+    def forward(self, h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(h).view(h.shape[0], h.shape[1], 3, 2, 16).unbind(2)
+        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                           v.transpose(1, 2), attn_mask=mask)
+        return h + a.transpose(1, 2).reshape(h.shape)
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, 32)
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        keep = ids != 0
+        s = ids.shape[1]
+        causal = torch.ones(s, s, dtype=torch.bool, device=ids.device).tril()
+        mask = keep[:, None, None, :] & causal  # a (b, 1, s, s) boolean mask, as HF builds one
+        h = self.embed(ids)
+        for block in self.blocks:
+            h = block(h, mask)
+        return h
+
+
+def build_model() -> nn.Module:
+    torch.manual_seed(0)
+    return Model()
+
+
+def example_inputs(batch_size: int) -> tuple[torch.Tensor]:
+    return (torch.randint(1, 50, (batch_size, 8)),)
+'''
+
+
+def test_a_boolean_attention_mask_is_not_kept_by_the_attention(tmp_path: Path) -> None:
+    """scaled_dot_product_attention turns a boolean mask into a float one before any kernel and
+    keeps that copy, never the boolean tensor: a stage that sends such a mask on (HF BERT's, cut
+    between layers) holds it per micro-batch in flight in the runtime alone, which the memory
+    model must count (measured: BERT's first stage was 16 KiB above its prediction)."""
+    from partc.solve.memory import _first_saver
+
+    q = torch.randn(2, 2, 8, 16, requires_grad=True)
+    mask = torch.ones(2, 1, 8, 8, dtype=torch.bool).tril()
+    kept: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        kept.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+    storages = {t.untyped_storage().data_ptr() for t in kept}
+    assert kept and mask.untyped_storage().data_ptr() not in storages
+
+    model = tmp_path / "masked.py"
+    model.write_text(_MASKED_ATTENTION)
+    result = capture_graph(model, 4, onnx=False)
+    graph = result.graph
+    names = [n.name for n in graph.nodes]
+    cut = next(i for i, n in enumerate(graph.nodes) if n.module.startswith("blocks.1"))
+    sends = stage_boundary(graph, names[:cut])[1]
+    masks = [t for t in sends if graph.tensor(t).dtype == "bool"]
+    assert masks, sends  # the mask crosses the cut, as BERT's does
+    # nothing in the stage keeps the mask (so the runtime's hold on the sent output counts),
+    # while the attention keeps its float inputs
+    assert [_first_saver(graph, t) for t in masks] == [None] * len(masks)
+    attention = next(n for n in graph.nodes if n.kind == "scaled_dot_product_attention")
+    assert _first_saver(graph, attention.inputs[0]) == attention.name
