@@ -558,12 +558,40 @@ def _backward_transient(table: CostTable, nodes: list[str], m: float, bf16: bool
 CPU_CONV_CHANNEL_BLOCK = 16
 
 
+def _cpu_attention_scratch(table: CostTable, node: OpNode, bf16: bool) -> float:
+    """What torch's CPU flash-attention backward (FlashAttentionKernel.cpp) allocates besides
+    the gradients it returns. It works through the sequence in blocks of qSplit queries x kvSplit
+    keys and allocates, per intra-op thread, a float32 buffer for one block's attention and its
+    gradient (and a copy of both in a 16-bit computing precision) and a row sum of qSplit
+    floats; qSplit is 32, 64 or 256 as the query length passes 192 and 768, kvSplit 512
+    (neither above the length). Independent of the batch. Measured with torch.profiler in fp32
+    (tests/solve/test_memory.py), exact from 8 to 1,000 positions, with q, k, v and the
+    output's gradient laid out as attention layers make them (transposes of (batch, positions,
+    heads, head size)); a gradient arriving in another layout is first copied (not counted), and
+    the 16-bit copies are the kernel source's, not measured here."""
+    q_shape = table.graph.tensor(node.inputs[0]).shape
+    kv_shape = table.graph.tensor(node.inputs[1]).shape
+    if len(q_shape) < 2 or len(kv_shape) < 2:
+        return 0.0
+    q_len, kv_len = q_shape[-2], kv_shape[-2]
+    q_split = min(256 if q_len >= 768 else 64 if q_len >= 192 else 32, q_len)
+    kv_split = min(512, kv_len)
+    block = 2 * q_split * kv_split
+    per_thread = block * _FP32 + (block * _BF16 if bf16 else 0) + q_split * _FP32
+    return max(1, table.source.threads) * per_thread
+
+
 def kernel_scratch(table: CostTable, node: OpNode, m: float, bf16: bool,
                    requires: Collection[str] = ()) -> float:
     """Bytes a node's backward kernel allocates besides the gradients it forms, on the table's
-    device: the CPU's convolution backward (see CPU_CONV_CHANNEL_BLOCK). `requires`: the
-    tensors that get a gradient (whether the convolution forms its input's)."""
-    if table.source.device_kind != "cpu" or op_class(node.kind) != "conv" or not node.inputs:
+    device: the CPU's convolution backward (see CPU_CONV_CHANNEL_BLOCK) and its flash-attention
+    backward (`_cpu_attention_scratch`). `requires`: the tensors that get a gradient (whether
+    the convolution forms its input's)."""
+    if table.source.device_kind != "cpu" or not node.inputs:
+        return 0.0
+    if node.kind == "scaled_dot_product_attention" and len(node.inputs) >= 3:
+        return _cpu_attention_scratch(table, node, bf16)
+    if op_class(node.kind) != "conv":
         return 0.0
     graph = table.graph
     x = node.inputs[0]

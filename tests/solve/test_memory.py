@@ -731,3 +731,61 @@ def test_a_boolean_attention_mask_is_not_kept_by_the_attention(tmp_path: Path) -
     assert [_first_saver(graph, t) for t in masks] == [None] * len(masks)
     attention = next(n for n in graph.nodes if n.kind == "scaled_dot_product_attention")
     assert _first_saver(graph, attention.inputs[0]) == attention.name
+
+
+_ATTENTION_LAYER = '''
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+SEQ = {seq}
+
+
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(32, 96)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(h).view(h.shape[0], SEQ, 3, 2, 16).unbind(2)
+        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                           v.transpose(1, 2))
+        return a.transpose(1, 2).reshape(h.shape)
+
+
+def build_model() -> nn.Module:
+    return Attention()
+
+
+def example_inputs(batch_size: int) -> tuple[torch.Tensor]:
+    return (torch.randn(batch_size, SEQ, 32),)
+'''
+
+
+@pytest.mark.parametrize("seq", [8, 40, 200, 800])
+def test_cpu_attention_backward_scratch_is_what_torch_allocates(tmp_path: Path, seq: int) -> None:
+    """kernel_scratch of an attention node against torch.profiler on the real CPU backward
+    (one thread, as launch runs a process per core): every byte the backward allocates beyond
+    the query, key and value gradients, at sequence lengths across the kernel's three block
+    sizes."""
+    model = tmp_path / "attention.py"
+    model.write_text(_ATTENTION_LAYER.format(seq=seq))
+    result = capture_graph(model, 2, onnx=False)
+    table = analytic_cost_table(result.graph, cpu_device())
+    node = next(n for n in result.graph.nodes if n.kind == "scaled_dot_product_attention")
+    predicted = kernel_scratch(table, node, 2, False)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        q, k, v = (torch.randn(2, seq, 2, 16, requires_grad=True) for _ in range(3))
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+        grad = torch.randn_like(out)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                    profile_memory=True) as prof:
+            out.backward(grad)
+    finally:
+        torch.set_num_threads(threads)
+    measured = peak_above_start(prof) - storage_bytes([q.grad, k.grad, v.grad])
+    assert predicted == measured
