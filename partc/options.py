@@ -86,6 +86,10 @@ class OptimizerSpec:
     weight_decay: float  # default weight decay (torch's)
     momentum: float = 0.0
     step_counter_bytes: int = 0  # per parameter tensor: Adam's `step`, a float32 scalar tensor
+    # per step, whatever the parameters: the foreach step divides each tensor by a Python scalar,
+    # which torch wraps as a float64 0-dim tensor and copies to float32 (8 + 4 bytes, live
+    # together while one tensor's division runs; measured on CPU with torch.profiler)
+    step_scalar_bytes: int = 0
 
 
 OPTIMIZER_SPECS: Final[dict[Optimizer, OptimizerSpec]] = {
@@ -100,9 +104,9 @@ OPTIMIZER_SPECS: Final[dict[Optimizer, OptimizerSpec]] = {
     # p.addcdiv_(m, denom) 4 = 18; AdamW's decoupled decay p.mul_() adds 2. The foreach path
     # allocates sqrt(exp_avg_sq) for every parameter at once (step_temporary).
     "adam": OptimizerSpec(states=2, step_accesses=18, step_temporary=True, lr=1e-3,
-                          step_counter_bytes=4, weight_decay=0.0),
+                          step_counter_bytes=4, step_scalar_bytes=12, weight_decay=0.0),
     "adamw": OptimizerSpec(states=2, step_accesses=20, step_temporary=True, lr=1e-3,
-                           step_counter_bytes=4, weight_decay=0.01),
+                           step_counter_bytes=4, step_scalar_bytes=12, weight_decay=0.01),
 }
 
 DEFAULT_MAX_BLOCKS: Final = 128  # CP-SAT proves 8-stage cuts in seconds at 128 (docs/solver.md)

@@ -2,12 +2,15 @@
 (cached), or the analytic roofline."""
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
-from partc.cost.activations import saved_activations
+import torch.utils._pytree as pytree
+
+from partc.cost.activations import saved_activations, storage_bytes
 from partc.cost.measured import ProfileOptions
 from partc.cost.roofline import analytic_cost_table
-from partc.cost.table import CostTable
+from partc.cost.table import CostTable, Curve
 from partc.errors import PartcError
 from partc.frontend.capture import CaptureResult
 from partc.hardware.local import measurable_device
@@ -28,7 +31,28 @@ def plan_costs(result: CaptureResult, device: DeviceSpec, profile: str | Path | 
             return CostTable.load(profile, result.graph, precision=precision)
     with progress.step(f"pricing {len(result.graph.nodes)} operators on {device.name} (roofline)"):
         saved = saved_activations(result.capture, target_kind=device.kind)
-        return analytic_cost_table(result.graph, device, saved=saved, precision=precision)
+        table = analytic_cost_table(result.graph, device, saved=saved, precision=precision)
+    if device.kind == "cpu":
+        # a CPU rank's batch is in its own memory (partc.solve.memory.host_data_bytes): the
+        # roofline knows the model's inputs only, the model file's batches() also the target
+        table = replace(table, batch_bytes=drawn_batch_bytes(result, table.source.batch_sizes))
+    return table
+
+
+def drawn_batch_bytes(result: CaptureResult, sizes: tuple[int, ...]) -> Curve:
+    """Bytes of one batch of each of `sizes` samples, inputs and target, as the model file's
+    batches() yields it (synthetic batches without one), through those sizes."""
+    graph, captured = result.graph, result.capture.batch_size
+    first = graph.tensor(graph.outputs[0].tensor) if graph.outputs else None
+    points = []
+    for b in sizes:
+        shape: tuple[int, ...] | None = None
+        if first is not None:
+            shape = tuple(d * b // captured if i == first.batch_dim else d
+                          for i, d in enumerate(first.shape))
+        batch, target = next(iter(result.capture.model_file.data(b, output_shape=shape)))
+        points.append((float(b), float(storage_bytes(pytree.tree_leaves((batch, target))))))
+    return Curve.through(points)
 
 
 class CostsError(PartcError):

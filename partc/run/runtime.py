@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, TextIO
 
@@ -82,6 +83,7 @@ from partc.run.stage_runner import (
     wrap_for_pipeline,
 )
 from partc.run.training import batched_flags, global_batches, next_batch, output_spec, step_seed
+from partc.solve.memory import METRICS_RANK_FIELDS, METRICS_STAGE_FIELDS
 
 
 def run_rank(plan_path: str | Path, options: TrainOptions, out: TextIO = sys.stdout,
@@ -191,16 +193,15 @@ def _train(run: RankRun, reporter: Reporter | None) -> RunSummary | None:
     options = run.options
     summary = RunSummary(resumed_from=run.start if run.resume is not None else None)
     run.p2p.install()
+    metrics = _MetricsRows.allocate(run)
     for step in range(run.start, options.steps):
         method = _memory_method(run, step)
         began = synced_clock(run.device)
-        rows = _step(run, step, method)
+        rows = _step(run, step, method, metrics)
         step_s = synced_clock(run.device) - began
         if reporter is not None:
             assert rows is not None
             _record(summary, reporter, _step_metrics(run, step, step_s, rows, method))
-        # the gathered rows are the measurement's own: not alive into the next step's probe
-        del rows
         done = step + 1
         if options.checkpoint_dir is not None and (
                 done == options.steps
@@ -276,16 +277,39 @@ def _no_stderr() -> Iterator[None]:
 
 
 # The per-rank row gathered onto rank 0 each step (float64): the rank's values, then a block per
-# stage that the rank fills for the stages it runs.
-_HAS_LOSS, _LOSS, _P2P, _TIED, _PEAK = range(5)
-_RANK_FIELDS = 5
+# stage that the rank fills for the stages it runs. Its size is the memory model's
+# (partc.solve.memory.metrics_row_bytes), which prices the buffers.
+_RANK_FIELDS = METRICS_RANK_FIELDS
+_HAS_LOSS, _LOSS, _P2P, _TIED, _PEAK = range(_RANK_FIELDS)
 # (CPU times: -1 on CUDA, where the host's clock does not time the device's work)
 _PRESENT, _FORWARD, _BACKWARD, _OPTIMIZER, _ALLREDUCE = range(5)
-_FORWARD_CPU, _BACKWARD_CPU, _OPTIMIZER_CPU = range(5, 8)
-_STAGE_FIELDS = 8
+_STAGE_FIELDS = METRICS_STAGE_FIELDS
+_FORWARD_CPU, _BACKWARD_CPU, _OPTIMIZER_CPU = range(5, _STAGE_FIELDS)
 
 
-def _step(run: RankRun, step: int, memory_method: str) -> list[torch.Tensor] | None:
+@dataclass
+class _MetricsRows:
+    """The step's metrics buffers, allocated once before the first step and reused: allocated
+    per step, the previous step's were sometimes still referenced by gloo's worker thread when
+    the next step's memory probe started (it runs once the main thread yields), adding 168 B to
+    1.5 KiB to a measured peak at random. `row` is filled on the host; `device_row` is what the
+    gather sends (the same tensor on CPU); `gathered`: rank 0's one row per process."""
+
+    row: torch.Tensor
+    device_row: torch.Tensor
+    gathered: list[torch.Tensor] | None
+
+    @classmethod
+    def allocate(cls, run: RankRun) -> _MetricsRows:
+        row = torch.zeros(_RANK_FIELDS + _STAGE_FIELDS * run.num_stages, dtype=torch.float64)
+        device_row = row if run.device.type == "cpu" else torch.zeros_like(row, device=run.device)
+        gathered = ([torch.zeros_like(device_row) for _ in range(dist.get_world_size())]
+                    if run.rank == 0 else None)
+        return cls(row=row, device_row=device_row, gathered=gathered)
+
+
+def _step(run: RankRun, step: int, memory_method: str,
+          metrics: _MetricsRows) -> list[torch.Tensor] | None:
     """One training step on this rank (steps 5-6); returns every rank's measurements of it on
     rank 0 (one gather per step, see `_step_metrics`), None elsewhere."""
     torch.manual_seed(step_seed(run.options.seed, step, run.rank))
@@ -325,7 +349,8 @@ def _step(run: RankRun, step: int, memory_method: str) -> list[torch.Tensor] | N
                 local.optimizer_s = synced_clock(run.device) - began
                 local.optimizer_cpu_s = CPU_CLOCK() - cpu
     V, M = run.num_stages, run.plan.training.shape.num_microbatches
-    row = torch.zeros(_RANK_FIELDS + _STAGE_FIELDS * V, dtype=torch.float64)
+    row = metrics.row
+    row.zero_()
     if losses:
         row[_HAS_LOSS] = 1.0
         row[_LOSS] = float(torch.stack([loss.detach().float() for loss in losses]).mean())
@@ -351,11 +376,10 @@ def _step(run: RankRun, step: int, memory_method: str) -> list[torch.Tensor] | N
             row[at + _OPTIMIZER_CPU] = local.optimizer_cpu_s
         row[at + _ALLREDUCE] = (local.grad_sync.seconds() if local.grad_sync is not None
                                 else 0.0)
-    row = row.to(run.device)
-    rows = ([torch.empty_like(row) for _ in range(dist.get_world_size())] if run.rank == 0
-            else None)
-    dist.gather(row, gather_list=rows, dst=0)
-    return rows
+    if metrics.device_row is not row:
+        metrics.device_row.copy_(row)
+    dist.gather(metrics.device_row, gather_list=metrics.gathered, dst=0)
+    return metrics.gathered
 
 
 def _step_metrics(run: RankRun, step: int, step_s: float, gathered: list[torch.Tensor],

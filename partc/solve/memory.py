@@ -320,9 +320,10 @@ def _static_bytes(table: CostTable, nodes: Collection[str], config: TrainingConf
         if g:
             per_param.append((p.numel, g, s, t, p.name in kept_whole))
         unsharded_state, unsharded_temps = unsharded_state + s, unsharded_temps + t
+    scalars = config.optimizer_spec.step_scalar_bytes if per_param else 0
     shards = config.optimizer_shards
     if shards == 1 or not per_param:
-        return weights, grads, unsharded_state, unsharded_temps
+        return weights, grads, unsharded_state, unsharded_temps + scalars
     owned = optimizer_partition([x[0] for x in per_param], shards)
     sharded_grads = config.gradient_shards > 1
     owner = partition_owners(owned, len(per_param))
@@ -339,7 +340,7 @@ def _static_bytes(table: CostTable, nodes: Collection[str], config: TrainingConf
         if best is None or (held + state + temps, state) > (sum(best), best[1]):
             best = (held, state, temps)
     assert best is not None
-    return weights, best[0], best[1], best[2]
+    return weights, best[0], best[1], best[2] + scalars
 
 
 # Sharded gradients (partc.run.gradient_sharding) are reduced in buckets, one collective per
@@ -785,11 +786,28 @@ def stage_memory(table: CostTable, nodes: Collection[str], *, microbatch_size: i
     return max(phases, key=lambda phase: phase.total)
 
 
+# launch's per-step metrics (partc.run.runtime): every process fills a float64 row of
+# METRICS_RANK_FIELDS values and METRICS_STAGE_FIELDS per stage of the plan, allocated once for
+# the run; the first process also holds the gather's copy of every process's row.
+METRICS_RANK_FIELDS = 5
+METRICS_STAGE_FIELDS = 8
+_FP64 = 8
+
+
+def metrics_row_bytes(num_stages: int) -> int:
+    """Bytes of one process's metrics row in a run of a plan of `num_stages` stages."""
+    return _FP64 * (METRICS_RANK_FIELDS + METRICS_STAGE_FIELDS * num_stages)
+
+
 def host_data_bytes(table: CostTable, device_kind: str, global_batch: int, microbatch_size: int,
-                    num_microbatches: int, num_ranks: int) -> tuple[float, ...]:
+                    num_microbatches: int, num_ranks: int, *, num_stages: int,
+                    processes: int) -> tuple[float, ...]:
     """Per pipeline rank, the bytes of the step's data its process holds besides the input
     micro-batches of the first stage (which the communication term counts), where a device's
-    memory is the host's (a CPU device; a GPU rank's batch sits in host memory, not the GPU's).
+    memory is the host's (a CPU device; a GPU rank's batch sits in host memory, not the GPU's),
+    and launch's metrics buffers (`metrics_row_bytes`: every process's row, and on the first
+    rank the gathered rows of all `processes`; `num_stages`: the plan's stages, virtual ones
+    included).
 
     launch draws the whole global batch (every replica's) on the ranks of the first and the last
     stage, from the model file's batches(): the first needs the inputs, the last the target, and
@@ -806,6 +824,9 @@ def host_data_bytes(table: CostTable, device_kind: str, global_batch: int, micro
     if num_ranks > 1:
         held[-1] = batch
     held[-1] += _INDEX_BYTES * microbatch_size * num_microbatches
+    row = metrics_row_bytes(num_stages)
+    held = [x + row for x in held]
+    held[0] += processes * row
     # torch.distributed.pipelining's module-level loss reducer, a float32 scalar in every process
     return tuple(x + _FP32 for x in held)
 

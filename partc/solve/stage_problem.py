@@ -314,7 +314,8 @@ class StageProblem:
         loss = units.memory(sum(table.tensor_bytes(t, m) for t in outputs
                                 if graph.tensor(t).dtype in FLOATING_DTYPES))
         inputs = units.memory(M * sum(table.tensor_bytes(t.name, m) for t in graph.inputs))
-        host = host_data_bytes(table, cluster.device.kind, shape.global_batch_size, m, M, S)
+        host = host_data_bytes(table, cluster.device.kind, shape.global_batch_size, m, M, S,
+                               num_stages=S * shape.chunks, processes=S * shape.replicas)
         return cls(blocks=blocks, table=table, cluster=cluster, training=training, shape=shape,
                    time_unit_s=units.time_s, memory_unit=units.memory_bytes,
                    compute=[units.time(x) for x in compute_s], static=terms.static,

@@ -453,6 +453,11 @@ def test_metrics_per_stage_and_show_beside_the_prediction(tmp_path: Path) -> Non
                                                    MEMORY_CPU_PROFILER, MEMORY_NONE]
     peaks = [s.peak_memory_bytes for s in run.steps[2].stages]
     assert all(p is not None and p > 0 for p in peaks)
+    # the memory model's promise on this CPU: each stage's predicted peak is never below what
+    # the run measured, and at most 10% above (launch's own metrics buffers included)
+    predicted = [s.peak_memory_bytes for s in load_plan(plan).stages]
+    for want, got in zip(predicted, peaks, strict=True):
+        assert got is not None and got <= want <= 1.10 * got, (predicted, peaks)
     assert [s.step for s in run.timed_steps()] == [2, 4]
     # one definition of the keys: the file's lines are the dataclasses' JSON
     assert [s.to_json() for s in run.steps] == metrics.read_text().splitlines()
