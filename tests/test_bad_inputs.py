@@ -135,6 +135,22 @@ def test_bad_model_file(command: str, model: Path, fragment: str, tmp_path: Path
     assert not (out / "plan.yaml").exists()
 
 
+@pytest.mark.parametrize("body, fragment", [
+    ("    raise RuntimeError('no data mounted')\n    yield",
+     "raised RuntimeError: no data mounted"),
+    ("    return iter(())", "yielded nothing"),
+], ids=["raises", "empty"])
+def test_batches_that_fail_while_pricing(body: str, fragment: str, tmp_path: Path) -> None:
+    """An analytic compile for a CPU cluster draws one batch from batches() (a CPU rank holds
+    its batch in its own memory): a batches() that raises or yields nothing is one line."""
+    model = tmp_path / "mlp_bad_batches.py"
+    model.write_text((EXAMPLES / "mlp.py").read_text().split("def batches(")[0]
+                     + f"def batches(batch_size):\n{body}\n")
+    proc = run("compile", str(model), "-b", "8", "--cluster", "cpu-4", "--costs", "analytic",
+               "-o", str(tmp_path / "out"))
+    assert_one_line_error(proc, "batches(", fragment)
+
+
 def test_unreadable_model_file(tmp_path: Path) -> None:
     model = tmp_path / "mlp.py"
     prefix = unreadable_copy(EXAMPLES / "mlp.py", model)

@@ -277,7 +277,7 @@ def _time_loss(model_file: ModelFile, module: torch.fx.GraphModule, inputs: Inpu
     first = next((t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)), None)
     shape = tuple(first.shape) if first is not None else None
     del out
-    batch, target = next(iter(model_file.data(b, output_shape=shape)))
+    batch, target = model_file.first_batch(b, output_shape=shape)
     batch_bytes = storage_bytes(pytree.tree_leaves((batch, target)))
     target = pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t,
                              target)

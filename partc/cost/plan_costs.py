@@ -50,7 +50,7 @@ def drawn_batch_bytes(result: CaptureResult, sizes: tuple[int, ...]) -> Curve:
         if first is not None:
             shape = tuple(d * b // captured if i == first.batch_dim else d
                           for i, d in enumerate(first.shape))
-        batch, target = next(iter(result.capture.model_file.data(b, output_shape=shape)))
+        batch, target = result.capture.model_file.first_batch(b, output_shape=shape)
         points.append((float(b), float(storage_bytes(pytree.tree_leaves((batch, target))))))
     return Curve.through(points)
 

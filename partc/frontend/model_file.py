@@ -115,6 +115,20 @@ class ModelFile:
             yield normalize_inputs(inputs, where=f"batches({batch_size}) item {i}"), target
 
 
+    def first_batch(self, batch_size: int,
+                    output_shape: tuple[int, ...] | None = None) -> tuple[Inputs, Any]:
+        """The first (inputs, target) pair of `data`; what the model file's code raises on the
+        way, or a batches() that yields nothing, is a ModelFileError (one line)."""
+        where = (f"batches({batch_size}) in {self.path}" if self.batches is not None
+                 else f"example_inputs({batch_size}) in {self.path}")
+        with model_code(where):
+            item = next(iter(self.data(batch_size, output_shape=output_shape)), None)
+        if item is None:
+            raise ModelFileError(f"{where} yielded nothing",
+                                 hint="make batches() yield at least one (inputs, target) pair")
+        return item
+
+
 _END = object()
 
 
@@ -312,8 +326,9 @@ class _SourceLoader(importlib.abc.SourceLoader):
 def load_model_file(path: str | Path, source: bytes | None = None) -> ModelFile:
     """Import a model file and check that it defines the contract's functions.
 
-    The file is read once and imported from those bytes (`source` when the caller read and
-    checked them already, e.g. against a plan's sha256); `ModelFile.sha256` is of those bytes.
+    The file is imported from the bytes read here (`source` when the caller read and checked
+    them already, e.g. against a plan's sha256), never re-read; `ModelFile.sha256` is of those
+    bytes.
     The file's directory is put on sys.path while it imports, so it can import its neighbours.
     Raises ModelFileError (one clear line) for a missing file, an import failure, a model file
     that calls sys.exit() while importing, or a missing function.

@@ -210,6 +210,15 @@ class ClusterSpec:
         return min(self.devices_per_node, self.cores_per_node or self.devices_per_node)
 
     @property
+    def threads_per_device(self) -> int:
+        """Intra-op threads of a CPU device's process as launch starts it (without
+        OMP_NUM_THREADS: the node's physical cores shared out among its processes, at least 1);
+        1 where the config gives no cores_per_node (a core per device) and on GPUs."""
+        if self.device.kind != "cpu" or self.cores_per_node is None:
+            return 1
+        return max(1, self.cores_per_node // self.devices_per_node)
+
+    @property
     def devices_per_core(self) -> float:
         """Devices time-sharing one core (1 when each has its own)."""
         if self.cores_per_node is None or self.cores_per_node >= self.devices_per_node:

@@ -265,14 +265,13 @@ def _first_saver(graph: OpGraph, tensor: str) -> str | None:
 
 def _converted_before_saving(graph: OpGraph, node: OpNode, tensor: str) -> bool:
     """Whether `node` keeps a converted copy of its input `tensor` rather than the tensor itself:
-    scaled_dot_product_attention turns a boolean mask (its fourth input) into an additive float
-    mask before any kernel runs, and it is that copy it keeps (which a measured profile counts in
-    the attention's saved bytes). Measured on this repository's BERT: its (b, 1, s, s) boolean
-    mask, sent on to the next stage, is held per micro-batch in flight by the runtime alone."""
-    if node.kind != "scaled_dot_product_attention" or len(node.inputs) < 4:
-        return False
-    return tensor in node.inputs[3:4] and tensor not in node.inputs[:3] \
-        and graph.tensor(tensor).dtype == "bool"
+    scaled_dot_product_attention turns a boolean mask into an additive float mask before any
+    kernel runs, and it is that copy it keeps (which a measured profile counts in the
+    attention's saved bytes). Any boolean input of an attention is its mask (query, key and
+    value are floating), wherever it sits among the node's deduplicated inputs. Measured on
+    this repository's BERT: its (b, 1, s, s) boolean mask, sent on to the next stage, is held
+    per micro-batch in flight by the runtime alone."""
+    return node.kind == "scaled_dot_product_attention" and graph.tensor(tensor).dtype == "bool"
 
 
 # ---- the terms ---------------------------------------------------------------------------------
@@ -455,7 +454,8 @@ def param_memory(p: Param, config: TrainingConfig) -> tuple[int, int, int, int]:
 
 def _backward_transient(table: CostTable, nodes: list[str], m: float, bf16: bool,
                         requires: frozenset[str], pinned: dict[str, float],
-                        preallocated: set[str], fresh: bool = False) -> tuple[float, float]:
+                        preallocated: set[str], fresh: bool = False,
+                        threads: int = 1) -> tuple[float, float]:
     """Peak of one micro-batch's backward above its saved activations, and of that the
     parameters' `.grad` bytes (0 unless `fresh`).
 
@@ -541,7 +541,7 @@ def _backward_transient(table: CostTable, nodes: list[str], m: float, bf16: bool
         grads = sum(_tensor_bytes(table, t.name, m, bf16) for t in node.outputs
                     if t.name in requires and (t.name not in preallocated or t.name in summed))
         grads += sum(_tensor_bytes(table, t, m, bf16) for t in set(node.inputs) if t in requires)
-        grads += kernel_scratch(table, node, m, bf16, requires)
+        grads += kernel_scratch(table, node, m, bf16, requires, threads)
         here = prefix + still_pinned + grads + own[i] + held + allocated[i + 1]
         if here > peak:
             peak, grads_at_peak = here, allocated[i + 1]
@@ -559,19 +559,26 @@ def _backward_transient(table: CostTable, nodes: list[str], m: float, bf16: bool
 CPU_CONV_CHANNEL_BLOCK = 16
 
 
-def _cpu_attention_scratch(table: CostTable, node: OpNode, bf16: bool) -> float:
+def _cpu_attention_scratch(table: CostTable, node: OpNode, bf16: bool, threads: int) -> float:
     """What torch's CPU flash-attention backward (FlashAttentionKernel.cpp) allocates besides
     the gradients it returns. It works through the sequence in blocks of qSplit queries x kvSplit
-    keys and allocates, per intra-op thread, a float32 buffer for one block's attention and its
-    gradient (and a copy of both in a 16-bit computing precision) and a row sum of qSplit
-    floats; qSplit is 32, 64 or 256 as the query length passes 192 and 768, kvSplit 512
-    (neither above the length). Independent of the batch. Measured with torch.profiler in fp32
-    (tests/solve/test_memory.py), exact from 8 to 1,000 positions, with q, k, v and the
-    output's gradient laid out as attention layers make them (transposes of (batch, positions,
-    heads, head size)); a gradient arriving in another layout is first copied (not counted), and
-    the 16-bit copies are the kernel source's, not measured here."""
-    q_shape = table.graph.tensor(node.inputs[0]).shape
-    kv_shape = table.graph.tensor(node.inputs[1]).shape
+    keys and allocates, per intra-op thread (`threads`), a float32 buffer for one block's
+    attention and its gradient (and a copy of both in a 16-bit computing precision) and a row
+    sum of qSplit floats; qSplit is 32, 64 or 256 as the query length passes 192 and 768,
+    kvSplit 512 (neither above the length). Independent of the batch. Measured with
+    torch.profiler in fp32 (tests/solve/test_memory.py), exact from 8 to 1,000 positions at one
+    thread (at two, one row sum over: the threads' row sums need not be alive together), with
+    q, k, v and the output's gradient laid out as attention layers make them (transposes of
+    (batch, positions, heads, head size)); a gradient arriving in another
+    layout is first copied (not counted), and the 16-bit copies are the kernel source's, not
+    measured here. The query length is the output's; the key length that of the key, the
+    node's second distinct floating input (its first when query, key and value are one)."""
+    graph = table.graph
+    floating = [t for t in node.inputs if graph.tensor(t).dtype in FLOATING_DTYPES]
+    if not floating or not node.outputs:
+        return 0.0
+    q_shape = node.outputs[0].shape
+    kv_shape = graph.tensor(floating[1] if len(floating) > 1 else floating[0]).shape
     if len(q_shape) < 2 or len(kv_shape) < 2:
         return 0.0
     q_len, kv_len = q_shape[-2], kv_shape[-2]
@@ -579,19 +586,20 @@ def _cpu_attention_scratch(table: CostTable, node: OpNode, bf16: bool) -> float:
     kv_split = min(512, kv_len)
     block = 2 * q_split * kv_split
     per_thread = block * _FP32 + (block * _BF16 if bf16 else 0) + q_split * _FP32
-    return max(1, table.source.threads) * per_thread
+    return max(1, threads) * per_thread
 
 
 def kernel_scratch(table: CostTable, node: OpNode, m: float, bf16: bool,
-                   requires: Collection[str] = ()) -> float:
+                   requires: Collection[str] = (), threads: int = 1) -> float:
     """Bytes a node's backward kernel allocates besides the gradients it forms, on the table's
     device: the CPU's convolution backward (see CPU_CONV_CHANNEL_BLOCK) and its flash-attention
-    backward (`_cpu_attention_scratch`). `requires`: the tensors that get a gradient (whether
-    the convolution forms its input's)."""
+    backward (`_cpu_attention_scratch`, per intra-op thread: `threads`, what launch gives each
+    process, `ClusterSpec.threads_per_device`). `requires`: the tensors that get a gradient
+    (whether the convolution forms its input's)."""
     if table.source.device_kind != "cpu" or not node.inputs:
         return 0.0
-    if node.kind == "scaled_dot_product_attention" and len(node.inputs) >= 3:
-        return _cpu_attention_scratch(table, node, bf16)
+    if node.kind == "scaled_dot_product_attention":
+        return _cpu_attention_scratch(table, node, bf16, threads)
     if op_class(node.kind) != "conv":
         return 0.0
     graph = table.graph
@@ -625,7 +633,7 @@ def stage_memory(table: CostTable, nodes: Collection[str], *, microbatch_size: i
                  num_microbatches: int, stage_index: int, num_stages: int, config: TrainingConfig,
                  chunks: int = 1, host_data: float = 0.0,
                  relayed: Collection[str] = (), gradients_resident: bool = True,
-                 kept_whole: Collection[str] = ()) -> StageMemory:
+                 kept_whole: Collection[str] = (), threads: int = 1) -> StageMemory:
     """Peak memory per device of the stage `nodes` (docs/memory-model.md has every formula).
 
     `stage_index`/`num_stages`: the device's position in the pipeline; with interleaved-1f1b,
@@ -640,7 +648,8 @@ def stage_memory(table: CostTable, nodes: Collection[str], *, microbatch_size: i
     frees them on a stage with one replica, where the `gradients` term is then the gradient
     bytes live at the peak (none when the peak comes before the step's first backward formed
     them). `kept_whole`: parameters whose gradients stay whole when the gradients are sharded
-    (those other pipeline ranks hold too, `_static_bytes`).
+    (those other pipeline ranks hold too, `_static_bytes`). `threads`: intra-op threads of the
+    device's process (kernels with per-thread scratch, `kernel_scratch`).
     """
     if isinstance(microbatch_size, bool) or not isinstance(microbatch_size, int) \
             or microbatch_size < 1:
@@ -750,7 +759,7 @@ def stage_memory(table: CostTable, nodes: Collection[str], *, microbatch_size: i
             pinned[saver] = pinned.get(saver, 0.0) + size(t)
     preallocated = {t for t in to_stages if t in requires}
     through_nodes = _backward_transient(table, nodes, m, bf16, requires, pinned,
-                                        preallocated)[0] - loss
+                                        preallocated, threads=threads)[0] - loss
     through_loss = 2.0 * loss - (recompute if ckpt else 0.0)
     communication = _ceil(communication + host_data)
     if gradients_resident or chunks > 1:
@@ -765,7 +774,7 @@ def stage_memory(table: CostTable, nodes: Collection[str], *, microbatch_size: i
     # still in flight then (one fewer where no forward comes between two backwards: GPipe, or
     # 1F1B with M <= in-flight); the optimizer step with all gradients and no activations.
     fresh, fresh_grads = _backward_transient(table, nodes, m, bf16, requires, pinned,
-                                             preallocated, fresh=True)
+                                             preallocated, fresh=True, threads=threads)
     fresh -= loss
     # (with the gradients sharded, what a replica keeps of them is at most its sharded share:
     # the others' are reduced away as their buckets fill)

@@ -485,6 +485,7 @@ class StageProblem:
                             gradients_resident=self.shape.replicas > 1 and (
                                 levers.sharding if levers else self.shape.sharding)
                             != "gradients", kept_whole=kept_whole,
+                            threads=self.cluster.threads_per_device,
                             num_microbatches=self.shape.num_microbatches, stage_index=rank,
                             num_stages=self.shape.stages,
                             config=self.shape.training_config(self.training, levers),
@@ -624,7 +625,8 @@ class _BlockTerms:
             terms.saved.append(units.memory(b.saved.at(m)))
             terms.transient.append(units.memory(_memo(
                 memo, ("transient", b.index, m, bf16),
-                functools.partial(_block_transient, table, b.nodes, m, requires, bf16))))
+                functools.partial(_block_transient, table, b.nodes, m, requires, bf16,
+                                  cluster.threads_per_device))))
         return terms
 
 
@@ -708,7 +710,7 @@ def sync_bytes(p: Param, training: TrainingConfig) -> tuple[int, int]:
 
 
 def _block_transient(table: CostTable, nodes: Sequence[str], m: float,
-                     requires: frozenset[str], bf16: bool) -> float:
+                     requires: frozenset[str], bf16: bool, threads: int = 1) -> float:
     """Largest backward transient of one node of the block: gradients of its outputs, of its
     inputs and of its parameters, alive together while its backward runs."""
     graph = table.graph
@@ -722,7 +724,7 @@ def _block_transient(table: CostTable, nodes: Sequence[str], m: float,
                     if t.name in requires)
         total += sum(table.runtime_bytes(t, m, precision) for t in set(node.inputs)
                      if t in requires)
-        total += kernel_scratch(table, node, m, bf16, requires)
+        total += kernel_scratch(table, node, m, bf16, requires, threads)
         total += trainable_weight_bytes(graph, node, bf16)
         peak = max(peak, total)
     return peak

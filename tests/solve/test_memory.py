@@ -762,21 +762,23 @@ def example_inputs(batch_size: int) -> tuple[torch.Tensor]:
 '''
 
 
-@pytest.mark.parametrize("seq", [8, 40, 200, 800])
-def test_cpu_attention_backward_scratch_is_what_torch_allocates(tmp_path: Path, seq: int) -> None:
-    """kernel_scratch of an attention node against torch.profiler on the real CPU backward
-    (one thread, as launch runs a process per core): every byte the backward allocates beyond
-    the query, key and value gradients, at sequence lengths across the kernel's three block
-    sizes."""
+@pytest.mark.parametrize("seq, threads", [(8, 1), (40, 1), (200, 1), (800, 1), (40, 2),
+                                          (200, 2)])
+def test_cpu_attention_backward_scratch_is_what_torch_allocates(tmp_path: Path, seq: int,
+                                                                threads: int) -> None:
+    """kernel_scratch of an attention node against torch.profiler on the real CPU backward:
+    every byte the backward allocates beyond the query, key and value gradients, at sequence
+    lengths across the kernel's three block sizes and at 1 and 2 intra-op threads (launch gives
+    each process the node's cores shared out, `ClusterSpec.threads_per_device`)."""
     model = tmp_path / "attention.py"
     model.write_text(_ATTENTION_LAYER.format(seq=seq))
     result = capture_graph(model, 2, onnx=False)
     table = analytic_cost_table(result.graph, cpu_device())
     node = next(n for n in result.graph.nodes if n.kind == "scaled_dot_product_attention")
-    predicted = kernel_scratch(table, node, 2, False)
+    predicted = kernel_scratch(table, node, 2, False, threads=threads)
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
     try:
         q, k, v = (torch.randn(2, seq, 2, 16, requires_grad=True) for _ in range(3))
         out = torch.nn.functional.scaled_dot_product_attention(
@@ -786,6 +788,9 @@ def test_cpu_attention_backward_scratch_is_what_torch_allocates(tmp_path: Path, 
                                     profile_memory=True) as prof:
             out.backward(grad)
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(before)
     measured = peak_above_start(prof) - storage_bytes([q.grad, k.grad, v.grad])
-    assert predicted == measured
+    # each thread's row sum is allocated inside the parallel loop: whether they are all alive
+    # at once depends on the threads' timing, so the prediction counts every one
+    row_sums = (threads - 1) * 4 * min(32 if seq < 192 else 64 if seq < 768 else 256, seq)
+    assert measured <= predicted <= measured + row_sums
