@@ -22,8 +22,10 @@ from partc.frontend.model_file import Inputs, inputs_to_meta
 
 
 def storage_bytes(tensors: list[Any]) -> int:
-    """Bytes of the distinct storages among `tensors` (views of one storage count once)."""
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+    """Bytes of the distinct storages among `tensors` (views of one storage count once). Keyed
+    by the storage itself, not its data pointer: every meta tensor's pointer is 0, so a meta
+    model's batch would count as its largest tensor alone."""
+    storages = {_storage_key(t): t.untyped_storage().nbytes()
                 for t in tensors if isinstance(t, torch.Tensor)}
     return sum(storages.values())
 

@@ -68,3 +68,12 @@ def test_snapshot_after_the_frees_gives_the_true_peak() -> None:
     assert over - after == grads
     assert after >= weights + grads + 4 * _N  # x and the fresh gradient: no double counting
     assert after < weights + grads + 4 * _N + 3 * 4 * _N  # and only a few temporaries on top
+
+
+def test_storage_bytes_counts_each_storage_once_on_meta_too() -> None:
+    """Views share a storage; distinct storages count apart even on meta, where every data
+    pointer is 0 (a meta model's batch was counted as its largest tensor alone)."""
+    for device in ("cpu", "meta"):
+        a = torch.empty(4, 4, device=device)
+        b = torch.empty(8, device=device)
+        assert storage_bytes([a, a[1:], b, b.view(2, 4), None]) == 4 * (16 + 8), device
