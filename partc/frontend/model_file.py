@@ -114,7 +114,6 @@ class ModelFile:
             inputs, target = item
             yield normalize_inputs(inputs, where=f"batches({batch_size}) item {i}"), target
 
-
     def first_batch(self, batch_size: int,
                     output_shape: tuple[int, ...] | None = None) -> tuple[Inputs, Any]:
         """The first (inputs, target) pair of `data`; what the model file's code raises on the

@@ -1032,10 +1032,11 @@ def output_paths(out_dir: str | Path, name: str) -> tuple[Path, Path]:
 
 def check_calibration_inputs(out_dir: str | Path, device: str = "cpu", *,
                              name: str | None = None, threads: int = 1,
-                             seconds: float = 20.0) -> tuple[str, str]:
-    """(device kind, config name) of a calibration, after refusing what would fail it later (a
-    bad device, name, --threads or --seconds, a missing GPU, an unwritable `out_dir`: its
-    folders are created here), so nothing is measured for a run that cannot write its result."""
+                             seconds: float = 20.0) -> tuple[str, str, Path, Path]:
+    """(device kind, config name, device config path, cluster config path) of a calibration,
+    after refusing what would fail it later (a bad device, name, --threads or --seconds, a
+    missing GPU, an unwritable `out_dir`: its folders are created here, `output_paths`), so
+    nothing is measured for a run that cannot write its result."""
     kind = parse_calibration_device(device)
     if threads < 1:
         raise CalibrationError(f"--threads must be >= 1, got {threads}", "e.g. --threads 1")
@@ -1050,8 +1051,7 @@ def check_calibration_inputs(out_dir: str | Path, device: str = "cpu", *,
             import torch
             name = gpu_slug(torch.cuda.get_device_name(torch.device(kind)))
     name = check_name(name)
-    output_paths(out_dir, name)
-    return kind, name
+    return (kind, name, *output_paths(out_dir, name))
 
 
 def calibrate(out_dir: str | Path, device: str = "cpu", *, name: str | None = None,
@@ -1071,9 +1071,8 @@ def calibrate(out_dir: str | Path, device: str = "cpu", *, name: str | None = No
     CalibrationError (a PartcError) for a bad device or name, a missing GPU or an unwritable
     `out_dir`.
     """
-    kind, name = check_calibration_inputs(out_dir, device, name=name, threads=threads,
-                                          seconds=seconds)
-    device_path, cluster_path = output_paths(out_dir, name)
+    kind, name, device_path, cluster_path = check_calibration_inputs(
+        out_dir, device, name=name, threads=threads, seconds=seconds)
     command = command or (f"partc calibrate --device {device} --threads {threads} "
                           f"--seconds {seconds:g} --name {name} -o {out_dir}")
 

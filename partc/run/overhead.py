@@ -183,8 +183,8 @@ def calibrate_machine(out_dir: str | Path, device: str = "cpu", *, name: str | N
     from partc.hardware.calibration import calibrate, check_calibration_inputs
 
     # bad options or an unwritable -o fail before anything is measured
-    kind, _ = check_calibration_inputs(out_dir, device, name=name, threads=threads,
-                                       seconds=seconds)
+    kind = check_calibration_inputs(out_dir, device, name=name, threads=threads,
+                                    seconds=seconds)[0]
     runtime = None
     if measure_link and (kind == "cpu" or torch.cuda.device_count() >= 2):
         found = measure_microbatch_overhead(kind)

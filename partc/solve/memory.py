@@ -569,10 +569,10 @@ def _cpu_attention_scratch(table: CostTable, node: OpNode, bf16: bool, threads: 
     torch.profiler in fp32 (tests/solve/test_memory.py), exact from 8 to 1,000 positions at one
     thread (at two, one row sum over: the threads' row sums need not be alive together), with
     q, k, v and the output's gradient laid out as attention layers make them (transposes of
-    (batch, positions, heads, head size)); a gradient arriving in another
-    layout is first copied (not counted), and the 16-bit copies are the kernel source's, not
-    measured here. The query length is the output's; the key length that of the key, the
-    node's second distinct floating input (its first when query, key and value are one)."""
+    (batch, positions, heads, head size)); a gradient arriving in another layout is first copied
+    (not counted), and the 16-bit copies are the kernel source's, not measured here. The query
+    length is the output's; the key length that of the key, the node's second distinct floating
+    input (its first when query, key and value are one)."""
     graph = table.graph
     floating = [t for t in node.inputs if graph.tensor(t).dtype in FLOATING_DTYPES]
     if not floating or not node.outputs:
