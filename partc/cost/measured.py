@@ -56,6 +56,7 @@ from partc.cost.torch_profiler import (
     WALL_CLOCK,
     Clock,
     TorchTiming,
+    denormals_flushed,
     flat_inputs,
     inputs_on,
     node_owner,
@@ -122,12 +123,14 @@ def timing_choice(options: ProfileOptions, device: torch.device) -> TimingChoice
 
 @contextlib.contextmanager
 def intra_op_threads(device: torch.device, threads: int) -> Iterator[None]:
-    """torch's intra-op threads set to `threads` while measuring on CPU, restored after."""
+    """torch's intra-op threads set to `threads` while measuring on CPU, restored after, and
+    denormals flushed as launch computes (`denormals_flushed`)."""
     before = torch.get_num_threads()
     if device.type == "cpu":
         torch.set_num_threads(threads)
     try:
-        yield
+        with denormals_flushed(device):
+            yield
     finally:
         torch.set_num_threads(before)
 

@@ -121,21 +121,24 @@ def _model_step(model: str, batch_size: int,
 def _loop(model: str | None, batch_size: int, precision: Precision) -> None:
     import torch
 
+    from partc.cost.torch_profiler import denormals_flushed
+
     torch.set_num_threads(1)
-    step = _model_step(model, batch_size, precision) if model is not None else None
-    if step is not None:
+    with denormals_flushed(torch.device("cpu")):  # as the measured process and launch compute
+        step = _model_step(model, batch_size, precision) if model is not None else None
+        if step is not None:
+            print(_READY, flush=True)
+            while True:
+                step()
+        a = torch.randn(384, 384)
+        b = torch.randn(384, 384)
+        src = torch.randn(8 << 20)  # 32 MiB: larger than the caches, as activations are
+        dst = torch.empty_like(src)
         print(_READY, flush=True)
         while True:
-            step()
-    a = torch.randn(384, 384)
-    b = torch.randn(384, 384)
-    src = torch.randn(8 << 20)  # 32 MiB: larger than the caches, as activations are
-    dst = torch.empty_like(src)
-    print(_READY, flush=True)
-    while True:
-        torch.mm(a, b)
-        dst.copy_(src)
-        torch.add(src, dst, out=dst)
+            torch.mm(a, b)
+            dst.copy_(src)
+            torch.add(src, dst, out=dst)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from partc.cost.torch_profiler import denormals_flushed
 from partc.errors import PartcError
 from partc.hardware.calibration import CalibrationResult
 
@@ -130,7 +131,7 @@ def _worker(rank: int, kind: str, port: int, out: str) -> None:
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2)
     try:
-        with torch.jit.optimized_execution(False):
+        with torch.jit.optimized_execution(False), denormals_flushed(device):
             module = _stage_module(rank).to(device).train()
             alone = _alone_s(module, device, first=rank == 0)
             last = rank == 1

@@ -17,7 +17,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from partc.cost.activations import storage_bytes
-from partc.cost.torch_profiler import program_module
+from partc.cost.torch_profiler import denormals_flushed, program_module
 from partc.emit.stage_code import load_stage
 from partc.emit.stage_weights import load_state_dict_file, whole_model_weights
 from partc.frontend.export import Capture
@@ -55,23 +55,27 @@ def train_single_process(plan: Plan, options: TrainOptions, chunks: int = 1,
     batch = plan.training.global_batch_size
     losses = []
     data = global_batches(model_file, plan)
-    for step in range(options.steps):
-        (args, kwargs), target = next_batch(data, options.seed, step)
-        torch.manual_seed(step_seed(options.seed, step, 0))
-        if optimizer is not None:
-            optimizer.zero_grad(set_to_none=True)
-        total = 0.0
-        for piece, tgt in zip(split_batch((args, kwargs), batch, chunks),
-                              split_batch(target, batch, chunks), strict=True):
-            a, k = pytree.tree_map(lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t,
-                                   piece)
-            tgt = pytree.tree_map(lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t, tgt)
-            loss = loss_fn(model(*a, **k), tgt) / chunks
-            loss.backward()
-            total += float(loss.detach())
-        if optimizer is not None:
-            optimizer.step()
-        losses.append(total)
+    # denormals flushed, as launch's ranks compute (`denormals_flushed`)
+    with denormals_flushed(dev):
+        for step in range(options.steps):
+            (args, kwargs), target = next_batch(data, options.seed, step)
+            torch.manual_seed(step_seed(options.seed, step, 0))
+            if optimizer is not None:
+                optimizer.zero_grad(set_to_none=True)
+            total = 0.0
+            for piece, tgt in zip(split_batch((args, kwargs), batch, chunks),
+                                  split_batch(target, batch, chunks), strict=True):
+                def on_device(t: Any) -> Any:
+                    return t.to(dev) if isinstance(t, torch.Tensor) else t
+
+                a, k = pytree.tree_map(on_device, piece)
+                tgt = pytree.tree_map(on_device, tgt)
+                loss = loss_fn(model(*a, **k), tgt) / chunks
+                loss.backward()
+                total += float(loss.detach())
+            if optimizer is not None:
+                optimizer.step()
+            losses.append(total)
     return losses
 
 

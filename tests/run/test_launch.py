@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import EXAMPLES, ROOT, TEST_MODELS, losses_of
 
 from partc.emit.compile import CompileOptions, compile_model
@@ -396,22 +397,38 @@ def test_rank_layout_of_both_placements(tmp_path: Path) -> None:
         rank_layout(broken)
 
 
-def test_cpu_workers_are_pinned_one_per_core(tmp_path: Path) -> None:
+def test_cpu_workers_are_pinned_one_per_core_and_flush_denormals(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A partc CPU device is one core: each gloo worker runs on core local_rank % cores only (its
-    data-drawing ranks record where they may run)."""
+    data-drawing ranks record where they may run). The workers compute with denormals flushed to
+    zero, as single-process training and the profiler do (the model's loss records it): a profile
+    times the arithmetic launch runs."""
+    from partc.cost.measured import ProfileOptions, profile_model
     from partc.hardware.local import core_cpus
 
-    plan = compile_plan(tmp_path, TEST_MODELS / "affinity_probe.py", 2, 1)
-    probe = tmp_path / "affinity"
+    model = TEST_MODELS / "process_probe.py"
+    plan = compile_plan(tmp_path, model, 2, 1)
+    probe = tmp_path / "probe"
     probe.mkdir()
+    env = {**os.environ, "PARTC_PROBE_DIR": str(probe)}
     result = subprocess.run([PARTC, "launch", str(plan), "--steps", "2"], capture_output=True,
-                            text=True, cwd=ROOT, timeout=300,
-                            env={**os.environ, "PARTC_AFFINITY_DIR": str(probe)})
+                            text=True, cwd=ROOT, timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     cores = core_cpus()
     for rank in (0, 1):
         cpus = {int(c) for c in (probe / f"rank{rank}.txt").read_text().split(",")}
         assert cpus == set(cores[rank % len(cores)]), (rank, cpus, cores)
+    denormals = probe / "denormals.txt"
+    assert set(denormals.read_text().split()) == {"flushed"}  # launch's last stage
+    denormals.unlink()
+    monkeypatch.setenv("PARTC_PROBE_DIR", str(probe))
+    train_single_process(load_plan(plan), TrainOptions(steps=1))
+    assert set(denormals.read_text().split()) == {"flushed"}
+    denormals.unlink()
+    profile_model(model, 4, ProfileOptions(batch_sizes=(2, 4), warmup=1, runs=2))
+    assert set(denormals.read_text().split()) == {"flushed"}
+    # and this process computes as torch's default again
+    assert float(torch.full((), 1e-40) * 2) != 0.0
 
 
 # ---- metrics: what a run measured, per stage -----------------------------------------------------

@@ -1,0 +1,47 @@
+"""A small MLP that records how the processes running it compute, in $PARTC_PROBE_DIR:
+- batches() records, once, which CPUs the process drawing them may run on (rank<RANK>.txt):
+  launch's first and last stages draw the data, so a 2-stage launch shows where both of its
+  workers were pinned;
+- loss_fn() appends whether denormal floats are flushed to zero (denormals.txt, a line per call):
+  the profiler, launch's last stage and single-process training all run it, and must all compute
+  the same way (partc.cost.torch_profiler.denormals_flushed)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def build_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(),
+                         nn.Linear(16, 4))
+
+
+def example_inputs(batch_size: int) -> tuple[torch.Tensor]:
+    return (torch.randn(batch_size, 8),)
+
+
+def batches(batch_size: int) -> Iterator[tuple[tuple[torch.Tensor], torch.Tensor]]:
+    out = os.environ.get("PARTC_PROBE_DIR")
+    if out and "RANK" in os.environ:
+        cpus = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+        Path(out, f"rank{os.environ['RANK']}.txt").write_text(cpus)
+    gen = torch.Generator().manual_seed(0)
+    while True:
+        yield (torch.randn(batch_size, 8, generator=gen),), torch.randint(0, 4, (batch_size,),
+                                                                          generator=gen)
+
+
+def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    out = os.environ.get("PARTC_PROBE_DIR")
+    if out:
+        # a denormal operand reads as zero where denormals are flushed
+        flushed = bool((torch.full((), 1e-40) * 2 == 0).item())
+        with Path(out, "denormals.txt").open("a") as f:
+            f.write("flushed\n" if flushed else "kept\n")
+    return F.cross_entropy(output, target)
