@@ -30,7 +30,7 @@ from partc.solve.memory import (
     param_memory,
     partition_owners,
 )
-from partc.solve.stage_problem import RankLevers, StageProblem, sync_bytes
+from partc.solve.stage_problem import RankLevers, StageProblem, step_dispatch_s, sync_bytes
 
 
 def lever_options(problem: StageProblem) -> list[RankLevers]:
@@ -66,12 +66,13 @@ def step_seconds(problem: StageProblem, params: Sequence[Param], rank: int,
     `_sync_params`: one broadcast per owner on the replicas' group, one after the other)."""
     training = problem.training
     bps = problem.cluster.device.bytes_per_s()
+    dispatch = step_dispatch_s(training, problem.cluster.device)
     optimized = [(p, sync_bytes(p, training)[1]) for p in params if sync_bytes(p, training)[0]]
     shape = problem.shape
     if levers.sharding == "none" or shape.replicas < 2 or not optimized:
-        return sum(moved for _, moved in optimized) / bps
+        return sum(moved / bps + dispatch for _, moved in optimized)
     owned = optimizer_partition([p.numel for p, _ in optimized], shape.replicas)
-    step = max(sum(optimized[i][1] for i in part) for part in owned) / bps
+    step = max(sum(optimized[i][1] / bps + dispatch for i in part) for part in owned)
     group = shape.rank_devices(rank)
     broadcasts = sum(problem.cluster.broadcast_s(
         sum(param_memory(optimized[i][0], training)[0] for i in part), group) for part in owned)

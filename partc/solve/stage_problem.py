@@ -40,7 +40,7 @@ from typing import Any, Callable, Collection, Sequence, TypeVar
 from partc.cost.table import CostTable
 from partc.errors import PartcError
 from partc.graph.opgraph import FLOATING_DTYPES, Param
-from partc.hardware.specs import ClusterSpec, LinkSpec
+from partc.hardware.specs import ClusterSpec, DeviceSpec, LinkSpec
 from partc.options import (
     PLACEMENTS,
     SCHEDULES,
@@ -581,6 +581,7 @@ class _BlockTerms:
                                functools.partial(_param_bytes, graph.param(p), training))
                       for p in users}
         step_bps = cluster.device.bytes_per_s()
+        dispatch = step_dispatch_s(training, cluster.device)
 
         shards = training.optimizer_shards
 
@@ -599,8 +600,9 @@ class _BlockTerms:
             once = shards / (2 * (shards - 1) or 1)
             reduced = gbytes * (shape.num_microbatches * once
                                 if training.gradient_shards > 1 and not p.aliases else 1.0)
-            return tuple(units.time(reduced * per_byte[d] + gather * per_byte[d] * once
-                                    + moved / shards / step_bps) for d in range(S))
+            step = (moved / step_bps + (dispatch if gbytes else 0.0)) / shards
+            return tuple(units.time(reduced * per_byte[d] + gather * per_byte[d] * once + step)
+                         for d in range(S))
 
         shared_names = sorted(p for p, bs in users.items() if len(set(bs)) > 1)
         shared = [SharedParam(name=p, blocks=tuple(sorted(set(users[p]))),
@@ -698,6 +700,16 @@ def _param_bytes(p: Param, training: TrainingConfig) -> tuple[float, float]:
     shards = training.optimizer_shards
     grad_shards = 1 if p.aliases else training.gradient_shards  # a tied one's is kept whole
     return float(weights + grads / grad_shards + state / shards), float(temps / shards)
+
+
+def step_dispatch_s(training: TrainingConfig, device: DeviceSpec) -> float:
+    """Host time the optimizer step spends on each parameter tensor apart from its bytes: on a
+    CPU torch's foreach step runs each of its kernels tensor by tensor
+    (`OptimizerSpec.step_kernels` dispatches of `DeviceSpec.op_overhead_s`); on a GPU a foreach
+    kernel takes many tensors per launch, so nothing per tensor."""
+    if device.kind != "cpu":
+        return 0.0
+    return training.optimizer_spec.step_kernels * device.op_overhead_s
 
 
 def sync_bytes(p: Param, training: TrainingConfig) -> tuple[int, int]:

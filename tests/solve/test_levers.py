@@ -350,3 +350,40 @@ def test_a_sharded_step_broadcasts_each_share() -> None:
     assert CPU8.broadcast_s(4_000_000, group) == pytest.approx(
         4_000_000 / link.bandwidth + 3 * link.latency_s)
     assert CPU8.broadcast_s(0, group) == 0.0 and CPU8.broadcast_s(10, (0,)) == 0.0
+
+
+# ---- the optimizer step's time ------------------------------------------------------------------
+def test_optimizer_step_pays_a_dispatch_per_tensor_on_cpu_only() -> None:
+    """torch's foreach step runs its kernels tensor by tensor on a CPU: a rank's step is its bytes
+    at the memory bandwidth plus `step_kernels` dispatches per tensor (ResNet's many small batch
+    norm tensors step in 1 ms where their bytes take 0.1 ms); a GPU's foreach kernels take many
+    tensors per launch. The solver's per-rank units price the same step."""
+    from partc.hardware.configs import load_device
+    from partc.solve.coarsen import coarsen
+    from partc.solve.levers import rank_parameters
+    from partc.solve.stage_problem import StageProblem, step_dispatch_s, sync_bytes
+
+    table = table_of("resnet")
+    blocks = coarsen(table, 16)
+    shape = PipelineShape(stages=2, replicas=1, num_microbatches=2, microbatch_size=4)
+    gpu = replace(CPU8, device=replace(load_device("h100-80gb"), memory_bytes=1 << 40))
+    for optimizer in ("adam", "sgd"):
+        training = TrainingConfig(optimizer=optimizer)
+        for cluster in (CPU8, gpu):
+            problem = StageProblem.build(blocks, table, cluster, training, shape)
+            a = tuple(i * 2 // len(blocks.blocks) for i in range(len(blocks.blocks)))
+            per_tensor = training.optimizer_spec.step_kernels * cluster.device.op_overhead_s
+            assert step_dispatch_s(training, cluster.device) == \
+                (per_tensor if cluster.device.kind == "cpu" else 0.0)
+            units = problem.rank_sync(a)
+            for d, params in enumerate(rank_parameters(problem, a)):
+                stepped = [p for p in params if sync_bytes(p, training)[0]]
+                assert len(stepped) > 10  # convolutions' and batch norms' weights and biases
+                moved = sum(sync_bytes(p, training)[1] for p in stepped)
+                want = moved / cluster.device.bytes_per_s() + len(stepped) * \
+                    step_dispatch_s(training, cluster.device)
+                got = step_seconds(problem, params, d, RankLevers())
+                assert got == pytest.approx(want, rel=1e-9)
+                # the solver's integer units: the same step, each parameter rounded to a unit
+                unit = problem.time_unit_s
+                assert abs(units[d] * unit - got) <= len(stepped) * unit, (d, units[d] * unit, got)
