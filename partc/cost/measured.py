@@ -39,7 +39,12 @@ import torch
 import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
 
-from partc.cost.activations import buffers_restored, saved_activation_bytes, storage_bytes
+from partc.cost.activations import (
+    buffers_restored,
+    gemm_scratch_bytes,
+    saved_activation_bytes,
+    storage_bytes,
+)
 from partc.cost.neighbours import busy_neighbours, shares_core
 from partc.cost.ort_profiler import (
     OrtTiming,
@@ -209,6 +214,7 @@ class _Measurement:
     saved: dict[str, int]
     loss_s: tuple[float, float]  # the loss function's (forward, backward)
     batch_bytes: int = 0  # one batch of batch_size samples as batches() yields it
+    gemm_scratch: int = 0  # partc.cost.activations.gemm_scratch_bytes
 
 
 def _measure(result: CaptureResult, b: int, device: torch.device, use_ort: bool,
@@ -238,6 +244,7 @@ def _measure(result: CaptureResult, b: int, device: torch.device, use_ort: bool,
         with progress.step(f"torch: the loss function at batch {b}"):
             loss_s, batch_bytes = _time_loss(cap.model_file, module, inputs, b, device, options,
                                              clock)
+        gemm_scratch = gemm_scratch_bytes(module, inputs, device, options.precision)
     ort_timing = None
     if use_ort:
         export = _onnx_at(result, b, program, progress)
@@ -266,7 +273,7 @@ def _measure(result: CaptureResult, b: int, device: torch.device, use_ort: bool,
     del module, inputs
     gc.collect()
     return _Measurement(batch_size=b, torch=timing, ort=ort_timing, saved=saved, loss_s=loss_s,
-                        batch_bytes=batch_bytes)
+                        batch_bytes=batch_bytes, gemm_scratch=gemm_scratch)
 
 
 def _time_loss(model_file: ModelFile, module: torch.fx.GraphModule, inputs: Inputs, b: int,
@@ -451,7 +458,8 @@ def combine(graph: OpGraph, measurements: list[_Measurement], device: torch.devi
                         if options.neighbours and device.type == "cpu" else {}),
                      **({"clock": CPU_CLOCK_NAME} if cpu_time else {}),
                      **({"fallback": fallback} if fallback else {})})
-    return CostTable(graph=graph, source=source, nodes=nodes, loss=loss, batch_bytes=batch_bytes)
+    return CostTable(graph=graph, source=source, nodes=nodes, loss=loss, batch_bytes=batch_bytes,
+                     gemm_scratch_bytes=max(m.gemm_scratch for m in measurements))
 
 
 def _r(x: float) -> float:

@@ -206,6 +206,10 @@ class CostTable:
     # (measured; the analytic table knows the graph inputs only): the data a CPU rank that draws
     # it holds in its own memory
     batch_bytes: Curve = ZERO
+    # the most one matrix-multiply call of the model allocates and frees again (kernel scratch:
+    # CPU bf16 GEMMs pack blocks of their operands), at any measured size and one intra-op
+    # thread; measured (partc.cost.activations.gemm_scratch_bytes), 0 in an analytic table
+    gemm_scratch_bytes: int = 0
 
     # ---- per node ------------------------------------------------------------------------------
     def cost(self, node: str) -> NodeCost:
@@ -320,7 +324,9 @@ class CostTable:
         return CostTable(graph=self.graph, source=source,
                          nodes={n: union(self.cost(n), other.cost(n)) for n in names},
                          loss=union(self.loss, other.loss),
-                         batch_bytes=Curve.through(sorted(batch.items())))
+                         batch_bytes=Curve.through(sorted(batch.items())),
+                         gemm_scratch_bytes=max(self.gemm_scratch_bytes,
+                                                other.gemm_scratch_bytes))
 
     # ---- files ---------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -332,7 +338,8 @@ class CostTable:
         sizes = self.source.batch_sizes
         written = CostTable(self.graph, self.source, {
             name: _at_sizes(c, sizes) for name, c in sorted(self.nodes.items())},  # file order
-            loss=_at_sizes(self.loss, sizes), batch_bytes=self.batch_bytes)
+            loss=_at_sizes(self.loss, sizes), batch_bytes=self.batch_bytes,
+            gemm_scratch_bytes=self.gemm_scratch_bytes)
         return {
             "format": PROFILE_FORMAT,
             "format_version": PROFILE_VERSION,
@@ -345,6 +352,7 @@ class CostTable:
                 for b in self.source.batch_sizes},
             "loss": _row(written.loss, sizes),
             "batch_bytes": [int(round(self.batch_bytes.at(b))) for b in sizes],
+            "gemm_scratch_bytes": self.gemm_scratch_bytes,
             "nodes": {name: _row(c, sizes) for name, c in written.nodes.items()},
         }
 
@@ -417,6 +425,9 @@ class CostTable:
             if len(batch) != len(sizes) or min(batch) < 0:
                 raise ValueError(f"batch_bytes must be {len(sizes)} sizes >= 0, got {batch}")
             batch_bytes = Curve.through(list(zip(sizes, batch, strict=True)))
+            scratch = int(d.get("gemm_scratch_bytes", 0))  # absent in older profiles
+            if scratch < 0:
+                raise ValueError(f"gemm_scratch_bytes must be >= 0, got {scratch}")
         # AttributeError: a key of the wrong type (`nodes: [...]`)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ProfileFileError(f"malformed profile {path}: {exc!r}",
@@ -430,7 +441,8 @@ class CostTable:
             raise ProfileFileError(f"profile {path} prices nodes the model does not have: "
                                    f"{', '.join(unknown[:3])}",
                                    hint="re-create it with partc profile")
-        return cls(graph=graph, source=source, nodes=nodes, loss=loss, batch_bytes=batch_bytes)
+        return cls(graph=graph, source=source, nodes=nodes, loss=loss, batch_bytes=batch_bytes,
+                   gemm_scratch_bytes=scratch)
 
 
 def _row(c: NodeCost, sizes: Sequence[int]) -> list[Any]:

@@ -246,7 +246,7 @@ def corrected_costs(table: CostTable, launched: LaunchedRun, device: DeviceSpec)
     source = replace(table.source, calibration={**table.source.calibration,
                                                 CALIBRATED_FROM: record})
     return CostTable(graph=table.graph, source=source, nodes=nodes, loss=table.loss,
-                     batch_bytes=table.batch_bytes)
+                     batch_bytes=table.batch_bytes, gemm_scratch_bytes=table.gemm_scratch_bytes)
 
 
 def calibrated_from(calibration: dict[str, Any]) -> dict[str, Any] | None:

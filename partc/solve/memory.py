@@ -592,14 +592,19 @@ def _cpu_attention_scratch(table: CostTable, node: OpNode, bf16: bool, threads: 
 def kernel_scratch(table: CostTable, node: OpNode, m: float, bf16: bool,
                    requires: Collection[str] = (), threads: int = 1) -> float:
     """Bytes a node's backward kernel allocates besides the gradients it forms, on the table's
-    device: the CPU's convolution backward (see CPU_CONV_CHANNEL_BLOCK) and its flash-attention
-    backward (`_cpu_attention_scratch`, per intra-op thread: `threads`, what launch gives each
-    process, `ClusterSpec.threads_per_device`). `requires`: the tensors that get a gradient
-    (whether the convolution forms its input's)."""
+    device: the CPU's convolution backward (see CPU_CONV_CHANNEL_BLOCK), its flash-attention
+    backward (`_cpu_attention_scratch`) and its matrix multiplies' working buffers (measured:
+    `CostTable.gemm_scratch_bytes`), per intra-op thread where the kernel keeps one per thread
+    (`threads`, what launch gives each process, `ClusterSpec.threads_per_device`). `requires`:
+    the tensors that get a gradient (whether the convolution forms its input's)."""
     if table.source.device_kind != "cpu" or not node.inputs:
         return 0.0
     if node.kind == "scaled_dot_product_attention":
         return _cpu_attention_scratch(table, node, bf16, threads)
+    if op_class(node.kind) == "matmul":
+        # the largest working buffer any GEMM call of the model took, measured at one thread
+        # (oneDNN keeps one per thread); 0 where the table did not measure it
+        return float(table.gemm_scratch_bytes * threads)
     if op_class(node.kind) != "conv":
         return 0.0
     graph = table.graph
