@@ -22,7 +22,8 @@ their plans compare like for like:
    objective is a smooth estimate that can disagree with the simulator, and a plan must never be
    one the simulator puts slower than a baseline's cut of its shape. Cuts within TIE_TOLERANCE
    of the fastest are a tie the model cannot break, which goes to the conventional cut (uniform's,
-   then params'). `uniform` and `params` keep their own cut. The plan is simulated for the
+   then params'; a cut is conventional whichever source found it). `uniform` and `params` keep
+   their own cut. The plan is simulated for the
    predicted iteration time and bubble.
 """
 from __future__ import annotations
@@ -401,11 +402,15 @@ class _Cut:
     source: Strategy
     objective_s: float  # J of this cut
     partition: Partition | None  # built (simulated) with a placeholder report
+    # a conventional baseline's cut too (uniform's or params'), whichever source found it first
+    conventional: bool = False
 
 
-def _shape_cuts(cand: _Candidate, blocks: BlockGraph) -> list[tuple[tuple[int, ...], Strategy]]:
+def _shape_cuts(cand: _Candidate, blocks: BlockGraph
+                ) -> list[tuple[tuple[int, ...], Strategy, bool]]:
     """The cuts of one shape worth simulating, the shape's own (the strategy's answer) first,
-    then the DP's and the baselines', each once and only if it fits the exact memory model."""
+    then the DP's and the baselines', each once and only if it fits the exact memory model:
+    (cut, the first source that found it, whether it is a conventional baseline's cut too)."""
     problem = cand.problem
     assert problem is not None and cand.assignment is not None and cand.source is not None
     cuts: list[tuple[tuple[int, ...], Strategy]] = [(cand.assignment, cand.source)]
@@ -416,13 +421,13 @@ def _shape_cuts(cand: _Candidate, blocks: BlockGraph) -> list[tuple[tuple[int, .
         a = fn(blocks, V)
         if a is not None and problem.valid(a) and _exact_fits(problem, a):
             cuts.append((a, name))  # type: ignore[arg-type]  # a Strategy literal
-    seen: set[tuple[int, ...]] = set()
-    unique = []
+    # one entry per cut; a cut the strategy found that is also uniform's or params' is still the
+    # conventional cut (a tie goes to it)
+    conventional = {a for a, name in cuts if name in _CONVENTIONAL}
+    unique: dict[tuple[int, ...], Strategy] = {}
     for a, name in cuts:
-        if a not in seen:
-            seen.add(a)
-            unique.append((a, name))
-    return unique
+        unique.setdefault(a, name)
+    return [(a, name, a in conventional) for a, name in unique.items()]
 
 
 def _rerank(evaluated: Sequence[_Candidate], blocks: BlockGraph,
@@ -447,7 +452,7 @@ def _rerank(evaluated: Sequence[_Candidate], blocks: BlockGraph,
         problem = cand.problem
         assert problem is not None
         unit = problem.time_unit_s / cand.shape.chunks
-        for priority, (a, source) in enumerate(_shape_cuts(cand, blocks)):
+        for priority, (a, source, conventional) in enumerate(_shape_cuts(cand, blocks)):
             objective = cand.objective_s if priority == 0 else problem.objective(a) * unit
             placeholder = _placeholder_report(cand, source, objective)
             partition = build_partition(problem, a, global_batch, placeholder)
@@ -456,7 +461,7 @@ def _rerank(evaluated: Sequence[_Candidate], blocks: BlockGraph,
                 continue
             seen.add(plan_key)
             key = (round_seconds(partition.iteration_s), priority, shape_rank)
-            scored.append((key, _Cut(cand, a, source, objective, partition)))
+            scored.append((key, _Cut(cand, a, source, objective, partition, conventional)))
     scored.sort(key=lambda kc: kc[0])
     considered = tuple(CutCandidate(shape=c.shape.shape.label(), cut_from=c.source,
                                     objective_s=c.objective_s,
@@ -464,7 +469,7 @@ def _rerank(evaluated: Sequence[_Candidate], blocks: BlockGraph,
                        for _, c in scored)
     fastest = scored[0][0][0]
     tied = [(key, cut) for key, cut in scored if key[0] <= fastest * (1 + TIE_TOLERANCE)]
-    chosen = min(tied, key=lambda kc: (kc[1].source not in _CONVENTIONAL, kc[0]))
+    chosen = min(tied, key=lambda kc: (not kc[1].conventional, kc[0]))
     return chosen[1], considered
 
 
