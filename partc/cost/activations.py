@@ -20,6 +20,7 @@ from partc.cost.table import Linear
 from partc.cost.torch_profiler import (
     NodeRunner,
     flat_inputs,
+    kineto_silenced,
     node_owner,
     precision_autocast,
     program_module,
@@ -251,9 +252,16 @@ def gemm_scratch_bytes(module: torch.fx.GraphModule, inputs: Inputs, device: tor
             p.grad = None
 
     step()
-    with quiet_torch(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                               profile_memory=True) as prof:
-        step()
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                  profile_memory=True)
+    with quiet_torch():
+        with kineto_silenced():
+            prof.__enter__()
+        try:
+            step()
+        finally:
+            with kineto_silenced():
+                prof.__exit__(None, None, None)
     assert prof.profiler is not None and prof.profiler.kineto_results is not None
     most = 0
     stack = list(prof.profiler.kineto_results.experimental_event_tree())

@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 import statistics
+import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -133,6 +135,22 @@ def precision_autocast(precision: Precision,
     if precision == "bf16-mixed":
         return torch.autocast(device_type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def kineto_silenced() -> Iterator[None]:
+    """File descriptor 2 to /dev/null while a torch.profiler starts or stops: kineto prints a
+    line on every start and stop straight to it, past Python's sys.stderr, which would
+    interleave with partc's progress lines and reach the user as library noise."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 @contextlib.contextmanager

@@ -27,19 +27,17 @@ Per rank, in order:
 """
 from __future__ import annotations
 
-import contextlib
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, TextIO
+from typing import Callable, Iterable, TextIO
 
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
 
-from partc.cost.torch_profiler import CPU_CLOCK, denormals_flushed
+from partc.cost.torch_profiler import CPU_CLOCK, denormals_flushed, kineto_silenced
 from partc.errors import LaunchError, PartcError
 from partc.frontend.model_file import ModelFile
 from partc.options import TrainOptions
@@ -244,13 +242,13 @@ class _MemoryProbe:
             self.live = live_tensor_bytes()
             self.profiler = torch.profiler.profile(
                 activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
-            with _no_stderr():
+            with kineto_silenced():
                 self.profiler.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self.profiler is not None:
-            with _no_stderr():
+            with kineto_silenced():
                 self.profiler.__exit__(None, None, None)
 
     def peak_bytes(self) -> int | None:
@@ -259,21 +257,6 @@ class _MemoryProbe:
         if self.profiler is not None:
             return self.live + peak_above_start(self.profiler)
         return None
-
-
-@contextlib.contextmanager
-def _no_stderr() -> Iterator[None]:
-    """File descriptor 2 to /dev/null: kineto prints a line on every profiler start and stop
-    straight to it, which would interleave with the progress lines."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 2)
-            yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
 
 
 # The per-rank row gathered onto rank 0 each step (float64): the rank's values, then a block per
