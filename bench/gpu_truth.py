@@ -285,13 +285,15 @@ def time_stages(plan_dir: Path, module: ModuleType, device: torch.device, repeat
 
     from partc.emit.stage_code import load_stage
     from partc.emit.stage_graph import flatten_inputs
+    from partc.frontend.model_file import normalize_inputs
     from partc.plans.plan import load_plan
 
     sync = synchronizer(device)
     plan = load_plan(plan_dir)
     stages = [load_stage(plan.stage_bytes(s), map_location=device).train() for s in plan.stages]
     inputs, _target = next(iter(module.batches(plan.microbatch_size)))
-    args_kwargs = ((), to_device(inputs, device))
+    # any form a model file's batches() may yield (a tensor, a tuple, a dict, a pair)
+    args_kwargs = to_device(normalize_inputs(inputs, "batches()"), device)
     flat = flatten_inputs(args_kwargs, pytree.treespec_loads(plan.model.input_spec)) \
         if plan.model.input_spec else pytree.tree_leaves(args_kwargs)
     current = [t.to(device) for t in flat]

@@ -219,8 +219,6 @@ def saved_activations(capture: Capture, target_kind: str | None = None) -> dict[
     return {name: Linear.fit(p) for name, p in points.items() if any(v for _, v in p)}
 
 
-
-
 # the matrix-multiply kernels (torch.profiler's names), whatever op dispatched them (linear,
 # matmul, an autograd node's backward)
 _GEMM_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addbmm"})
