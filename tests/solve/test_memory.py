@@ -842,3 +842,60 @@ def test_gemm_working_buffers_are_what_torch_allocates(tmp_path: Path, precision
     node = next(n for n in result.graph.nodes if n.kind in ("linear", "mm"))
     assert kernel_scratch(table, node, rows, precision == "bf16-mixed") == measured
     assert kernel_scratch(table, node, rows, precision == "bf16-mixed", threads=2) == 2 * measured
+
+
+_FLOAT32_ACTIVATION = '''import torch
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(64, 128)
+        self.down = torch.nn.Linear(128, 64)
+
+    def forward(self, x):
+        h = self.up(x)
+        h = h + 0.05 * torch.pow(h, 3.0)  # GPT-2's GELU: pow runs in float32 under autocast
+        return self.down(h)
+
+
+def build_model():
+    return Net()
+
+
+def example_inputs(batch_size: int) -> tuple[torch.Tensor]:
+    return (torch.randn(batch_size, 64),)
+'''
+
+
+def test_a_received_float32_input_of_a_bf16_matrix_op_is_saved_as_a_copy(tmp_path: Path) -> None:
+    """Under bf16-mixed a stage that receives a float32 activation and feeds it to a matrix op
+    keeps autocast's bfloat16 copy for backward, not the receive buffer: both are alive, so the
+    memory model must not take the buffer for the saved tensor (GPT-2's `params` stage 1 was
+    1 MiB below its measured peak). Checked against torch's saved tensors; in float32 the op
+    keeps the received tensor itself."""
+    from partc.solve.memory import _first_saver, _saved_as_received
+
+    model = tmp_path / "float32_activation.py"
+    model.write_text(_FLOAT32_ACTIVATION)
+    graph = capture_graph(model, 4, onnx=False).graph
+    down = next(n for n in graph.nodes if n.module == "down")
+    received = down.inputs[0]  # the cut sends this to the stage holding `down`
+    saver = _first_saver(graph, received)
+    assert saver == down.name
+
+    layer = torch.nn.Linear(128, 64)
+    for bf16 in (True, False):
+        buffer = torch.randn(4, 128, requires_grad=True)  # as received, in float32
+        kept: list[torch.Tensor] = []
+
+        def keep(t: torch.Tensor, kept: list[torch.Tensor] = kept) -> torch.Tensor:
+            kept.append(t)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                layer(buffer)
+        keeps_buffer = any(t.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+                           for t in kept)
+        assert _saved_as_received(graph, received, saver, bf16) == keeps_buffer == (not bf16)
