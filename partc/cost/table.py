@@ -29,6 +29,7 @@ from typing import Any, Iterable, Sequence
 
 import yaml
 
+from partc.cost.autocast import AutocastDtypes, autocast_dtypes
 from partc.errors import PartcError
 from partc.files import write_atomic
 from partc.graph.opgraph import INTEGER_DTYPES, OpGraph, dtype_bytes
@@ -200,8 +201,8 @@ class CostTable:
     # the loss function on the model's outputs, per micro-batch: forward, backward (into the
     # outputs' gradients) and what it keeps for its backward; the last stage runs it
     loss: NodeCost = NO_COST
-    _runtime_dtypes: dict[str, dict[str, str]] = field(default_factory=dict, repr=False,
-                                                        compare=False)
+    # autocast's replay per precision (partc.cost.autocast), computed once
+    _autocast: dict[str, AutocastDtypes] = field(default_factory=dict, repr=False, compare=False)
     # bytes of a batch of m samples as the model file's batches() yields it, inputs and target
     # (measured; the analytic table knows the graph inputs only): the data a CPU rank that draws
     # it holds in its own memory
@@ -258,12 +259,14 @@ class CostTable:
         """The dtype `tensor` has when the graph runs under `precision` (autocast's rules,
         partc.cost.autocast): a bf16-mixed residual stream stays float32, a projection's output
         is bfloat16."""
-        key = precision
-        if key not in self._runtime_dtypes:
-            from partc.cost.autocast import autocast_dtypes
+        return self.autocast(precision).tensors.get(tensor, self.graph.tensor(tensor).dtype)
 
-            self._runtime_dtypes[key] = autocast_dtypes(self.graph, precision).tensors
-        return self._runtime_dtypes[key].get(tensor, self.graph.tensor(tensor).dtype)
+    def autocast(self, precision: Precision) -> AutocastDtypes:
+        """autocast's rules replayed over the graph for `precision`: every tensor's dtype and
+        every node's compute dtype (partc.cost.autocast.autocast_dtypes), computed once."""
+        if precision not in self._autocast:
+            self._autocast[precision] = autocast_dtypes(self.graph, precision)
+        return self._autocast[precision]
 
     def runtime_bytes(self, tensor: str, m: float, precision: Precision) -> float:
         """`tensor_bytes` in the dtype the tensor has under `precision` (`runtime_dtype`)."""

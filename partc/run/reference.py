@@ -55,6 +55,9 @@ def train_single_process(plan: Plan, options: TrainOptions, chunks: int = 1,
     batch = plan.training.global_batch_size
     losses = []
     data = global_batches(model_file, plan)
+    def on_device(t: Any) -> Any:
+        return t.to(dev) if isinstance(t, torch.Tensor) else t
+
     # denormals flushed, as launch's ranks compute (`denormals_flushed`)
     with denormals_flushed(dev):
         for step in range(options.steps):
@@ -65,9 +68,6 @@ def train_single_process(plan: Plan, options: TrainOptions, chunks: int = 1,
             total = 0.0
             for piece, tgt in zip(split_batch((args, kwargs), batch, chunks),
                                   split_batch(target, batch, chunks), strict=True):
-                def on_device(t: Any) -> Any:
-                    return t.to(dev) if isinstance(t, torch.Tensor) else t
-
                 a, k = pytree.tree_map(on_device, piece)
                 tgt = pytree.tree_map(on_device, tgt)
                 loss = loss_fn(model(*a, **k), tgt) / chunks

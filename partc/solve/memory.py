@@ -20,7 +20,6 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Collection, Sequence
 
-from partc.cost.autocast import AutocastDtypes, autocast_dtypes
 from partc.cost.op_classes import FREE_KINDS, op_class
 from partc.cost.table import CostTable, needs_backward
 from partc.errors import MemoryConfigError
@@ -224,7 +223,7 @@ def _requires_grad(graph: OpGraph) -> frozenset[str]:
     return cache["requires"]  # type: ignore[return-value]
 
 
-def _saved_as_received(graph: OpGraph, tensor: str, saver: str, bf16: bool) -> bool:
+def _saved_as_received(table: CostTable, tensor: str, saver: str, bf16: bool) -> bool:
     """Whether the storage `saver` keeps of `tensor` is the tensor itself (a stage's receive
     buffer, then). Not under bf16-mixed when the tensor has another floating dtype than the one
     `saver` computes in: autocast casts it, and the node keeps the cast copy, which a profile
@@ -234,12 +233,8 @@ def _saved_as_received(graph: OpGraph, tensor: str, saver: str, bf16: bool) -> b
     stage's peak 1 MiB below the measured one."""
     if not bf16:
         return True
-    cache = _graph_cache(graph)
-    if "autocast_bf16" not in cache:
-        cache["autocast_bf16"] = autocast_dtypes(graph, "bf16-mixed")
-    casts: AutocastDtypes = cache["autocast_bf16"]  # type: ignore[assignment]
-    node = casts.nodes.get(saver)
-    dtype = casts.tensors.get(tensor, graph.tensor(tensor).dtype)
+    node = table.autocast("bf16-mixed").nodes.get(saver)
+    dtype = table.runtime_dtype(tensor, "bf16-mixed")
     return node is None or dtype not in FLOATING_DTYPES or node.compute_dtype == dtype
 
 
@@ -738,7 +733,7 @@ def stage_memory(table: CostTable, nodes: Collection[str], *, microbatch_size: i
     # -- activations -------------------------------------------------------------------------------
     # Received tensors the stage saves for backward are the receive buffers above: not twice.
     resaved = sum(size(t) for t in receives if (saver := _first_saver(graph, t)) in inside
-                  and _saved_as_received(graph, t, saver, bf16))
+                  and _saved_as_received(table, t, saver, bf16))
     saved = max(0.0, _saved_bytes(table, nodes, m) - resaved)
     # A stage that produces graph outputs computes the loss: cross-entropy keeps the log-softmax of
     # the logits, MSE the difference, i.e. one fp32 copy of the floating outputs per micro-batch.

@@ -884,6 +884,7 @@ def test_a_received_float32_input_of_a_bf16_matrix_op_is_saved_as_a_copy(tmp_pat
     saver = _first_saver(graph, received)
     assert saver == down.name
 
+    table = analytic_cost_table(graph, cpu_device())
     layer = torch.nn.Linear(128, 64)
     for bf16 in (True, False):
         buffer = torch.randn(4, 128, requires_grad=True)  # as received, in float32
@@ -898,4 +899,4 @@ def test_a_received_float32_input_of_a_bf16_matrix_op_is_saved_as_a_copy(tmp_pat
                 layer(buffer)
         keeps_buffer = any(t.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
                            for t in kept)
-        assert _saved_as_received(graph, received, saver, bf16) == keeps_buffer == (not bf16)
+        assert _saved_as_received(table, received, saver, bf16) == keeps_buffer == (not bf16)
