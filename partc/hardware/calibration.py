@@ -26,7 +26,13 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence, Union
 from partc.errors import PartcError
 from partc.files import write_atomic
 from partc.hardware.configs import list_clusters, load_cluster, load_device
-from partc.hardware.local import cpu_model, physical_cores, pin_to_core, ram_bytes
+from partc.hardware.local import (
+    batch_schedule_gloo_io,
+    cpu_model,
+    physical_cores,
+    pin_to_core,
+    ram_bytes,
+)
 from partc.hardware.specs import OP_CLASSES, ClusterSpec, DeviceSpec, LinkSpec
 from partc.hardware.units import format_quantity, parse_quantity
 
@@ -655,6 +661,7 @@ def _pingpong_worker(rank: int, backend: str, port: int, threads: int, out: str,
     sync = _synchronizer(device)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2)
+    batch_schedule_gloo_io()  # as launch runs gloo
     peer = 1 - rank
 
     average = statistics.median if backend == "nccl" else statistics.mean

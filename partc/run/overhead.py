@@ -116,7 +116,7 @@ def _worker(rank: int, kind: str, port: int, out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.pipelining import Schedule1F1B
 
-    from partc.hardware.local import pin_to_core
+    from partc.hardware.local import batch_schedule_gloo_io, pin_to_core
     from partc.run.stage_runner import StageRunner, TimedStage
 
     torch.set_num_threads(1)
@@ -130,6 +130,7 @@ def _worker(rank: int, kind: str, port: int, out: str) -> None:
         backend = "gloo"
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2)
+    batch_schedule_gloo_io()  # as launch runs gloo
     try:
         with torch.jit.optimized_execution(False), denormals_flushed(device):
             module = _stage_module(rank).to(device).train()

@@ -40,6 +40,7 @@ from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
 from partc.cost.torch_profiler import CPU_CLOCK, denormals_flushed, kineto_silenced
 from partc.errors import LaunchError, PartcError
 from partc.frontend.model_file import ModelFile
+from partc.hardware.local import batch_schedule_gloo_io
 from partc.options import TrainOptions
 from partc.plans.plan import Plan, load_plan, refuse_plan_artifact
 from partc.plans.run_metrics import (
@@ -106,6 +107,8 @@ def run_rank(plan_path: str | Path, options: TrainOptions, out: TextIO = sys.std
         # steps slow, and recompute differently under activation checkpointing.
         with torch.jit.optimized_execution(False), denormals_flushed(device):
             run = _set_up(plan, layout, env, device, options)
+            # every process group exists now, each with its socket loop
+            batch_schedule_gloo_io()
             reporter = Reporter(plan, options, run.start, out, err) if env.rank == 0 else None
             try:
                 if reporter is not None:

@@ -4,7 +4,9 @@
   workers were pinned;
 - loss_fn() appends whether denormal floats are flushed to zero (denormals.txt, a line per call):
   the profiler, launch's last stage and single-process training all run it, and must all compute
-  the same way (partc.cost.torch_profiler.denormals_flushed)."""
+  the same way (partc.cost.torch_profiler.denormals_flushed);
+- under launch, loss_fn() also appends the scheduling policy of each of the process's gloo socket
+  loop threads (gloo_io.txt, "batch" or "other"; partc.hardware.local.batch_schedule_gloo_io)."""
 from __future__ import annotations
 
 import os
@@ -44,4 +46,11 @@ def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         flushed = bool((torch.full((), 1e-40) * 2 == 0).item())
         with Path(out, "denormals.txt").open("a") as f:
             f.write("flushed\n" if flushed else "kept\n")
+        if "RANK" in os.environ:
+            from partc.hardware.local import GLOO_IO_THREAD
+            with Path(out, "gloo_io.txt").open("a") as f:
+                for tid in os.listdir("/proc/self/task"):
+                    if Path(f"/proc/self/task/{tid}/comm").read_text().strip() == GLOO_IO_THREAD:
+                        batch = os.sched_getscheduler(int(tid)) == os.SCHED_BATCH
+                        f.write("batch\n" if batch else "other\n")
     return F.cross_entropy(output, target)

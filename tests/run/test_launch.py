@@ -400,9 +400,10 @@ def test_rank_layout_of_both_placements(tmp_path: Path) -> None:
 def test_cpu_workers_are_pinned_one_per_core_and_flush_denormals(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A partc CPU device is one core: each gloo worker runs on core local_rank % cores only (its
-    data-drawing ranks record where they may run). The workers compute with denormals flushed to
-    zero, as single-process training and the profiler do (the model's loss records it): a profile
-    times the arithmetic launch runs."""
+    data-drawing ranks record where they may run), and gloo's socket loops run SCHED_BATCH, so
+    they cannot preempt the worker's own threads and spin (the last stage's loss records them).
+    The workers compute with denormals flushed to zero, as single-process training and the
+    profiler do: a profile times the arithmetic launch runs."""
     from partc.cost.measured import ProfileOptions, profile_model
     from partc.hardware.local import core_cpus
 
@@ -418,6 +419,9 @@ def test_cpu_workers_are_pinned_one_per_core_and_flush_denormals(
     for rank in (0, 1):
         cpus = {int(c) for c in (probe / f"rank{rank}.txt").read_text().split(",")}
         assert cpus == set(cores[rank % len(cores)]), (rank, cpus, cores)
+    # every process group's loop (the world's, the pipeline's, the replicas'), while training
+    loops = (probe / "gloo_io.txt").read_text().split()
+    assert len(loops) >= 2 and set(loops) == {"batch"}, loops
     denormals = probe / "denormals.txt"
     assert set(denormals.read_text().split()) == {"flushed"}  # launch's last stage
     denormals.unlink()
