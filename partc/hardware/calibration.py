@@ -170,7 +170,8 @@ def measure_op_overheads(device: "torch.device", budget_s: float, loops: int = 2
 
     - `op_overhead_s`: eager forward of a 1-element add whose input requires grad (dispatch,
       autograd recording and kernel launch, as in training), over `loops` back-to-back calls;
-    - `op_dispatch_no_grad_s`: the same without autograd (for reference);
+    - `op_dispatch_no_grad_s`: the same without autograd (the device's `dispatch_overhead_s`:
+      what an optimizer step's kernels pay);
     - `backward_op_overhead_s`: backward through a chain of `chain` 1-element multiplications
       (`torch.autograd.grad`), divided by `chain`: the engine's node plus the gradient kernel;
     - `backward_chain_s` and `backward_chain_ops`: that backward's median time and length.
@@ -589,6 +590,7 @@ def _measured_spec(found: dict[str, float], *, name: str, kind: str, memory_byte
         bandwidth_efficiency=round(bandwidth_eff, 3),
         op_overhead_s=_snap(found["op_overhead_s"], "s", 3),
         backward_op_overhead_s=_snap(found["backward_op_overhead_s"], "s", 3),
+        dispatch_overhead_s=_snap(found["op_dispatch_no_grad_s"], "s", 3),
         description=description, source=source)
 
 
@@ -866,6 +868,9 @@ def _device_lines(spec: DeviceSpec, comments: dict[str, list[str]]) -> list[str]
     if spec.backward_op_overhead_s is not None:
         lines += block("backward_op_overhead_s", "backward_op_overhead_s: "
                        f"{_quantity_text(spec.backward_op_overhead_s, 's')}")
+    if spec.dispatch_overhead_s is not None:
+        lines += block("dispatch_overhead_s", "dispatch_overhead_s: "
+                       f"{_quantity_text(spec.dispatch_overhead_s, 's')}")
     if spec.microbatch_overhead_s:
         lines += block("microbatch_overhead_s", "microbatch_overhead_s: "
                        f"{_quantity_text(spec.microbatch_overhead_s, 's')}")
@@ -939,6 +944,8 @@ def device_yaml(cal: DeviceCalibration, command: str = "partc calibrate") -> str
         *bandwidth_classes]
     comments["op_overhead_s"] = forward
     comments["backward_op_overhead_s"] = backward
+    comments["dispatch_overhead_s"] = [
+        "# The same add without autograd: what each kernel of an optimizer step pays (no_grad)."]
     if "pipeline_forward_overhead_s" in m:
         comments["microbatch_overhead_s"] = [
             "# The pipelining runtime's time per stage forward and backward beyond the stage's "

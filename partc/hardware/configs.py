@@ -184,6 +184,8 @@ def _device_from(m: _Mapping) -> DeviceSpec:
                                           required=False),
         microbatch_overhead_s=m.quantity("microbatch_overhead_s", "s", positive=False,
                                          required=False, default=0.0),
+        dispatch_overhead_s=m.quantity("dispatch_overhead_s", "s", positive=False,
+                                       required=False),
         description=m.string("description", required=False),
         source=m.string("source", required=False),
         allow_tf32=m.boolean("allow_tf32", False),

@@ -61,6 +61,9 @@ class DeviceSpec:
     # The pipelining runtime's fixed host time per stage, per micro-batch and pass (forward or
     # backward): schedule bookkeeping, the autograd call, p2p posts and waits besides the wire.
     microbatch_overhead_s: float = 0.0
+    # Fixed time of an operator dispatched without autograd (an optimizer step's kernels, which
+    # run under no_grad); None: the same as op_overhead_s.
+    dispatch_overhead_s: float | None = None
 
     def __post_init__(self) -> None:
         problems = _device_problems(self)
@@ -92,6 +95,11 @@ class DeviceSpec:
         return (self.op_overhead_s if self.backward_op_overhead_s is None
                 else self.backward_op_overhead_s)
 
+    def no_grad_overhead_s(self) -> float:
+        """Fixed time of one operator outside autograd (`dispatch_overhead_s`, else the
+        forward's `op_overhead_s`)."""
+        return self.op_overhead_s if self.dispatch_overhead_s is None else self.dispatch_overhead_s
+
     def bytes_per_s(self) -> float:
         """Memory bandwidth that streaming operators reach (bytes/s)."""
         return self.memory_bandwidth * self.bandwidth_efficiency
@@ -104,6 +112,8 @@ class DeviceSpec:
             extra["backward_op_overhead_s"] = self.backward_op_overhead_s
         if self.microbatch_overhead_s:
             extra["microbatch_overhead_s"] = self.microbatch_overhead_s
+        if self.dispatch_overhead_s is not None:
+            extra["dispatch_overhead_s"] = self.dispatch_overhead_s
         return {
             "name": self.name,
             "kind": self.kind,
@@ -144,6 +154,8 @@ def _device_problems(d: DeviceSpec) -> list[str]:
         problems.append("backward_op_overhead_s must be >= 0")
     if not d.microbatch_overhead_s >= 0:
         problems.append("microbatch_overhead_s must be >= 0")
+    if d.dispatch_overhead_s is not None and not d.dispatch_overhead_s >= 0:
+        problems.append("dispatch_overhead_s must be >= 0")
     return problems
 
 

@@ -705,11 +705,11 @@ def _param_bytes(p: Param, training: TrainingConfig) -> tuple[float, float]:
 def step_dispatch_s(training: TrainingConfig, device: DeviceSpec) -> float:
     """Host time the optimizer step spends on each parameter tensor apart from its bytes: on a
     CPU torch's foreach step runs each of its kernels tensor by tensor
-    (`OptimizerSpec.step_kernels` dispatches of `DeviceSpec.op_overhead_s`); on a GPU a foreach
-    kernel takes many tensors per launch, so nothing per tensor."""
+    (`OptimizerSpec.step_kernels` dispatches outside autograd, `DeviceSpec.no_grad_overhead_s`);
+    on a GPU a foreach kernel takes many tensors per launch, so nothing per tensor."""
     if device.kind != "cpu":
         return 0.0
-    return training.optimizer_spec.step_kernels * device.op_overhead_s
+    return training.optimizer_spec.step_kernels * device.no_grad_overhead_s()
 
 
 def sync_bytes(p: Param, training: TrainingConfig) -> tuple[int, int]:

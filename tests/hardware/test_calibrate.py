@@ -118,6 +118,10 @@ def test_cuda_device_spec_from_measurements() -> None:
     assert spec.memory_bandwidth == pytest.approx(2.93e12)
     assert spec.op_overhead_s == pytest.approx(1.23e-6) and not spec.allow_tf32
     assert spec.backward_op_overhead_s == pytest.approx(3.3e-6)
+    # an optimizer step's kernels pay the dispatch without autograd
+    assert spec.dispatch_overhead_s == pytest.approx(0.9e-6)
+    assert spec.no_grad_overhead_s() == spec.dispatch_overhead_s
+    assert replace(spec, dispatch_overhead_s=None).no_grad_overhead_s() == spec.op_overhead_s
     assert spec.microbatch_overhead_s == 0.0  # left to the runtime's own calibration
     # Without bf16 (pre-Ampere) the compute dtype is float16.
     found = {k: v for k, v in gpu_measurements().items() if "bfloat16" not in k and "tf32" not in k}
