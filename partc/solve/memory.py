@@ -24,7 +24,7 @@ from partc.cost.op_classes import FREE_KINDS, op_class
 from partc.cost.table import CostTable, needs_backward
 from partc.errors import MemoryConfigError
 from partc.graph.opgraph import FLOATING_DTYPES, OpGraph, OpNode, Param, dtype_bytes
-from partc.options import SCHEDULES, Schedule, TrainingConfig, check_choice
+from partc.options import SCHEDULES, Precision, Schedule, TrainingConfig, check_choice
 
 _BF16 = 2
 _FP32 = 4
@@ -225,17 +225,42 @@ def _requires_grad(graph: OpGraph) -> frozenset[str]:
 
 def _saved_as_received(table: CostTable, tensor: str, saver: str, bf16: bool) -> bool:
     """Whether the storage `saver` keeps of `tensor` is the tensor itself (a stage's receive
-    buffer, then). Not under bf16-mixed when the tensor has another floating dtype than the one
-    `saver` computes in: autocast casts it, and the node keeps the cast copy, which a profile
-    counts among its saved bytes, beside the receive buffer. Measured: GPT-2's `params` stage 1
-    receives the MLP activation in float32 (1 MiB; its GELU's `pow` runs in float32) and the
-    projection keeps a 512 KiB bfloat16 copy; taking the buffer for the saved tensor put the
-    stage's peak 1 MiB below the measured one."""
+    buffer, then), rather than a copy that a profile counts among its saved bytes, beside the
+    receive buffer:
+
+    - under bf16-mixed, a tensor of another floating dtype than the one `saver` computes in:
+      autocast casts it and the node keeps the cast copy. Measured: GPT-2's `params` stage 1
+      receives the MLP activation in float32 (1 MiB; its GELU's `pow` runs in float32) and the
+      projection keeps a 512 KiB bfloat16 copy; taking the buffer for the saved tensor put the
+      stage's peak 1 MiB below the measured one;
+    - an attention input whose kernel keeps a copy (`_attention_keeps_inputs`). Measured: BERT
+      cut between its query and key projections, stage 1 receives the query; the CPU's math
+      path keeps its scaled copy, and the stage peaked 256 KiB above a model that took the
+      receive buffer for it."""
+    node = table.graph.node(saver)
+    if node.kind == "scaled_dot_product_attention" and not _attention_keeps_inputs(
+            table, node, "bf16-mixed" if bf16 else "fp32"):
+        return False
     if not bf16:
         return True
-    node = table.autocast("bf16-mixed").nodes.get(saver)
+    cast = table.autocast("bf16-mixed").nodes.get(saver)
     dtype = table.runtime_dtype(tensor, "bf16-mixed")
-    return node is None or dtype not in FLOATING_DTYPES or node.compute_dtype == dtype
+    return cast is None or dtype not in FLOATING_DTYPES or cast.compute_dtype == dtype
+
+
+def _attention_keeps_inputs(table: CostTable, node: OpNode, precision: Precision) -> bool:
+    """Whether scaled_dot_product_attention keeps its query, key and value themselves for
+    backward. CUDA's flash and memory-efficient kernels do (head size a multiple of 8; 4 in
+    float32: partc.cost.activations.attention_kernel). On a CPU the flash kernel does, but it
+    runs only without dropout: with dropout on, as in training, the math path keeps the scaled
+    query and key and the heads its matmuls reshape into copies (checked with torch's saved
+    tensors). Dropout is not in the graph, so a CPU counts the copies: at worst one input's
+    bytes per micro-batch too many where the flash kernel runs."""
+    if table.source.device_kind != "cuda" or not node.inputs:
+        return False
+    query = node.inputs[0]
+    head = table.graph.tensor(query).shape[-1:] or (0,)
+    return head[0] % (4 if table.runtime_dtype(query, precision) == "float32" else 8) == 0
 
 
 def _first_saver(graph: OpGraph, tensor: str) -> str | None:

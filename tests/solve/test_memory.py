@@ -733,6 +733,47 @@ def test_a_boolean_attention_mask_is_not_kept_by_the_attention(tmp_path: Path) -
     assert _first_saver(graph, attention.inputs[0]) == attention.name
 
 
+
+def test_a_received_attention_input_is_saved_as_a_copy_on_a_cpu(tmp_path: Path) -> None:
+    """With dropout on, as in training, a CPU runs attention's math path, which keeps scaled and
+    reshaped copies of its query and key, never the received storage; its flash kernel (no
+    dropout) and CUDA's fused kernels keep the inputs themselves. The graph does not show
+    dropout, so on a CPU the memory model never takes a receive buffer for an attention's saved
+    input (BERT cut between its query and key projections peaked 256 KiB above the model that
+    did); on CUDA it does. Checked against torch's saved tensors."""
+    from partc.solve.memory import _first_saver, _saved_as_received
+
+    hidden = torch.randn(2, 8, 64, requires_grad=True)  # as received: (batch, seq, heads * dim)
+
+    def keeps_received(dropout_p: float) -> bool:
+        kept: list[torch.Tensor] = []
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            kept.append(t)
+            return t
+
+        heads = hidden.view(2, 8, 4, 16).transpose(1, 2)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            torch.nn.functional.scaled_dot_product_attention(heads, heads, heads,
+                                                             dropout_p=dropout_p)
+        return any(t.untyped_storage().data_ptr() == hidden.untyped_storage().data_ptr()
+                   for t in kept)
+
+    assert not keeps_received(0.1)  # the math path
+    assert keeps_received(0.0)  # the CPU flash kernel: the model over-counts one input there
+
+    model = tmp_path / "masked.py"
+    model.write_text(_MASKED_ATTENTION)
+    graph = capture_graph(model, 4, onnx=False).graph
+    attention = next(n for n in graph.nodes if n.kind == "scaled_dot_product_attention")
+    query = attention.inputs[0]
+    assert _first_saver(graph, query) == attention.name
+    cpu = analytic_cost_table(graph, cpu_device())
+    gpu = analytic_cost_table(graph, load_device("h100-80gb"))
+    for bf16 in (False, True):
+        assert not _saved_as_received(cpu, query, attention.name, bf16)
+        assert _saved_as_received(gpu, query, attention.name, bf16)
+
 _ATTENTION_LAYER = '''
 import torch
 import torch.nn as nn
