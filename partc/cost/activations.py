@@ -19,8 +19,9 @@ import torch.utils._pytree as pytree
 from partc.cost.table import Linear
 from partc.cost.torch_profiler import (
     NodeRunner,
+    allocation_events,
+    cpu_memory_profile,
     flat_inputs,
-    kineto_silenced,
     node_owner,
     precision_autocast,
     program_module,
@@ -235,8 +236,6 @@ def gemm_scratch_bytes(module: torch.fx.GraphModule, inputs: Inputs, device: tor
     untimed run first, so first-call allocations (oneDNN's primitive cache) are not counted."""
     if device.type != "cpu":
         return 0
-    from torch._C._profiler import _ExtraFields_Allocation
-
     args, kwargs = inputs
 
     def step() -> None:
@@ -250,16 +249,8 @@ def gemm_scratch_bytes(module: torch.fx.GraphModule, inputs: Inputs, device: tor
             p.grad = None
 
     step()
-    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                  profile_memory=True)
-    with quiet_torch():
-        with kineto_silenced():
-            prof.__enter__()
-        try:
-            step()
-        finally:
-            with kineto_silenced():
-                prof.__exit__(None, None, None)
+    with quiet_torch(), cpu_memory_profile() as prof:
+        step()
     assert prof.profiler is not None and prof.profiler.kineto_results is not None
     most = 0
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
@@ -268,16 +259,7 @@ def gemm_scratch_bytes(module: torch.fx.GraphModule, inputs: Inputs, device: tor
         if event.name not in _GEMM_OPS:
             stack.extend(event.children)
             continue
-        # allocations inside this call, in time order; live = those not yet freed
-        allocations: list[tuple[int, int, int]] = []
-        inner = list(event.children)
-        while inner:
-            e = inner.pop()
-            if isinstance(e.extra_fields, _ExtraFields_Allocation):
-                allocations.append((e.start_time_ns, e.extra_fields.alloc_size,
-                                    e.extra_fields.ptr))
-            inner.extend(e.children)
-        allocations.sort()
+        allocations = allocation_events(event.children)  # inside this call, in time order
         # each free matched to the allocation of its address open before it: a working buffer
         # (what the call returns is never freed in it; a free of an older block matches none)
         open_at: dict[int, int] = {}

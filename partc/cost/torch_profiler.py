@@ -34,7 +34,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.fx
@@ -151,6 +151,40 @@ def kineto_silenced() -> Iterator[None]:
     finally:
         os.dup2(saved, 2)
         os.close(saved)
+
+
+@contextlib.contextmanager
+def cpu_memory_profile() -> Iterator[torch.profiler.profile]:
+    """A CPU torch.profiler that records allocations and frees, started and stopped with
+    kineto's lines silenced (`kineto_silenced`); read it with `allocation_events` once the
+    block has ended."""
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                  profile_memory=True)
+    with kineto_silenced():
+        prof.__enter__()
+    try:
+        yield prof
+    finally:
+        with kineto_silenced():
+            prof.__exit__(None, None, None)
+
+
+def allocation_events(roots: Iterable[Any]) -> list[tuple[int, int, int]]:
+    """Every allocation and free in the profiler event trees under `roots` (a stopped
+    profile's `kineto_results.experimental_event_tree()`, or one event's children): (start
+    ns, bytes, negative for a free, address), in time order."""
+    from torch._C._profiler import _ExtraFields_Allocation
+
+    found: list[tuple[int, int, int]] = []
+    stack = list(roots)
+    while stack:
+        event = stack.pop()
+        if isinstance(event.extra_fields, _ExtraFields_Allocation):
+            found.append((event.start_time_ns, event.extra_fields.alloc_size,
+                          event.extra_fields.ptr))
+        stack.extend(event.children)
+    found.sort()
+    return found
 
 
 @contextlib.contextmanager

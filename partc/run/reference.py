@@ -17,7 +17,12 @@ import torch
 import torch.utils._pytree as pytree
 
 from partc.cost.activations import storage_bytes
-from partc.cost.torch_profiler import denormals_flushed, program_module
+from partc.cost.torch_profiler import (
+    allocation_events,
+    cpu_memory_profile,
+    denormals_flushed,
+    program_module,
+)
 from partc.emit.stage_code import load_stage
 from partc.emit.stage_weights import load_state_dict_file, whole_model_weights
 from partc.frontend.export import Capture
@@ -92,19 +97,10 @@ def live_tensor_bytes() -> int:
 
 def peak_above_start(prof: torch.profiler.profile) -> int:
     """Highest running sum of the allocations and frees the profiler saw."""
-    from torch._C._profiler import _ExtraFields_Allocation
-
-    events: list[tuple[int, int]] = []
     # both are set once the profile has stopped, which is when callers ask
     assert prof.profiler is not None and prof.profiler.kineto_results is not None
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        node = stack.pop()
-        if isinstance(node.extra_fields, _ExtraFields_Allocation):  # an allocation or a free
-            events.append((node.start_time_ns, node.extra_fields.alloc_size))
-        stack.extend(node.children)
     live = peak = 0
-    for _, size in sorted(events):
+    for _, size, _ in allocation_events(prof.profiler.kineto_results.experimental_event_tree()):
         live += size
         peak = max(peak, live)
     return peak
@@ -154,7 +150,6 @@ def measure_training_peak(capture: Capture, microbatch_size: int, num_microbatch
                            *(p.grad for p in params),
                            *(v for state in states for v in state.values()),
                            *pytree.tree_leaves((args, kwargs, target))])
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                profile_memory=True) as prof:
+    with cpu_memory_profile() as prof:
         step()
     return live + peak_above_start(prof)

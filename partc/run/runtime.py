@@ -27,6 +27,7 @@ Per rank, in order:
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +38,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
 
-from partc.cost.torch_profiler import CPU_CLOCK, denormals_flushed, kineto_silenced
+from partc.cost.torch_profiler import CPU_CLOCK, cpu_memory_profile, denormals_flushed
 from partc.errors import LaunchError, PartcError
 from partc.frontend.model_file import ModelFile
 from partc.hardware.local import batch_schedule_gloo_io
@@ -233,6 +234,7 @@ class _MemoryProbe:
         self.run, self.method = run, method
         self.live = 0
         self.profiler: torch.profiler.profile | None = None
+        self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> _MemoryProbe:
         if self.method == MEMORY_CUDA:
@@ -243,16 +245,11 @@ class _MemoryProbe:
             # count twice), pipeline receive buffers and DDP buckets included, + the
             # profiler's peak above that
             self.live = live_tensor_bytes()
-            self.profiler = torch.profiler.profile(
-                activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
-            with kineto_silenced():
-                self.profiler.__enter__()
+            self.profiler = self._stack.enter_context(cpu_memory_profile())
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.profiler is not None:
-            with kineto_silenced():
-                self.profiler.__exit__(None, None, None)
+        self._stack.close()
 
     def peak_bytes(self) -> int | None:
         if self.method == MEMORY_CUDA:
