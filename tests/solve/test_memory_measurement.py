@@ -34,28 +34,37 @@ def _profiled(fn):  # type: ignore[no-untyped-def]
     return peak_above_start(prof)
 
 
-def test_profiler_reports_no_free_of_a_block_allocated_before_it() -> None:
+def _in_fresh_process(measurement: str) -> list[int]:
+    """`measurement` (a function of this file) run in a process with no earlier profiler
+    session, each its own: a
+    block that one saw allocated, freed after it, stays in the CPU allocator's size table, so
+    a later tensor at the same address has its free reported (1 in 20 repeats in one process;
+    both tests below failed so, once each, in `make test` workers)."""
+    found = subprocess.run([sys.executable, __file__, measurement], capture_output=True, text=True,
+                           timeout=120, env={**os.environ, "PYTHONPATH": _ROOT})
+    assert found.returncode == 0, found.stderr[-2000:]
+    return [int(v) for v in found.stdout.split()[-2:]]
+
+
+def _unseen_free() -> tuple[int, int]:
     held = [torch.ones(_N)]
 
     def step() -> None:
         held.pop()  # frees the pre-existing block: the profiler does not see it
         held.append(torch.ones(_N))  # the replacement: seen
 
-    assert _profiled(step) == 4 * _N
+    return 0, int(_profiled(step))
+
+
+def test_profiler_reports_no_free_of_a_block_allocated_before_it() -> None:
+    assert _in_fresh_process("_unseen_free")[1] == 4 * _N
 
 
 def test_snapshot_after_the_frees_gives_the_true_peak() -> None:
     """A toy training step with gradients freed by zero_grad(set_to_none=True) and made again by
-    the backward: the true peak is weights + gradients + the backward's temporaries.
-
-    Measured in a fresh process: a block that an earlier profiler session in the process saw
-    allocated, and that was freed after it, stays in the CPU allocator's size table, so a later
-    tensor at the same address has its free reported (1 in 20 repeats in one process; once in a
-    `make test` worker)."""
-    found = subprocess.run([sys.executable, __file__], capture_output=True, text=True,
-                           timeout=120, env={**os.environ, "PYTHONPATH": _ROOT})
-    assert found.returncode == 0, found.stderr[-2000:]
-    over, after = (int(v) for v in found.stdout.split()[-2:])
+    the backward: the true peak is weights + gradients + the backward's temporaries (measured
+    in a fresh process, `_in_fresh_process`)."""
+    over, after = _in_fresh_process("_snapshots")
     grads = weights = 4 * _N
     assert over - after == grads
     assert after >= weights + grads + 4 * _N  # x and the fresh gradient: no double counting
@@ -98,4 +107,4 @@ def test_storage_bytes_counts_each_storage_once_on_meta_too() -> None:
 
 
 if __name__ == "__main__":
-    print(*_snapshots())
+    print(*{"_unseen_free": _unseen_free, "_snapshots": _snapshots}[sys.argv[1]]())
