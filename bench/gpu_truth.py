@@ -41,8 +41,9 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import yaml  # noqa: E402
 
+from partc.cost.activations import saved_activations  # noqa: E402
 from partc.cost.plan_costs import plan_costs  # noqa: E402
-from partc.cost.table import CostTable  # noqa: E402
+from partc.cost.table import CostTable, Linear  # noqa: E402
 from partc.files import write_atomic  # noqa: E402
 from partc.frontend.capture import CaptureResult, capture_graph  # noqa: E402
 from partc.hardware.configs import list_clusters, load_cluster, load_device  # noqa: E402
@@ -212,30 +213,50 @@ def measure_model(module: ModuleType, batch_size: int, device: torch.device, pre
     forward = timed(lambda: loss().detach())  # autograd records, as in training
     step = timed(lambda: loss().backward())
     peak: int | None = None
+    phases: dict[str, int] | None = None
     if device.type == "cuda":
         optimizer.step()  # the AdamW states exist from here on, as in a training run
         optimizer.zero_grad(set_to_none=True)
         sync()
+        phases = {"parameters_and_states": torch.cuda.memory_allocated(device)}
         torch.cuda.reset_peak_memory_stats(device)
-        loss().backward()
+        out = loss()
+        sync()
+        # what the forward leaves alive (saved activations and the loss) and its own peak
+        phases["after_forward"] = torch.cuda.memory_allocated(device)
+        phases["forward_peak"] = torch.cuda.max_memory_allocated(device)
+        out.backward()
+        del out
+        sync()
+        phases["after_backward"] = torch.cuda.memory_allocated(device)  # + the gradients
+        phases["backward_peak"] = torch.cuda.max_memory_allocated(device)
         optimizer.step()
         sync()
         peak = int(torch.cuda.max_memory_allocated(device))
-    return {"forward": forward, "forward_backward": step, "peak_memory_bytes": peak}
+        phases["step_peak"] = peak
+    return {"forward": forward, "forward_backward": step, "peak_memory_bytes": peak,
+            "memory_phases": phases,
+            "parameter_bytes": sum(t.numel() * t.element_size() for t in model.parameters())}
 
 
 # ------------------------------------------------------------------------------------------------
 # Predicting
 
-def price(result: CaptureResult, device: DeviceSpec, precision: str) -> tuple[CostTable, str]:
+def price(result: CaptureResult, device: DeviceSpec, precision: str,
+          saved: dict[str, dict[str, Linear]]) -> tuple[CostTable, str]:
     """partc's analytic CostTable at `precision` (attention saved as the device's kernels keep
-    it), and a note on how it was priced."""
-    return plan_costs(result, device, precision=precision), f"priced at {precision}"  # type: ignore[arg-type]
+    it), and a note on how it was priced. `saved`: saved activations by device kind, measured
+    once per capture (a forward of the model at two batch sizes each)."""
+    if device.kind not in saved:
+        saved[device.kind] = saved_activations(result.capture, target_kind=device.kind)
+    table = plan_costs(result, device, precision=precision,  # type: ignore[arg-type]
+                       saved=saved[device.kind])
+    return table, f"priced at {precision}"
 
 
 def predict(result: CaptureResult, device: DeviceSpec, precision: str,
-            batch_size: int) -> dict[str, Any]:
-    table, note = price(result, device, precision)
+            batch_size: int, saved: dict[str, dict[str, Linear]]) -> dict[str, Any]:
+    table, note = price(result, device, precision, saved)
     forward = table.total_forward_s(batch_size)
     backward = table.total_backward_s(batch_size)
     nodes = [n.name for n in result.graph.nodes]
@@ -246,15 +267,23 @@ def predict(result: CaptureResult, device: DeviceSpec, precision: str,
             "peak_memory_bytes": memory.total, "memory": memory.to_dict(), "note": note}
 
 
-def device_config(args: argparse.Namespace, device: torch.device) -> DeviceSpec:
-    """--device-config, else the shipped config of this GPU (as `--cluster local` picks it, with
-    the GPU's real memory), else the calibrated cpu config."""
+def device_configs(args: argparse.Namespace, device: torch.device) -> list[DeviceSpec]:
+    """Every --device-config (the first prices the stage plans), else the shipped config of this
+    GPU (as `--cluster local` picks it, with the GPU's real memory), else the shipped cpu
+    config."""
     if args.device_config:
-        return load_device(args.device_config)
+        return [load_device(c) for c in args.device_config]
     if device.type == "cuda":
         from partc.hardware.local import local_cluster
-        return local_cluster().device
-    return load_device("cpu")
+        return [local_cluster().device]
+    return [load_device("cpu")]
+
+
+def config_labels(specs: list[DeviceSpec], sources: list[str]) -> list[str]:
+    """One distinct label per device config: its name, and where two share a name, its source."""
+    names = [s.name for s in specs]
+    return [n if names.count(n) == 1 else f"{n} ({src})"
+            for n, src in zip(names, sources, strict=True)]
 
 
 def cluster_file(spec: DeviceSpec, stages: int, directory: Path) -> Path:
@@ -278,19 +307,27 @@ def cluster_file(spec: DeviceSpec, stages: int, directory: Path) -> Path:
 
 def time_stages(plan_dir: Path, module: ModuleType, device: torch.device, repeats: int,
                 warmup: int) -> list[dict[str, Any]]:
-    """Forward and backward time of every stage of a compiled plan on `device` (fp32): stage k
-    runs on stage k-1's outputs at the plan's micro-batch size; its backward gets ones as the
-    gradient of each output (the last stage's: the loss)."""
+    """Forward and backward time of every stage of a compiled plan on `device`, each stage file
+    wrapped as launch runs it (partc.run.stage_runner.StageRunner: the plan's precision, its
+    boundary dtypes, contiguous sends): stage k runs on stage k-1's outputs at the plan's
+    micro-batch size; its backward gets ones as the gradient of each output."""
     import torch.utils._pytree as pytree
 
     from partc.emit.stage_code import load_stage
     from partc.emit.stage_graph import flatten_inputs
     from partc.frontend.model_file import normalize_inputs
     from partc.plans.plan import load_plan
+    from partc.run.stage_runner import StageRunner
 
     sync = synchronizer(device)
     plan = load_plan(plan_dir)
-    stages = [load_stage(plan.stage_bytes(s), map_location=device).train() for s in plan.stages]
+    bf16 = plan.training.config.bf16
+    last = len(plan.stages) - 1
+    stages = [StageRunner(load_stage(plan.stage_bytes(s), map_location=device).train(), device,
+                          bf16, s.activation_checkpointing, last=s.index == last,
+                          wire_dtypes=tuple(getattr(torch, ref.runtime_dtype)
+                                            for ref in s.outputs))
+              for s in plan.stages]
     inputs, _target = next(iter(module.batches(plan.microbatch_size)))
     # any form a model file's batches() may yield (a tensor, a tuple, a dict, a pair)
     args_kwargs = to_device(normalize_inputs(inputs, "batches()"), device)
@@ -329,7 +366,8 @@ def time_stages(plan_dir: Path, module: ModuleType, device: torch.device, repeat
                 bwd_times.append(bwd)
         rows.append({"stage": st.index, "predicted_forward_s": st.forward_s,
                      "predicted_backward_s": st.backward_s, "forward": spread(fwd_times),
-                     "backward": spread(bwd_times), "microbatch_size": plan.microbatch_size})
+                     "backward": spread(bwd_times), "microbatch_size": plan.microbatch_size,
+                     "precision": plan.training.config.precision})
         current = [o.detach() for o in outs]
     return rows
 
@@ -337,14 +375,56 @@ def time_stages(plan_dir: Path, module: ModuleType, device: torch.device, repeat
 def compile_stages(model_path: Path, cluster: Path, stages: int, batch_size: int,
                    precision: str, out: Path) -> Path:
     plan_dir = out / "plans" / f"{model_path.stem}-{precision}-{stages}"
-    command = [sys.executable, "-m", "partc", "compile", str(model_path), "--cluster",
-               str(cluster), "--stages", str(stages), "--replicas", "1", "-b",
-               str(batch_size), "--precision", precision, "-o", str(plan_dir)]
-    proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    partc_command("compile", str(model_path), "--cluster", str(cluster), "--stages",
+                  str(stages), "--replicas", "1", "-b", str(batch_size), "--precision",
+                  precision, "-o", str(plan_dir))
+    return plan_dir
+
+
+def partc_command(*args: str) -> None:
+    """Run `python -m partc ARGS` here; RuntimeError with its last error line when it fails."""
+    proc = subprocess.run([sys.executable, "-m", "partc", *args], capture_output=True,
+                          text=True, cwd=ROOT)
     if proc.returncode != 0:
         tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise RuntimeError(f"partc compile failed: {tail}")
-    return plan_dir
+        raise RuntimeError(f"partc {args[0]} failed (exit {proc.returncode}): {tail}")
+
+
+def launch_once(model_path: Path, spec: DeviceSpec, precision: str, batch_size: int,
+                steps: int, costs: str, out: Path) -> dict[str, Any]:
+    """One end-to-end run: `partc compile` of the whole model as one stage on one device, priced
+    analytically from `spec` (costs "analytic") or on this machine's device as compile's
+    default does for `--cluster local` (costs "measured": a profile measured here), `partc
+    launch` of it for `steps` steps with --metrics, and the run's median step, stage times and
+    peak memory beside the plan's predictions."""
+    from partc.plans.plan import load_plan
+    from partc.plans.run_metrics import RunMetrics
+
+    cluster = str(cluster_file(spec, 1, out / "clusters")) if costs == "analytic" else "local"
+    plan_dir = out / "plans" / f"{model_path.stem}-{precision}-launch-{costs}"
+    metrics = out / f"launch-{model_path.stem}-{precision}-{costs}.jsonl"
+    metrics.unlink(missing_ok=True)
+    partc_command("compile", str(model_path), "--cluster", cluster, "--costs", costs,
+                  "--stages", "1", "--replicas", "1", "--microbatches", "1", "-b",
+                  str(batch_size), "--precision", precision, "-o", str(plan_dir))
+    partc_command("launch", str(plan_dir / "plan.yaml"), "--steps", str(steps),
+                  "--metrics", str(metrics))
+    plan = load_plan(plan_dir)
+    run = RunMetrics.load(metrics)
+    stage, measured = plan.stages[0], run.stage_summaries()[0]
+    return {"model": model_path.stem, "precision": precision, "batch_size": batch_size,
+            "costs": costs, "device_config": plan.cluster.device.name,
+            "steps": steps, "timed_steps": len(run.timed_steps()),
+            "predicted": {"iteration_s": plan.predicted.iteration_s,
+                          "forward_s": stage.forward_s, "backward_s": stage.backward_s,
+                          "optimizer_s": plan.predicted.optimizer_s[0],
+                          "peak_memory_bytes": plan.predicted.peak_memory_bytes[0]},
+            "measured": {"iteration_s": run.median_step_s(),
+                         "iteration": spread([s.step_s for s in run.timed_steps()]),
+                         "forward_s": measured.forward_s, "backward_s": measured.backward_s,
+                         "optimizer_s": measured.optimizer_s,
+                         "peak_memory_bytes": measured.peak_memory_bytes,
+                         "memory_method": run.memory_method}}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -362,6 +442,54 @@ def _err(predicted: float | None, measured: float | None) -> str:
     if predicted is None or not measured:
         return "-"
     return f"{(predicted - measured) / measured:+.0%}"
+
+
+def config_table(report: dict[str, Any]) -> list[str]:
+    """fwd+bwd as each device config predicts it, when the run priced with more than one."""
+    labels = list(report.get("device_configs", {}))
+    if len(labels) < 2:
+        return []
+    lines = ["", "fwd+bwd (ms) as each device config predicts it; err vs the measured median:", "",
+             "| model | precision | batch | measured | "
+             + " | ".join(f"{label} | err" for label in labels) + " |",
+             "|---|---|---:|---:|" + "---:|---:|" * len(labels)]
+    for row in report["results"]:
+        if "predicted_by" not in row or "measured" not in row:
+            continue
+        measured = row["measured"]["forward_backward"]["median_s"]
+        cells = [f"{_ms(row['predicted_by'][label]['forward_backward_s'])} | "
+                 f"{_err(row['predicted_by'][label]['forward_backward_s'], measured)}"
+                 for label in labels]
+        lines.append(f"| {row['model']} | {row['precision']} | {row['batch_size']} "
+                     f"| {_ms(measured)} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def memory_table(report: dict[str, Any]) -> list[str]:
+    """The measured memory of a training step by phase beside the predicted terms (GiB)."""
+    rows = [r for r in report["results"]
+            if r.get("measured", {}).get("memory_phases") and "predicted" in r]
+    if not rows:
+        return []
+    lines = ["", "Memory by phase (GiB). Measured: parameters and AdamW states before the step; "
+             "what the forward leaves alive above them (its saved tensors); what the backward "
+             "leaves (the gradients); the peaks of forward, backward and the optimizer step. "
+             "Predicted: the terms of `stage_memory`.", "",
+             "| model | precision | params+states meas / pred | saved by fwd meas / pred "
+             "| grads meas / pred | fwd peak | bwd peak | step peak | predicted peak "
+             "(workspace) |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for row in rows:
+        ph, mem = row["measured"]["memory_phases"], row["predicted"]["memory"]
+        base = ph["parameters_and_states"]
+        lines.append(
+            f"| {row['model']} | {row['precision']} "
+            f"| {_gib(base)} / {_gib(mem['parameters'] + mem['optimizer_state'])} "
+            f"| {_gib(ph['after_forward'] - base)} / "
+            f"{_gib(mem['activations'] + mem['communication'])} "
+            f"| {_gib(ph['after_backward'] - base)} / {_gib(mem['gradients'])} "
+            f"| {_gib(ph['forward_peak'])} | {_gib(ph['backward_peak'])} "
+            f"| {_gib(ph['step_peak'])} | {_gib(mem['total'])} ({_gib(mem['workspace'])}) |")
+    return lines
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -394,6 +522,7 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {_ms(p['forward_backward_s'])} | {_err(p['forward_backward_s'], s['median_s'])} "
             f"| {_gib(m['peak_memory_bytes'])} | {_gib(p['peak_memory_bytes'])} "
             f"| {_err(p['peak_memory_bytes'], m['peak_memory_bytes'])} |")
+    lines += config_table(report) + memory_table(report)
     notes = sorted({row["predicted"]["note"] for row in report["results"] if "predicted" in row})
     lines += ["", "Notes:", *(f"- {n}" for n in notes),
               "- measured peak memory: torch.cuda.max_memory_allocated over forward, backward and "
@@ -405,8 +534,8 @@ def markdown(report: dict[str, Any]) -> str:
     staged = [row for row in report["results"] if row.get("stages")]
     for row in staged:
         lines += ["", f"## {row['model']} ({row['precision']}): stages of `partc compile "
-                  f"--stages {report['stages']}` (fp32 stage files, micro-batch "
-                  f"{row['stages'][0]['microbatch_size']})", "",
+                  f"--stages {report['stages']}` (stage files run as launch runs them, "
+                  f"micro-batch {row['stages'][0]['microbatch_size']})", "",
                   "| stage | fwd measured | fwd predicted | err | bwd measured | bwd predicted "
                   "| err |", "|---:|---:|---:|---:|---:|---:|---:|"]
         for st in row["stages"]:
@@ -416,19 +545,50 @@ def markdown(report: dict[str, Any]) -> str:
                          f"| {_err(st['predicted_forward_s'], f['median_s'])} "
                          f"| {_ms(b['median_s'])} | {_ms(st['predicted_backward_s'])} "
                          f"| {_err(st['predicted_backward_s'], b['median_s'])} |")
+    for launch in report.get("launch", []):
+        if "error" in launch:
+            lines.append(f"\nEnd-to-end launch ({launch['costs']} costs): failed: "
+                         f"{launch['error']}")
+            continue
+        p, m = launch["predicted"], launch["measured"]
+        it = m["iteration"]
+        lines += ["", f"## End to end: `partc launch` of {launch['model']} ({launch['precision']}, "
+                  f"batch {launch['batch_size']}, one stage on one device, {launch['costs']} "
+                  f"costs from `{launch['device_config']}`, {launch['steps']} steps, median of "
+                  f"the {launch['timed_steps']} timed)", "",
+                  "| | measured | predicted | err |", "|---|---:|---:|---:|",
+                  f"| iteration ms | {_ms(it['median_s'])} [{_ms(it['min_s'])}, "
+                  f"{_ms(it['max_s'])}] | {_ms(p['iteration_s'])} "
+                  f"| {_err(p['iteration_s'], it['median_s'])} |"]
+        for key, label in (("forward_s", "forward ms"), ("backward_s", "backward ms"),
+                           ("optimizer_s", "optimizer step ms")):
+            lines.append(f"| {label} | {_ms(m[key])} | {_ms(p[key])} "
+                         f"| {_err(p[key], m[key])} |")
+        lines.append(f"| peak memory GiB ({m['memory_method']}) | {_gib(m['peak_memory_bytes'])} "
+                     f"| {_gib(p['peak_memory_bytes'])} "
+                     f"| {_err(p['peak_memory_bytes'], m['peak_memory_bytes'])} |")
     for row in report["results"]:
         if row.get("stages_error"):
             lines.append(f"\n{row['model']} ({row['precision']}) stages: {row['stages_error']}")
     return "\n".join(lines) + "\n"
 
 
+def save(report: dict[str, Any], out: Path) -> str:
+    """Write the report so far (after each row: a run stopped midway keeps what it measured)."""
+    write_atomic(out / "gpu_truth.json", json.dumps(report, indent=1, sort_keys=True) + "\n")
+    text = markdown(report)
+    write_atomic(out / "gpu_truth.md", text)
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="folder for the report")
     parser.add_argument("--device", default="cuda", help="cuda, cuda:N, or cpu (smoke tests)")
-    parser.add_argument("--device-config", default=None,
-                        help="device config name or YAML path to price with (default: the "
-                             "shipped config of this GPU, or cpu)")
+    parser.add_argument("--device-config", action="append", default=None,
+                        help="device config name or YAML path to price with; repeat it to "
+                             "price the same measurements with several (the first prices the "
+                             "stage plans; default: the shipped config of this GPU, or cpu)")
     parser.add_argument("--quick", action="store_true", help="tiny models (a smoke test)")
     parser.add_argument("--models", default=None,
                         help="comma-separated subset of the model names (bert-large, "
@@ -442,7 +602,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="batch size partc captures at (costs scale to any batch)")
     parser.add_argument("--stages", type=int, default=4,
                         help="compile a pinned K-stage plan and time its stages (0: skip)")
+    parser.add_argument("--launch", default="first:bf16-mixed",
+                        help="MODEL:PRECISION to compile as one stage and `partc launch` "
+                             "end to end ('first': the first model; 'none': skip)")
+    parser.add_argument("--launch-steps", type=int, default=12)
+    parser.add_argument("--launch-costs", default="analytic",
+                        help="comma-separated: 'analytic' (priced from the first device "
+                             "config), 'measured' (`--cluster local`: profiled on this device, "
+                             "compile's default here); one launch each")
     args = parser.parse_args(argv)
+    started = time.perf_counter()
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -457,7 +626,21 @@ def main(argv: list[str] | None = None) -> int:
         cases = [c for c in cases if c.name in wanted]
         if not cases:
             parser.error(f"no model among {sorted(wanted)}")
-    spec = device_config(args, device)
+    launch_case: ModelCase | None = None
+    launch_name, _, launch_precision = args.launch.partition(":")
+    launch_precision = launch_precision or "fp32"
+    if launch_name != "none":
+        launch_case = cases[0] if launch_name == "first" else \
+            next((c for c in cases if c.name == launch_name), None)
+        if launch_case is None or launch_precision not in PRECISIONS:
+            parser.error(f"--launch {args.launch!r}: MODEL:PRECISION with a model among "
+                         f"{[c.name for c in cases]} and a precision among {PRECISIONS}")
+    launch_costs = [c.strip() for c in args.launch_costs.split(",") if c.strip()]
+    if any(c not in ("analytic", "measured") for c in launch_costs):
+        parser.error("--launch-costs: a comma-separated list of analytic and measured")
+    specs = device_configs(args, device)
+    spec = specs[0]
+    labels = config_labels(specs, args.device_config or ["shipped"])
     args.out.mkdir(parents=True, exist_ok=True)
     cluster = cluster_file(spec, args.stages, args.out / "clusters") if args.stages > 0 else None
 
@@ -466,7 +649,9 @@ def main(argv: list[str] | None = None) -> int:
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda"
         else platform.processor() or platform.machine(),
-        "device_config": spec.to_dict(), "torch": torch.__version__,
+        "device_config": spec.to_dict(),
+        "device_configs": {label: sp.to_dict() for label, sp in zip(labels, specs, strict=True)},
+        "torch": torch.__version__,
         "transformers": transformers.__version__, "repeats": args.repeats,
         "warmup": args.warmup, "stages": args.stages, "quick": args.quick, "results": []}
     for case in cases:
@@ -475,13 +660,16 @@ def main(argv: list[str] | None = None) -> int:
         module = import_model_file(path)
         t0 = time.perf_counter()
         result = capture_graph(path, args.capture_batch, onnx=False)
+        saved: dict[str, dict[str, Linear]] = {}
         print(f"{case.name}: captured {len(result.graph.nodes)} operators in "
               f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
         for precision in precisions:
             row: dict[str, Any] = {"model": case.name, "title": case.title,
                                    "precision": precision, "batch_size": batch}
             try:
-                row["predicted"] = predict(result, spec, precision, batch)
+                row["predicted_by"] = {label: predict(result, sp, precision, batch, saved)
+                                       for label, sp in zip(labels, specs, strict=True)}
+                row["predicted"] = row["predicted_by"][labels[0]]
                 row["measured"] = measure_model(module, batch, device, precision,
                                                 args.repeats, args.warmup)
             except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:  # keep the other rows
@@ -497,11 +685,25 @@ def main(argv: list[str] | None = None) -> int:
                     row["stages_error"] = f"{type(exc).__name__}: " \
                                           f"{str(exc).splitlines()[0][:300] if str(exc) else ''}"
             report["results"].append(row)
-            print(f"{case.name} {precision}: done", file=sys.stderr)
+            save(report, args.out)
+            print(f"{case.name} {precision}: done at {time.perf_counter() - started:.0f} s",
+                  file=sys.stderr)
 
-    write_atomic(args.out / "gpu_truth.json", json.dumps(report, indent=1, sort_keys=True) + "\n")
-    text = markdown(report)
-    write_atomic(args.out / "gpu_truth.md", text)
+    report["launch"] = []
+    for costs in launch_costs if launch_case is not None else []:
+        assert launch_case is not None
+        try:
+            report["launch"].append(launch_once(
+                write_model_file(launch_case, args.out / "models"), spec, launch_precision,
+                args.batch_size or launch_case.batch_size, args.launch_steps, costs, args.out))
+        except Exception as exc:  # noqa: BLE001 - optional part: report, do not stop
+            report["launch"].append({"costs": costs,
+                                     "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+        save(report, args.out)
+        print(f"launch ({costs} costs): done at {time.perf_counter() - started:.0f} s",
+              file=sys.stderr)
+
+    text = save(report, args.out)
     print(text)
     print(f"wrote {args.out / 'gpu_truth.md'} and {args.out / 'gpu_truth.json'}", file=sys.stderr)
     return 0

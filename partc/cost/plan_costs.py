@@ -10,7 +10,7 @@ import torch.utils._pytree as pytree
 from partc.cost.activations import saved_activations, storage_bytes
 from partc.cost.measured import ProfileOptions
 from partc.cost.roofline import analytic_cost_table
-from partc.cost.table import CostTable, Curve
+from partc.cost.table import CostTable, Curve, Linear
 from partc.errors import PartcError
 from partc.frontend.capture import CaptureResult
 from partc.hardware.local import measurable_device
@@ -20,17 +20,20 @@ from partc.progress import Progress
 
 
 def plan_costs(result: CaptureResult, device: DeviceSpec, profile: str | Path | None = None,
-               progress: Progress | None = None, precision: Precision = "fp32") -> CostTable:
+               progress: Progress | None = None, precision: Precision = "fp32",
+               saved: dict[str, Linear] | None = None) -> CostTable:
     """The CostTable a plan is solved with: a saved profile of this model (`partc profile`,
     checked against the graph hash and the precision) or, without one, the analytic roofline on
     `device` under `precision`, with saved activations measured on meta as `device`'s kernels
-    keep them."""
+    keep them (`saved`: those of an earlier `saved_activations(result.capture, device.kind)`,
+    which runs the model's forward twice, to price one capture on several devices)."""
     progress = progress or Progress()
     if profile is not None:
         with progress.step(f"loading profile {profile}"):
             return CostTable.load(profile, result.graph, precision=precision)
     with progress.step(f"pricing {len(result.graph.nodes)} operators on {device.name} (roofline)"):
-        saved = saved_activations(result.capture, target_kind=device.kind)
+        if saved is None:
+            saved = saved_activations(result.capture, target_kind=device.kind)
         table = analytic_cost_table(result.graph, device, saved=saved, precision=precision)
     if device.kind == "cpu":
         # a CPU rank's batch is in its own memory (partc.solve.memory.host_data_bytes): the
