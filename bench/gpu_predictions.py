@@ -35,9 +35,10 @@ def main() -> None:
             totals = [table.total_forward_s(m) + table.total_backward_s(m) for m in sizes]
             times.append("/".join(f"{t * 1e3:.1f}" for t in totals))
             if memory_at:
+                # gradients freed between steps, as launch frees them on one replica
                 memory = stage_memory(table, [n.name for n in result.graph.nodes],
                                       microbatch_size=memory_at, num_microbatches=1,
-                                      stage_index=0, num_stages=1,
+                                      stage_index=0, num_stages=1, gradients_resident=False,
                                       config=TrainingConfig(precision=precision))
                 peaks.append(f"{precision} {memory.total / 2**30:.2f} at m={memory_at}")
         print(f"| {path} | {'/'.join(map(str, sizes))} | {' | '.join(times)} | "

@@ -260,8 +260,9 @@ def predict(result: CaptureResult, device: DeviceSpec, precision: str,
     forward = table.total_forward_s(batch_size)
     backward = table.total_backward_s(batch_size)
     nodes = [n.name for n in result.graph.nodes]
+    # gradients freed between steps, as launch does on one replica and measure_model does
     memory = stage_memory(table, nodes, microbatch_size=batch_size, num_microbatches=1,
-                          stage_index=0, num_stages=1,
+                          stage_index=0, num_stages=1, gradients_resident=False,
                           config=TrainingConfig(precision=precision))  # type: ignore[arg-type]
     return {"forward_s": forward, "forward_backward_s": forward + backward,
             "peak_memory_bytes": memory.total, "memory": memory.to_dict(), "note": note}

@@ -59,6 +59,7 @@ def _storage_key(t: torch.Tensor) -> int:
 
 
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
+_DROPOUT = torch.ops.aten.dropout.default
 _CPU_FLASH = 1  # torch._fused_sdp_choice's value for SDPBackend.FLASH_ATTENTION
 
 
@@ -89,7 +90,7 @@ def attention_kernel(device_kind: str, query: torch.Tensor, key: torch.Tensor,
 
 
 def _target_attention(kind: str, args: tuple[object, ...],
-                      kwargs: dict[str, object]) -> object:
+                      kwargs: dict[str, object]) -> torch.Tensor:
     """Run the target's fused attention kernel on the given (meta) tensors, as autograd would."""
     q, k, v = (t for t in args[:3] if isinstance(t, torch.Tensor))
     rest = dict(zip(("attn_mask", "dropout_p", "is_causal"), args[3:], strict=False))
@@ -119,7 +120,10 @@ def saved_activation_bytes(module: torch.fx.GraphModule, inputs: Inputs,
     this runs on (meta, or a CPU pricing a GPU plan). Attention is then counted as the target's
     kernel keeps it (`attention_kernel`) rather than as this device's kernel does: meta runs
     SDPA's math path, which keeps b*h*s*s probabilities that CPU and CUDA fused kernels never
-    store."""
+    store, and its output goes on in the layout the target's kernel gives it (where the model's
+    transpose back to one row per token is then a view, nothing is copied for the next
+    projection to save). For a CUDA target, dropout is counted as CUDA's fused kernel keeps it
+    (a bool mask), not as a float noise tensor the size of its input."""
     owner = node_owner(module)
     state = {_storage_key(t) for t in [*module.parameters(), *module.buffers()]}
     seen: set[int] = set(state)
@@ -160,8 +164,10 @@ def saved_activation_bytes(module: torch.fx.GraphModule, inputs: Inputs,
                                 bool(is_causal), bool(kwargs.get("enable_gqa", False)))
         if kind == "math":
             return None
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-            result = _SDPA(*args, **kwargs)  # this device's kernel: what flows on, uncounted
+        with torch.no_grad():
+            # this device's kernel computes what flows on; what it would save (a math path's
+            # b*h*s*s probabilities) is neither counted nor kept alive
+            result = _SDPA(*args, **kwargs)
         if result.is_meta:
             stand_ins = list(args)
         else:
@@ -171,29 +177,61 @@ def saved_activation_bytes(module: torch.fx.GraphModule, inputs: Inputs,
                 if isinstance(a, torch.Tensor) and isinstance(m, torch.Tensor):
                     keep.append(m)
                     stands_for[_storage_key(m)] = a
-        _target_attention(kind, tuple(stand_ins), kwargs)
-        return result
+        target_out = _target_attention(kind, tuple(stand_ins), kwargs)
+        # What flows on is the target kernel's output: in its layout (CUDA's efficient kernel
+        # writes batch, sequence, heads, dim, so the usual transpose back to one row per token
+        # is a view there, where this device's math path output makes the reshape copy, which
+        # the next projection would save), and counted as its storage when a later node saves it.
+        if result.stride() == target_out.stride():
+            flowing = result.detach()
+        else:
+            flowing = torch.empty_strided(target_out.shape, target_out.stride(),
+                                          dtype=result.dtype, device=result.device)
+            flowing.copy_(result)
+        # a leaf that needs a gradient where the attention's output does, so later nodes save
+        # what they would (the backward never runs here)
+        flowing.requires_grad_(any(isinstance(a, torch.Tensor) and a.requires_grad
+                                   for a in args))
+        keep.append(flowing)
+        stands_for[_storage_key(flowing)] = target_out
+        return flowing
+
+    def dropout(args: tuple[object, ...], kwargs: dict[str, object]) -> object | None:
+        """CUDA's dropout runs fused (native_dropout) and keeps a bool mask; elsewhere (a CPU,
+        meta) dropout multiplies by a noise tensor of the input's dtype and keeps that."""
+        x = args[0]
+        p = float(args[1] if len(args) > 1 else kwargs.get("p", 0.5))  # type: ignore[arg-type]
+        train = bool(args[2] if len(args) > 2 else kwargs.get("train", True))
+        if target_kind != "cuda" or not isinstance(x, torch.Tensor) or x.device.type == "cuda" \
+                or not train or not 0.0 < p < 1.0 or x.numel() == 0:
+            return None
+        return torch.ops.aten.native_dropout.default(x, p, train)[0]
 
     flat = flat_inputs(module, inputs)
     with (torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
           quiet_torch()):
-        _KernelRunner(module, around, attention).run(*flat)
+        _KernelRunner(module, around, {_SDPA: attention, _DROPOUT: dropout}).run(*flat)
     return saved
 
 
+_Kernel = Callable[[tuple[object, ...], dict[str, object]], object | None]
+
+
 class _KernelRunner(NodeRunner):
-    """NodeRunner whose SDPA calls go through `attention` first (saved_activation_bytes)."""
+    """NodeRunner whose calls of the ops in `kernels` go through their function first, which
+    runs the target device's kernel or returns None to run this device's
+    (saved_activation_bytes)."""
 
     def __init__(self, module: torch.fx.GraphModule,
                  around: Callable[[torch.fx.Node], contextlib.AbstractContextManager[Any]],
-                 attention: Callable[[tuple[object, ...], dict[str, object]], object | None]
-                 ) -> None:
+                 kernels: dict[Any, _Kernel]) -> None:
         super().__init__(module, around)
-        self._attention = attention
+        self._kernels = kernels
 
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
-        if target is _SDPA:
-            result = self._attention(tuple(args), dict(kwargs))
+        kernel = self._kernels.get(target)
+        if kernel is not None:
+            result = kernel(tuple(args), dict(kwargs))
             if result is not None:
                 return result
         return super().call_function(target, args, kwargs)

@@ -62,14 +62,19 @@ INPUT_DTYPE_KINDS = frozenset({
 
 # Ops whose saved tensors are not floating point whatever the compute dtype: dropout keeps a bool
 # mask. (Ops with no floating input, such as embedding lookups, keep integer indices.)
-MASK_KINDS = frozenset({"dropout", "native_dropout", "feature_dropout", "alpha_dropout",
-                        "feature_alpha_dropout"})
+# Dropouts that save a bool mask, by the device kind that runs them: native_dropout everywhere,
+# and dropout on CUDA, which runs it fused as native_dropout. Elsewhere dropout (and feature or
+# alpha dropout everywhere) multiplies by a noise tensor of its input's dtype and saves that.
+BOOL_MASK_KINDS: dict[str, frozenset[str]] = {
+    "cuda": frozenset({"native_dropout", "dropout"}),
+    "cpu": frozenset({"native_dropout"}),
+}
 
 
-def keeps_integers(node: OpNode, graph: OpGraph) -> bool:
-    """Whether what the node saves for backward keeps its size under bf16 compute: masks and
-    indices, not floating activations."""
-    if node.kind in MASK_KINDS:
+def keeps_integers(node: OpNode, graph: OpGraph, device_kind: str) -> bool:
+    """Whether what the node saves for backward on a `device_kind` device keeps its size under
+    bf16 compute: masks and indices, not floating activations (nor a dropout's noise)."""
+    if node.kind in BOOL_MASK_KINDS.get(device_kind, BOOL_MASK_KINDS["cpu"]):
         return True
     return not any(graph.tensor(t).dtype in FLOATING_DTYPES for t in node.inputs)
 

@@ -152,7 +152,7 @@ def analytic_cost_table(graph: OpGraph, device: DeviceSpec,
             saved_cost = Linear(0.0, 0.0)
         if precision != "fp32" and node.name in differentiable:
             saved_cost = _saved_under(precision, saved_cost, node, graph, casts[node.name],
-                                      requires)
+                                      requires, device.kind)
         nodes[node.name] = NodeCost(forward.curve(), backward.curve(), saved_cost.curve(),
                                     "none" if free else "analytic")
     loss = analytic_loss(graph, device)
@@ -209,13 +209,13 @@ def analytic_loss(graph: OpGraph, device: DeviceSpec) -> NodeCost:
 
 
 def _saved_under(precision: Precision, fp32: Linear, node: OpNode, graph: OpGraph,
-                 cast: NodeCast, requires: set[str]) -> Linear:
+                 cast: NodeCast, requires: set[str], device_kind: str) -> Linear:
     """A node's saved bytes, counted at the model's dtype, under `precision`'s autocast: its
     floating tensors in the dtypes autocast gives them (`cast.scale`: a matrix op's bf16 copies,
     a norm's float32; masks and indices keep their size), plus the copies of its weights
     autocast keeps for the backward (the tables' saved bytes are at their own precision, as a
     profile measured under autocast gives them)."""
-    scale = 1.0 if keeps_integers(node, graph) else cast.scale
+    scale = 1.0 if keeps_integers(node, graph, device_kind) else cast.scale
     return Linear(fp32.fixed * scale + weight_copies_bytes(node, graph, precision, requires),
                   fp32.per_sample * scale)
 

@@ -101,9 +101,13 @@ def test_gpu_host_overhead_bounds_small_shapes(capture_example) -> None:
 
 
 class _Attention(torch.nn.Module):
+    """Self-attention as HF models write it: heads are views of one projection, and the output
+    goes back to one row per token (transpose + reshape) into an output projection."""
+
     def __init__(self, dropout: float, mask: bool) -> None:
         super().__init__()
         self.proj = torch.nn.Linear(64, 3 * 64)
+        self.out = torch.nn.Linear(64, 64)
         self.dropout = dropout
         self.mask = mask
 
@@ -111,7 +115,8 @@ class _Attention(torch.nn.Module):
         b, s, _ = x.shape
         q, k, v = self.proj(x).view(b, s, 3, 4, 16).permute(2, 0, 3, 1, 4)
         mask = torch.ones(s, s, dtype=torch.bool, device=x.device).tril() if self.mask else None
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout)
+        return self.out(o.transpose(1, 2).reshape(b, s, 64))
 
 
 @pytest.mark.parametrize("dropout,mask", [(0.0, False), (0.0, True), (0.1, False)])
@@ -130,7 +135,8 @@ def test_saved_attention_counts_the_target_kernel(dropout: float, mask: bool) ->
     for_cpu = sum(saved_activation_bytes(meta_module, meta_x, target_kind="cpu").values())
     for_cuda = sum(saved_activation_bytes(meta_module, meta_x, target_kind="cuda").values())
     assert on_meta >= probs  # meta runs the math path
-    # counted for a CPU target on meta == what the CPU itself saves
+    # counted for a CPU target on meta == what the CPU itself saves (its flash kernel's output
+    # follows the query's layout, so the output projection saves a view of it, not a copy)
     assert for_cpu == real_cpu
     # CUDA's fused kernels keep O(b*h*s): far less than the probabilities
     assert for_cuda < on_meta - probs // 2
@@ -140,6 +146,64 @@ def test_saved_attention_counts_the_target_kernel(dropout: float, mask: bool) ->
     cpu_kernel = attention_kernel("cpu", torch.zeros(1, 4, s, 16), torch.zeros(1, 4, s, 16),
                                   None, dropout, False, False)
     assert cpu_kernel == ("math" if dropout else "flash_cpu")
+    # CUDA's efficient kernel lays its output out as (batch, sequence, heads, dim): the output
+    # projection's input is a view of what the attention saved, nothing of its own; meta's math
+    # path output is (batch, heads, sequence, dim), and the reshape copies it
+    per_node = saved_activation_bytes(meta_module, meta_x, target_kind="cuda")
+    projections = sorted(n for n in saved_activation_bytes(meta_module, meta_x)
+                         if n.startswith("linear"))
+    assert projections == ["linear", "linear_1"]
+    assert per_node.get("linear_1", 0) == 0
+    assert saved_activation_bytes(meta_module, meta_x)["linear_1"] == b * s * 64 * 4
+
+
+class _Dropout(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(32, 32)
+        self.b = torch.nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(F.dropout(self.a(x), 0.1, training=True))
+
+
+def test_dropout_is_saved_as_the_target_kernel_keeps_it() -> None:
+    """A CPU's dropout multiplies by a float noise tensor and keeps it; CUDA runs it fused
+    (native_dropout) and keeps a bool mask: a quarter of the bytes in float32."""
+    x = torch.randn(8, 32)
+    module = program_module(export_program(_Dropout().train(), ((x,), {}), "test"))
+    [node] = [n.name for n in module.graph.nodes if n.target is torch.ops.aten.dropout.default]
+    numel = 8 * 32
+    real_cpu = saved_activation_bytes(module, ((x,), {}))
+    assert real_cpu[node] == numel * 4  # float32 noise: what the CPU itself keeps
+    assert saved_activation_bytes(module, ((x,), {}), target_kind="cpu")[node] == numel * 4
+    assert saved_activation_bytes(module, ((x,), {}), target_kind="cuda")[node] == numel
+    with torch.device("meta"):
+        meta_model = _Dropout().train()
+    meta_x = inputs_to_meta(((x,), {}))
+    meta_module = program_module(export_program(meta_model, meta_x, "test"))
+    assert saved_activation_bytes(meta_module, meta_x, target_kind="cuda")[node] == numel
+
+
+def test_dropout_saved_bytes_scale_under_autocast_only_where_they_are_noise(
+        capture_example) -> None:
+    """Under bf16-mixed a CPU's dropout noise takes its input's dtype (bfloat16 after a matrix
+    op) while CUDA's bool mask keeps its size."""
+    capture = capture_example("bert")
+    graph = capture.graph
+    dropouts = [n.name for n in graph.nodes if n.kind == "dropout"]
+    assert dropouts
+    for kind, name in (("cpu", "cpu"), ("cuda", "h100-80gb")):
+        device = load_device(name)
+        saved = saved_activations(capture.capture, target_kind=kind)
+        fp32 = analytic_cost_table(graph, device, saved=saved)
+        bf16 = analytic_cost_table(graph, device, saved=saved, precision="bf16-mixed")
+        ratios = {bf16.cost(n).saved.at(4) / fp32.cost(n).saved.at(4) for n in dropouts
+                  if fp32.cost(n).saved.at(4)}
+        if kind == "cuda":
+            assert ratios == {1.0}
+        else:  # bfloat16 inputs (after a projection) halve; float32 ones (after a norm) do not
+            assert 0.5 in ratios and ratios <= {0.5, 1.0}
 
 
 def test_meta_model_saved_activations_for_cuda_are_smaller(capture_example) -> None:
