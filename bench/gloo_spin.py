@@ -11,7 +11,11 @@ pinned as launch pins its workers (pin_to_core(rank)):
   pipeline's schedule exchanges, and what `partc calibrate` measures as the link's latency);
 - gather: 4 processes, 2 per core; ranks 1 and 2 reach a gather of 320 B to rank 0 at once,
   ranks 0 and 3 after 10 ms of computing (launch's end-of-step metrics gather and tied-weight
-  all-reduces meet like this); the root's time in the gather.
+  all-reduces meet like this); the root's time in the gather;
+- wake (idle / busy): rank 1 (its own core) sends 1 B every 4 ms to rank 0, which waits in recv
+  on a core it shares with a third process, asleep or computing (matrix multiplies) all the
+  while, as a pipeline rank waits for its input while its core-mate computes (4 stages on 2
+  cores); the time from the send to rank 0's recv returning.
 
 Usage: python bench/gloo_spin.py [--reps 400] [--json out.json]
 """
@@ -26,6 +30,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -64,6 +69,17 @@ def _worker(rank: int, world: int, port: int, mode: str, test: str, reps: int, o
                 op.wait()
             if i >= 20:
                 times.append(time.perf_counter() - t0)
+    elif test.startswith("wake"):
+        stamp = torch.zeros(1, dtype=torch.float64)
+        for i in range(reps + 10):
+            if rank == 1:
+                time.sleep(0.004)
+                stamp[0] = time.perf_counter()  # CLOCK_MONOTONIC: one clock for the host
+                dist.send(stamp, 0)
+            else:
+                dist.recv(stamp, 1)
+                if i >= 10:
+                    times.append(time.perf_counter() - float(stamp[0]))
     else:
         row = torch.zeros(40, dtype=torch.float64)
         rows = [torch.zeros_like(row) for _ in range(world)] if rank == 0 else None
@@ -82,16 +98,44 @@ def _worker(rank: int, world: int, port: int, mode: str, test: str, reps: int, o
     dist.destroy_process_group()
 
 
+def _core_mate(stop: Any, busy: bool) -> None:
+    """Rank 0's core-mate in the wake tests: pinned to its core, computing until told to stop
+    (busy) or asleep."""
+    import torch
+
+    from partc.hardware.local import pin_to_core
+
+    torch.set_num_threads(1)
+    pin_to_core(0)
+    a = torch.randn(256, 256)
+    while busy and not stop.is_set():
+        a @ a
+    stop.wait()
+
+
 def measure(test: str, mode: str, reps: int) -> list[float]:
     """Rank 0's seconds per operation, one run of `test` in `mode`."""
+    import multiprocessing
+
     import torch.multiprocessing as mp
 
-    world = 2 if test == "exchange" else 4
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "times.json")
-        mp.spawn(_worker, args=(world, _free_port(), mode, test, reps, out), nprocs=world,
-                 join=True)
-        times: list[float] = json.loads(Path(out).read_text())
+    world = 4 if test == "gather" else 2
+    ctx = multiprocessing.get_context("spawn")
+    stop = ctx.Event()
+    mate = ctx.Process(target=_core_mate, args=(stop, test == "wake-busy")) \
+        if test.startswith("wake") else None
+    if mate is not None:
+        mate.start()
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "times.json")
+            mp.spawn(_worker, args=(world, _free_port(), mode, test, reps, out), nprocs=world,
+                     join=True)
+            times: list[float] = json.loads(Path(out).read_text())
+    finally:
+        stop.set()
+        if mate is not None:
+            mate.join()
     return times
 
 
@@ -103,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     found: dict[str, dict[str, dict[str, float]]] = {}
     print("| test | gloo loop | median ms | mean ms | p90 ms | max ms |")
     print("|---|---|---|---|---|---|")
-    for test in ("exchange", "gather"):
+    for test in ("exchange", "gather", "wake-idle", "wake-busy"):
         for mode in MODES:
             times = sorted(measure(test, mode, args.reps))
             row = {"median_ms": statistics.median(times) * 1e3,
