@@ -208,13 +208,20 @@ def saved_activation_bytes(module: torch.fx.GraphModule, inputs: Inputs,
         return torch.ops.aten.native_dropout.default(x, p, train)[0]
 
     flat = flat_inputs(module, inputs)
+    on_meta_device = any(t.is_meta for t in [*module.parameters(), *module.buffers()]) or \
+        any(isinstance(t, torch.Tensor) and t.is_meta for t in flat)
     with (torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
           quiet_torch()):
-        _KernelRunner(module, around, {_SDPA: attention, _DROPOUT: dropout}).run(*flat)
+        _KernelRunner(module, around, {_SDPA: attention, _DROPOUT: dropout},
+                      devices_to_meta=on_meta_device).run(*flat)
     return saved
 
 
 _Kernel = Callable[[tuple[object, ...], dict[str, object]], object | None]
+
+
+def _META(_: torch.device) -> torch.device:
+    return torch.device("meta")
 
 
 class _KernelRunner(NodeRunner):
@@ -224,11 +231,16 @@ class _KernelRunner(NodeRunner):
 
     def __init__(self, module: torch.fx.GraphModule,
                  around: Callable[[torch.fx.Node], contextlib.AbstractContextManager[Any]],
-                 kernels: dict[Any, _Kernel]) -> None:
+                 kernels: dict[Any, _Kernel], devices_to_meta: bool = False) -> None:
         super().__init__(module, around)
         self._kernels = kernels
+        self._devices_to_meta = devices_to_meta
 
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
+        if self._devices_to_meta:
+            # a program captured with real weights names their device (`.to(cpu)`, factories'
+            # device=cpu); run on meta copies, every tensor it makes goes to meta too
+            args, kwargs = pytree.tree_map_only(torch.device, _META, (args, kwargs))
         kernel = self._kernels.get(target)
         if kernel is not None:
             result = kernel(tuple(args), dict(kwargs))
@@ -238,9 +250,12 @@ class _KernelRunner(NodeRunner):
 
 
 def saved_activations(capture: Capture, target_kind: str | None = None) -> dict[str, Linear]:
-    """Bytes each node saves for backward, fitted over the captured B and 2B. Runs on the meta
-    device when the model is on meta (no memory, no device needed), else where the model lives;
-    attention is counted as the `target_kind` device's kernels keep it (saved_activation_bytes)."""
+    """Bytes each node saves for backward, fitted over the captured B and 2B, counted as the
+    `target_kind` device's kernels keep them (saved_activation_bytes). Runs on the meta device
+    (no memory, no device needed): a meta model as it is, a model with real weights on a meta
+    copy (`on_meta`), so pricing a large model for a cluster holds none of its activations here;
+    where the meta copy cannot run the program (an op whose output shape depends on values), it
+    runs where the model lives."""
     points: dict[str, list[tuple[float, float]]] = {}
     programs = [(capture.batch_size, capture.exported)]
     if capture.scaled is not None:
@@ -248,14 +263,52 @@ def saved_activations(capture: Capture, target_kind: str | None = None) -> dict[
     for b, program in programs:
         module = program_module(program)
         inputs = capture.model_file.inputs(b)
+        saved: dict[str, int] | None = None
         if capture.on_meta:
-            inputs = inputs_to_meta(inputs)
-        with buffers_restored(module):
-            saved = saved_activation_bytes(module, inputs, target_kind)
+            saved = saved_activation_bytes(module, inputs_to_meta(inputs), target_kind)
+        else:
+            # counted for the target, else for the device the model lives on (not meta's kernels)
+            lives_on = next((t.device.type for t in module.parameters()), "cpu")
+            try:
+                saved = saved_activation_bytes(on_meta(module), inputs_to_meta(inputs),
+                                               target_kind or lives_on)
+            except Exception:  # noqa: BLE001 - any op meta cannot run: measure where it lives
+                saved = None
+            if saved is None:
+                module = program_module(program)  # its own tensors, not the meta copies
+                with buffers_restored(module):
+                    saved = saved_activation_bytes(module, inputs, target_kind)
         for name in {n.name for n in program.graph.nodes} | set(saved):
             points.setdefault(name, []).append((float(b), float(saved.get(name, 0))))
         del module
     return {name: Linear.fit(p) for name, p in points.items() if any(v for _, v in p)}
+
+
+def on_meta(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """`module` with every parameter, buffer and tensor constant replaced by a meta tensor of its
+    shape, dtype and requires_grad, in place (a tensor held under several names, a tied weight,
+    stays one tensor); the tensors it held are left as they were (a program's module shares them
+    with the exported program, which later passes still need)."""
+    stand_ins: dict[int, torch.Tensor] = {}
+
+    def stand_in(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in stand_ins:
+            meta = torch.empty_like(t, device="meta")
+            stand_ins[id(t)] = torch.nn.Parameter(meta, requires_grad=t.requires_grad) \
+                if isinstance(t, torch.nn.Parameter) else meta
+        return stand_ins[id(t)]
+
+    names = [n for n, _ in module.named_parameters(remove_duplicate=False)]
+    names += [n for n, _ in module.named_buffers(remove_duplicate=False)]
+    # tensor constants the graph reads (lifted by export)
+    names += [str(n.target) for n in module.graph.nodes if n.op == "get_attr"]
+    for name in dict.fromkeys(names):
+        owner, _, attr = name.rpartition(".")
+        holder = module.get_submodule(owner)
+        value = getattr(holder, attr, None)
+        if isinstance(value, torch.Tensor) and not value.is_meta:
+            setattr(holder, attr, stand_in(value))
+    return module
 
 
 # the matrix-multiply kernels (torch.profiler's names), whatever op dispatched them (linear,

@@ -8,9 +8,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from partc.cost.activations import attention_kernel, saved_activation_bytes, saved_activations
+from partc.cost.activations import (
+    attention_kernel,
+    buffers_restored,
+    on_meta,
+    saved_activation_bytes,
+    saved_activations,
+)
 from partc.cost.autocast import autocast_dtypes
 from partc.cost.roofline import analytic_cost_table
+from partc.cost.table import Linear
 from partc.cost.torch_profiler import program_module
 from partc.frontend.export import export_program
 from partc.frontend.model_file import inputs_to_meta
@@ -211,3 +218,44 @@ def test_meta_model_saved_activations_for_cuda_are_smaller(capture_example) -> N
     math = saved_activations(capture)
     cuda = saved_activations(capture, target_kind="cuda")
     assert sum(v.at(16) for v in cuda.values()) < sum(v.at(16) for v in math.values())
+
+
+@pytest.mark.parametrize("example", ["transformer", "bert", "resnet"])
+def test_saved_activations_of_a_real_model_are_counted_on_a_meta_copy(capture_example,
+                                                                       example: str) -> None:
+    """A model with real weights is counted on meta copies of its weights and inputs (no
+    activation is held here, whatever the model's size), and gives what running it here gives,
+    for either target; the program keeps its own weights."""
+    capture = capture_example(example).capture
+    assert not capture.on_meta
+    weights = {n: t.clone() for n, t in capture.exported.state_dict.items()}
+    for kind in ("cpu", "cuda"):
+        here: dict[str, list[tuple[float, float]]] = {}
+        for b, program in [(capture.batch_size, capture.exported),
+                           (capture.scaled_batch_size, capture.scaled)]:
+            module = program_module(program)
+            with buffers_restored(module):
+                for name, v in saved_activation_bytes(
+                        module, capture.model_file.inputs(b), kind).items():
+                    here.setdefault(name, []).append((float(b), float(v)))
+        counted = saved_activations(capture, target_kind=kind)
+        assert {n: (c.at(3), c.at(5)) for n, c in counted.items()} == \
+            {n: (Linear.fit(p).at(3), Linear.fit(p).at(5)) for n, p in here.items()}
+    for name, t in capture.exported.state_dict.items():
+        assert not t.is_meta and torch.equal(t, weights[name])
+
+
+def test_a_program_meta_cannot_run_is_counted_where_it_lives() -> None:
+    """`.item()` has no meta kernel: the count falls back to running the program here."""
+    from partc.frontend.capture import capture_graph
+
+    capture = capture_graph("tests/models/counts_on_values.py", 2, onnx=False).capture
+    module = program_module(capture.exported)
+    inputs = capture.model_file.inputs(capture.batch_size)
+    with pytest.raises(Exception):  # noqa: B017 - which error meta raises is torch's business
+        saved_activation_bytes(on_meta(program_module(capture.exported)),
+                               inputs_to_meta(inputs), "cpu")
+    here = saved_activation_bytes(module, inputs, "cpu")
+    counted = saved_activations(capture, target_kind="cpu")
+    assert here and {n: c.at(capture.batch_size) for n, c in counted.items()} == \
+        {n: float(v) for n, v in here.items()}
