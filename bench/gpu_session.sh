@@ -4,33 +4,45 @@
 # launches), each priced with the calibrated and the shipped config. Run from the repo root:
 #
 #     OUT=DIR BUDGET=530 bash bench/gpu_session.sh     # DIR: log.txt, *_truth.md, results.tgz
+#     OUT=DIR SMOKE=1 PYTHON=.venv/bin/python bash bench/gpu_session.sh   # the same on this CPU,
+#                                                     # tiny models, no wheels installed
 #
 # BUDGET (seconds) bounds the whole run; each part has its own timeout, and gpu_truth writes its
 # report after every row. Where the machine lacks partc's dependencies (ortools, jsonschema),
 # put their wheels for its Python in .whl/ first (../shared/notes/gpu-machine.md says which);
-# they are installed into /tmp/site. partc itself is not installed: it runs from this checkout.
+# they are installed into a temporary folder. partc itself is not installed: it runs from this
+# checkout.
 set -u
+: "${OUT:?set OUT to the folder the results go to}"
 T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
 left() { echo $(( ${BUDGET:-540} - $(el) )); }
 cd "$(dirname "$0")/.."
 mkdir -p "$OUT"; L=$OUT/log.txt
-if ls .whl/*.whl > /dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >> $L 2>&1 || { echo "pip failed" >> $L; exit 3; }
+W=$(mktemp -d)  # everything this run writes besides $OUT
+PY=${PYTHON:-python3}
+if [ -z "${SMOKE:-}" ] && ls .whl/*.whl > /dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$W/site" .whl/*.whl >> "$L" 2>&1 || { echo "pip failed" >> "$L"; exit 3; }
 fi
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PARTC_CACHE_DIR=/tmp/pcache
-python3 -c "import partc.cli" 2> /dev/null || ln -sfn ../cli partc/cli  # python -m partc without an install
-{ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,power.limit --format=csv; nproc;
-  python3 -c "import torch,transformers,ortools;print(torch.__version__, torch.version.cuda, transformers.__version__, ortools.__version__)"; } >> $L 2>&1
-echo "[$(el)] calibrate" >> $L
-timeout 150 python3 -m partc calibrate --device cuda --seconds 20 -o /tmp/cal >> $L 2>&1; echo "[$(el)] calibrate rc=$?" >> $L
-CAL=$(ls /tmp/cal/devices/*.yaml 2>/dev/null | head -1)
-CFG="--device-config h100-80gb"; [ -n "$CAL" ] && CFG="--device-config $CAL --device-config h100-80gb"
-echo "[$(el)] gpt2-medium (CFG=$CFG)" >> $L
-timeout 100 python3 bench/gpu_truth.py --out /tmp/t2 --models gpt2-medium --batch-size 8 --precisions bf16-mixed,fp32 --stages 0 --launch none $CFG >> $L 2>&1; echo "[$(el)] gpt2 rc=$?" >> $L
-echo "[$(el)] bert-large" >> $L
-timeout $(left) python3 bench/gpu_truth.py --out /tmp/t1 --models bert-large --batch-size 16 --precisions bf16-mixed,fp32 --stages 4 --launch first:bf16-mixed --launch-costs analytic,measured $CFG >> $L 2>&1; echo "[$(el)] bert rc=$?" >> $L
-cp /tmp/t1/gpu_truth.md $OUT/bert_truth.md 2>/dev/null; cp /tmp/t2/gpu_truth.md $OUT/gpt2_truth.md 2>/dev/null
-mkdir -p /tmp/pack && cp -r /tmp/cal /tmp/pack/ 2>/dev/null
-for d in t1 t2; do mkdir -p /tmp/pack/$d; cp /tmp/$d/*.json /tmp/$d/*.jsonl /tmp/pack/$d/ 2>/dev/null; cp -r /tmp/$d/clusters /tmp/pack/$d/ 2>/dev/null
-  for p in /tmp/$d/plans/*; do [ -d "$p" ] && mkdir -p /tmp/pack/$d/plans/$(basename $p) && cp $p/*.yaml /tmp/pack/$d/plans/$(basename $p)/ 2>/dev/null; done; done
-tar czf $OUT/results.tgz -C /tmp pack; echo "[$(el)] packed" >> $L
+export PYTHONPATH=$W/site:$PWD PYTHONUNBUFFERED=1 PARTC_CACHE_DIR=$W/cache
+$PY -c "import partc.cli" 2> /dev/null || ln -sfn ../cli partc/cli  # python -m partc without an install
+if [ -n "${SMOKE:-}" ]; then
+  DEVICE=cpu SHIPPED=cpu SECONDS_=2 QUICK=--quick GPT=gpt2 BERT=bert GPT_B=2 BERT_B=2 STAGES=2
+else
+  DEVICE=cuda SHIPPED=h100-80gb SECONDS_=20 QUICK= GPT=gpt2-medium BERT=bert-large GPT_B=8 BERT_B=16 STAGES=4
+fi
+{ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,power.limit --format=csv 2>&1; nproc;
+  $PY -c "import torch,transformers,ortools;print(torch.__version__, torch.version.cuda, transformers.__version__, ortools.__version__)"; } >> "$L" 2>&1
+echo "[$(el)] calibrate" >> "$L"
+timeout 150 $PY -m partc calibrate --device $DEVICE --seconds $SECONDS_ -o "$W/cal" >> "$L" 2>&1; echo "[$(el)] calibrate rc=$?" >> "$L"
+CAL=$(ls "$W"/cal/devices/*.yaml 2>/dev/null | head -1)
+CFG="--device-config $SHIPPED"; [ -n "$CAL" ] && CFG="--device-config $CAL --device-config $SHIPPED"
+echo "[$(el)] $GPT (CFG=$CFG)" >> "$L"
+timeout 100 $PY bench/gpu_truth.py --device $DEVICE $QUICK --out "$W/gpt" --models $GPT --batch-size $GPT_B --precisions bf16-mixed,fp32 --stages 0 --launch none $CFG >> "$L" 2>&1; echo "[$(el)] $GPT rc=$?" >> "$L"
+echo "[$(el)] $BERT" >> "$L"
+timeout "$(left)" $PY bench/gpu_truth.py --device $DEVICE $QUICK --out "$W/bert" --models $BERT --batch-size $BERT_B --precisions bf16-mixed,fp32 --stages $STAGES --launch first:bf16-mixed --launch-costs analytic,measured $CFG >> "$L" 2>&1; echo "[$(el)] $BERT rc=$?" >> "$L"
+cp "$W/bert/gpu_truth.md" "$OUT/bert_truth.md" 2>/dev/null; cp "$W/gpt/gpu_truth.md" "$OUT/gpt2_truth.md" 2>/dev/null
+# the reports, the calibrated configs, the metrics and every plan.yaml (not the stage files)
+(cd "$W" && find cal bert gpt \( -name '*.json' -o -name '*.jsonl' -o -name '*.yaml' \) -print0 2>/dev/null \
+  | tar czf "$OUT/results.tgz" --null -T -)
+echo "[$(el)] packed" >> "$L"
+rm -rf "$W"
