@@ -64,6 +64,12 @@ class DeviceSpec:
     # Fixed time of an operator dispatched without autograd (an optimizer step's kernels, which
     # run under no_grad); None: the same as op_overhead_s.
     dispatch_overhead_s: float | None = None
+    # The cache one device may use and the bandwidth streaming passes reach over a working set
+    # that fits it (bytes, bytes/s); 0: not measured, every pass streams at the DRAM rate. A CPU
+    # optimizer steps one parameter at a time, all its passes over that parameter's tensors
+    # before the next, so a parameter whose step working set fits steps at this rate.
+    cache_bytes: int = 0
+    cache_bandwidth: float = 0.0
 
     def __post_init__(self) -> None:
         problems = _device_problems(self)
@@ -104,6 +110,13 @@ class DeviceSpec:
         """Memory bandwidth that streaming operators reach (bytes/s)."""
         return self.memory_bandwidth * self.bandwidth_efficiency
 
+    def stream_bytes_per_s(self, working_set: float) -> float:
+        """Bandwidth of repeated streaming passes over `working_set` bytes: `cache_bandwidth`
+        where the working set fits `cache_bytes`, else `bytes_per_s()`."""
+        if self.cache_bandwidth > 0 and 0 < working_set <= self.cache_bytes:
+            return max(self.cache_bandwidth, self.bytes_per_s())
+        return self.bytes_per_s()
+
     def to_dict(self) -> dict[str, Any]:
         """Plain data in base units; `device_from_dict` reads it back to an equal spec. The
         overhead terms are written only when set, so specs without them keep their old text."""
@@ -114,6 +127,9 @@ class DeviceSpec:
             extra["microbatch_overhead_s"] = self.microbatch_overhead_s
         if self.dispatch_overhead_s is not None:
             extra["dispatch_overhead_s"] = self.dispatch_overhead_s
+        if self.cache_bytes or self.cache_bandwidth:
+            extra["cache_bytes"] = self.cache_bytes
+            extra["cache_bandwidth"] = self.cache_bandwidth
         return {
             "name": self.name,
             "kind": self.kind,
@@ -156,6 +172,10 @@ def _device_problems(d: DeviceSpec) -> list[str]:
         problems.append("microbatch_overhead_s must be >= 0")
     if d.dispatch_overhead_s is not None and not d.dispatch_overhead_s >= 0:
         problems.append("dispatch_overhead_s must be >= 0")
+    if not d.cache_bytes >= 0 or not d.cache_bandwidth >= 0:
+        problems.append("cache_bytes and cache_bandwidth must be >= 0")
+    elif bool(d.cache_bytes) != bool(d.cache_bandwidth):
+        problems.append("cache_bytes and cache_bandwidth go together: give both or neither")
     return problems
 
 

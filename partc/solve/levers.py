@@ -30,7 +30,13 @@ from partc.solve.memory import (
     param_memory,
     partition_owners,
 )
-from partc.solve.stage_problem import RankLevers, StageProblem, step_dispatch_s, sync_bytes
+from partc.solve.stage_problem import (
+    RankLevers,
+    StageProblem,
+    step_dispatch_s,
+    step_seconds_of,
+    sync_bytes,
+)
 
 
 def lever_options(problem: StageProblem) -> list[RankLevers]:
@@ -65,14 +71,15 @@ def step_seconds(problem: StageProblem, params: Sequence[Param], rank: int,
     sharded, each replica's broadcast of the weights it updated to the others (torch's
     `_sync_params`: one broadcast per owner on the replicas' group, one after the other)."""
     training = problem.training
-    bps = problem.cluster.device.bytes_per_s()
-    dispatch = step_dispatch_s(training, problem.cluster.device)
-    optimized = [(p, sync_bytes(p, training)[1]) for p in params if sync_bytes(p, training)[0]]
+    device = problem.cluster.device
+    dispatch = step_dispatch_s(training, device)
+    optimized = [(p, step_seconds_of(p, training, device)) for p in params
+                 if sync_bytes(p, training)[0]]
     shape = problem.shape
     if levers.sharding == "none" or shape.replicas < 2 or not optimized:
-        return sum(moved / bps + dispatch for _, moved in optimized)
+        return sum(seconds + dispatch for _, seconds in optimized)
     owned = optimizer_partition([p.numel for p, _ in optimized], shape.replicas)
-    step = max(sum(optimized[i][1] / bps + dispatch for i in part) for part in owned)
+    step = max(sum(optimized[i][1] + dispatch for i in part) for part in owned)
     group = shape.rank_devices(rank)
     broadcasts = sum(problem.cluster.broadcast_s(
         sum(param_memory(optimized[i][0], training)[0] for i in part), group) for part in owned)
