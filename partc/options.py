@@ -427,6 +427,10 @@ class TrainOptions:
              "initialisation.")
     metrics: Path | None = option(None, flag="--metrics", path="file", help="Append one JSON "
                                   "line per step (loss, samples/s, per-stage times) here.")
+    trace: Path | None = option(
+        None, flag="--trace", path="dir",
+        help="Write a torch.profiler trace of one step (the third) per rank here: rank<R>.json "
+             "(Chrome/Perfetto) and rank<R>.txt (operators and kernels ranked by time).")
     log_every: int = option(1, flag="--log-every", min=1, help="Print a progress line every N "
                             "steps (when stderr is not a terminal).")
     expect: str | None = option(

@@ -329,6 +329,33 @@ def test_unwritable_metrics_is_refused_before_workers_start(case: str, plan: Pat
         assert metrics.read_bytes() == before
 
 
+@pytest.mark.parametrize("case", ["the-plan-directory", "read-only-directory"])
+def test_bad_trace_directory_is_refused_before_workers_start(case: str, plan: Path,
+                                                             tmp_path: Path) -> None:
+    """--trace into the reviewed plan directory, or into one nobody can write: one line before
+    any worker starts, and nothing written there."""
+    prefix: list[str] = []
+    if case == "the-plan-directory":
+        trace = plan.parent
+        fragments: tuple[str | tuple[str, ...], ...] = ("is a plan directory",)
+    else:
+        trace = tmp_path / "ro"
+        trace.mkdir()
+        trace.chmod(0o555)
+        fragments = ("cannot write --trace", ("Permission denied", "Read-only"))
+    before = sorted(p.name for p in trace.iterdir())
+    try:
+        if case == "read-only-directory":
+            prefix = no_dac_or_skip(trace)
+        ckpt = tmp_path / "ckpt"
+        proc = launch(plan, "--steps", "2", "--trace", str(trace), "--checkpoint-dir",
+                      str(ckpt), prefix=prefix)
+        assert_one_line_error(proc, "--trace", *fragments)
+    finally:
+        trace.chmod(0o755)
+    assert not ckpt.exists() and sorted(p.name for p in trace.iterdir()) == before
+
+
 # ---- (f) a save that fails during the run ------------------------------------------------------
 
 def test_failed_save_is_one_line_and_keeps_the_previous_checkpoint(

@@ -123,10 +123,14 @@ class StepMetrics:
     # one. None on lines written before partc recorded them.
     plan: str | None = None
     plan_sha256: str | None = None
+    traced: bool = False  # `partc launch --trace` profiled this step
 
     def to_dict(self) -> dict[str, Any]:
         # plan keys only when known: lines without them read back as they were written
-        named = {"plan": self.plan, "plan_sha256": self.plan_sha256} if self.plan else {}
+        named: dict[str, Any] = (
+            {"plan": self.plan, "plan_sha256": self.plan_sha256} if self.plan else {})
+        if self.traced:  # only then: untraced lines read as they were written before
+            named["traced"] = True
         return {"version": self.version, "step": self.step, "loss": self.loss,
                 "step_s": self.step_s, "samples_per_s": self.samples_per_s,
                 "stage_forward_s": list(self.stage_forward_s),
@@ -149,12 +153,13 @@ class StepMetrics:
                    num_microbatches=int(d["num_microbatches"]), replicas=int(d["replicas"]),
                    clock=str(d["clock"]), memory_method=str(d["memory_method"]),
                    plan=_optional_str(d.get("plan")),
-                   plan_sha256=_optional_str(d.get("plan_sha256")))
+                   plan_sha256=_optional_str(d.get("plan_sha256")),
+                   traced=d.get("traced") is True)
 
     @property
     def profiled(self) -> bool:
         """Did a profiler watch this step (its times are slowed by it)?"""
-        return self.memory_method == MEMORY_CPU_PROFILER
+        return self.memory_method == MEMORY_CPU_PROFILER or self.traced
 
 
 @dataclass(frozen=True)

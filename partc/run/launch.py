@@ -24,6 +24,7 @@ from partc.options import ElasticOptions, TrainOptions, to_argv
 from partc.plans.plan import Plan, load_plan, refuse_plan_artifact
 from partc.run.checkpoint import CheckpointError, choose_resume
 from partc.run.rank_layout import rank_layout
+from partc.run.step_trace import prepare_trace_directory
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
@@ -305,6 +306,8 @@ def check_launch(plan: Plan, options: TrainOptions, elastic: ElasticOptions) -> 
         except OSError as exc:
             raise LaunchError(f"cannot write --metrics {metrics}: {exc.strerror or exc}",
                               hint="pass a file in a writable directory") from None
+    if options.trace is not None:
+        prepare_trace_directory(options.trace)
     if options.checkpoint_dir is not None:
         if options.checkpoint_dir.exists() and not options.checkpoint_dir.is_dir():
             raise CheckpointError(f"--checkpoint-dir {options.checkpoint_dir} is a file",

@@ -82,6 +82,7 @@ from partc.run.stage_runner import (
     synced_clock,
     wrap_for_pipeline,
 )
+from partc.run.step_trace import prepare_trace_directory, step_profiler, write_step_trace
 from partc.run.training import batched_flags, global_batches, next_batch, output_spec, step_seed
 from partc.solve.memory import METRICS_RANK_FIELDS, METRICS_STAGE_FIELDS
 
@@ -96,6 +97,8 @@ def run_rank(plan_path: str | Path, options: TrainOptions, out: TextIO = sys.std
     plan.check_stage_files()
     if options.metrics is not None:  # under torchrun nothing checked it before this rank started
         refuse_plan_artifact(options.metrics, "--metrics", plan.pinned_files())
+    if options.trace is not None:
+        prepare_trace_directory(options.trace)
     layout = rank_layout(plan)
     if env.world_size != layout.world_size:
         raise LaunchError(f"the plan runs on {layout.world_size} processes, torchrun started "
@@ -198,12 +201,15 @@ def _train(run: RankRun, reporter: Reporter | None) -> RunSummary | None:
     metrics = _MetricsRows.allocate(run)
     for step in range(run.start, options.steps):
         method = _memory_method(run, step)
+        traced = options.trace is not None and step == _watched_step(run)
         began = synced_clock(run.device)
-        rows = _step(run, step, method, metrics)
+        rows = _step(run, step, method, metrics, traced)
         step_s = synced_clock(run.device) - began
         if reporter is not None:
             assert rows is not None
-            _record(summary, reporter, _step_metrics(run, step, step_s, rows, method))
+            _record(summary, reporter, _step_metrics(run, step, step_s, rows, method, traced))
+            if traced:
+                reporter.note(f"trace of step {step + 1} -> {options.trace}")
         done = step + 1
         if options.checkpoint_dir is not None and (
                 done == options.steps
@@ -217,21 +223,26 @@ def _train(run: RankRun, reporter: Reporter | None) -> RunSummary | None:
     return None
 
 
+def _watched_step(run: RankRun) -> int:
+    """The step a profiler watches (CPU peak memory, --trace): the third of the run (optimizer
+    state exists, and DDP rebuilt its gradient buckets in the second), else the last."""
+    return min(run.start + 2, run.options.steps - 1)
+
+
 def _memory_method(run: RankRun, step: int) -> str:
     """How this step's peak memory is measured: every step on CUDA (the allocator keeps the
-    peak); on CPU the profiler watches one step: the third of the run (optimizer state exists,
-    and DDP rebuilt its gradient buckets in the second), else the last."""
+    peak); on CPU the profiler watches one step (`_watched_step`)."""
     if run.device.type == "cuda":
         return MEMORY_CUDA
-    watched = min(run.start + 2, run.options.steps - 1)
-    return MEMORY_CPU_PROFILER if step == watched else MEMORY_NONE
+    return MEMORY_CPU_PROFILER if step == _watched_step(run) else MEMORY_NONE
 
 
 class _MemoryProbe:
-    """The peak memory of one step on this rank, by `method` (partc.plans.run_metrics)."""
+    """The peak memory of one step on this rank, by `method` (partc.plans.run_metrics); with
+    `traced`, the step's torch.profiler trace too (one profiler serves both on CPU)."""
 
-    def __init__(self, run: RankRun, method: str) -> None:
-        self.run, self.method = run, method
+    def __init__(self, run: RankRun, method: str, traced: bool = False) -> None:
+        self.run, self.method, self.traced = run, method, traced
         self.live = 0
         self.profiler: torch.profiler.profile | None = None
         self._stack = contextlib.ExitStack()
@@ -245,6 +256,10 @@ class _MemoryProbe:
             # count twice), pipeline receive buffers and DDP buckets included, + the
             # profiler's peak above that
             self.live = live_tensor_bytes()
+        if self.traced:
+            self.profiler = self._stack.enter_context(step_profiler(
+                self.run.device, memory=self.method == MEMORY_CPU_PROFILER))
+        elif self.method == MEMORY_CPU_PROFILER:
             self.profiler = self._stack.enter_context(cpu_memory_profile())
         return self
 
@@ -254,9 +269,16 @@ class _MemoryProbe:
     def peak_bytes(self) -> int | None:
         if self.method == MEMORY_CUDA:
             return int(torch.cuda.max_memory_allocated(self.run.device))
-        if self.profiler is not None:
+        if self.profiler is not None and self.method == MEMORY_CPU_PROFILER:
             return self.live + peak_above_start(self.profiler)
         return None
+
+    def write_trace(self, step: int) -> None:
+        """Write the traced step's files (partc.run.step_trace); call after the block."""
+        assert self.traced and self.profiler is not None and self.run.options.trace is not None
+        write_step_trace(self.profiler, self.run.options.trace, self.run.rank, step + 1,
+                         [local.spec.index for local in self.run.stages], self.run.device,
+                         str(self.run.plan.pinned_files()[0]))
 
 
 # The per-rank row gathered onto rank 0 each step (float64): the rank's values, then a block per
@@ -291,8 +313,8 @@ class _MetricsRows:
         return cls(row=row, device_row=device_row, gathered=gathered)
 
 
-def _step(run: RankRun, step: int, memory_method: str,
-          metrics: _MetricsRows) -> list[torch.Tensor] | None:
+def _step(run: RankRun, step: int, memory_method: str, metrics: _MetricsRows,
+          traced: bool = False) -> list[torch.Tensor] | None:
     """One training step on this rank (steps 5-6); returns every rank's measurements of it on
     rank 0 (one gather per step, see `_step_metrics`), None elsewhere."""
     torch.manual_seed(step_seed(run.options.seed, step, run.rank))
@@ -310,7 +332,7 @@ def _step(run: RankRun, step: int, memory_method: str,
     # one, a free the CPU profiler would not see (it never reports frees of memory allocated
     # before it started), so drawn inside the probe the batch counted twice.
     args, target = run.next_inputs(step)
-    with _MemoryProbe(run, memory_method) as memory:
+    with _MemoryProbe(run, memory_method, traced) as memory:
         for local in run.stages:
             assert local.pipe is not None
             local.pipe.reset_times()
@@ -341,6 +363,8 @@ def _step(run: RankRun, step: int, memory_method: str,
     row[_TIED] = tied_s
     peak = memory.peak_bytes()
     row[_PEAK] = -1.0 if peak is None else float(peak)
+    if traced:
+        memory.write_trace(step)
     for local in run.stages:
         assert local.pipe is not None
         at = _RANK_FIELDS + _STAGE_FIELDS * local.spec.index
@@ -366,7 +390,7 @@ def _step(run: RankRun, step: int, memory_method: str,
 
 
 def _step_metrics(run: RankRun, step: int, step_s: float, gathered: list[torch.Tensor],
-                  memory_method: str) -> StepMetrics:
+                  memory_method: str, traced: bool = False) -> StepMetrics:
     """Rank 0: the step's metrics from every rank's row. Per stage, each value is the maximum
     over the ranks running it (its replicas: the slowest sets the step's pace); the legacy
     per-stage lists and the loss are means over replicas."""
@@ -400,7 +424,7 @@ def _step_metrics(run: RankRun, step: int, step_s: float, gathered: list[torch.T
         stage_forward_s=tuple(mean_fwd), stage_backward_s=tuple(mean_bwd),
         stages=tuple(stages), num_microbatches=shape.num_microbatches, replicas=run.replicas,
         clock=CLOCK_CUDA if run.device.type == "cuda" else CLOCK_CPU,
-        memory_method=memory_method)
+        memory_method=memory_method, traced=traced)
 
 
 def _cpu(values: Iterable[float]) -> float | None:

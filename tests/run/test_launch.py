@@ -495,6 +495,41 @@ def test_metrics_per_stage_and_show_beside_the_prediction(tmp_path: Path) -> Non
     assert len(rows) == 2, out
 
 
+def test_trace_profiles_the_third_step_of_every_rank(tmp_path: Path) -> None:
+    """--trace: the step the CPU memory probe watches runs under one profiler that also writes,
+    per rank, a Chrome trace and an operator table; the step is marked traced and left out of the
+    time summaries, and its peak memory is still measured (and still within the model's bounds)."""
+    from partc.plans.run_metrics import MEMORY_CPU_PROFILER, RunMetrics
+
+    plan = compile_plan(tmp_path, EXAMPLES / "mlp.py", 2, 1)
+    metrics, trace = tmp_path / "m.jsonl", tmp_path / "trace" / "run"
+    result = launch(plan, "--steps", "4", "--metrics", str(metrics), "--trace", str(trace))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"trace of step 3 -> {trace}" in result.stderr + result.stdout
+    assert sorted(p.name for p in trace.iterdir()) == [
+        "rank0.json", "rank0.txt", "rank1.json", "rank1.txt"]  # no temporary files left
+    for rank in (0, 1):
+        events = json.loads((trace / f"rank{rank}.json").read_text())["traceEvents"]
+        ops = {e["name"] for e in events if e.get("cat") == "cpu_op"}
+        assert "aten::addmm" in ops or "aten::mm" in ops, sorted(ops)[:20]
+        assert any("Input Dims" in e.get("args", {}) for e in events)  # shapes recorded
+        table = (trace / f"rank{rank}.txt").read_text()
+        assert table.startswith(f"partc launch --trace: {plan}, step 3, rank {rank}, "
+                                f"stage(s) {rank}, device cpu"), table[:300]
+        assert "Self CPU" in table and "aten::" in table
+    run = RunMetrics.load(metrics)
+    assert [s.traced for s in run.steps] == [False, False, True, False]
+    assert run.steps[2].memory_method == MEMORY_CPU_PROFILER and run.steps[2].profiled
+    assert [s.step for s in run.timed_steps()] == [2, 4]
+    predicted = [s.peak_memory_bytes for s in load_plan(plan).stages]
+    peaks = [s.peak_memory_bytes for s in run.steps[2].stages]
+    for want, got in zip(predicted, peaks, strict=True):
+        assert got is not None and got <= want <= 1.10 * got, (predicted, peaks)
+    # untraced lines are written as before (no "traced" key)
+    lines = [json.loads(x) for x in metrics.read_text().splitlines()]
+    assert ["traced" in x for x in lines] == [False, False, True, False]
+
+
 def test_node_rank_under_a_dynamic_rendezvous_is_named(capsys: pytest.CaptureFixture[str]
                                                        ) -> None:
     """--node-rank means nothing to c10d (torchrun ignores it too): partc says so, and says
