@@ -1,7 +1,9 @@
 #!/bin/bash
 # One GPU session in one command: `partc calibrate --device cuda`, then bench/gpu_truth.py on
-# GPT-2-medium (whole model) and BERT-large (whole model, a 4-stage plan's stages, two end-to-end
-# launches), each priced with the calibrated and the shipped config. Run from the repo root:
+# BERT-large (whole model; an end-to-end launch, traced, after its model is timed and profiled in
+# the three forms launch runs it in: eager, exported, stage file; a 4-stage plan's stages), then
+# GPT-2-medium (whole model), each priced with the calibrated and the shipped config; with time
+# left, a launch priced from a profile measured on the GPU. Run from the repo root:
 #
 #     OUT=DIR BUDGET=530 bash bench/gpu_session.sh     # DIR: log.txt, *_truth.md, results.tgz
 #     OUT=DIR SMOKE=1 PYTHON=.venv/bin/python bash bench/gpu_session.sh   # the same on this CPU,
@@ -36,13 +38,19 @@ echo "[$(el)] calibrate" >> "$L"
 timeout 150 $PY -m partc calibrate --device $DEVICE --seconds $SECONDS_ -o "$W/cal" >> "$L" 2>&1; echo "[$(el)] calibrate rc=$?" >> "$L"
 CAL=$(ls "$W"/cal/devices/*.yaml 2>/dev/null | head -1)
 CFG="--device-config $SHIPPED"; [ -n "$CAL" ] && CFG="--device-config $CAL --device-config $SHIPPED"
-echo "[$(el)] $GPT (CFG=$CFG)" >> "$L"
+echo "[$(el)] $BERT (CFG=$CFG)" >> "$L"
+timeout $(( $(left) - 110 )) $PY bench/gpu_truth.py --device $DEVICE $QUICK --out "$W/bert" --models $BERT --batch-size $BERT_B --precisions bf16-mixed,fp32 --stages $STAGES --launch first:bf16-mixed --launch-costs analytic $CFG >> "$L" 2>&1; echo "[$(el)] $BERT rc=$?" >> "$L"
+echo "[$(el)] $GPT" >> "$L"
 timeout 100 $PY bench/gpu_truth.py --device $DEVICE $QUICK --out "$W/gpt" --models $GPT --batch-size $GPT_B --precisions bf16-mixed,fp32 --stages 0 --launch none $CFG >> "$L" 2>&1; echo "[$(el)] $GPT rc=$?" >> "$L"
-echo "[$(el)] $BERT" >> "$L"
-timeout "$(left)" $PY bench/gpu_truth.py --device $DEVICE $QUICK --out "$W/bert" --models $BERT --batch-size $BERT_B --precisions bf16-mixed,fp32 --stages $STAGES --launch first:bf16-mixed --launch-costs analytic,measured $CFG >> "$L" 2>&1; echo "[$(el)] $BERT rc=$?" >> "$L"
+if [ "$(left)" -gt 240 ]; then
+  echo "[$(el)] $BERT launch from a measured profile" >> "$L"
+  timeout "$(left)" $PY bench/gpu_truth.py --device $DEVICE $QUICK --out "$W/bert-measured" --models $BERT --batch-size $BERT_B --precisions bf16-mixed --stages 0 --launch first:bf16-mixed --launch-costs measured --no-forms $CFG >> "$L" 2>&1; echo "[$(el)] measured launch rc=$?" >> "$L"
+fi
 cp "$W/bert/gpu_truth.md" "$OUT/bert_truth.md" 2>/dev/null; cp "$W/gpt/gpu_truth.md" "$OUT/gpt2_truth.md" 2>/dev/null
-# the reports, the calibrated configs, the metrics and every plan.yaml (not the stage files)
-(cd "$W" && find cal bert gpt \( -name '*.json' -o -name '*.jsonl' -o -name '*.yaml' \) -print0 2>/dev/null \
-  | tar czf "$OUT/results.tgz" --null -T -)
+cp "$W/bert-measured/gpu_truth.md" "$OUT/bert_measured_truth.md" 2>/dev/null
+# the reports, the calibrated configs, the metrics, every plan.yaml (not the stage files), the
+# profiler tables of the runtime forms and of the launch's traced step (not the Chrome traces)
+(cd "$W" && find cal bert bert-measured gpt \( -name '*.json' -o -name '*.jsonl' -o -name '*.yaml' -o -name '*.txt' \) \
+  ! -name 'rank*.json' -print0 2>/dev/null | tar czf "$OUT/results.tgz" --null -T -)
 echo "[$(el)] packed" >> "$L"
 rm -rf "$W"

@@ -10,7 +10,12 @@ configs here (random weights, nothing downloaded), per precision (fp32, bf16-mix
   after the optimizer states exist) vs partc's single-stage peak (partc.solve.memory.stage_memory);
 - with --stages K (default 4; 0 skips it): `partc compile --stages K --replicas 1` of each model
   on a K-device cluster of that device, and every stage's measured forward and backward time
-  (its TorchScript stage file run on the device, fp32) vs the plan's prediction.
+  (its TorchScript stage file run as launch runs it, at the plan's precision) vs the plan's
+  prediction;
+- one end-to-end `partc launch` (--launch; one stage), traced (`--trace`: its top operators in
+  the report), after its model is timed and profiled in the three forms a launch passes through
+  (eager, exported, stage file; --no-forms skips it): where the launch is slower than the eager
+  model, the forms and the kernels say which step of the way loses it.
 
 Writes DIR/gpu_truth.md (tables) and DIR/gpu_truth.json. Needs only torch (CUDA), transformers and
 partc; onnxruntime is not used (the capture skips ONNX). A few minutes on one GPU:
@@ -44,6 +49,7 @@ import yaml  # noqa: E402
 from partc.cost.activations import saved_activations  # noqa: E402
 from partc.cost.plan_costs import plan_costs  # noqa: E402
 from partc.cost.table import CostTable, Linear  # noqa: E402
+from partc.errors import summarize_exception  # noqa: E402
 from partc.files import write_atomic  # noqa: E402
 from partc.frontend.capture import CaptureResult, capture_graph  # noqa: E402
 from partc.hardware.configs import list_clusters, load_cluster, load_device  # noqa: E402
@@ -373,6 +379,113 @@ def time_stages(plan_dir: Path, module: ModuleType, device: torch.device, repeat
     return rows
 
 
+FORMS = ("eager", "exported", "stage")
+TOP_KERNELS = 25  # rows of each form's profiler table kept in its file
+
+
+def runtime_forms(plan_dir: Path, module: ModuleType, device: torch.device, repeats: int,
+                  warmup: int, out: Path) -> list[dict[str, Any]]:
+    """The one-stage plan's model, whole, in the three forms a launch's time passes through, at
+    the plan's micro-batch size, timed alike (forward; forward + backward with ones as the
+    outputs' gradients; on CUDA the peak memory above the weights) and profiled once each:
+
+    - eager: the model file's model as it is (what the whole-model rows measure);
+    - exported: torch.export's program of it (`ExportedProgram.module()`, the graph compile
+      cuts: an attention mask HF leaves out eagerly is materialised here);
+    - stage: the plan's stage file as launch runs it (StageRunner: TorchScript, autocast,
+      boundary dtypes), without the pipelining runtime around it.
+
+    Where two forms differ, the profiler tables (DIR/forms-<plan>-<form>.txt: operators and
+    kernels by their own time) say in which operators; the report keeps each form's top 12."""
+    import torch.utils._pytree as pytree
+
+    from partc.emit.stage_code import load_stage
+    from partc.emit.stage_graph import flatten_inputs
+    from partc.frontend.model_file import normalize_inputs
+    from partc.plans.plan import load_plan
+    from partc.run.stage_runner import StageRunner
+    from partc.run.step_trace import operator_table
+
+    sync = synchronizer(device)
+    plan = load_plan(plan_dir)
+    assert len(plan.stages) == 1, "runtime_forms times a one-stage plan"
+    precision = plan.training.config.precision
+    inputs, _target = next(iter(module.batches(plan.microbatch_size)))
+    args, kwargs = to_device(normalize_inputs(inputs, "batches()"), device)
+    flat = flatten_inputs((args, kwargs), pytree.treespec_loads(plan.model.input_spec)) \
+        if plan.model.input_spec else pytree.tree_leaves((args, kwargs))
+
+    def floating(outputs: Any) -> list[torch.Tensor]:
+        return [o for o in pytree.tree_leaves(outputs)
+                if isinstance(o, torch.Tensor) and o.is_floating_point() and o.requires_grad]
+
+    model = module.build_model().to(device).train()
+    exported = torch.export.export(model, tuple(args), kwargs).module()
+    spec = plan.stages[0]
+    stage = StageRunner(load_stage(plan.stage_bytes(spec), map_location=device).train(), device,
+                        plan.training.config.bf16, spec.activation_checkpointing, last=True)
+    weights = [*model.parameters(), *exported.parameters(), *stage.parameters()]
+
+    def eager() -> list[torch.Tensor]:
+        with autocast(device, precision):
+            return floating(model(*args, **kwargs))
+
+    def exported_form() -> list[torch.Tensor]:
+        with autocast(device, precision):
+            return floating(exported(*args, **kwargs))
+
+    forms: dict[str, Callable[[], list[torch.Tensor]]] = {
+        "eager": eager, "exported": exported_form, "stage": lambda: floating(stage(*flat))}
+    rows = []
+    for name, form in forms.items():
+        row: dict[str, Any] = {"form": name, "microbatch_size": plan.microbatch_size,
+                               "precision": precision}
+
+        def step(form: Callable[[], list[torch.Tensor]] = form) -> None:
+            outs = form()
+            torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+            for w in weights:
+                w.grad = None
+
+        try:
+            fwd: list[float] = []
+            both: list[float] = []
+            with torch.jit.optimized_execution(False):  # as launch runs stage files
+                for i in range(warmup + repeats):
+                    for fn, times in ((form, fwd), (step, both)):
+                        sync()
+                        t0 = time.perf_counter()
+                        fn()
+                        sync()
+                        if i >= warmup:
+                            times.append(time.perf_counter() - t0)
+                row["forward"], row["forward_backward"] = spread(fwd), spread(both)
+                if device.type == "cuda":
+                    base = torch.cuda.memory_allocated(device)
+                    torch.cuda.reset_peak_memory_stats(device)
+                    step()
+                    sync()
+                    row["peak_above_weights_bytes"] = \
+                        int(torch.cuda.max_memory_allocated(device)) - base
+                activities = [torch.profiler.ProfilerActivity.CPU]
+                if device.type == "cuda":
+                    activities.append(torch.profiler.ProfilerActivity.CUDA)
+                with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
+                    step()
+                    sync()
+            key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+            events = sorted(prof.key_averages(), key=lambda e: -float(getattr(e, key)))
+            row["top"] = [{"name": e.key, "self_ms": float(getattr(e, key)) / 1e3,
+                           "calls": e.count} for e in events[:12]]
+            table = out / f"forms-{plan_dir.name}-{name}.txt"
+            write_atomic(table, operator_table(prof, device, rows=TOP_KERNELS) + "\n")
+            row["table"] = str(table)
+        except Exception as exc:  # noqa: BLE001 - one form failing must not hide the others
+            row["error"] = summarize_exception(exc)
+        rows.append(row)
+    return rows
+
+
 def compile_stages(model_path: Path, cluster: Path, stages: int, batch_size: int,
                    precision: str, out: Path) -> Path:
     plan_dir = out / "plans" / f"{model_path.stem}-{precision}-{stages}"
@@ -392,24 +505,35 @@ def partc_command(*args: str) -> None:
 
 
 def launch_once(model_path: Path, spec: DeviceSpec, precision: str, batch_size: int,
-                steps: int, costs: str, out: Path) -> dict[str, Any]:
+                steps: int, costs: str, out: Path,
+                forms: tuple[ModuleType, torch.device, int, int] | None = None
+                ) -> dict[str, Any]:
     """One end-to-end run: `partc compile` of the whole model as one stage on one device, priced
     analytically from `spec` (costs "analytic") or on this machine's device as compile's
     default does for `--cluster local` (costs "measured": a profile measured here), `partc
-    launch` of it for `steps` steps with --metrics, and the run's median step, stage times and
-    peak memory beside the plan's predictions."""
+    launch` of it for `steps` steps with --metrics and --trace, and the run's median step, stage
+    times, peak memory and top kernels beside the plan's predictions. With `forms` (the model
+    file's module, the device, repeats, warm-up), the plan's model is first timed in its three
+    runtime forms (`runtime_forms`)."""
     from partc.plans.plan import load_plan
     from partc.plans.run_metrics import RunMetrics
 
     cluster = str(cluster_file(spec, 1, out / "clusters")) if costs == "analytic" else "local"
     plan_dir = out / "plans" / f"{model_path.stem}-{precision}-launch-{costs}"
     metrics = out / f"launch-{model_path.stem}-{precision}-{costs}.jsonl"
+    trace = out / f"trace-{model_path.stem}-{precision}-{costs}"
     metrics.unlink(missing_ok=True)
     partc_command("compile", str(model_path), "--cluster", cluster, "--costs", costs,
                   "--stages", "1", "--replicas", "1", "--microbatches", "1", "-b",
                   str(batch_size), "--precision", precision, "-o", str(plan_dir))
+    forms_rows = None
+    if forms is not None:
+        module, device, repeats, warmup = forms
+        forms_rows = runtime_forms(plan_dir, module, device, repeats, warmup, out)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the launch runs in a process of its own
     partc_command("launch", str(plan_dir / "plan.yaml"), "--steps", str(steps),
-                  "--metrics", str(metrics))
+                  "--metrics", str(metrics), "--trace", str(trace))
     plan = load_plan(plan_dir)
     run = RunMetrics.load(metrics)
     stage, measured = plan.stages[0], run.stage_summaries()[0]
@@ -425,7 +549,21 @@ def launch_once(model_path: Path, spec: DeviceSpec, precision: str, batch_size: 
                          "forward_s": measured.forward_s, "backward_s": measured.backward_s,
                          "optimizer_s": measured.optimizer_s,
                          "peak_memory_bytes": measured.peak_memory_bytes,
-                         "memory_method": run.memory_method}}
+                         "memory_method": run.memory_method},
+            "trace": str(trace / "rank0.txt"), "top": trace_top(trace / "rank0.txt"),
+            "forms": forms_rows}
+
+
+def trace_top(table: Path, rows: int = 12) -> list[str]:
+    """The first `rows` operator lines of a `partc launch --trace` table (its header and the
+    column titles skipped)."""
+    if not table.is_file():
+        return []
+    lines = [ln.rstrip() for ln in table.read_text().splitlines()]
+    body = [ln for ln in lines[lines.index(next(ln for ln in lines if ln.startswith("-"))):]
+            if ln and not ln.startswith("-") and "Self" not in ln
+            and not ln.startswith(("Self CPU time total", "Self CUDA time total"))]
+    return body[:rows]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -568,10 +706,34 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(f"| peak memory GiB ({m['memory_method']}) | {_gib(m['peak_memory_bytes'])} "
                      f"| {_gib(p['peak_memory_bytes'])} "
                      f"| {_err(p['peak_memory_bytes'], m['peak_memory_bytes'])} |")
+        lines += forms_table(launch.get("forms") or [])
+        if launch.get("top"):
+            lines += ["", f"Top operators of the launch's traced step, rank 0 "
+                      f"(`partc launch --trace`, whole table in {launch['trace']}):", "", "```",
+                      *launch["top"], "```"]
     for row in report["results"]:
         if row.get("stages_error"):
             lines.append(f"\n{row['model']} ({row['precision']}) stages: {row['stages_error']}")
     return "\n".join(lines) + "\n"
+
+
+def forms_table(forms: list[dict[str, Any]]) -> list[str]:
+    """The model in its three runtime forms (`runtime_forms`), each with its top kernels."""
+    if not forms:
+        return []
+    lines = ["", f"The same model in the forms a launch passes through (micro-batch "
+             f"{forms[0]['microbatch_size']}, {forms[0]['precision']}; `runtime_forms`):", "",
+             "| form | fwd ms | fwd+bwd ms | peak above weights GiB | top by own time (ms) |",
+             "|---|---:|---:|---:|---|"]
+    for row in forms:
+        if "error" in row:
+            lines.append(f"| {row['form']} | failed: {row['error']} ||||")
+            continue
+        top = "; ".join(f"{t['name'][:50]} {t['self_ms']:.2f}" for t in row["top"][:4])
+        lines.append(f"| {row['form']} | {_ms(row['forward']['median_s'])} "
+                     f"| {_ms(row['forward_backward']['median_s'])} "
+                     f"| {_gib(row.get('peak_above_weights_bytes'))} | {top} |")
+    return lines
 
 
 def save(report: dict[str, Any], out: Path) -> str:
@@ -607,6 +769,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="MODEL:PRECISION to compile as one stage and `partc launch` "
                              "end to end ('first': the first model; 'none': skip)")
     parser.add_argument("--launch-steps", type=int, default=12)
+    parser.add_argument("--forms", action=argparse.BooleanOptionalAction, default=True,
+                        help="before the first launch, time and profile its model in the three "
+                             "forms it passes through: eager, exported, stage file")
     parser.add_argument("--launch-costs", default="analytic",
                         help="comma-separated: 'analytic' (priced from the first device "
                              "config), 'measured' (`--cluster local`: profiled on this device, "
@@ -683,20 +848,22 @@ def main(argv: list[str] | None = None) -> int:
                     row["stages"] = time_stages(plan_dir, module, device, args.repeats,
                                                 args.warmup)
                 except Exception as exc:  # noqa: BLE001 - optional part: report, do not stop
-                    row["stages_error"] = f"{type(exc).__name__}: " \
-                                          f"{str(exc).splitlines()[0][:300] if str(exc) else ''}"
+                    row["stages_error"] = summarize_exception(exc)
             report["results"].append(row)
             save(report, args.out)
             print(f"{case.name} {precision}: done at {time.perf_counter() - started:.0f} s",
                   file=sys.stderr)
 
     report["launch"] = []
-    for costs in launch_costs if launch_case is not None else []:
+    for i, costs in enumerate(launch_costs if launch_case is not None else []):
         assert launch_case is not None
+        path = write_model_file(launch_case, args.out / "models")
+        forms = (import_model_file(path), device, args.repeats, args.warmup) \
+            if args.forms and i == 0 else None
         try:
             report["launch"].append(launch_once(
-                write_model_file(launch_case, args.out / "models"), spec, launch_precision,
-                args.batch_size or launch_case.batch_size, args.launch_steps, costs, args.out))
+                path, spec, launch_precision, args.batch_size or launch_case.batch_size,
+                args.launch_steps, costs, args.out, forms=forms))
         except Exception as exc:  # noqa: BLE001 - optional part: report, do not stop
             report["launch"].append({"costs": costs,
                                      "error": f"{type(exc).__name__}: {str(exc)[:300]}"})

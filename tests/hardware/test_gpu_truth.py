@@ -44,7 +44,16 @@ def test_gpu_truth_smoke_on_cpu(tmp_path: Path) -> None:
         == ("bf16-mixed", "analytic", "cpu")
     assert launch["measured"]["iteration_s"] > 0 and launch["predicted"]["iteration_s"] > 0
     assert launch["measured"]["peak_memory_bytes"] > 0
+    # its traced step's top operators, and its model timed and profiled in the three forms
+    assert sum("aten::" in line for line in launch["top"]) >= 5, launch["top"]
+    assert [f["form"] for f in launch["forms"]] == ["eager", "exported", "stage"]
+    for form in launch["forms"]:
+        assert "error" not in form, form["error"]
+        assert form["forward_backward"]["median_s"] > form["forward"]["median_s"] > 0
+        assert form["top"] and Path(form["table"]).read_text().count("aten::") >= 5
     table = (tmp_path / "gpu_truth.md").read_text()
     assert "| gpt2 | fp32 | 2 |" in table and "stages of `partc compile --stages 4`" in table
     assert "as each device config predicts it" in table
     assert "## End to end: `partc launch` of gpt2 (bf16-mixed" in table
+    assert "The same model in the forms a launch passes through" in table
+    assert "Top operators of the launch's traced step" in table
