@@ -25,6 +25,7 @@ import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
 
 from partc.errors import CaptureError, summarize_exception
+from partc.frontend.attention_masks import simplify_attention_masks
 from partc.frontend.model_file import Inputs, ModelFile, inputs_to_meta, is_on_meta
 from partc.progress import Progress
 
@@ -103,7 +104,9 @@ def export_program(model: torch.nn.Module, inputs: Inputs, where: str) -> Export
                     "(https://pytorch.org/docs/stable/export.html); pass --debug for the traceback")
         raise CaptureError(f"torch.export failed on {where}: {reason}", hint=hint) from exc
     refuse_data_dependent_shapes(exported, where)
-    return exported
+    # constant attention masks that mask nothing or only the future: none, or is_causal, as the
+    # model runs eagerly (flash kernels; partc.frontend.attention_masks)
+    return simplify_attention_masks(exported)
 
 
 def refuse_data_dependent_shapes(exported: ExportedProgram, where: str) -> None:
