@@ -40,6 +40,9 @@ CAL=$(ls "$W"/cal/devices/*.yaml 2>/dev/null | head -1)
 CFG="--device-config $SHIPPED"; [ -n "$CAL" ] && CFG="--device-config $CAL --device-config $SHIPPED"
 echo "[$(el)] $BERT (CFG=$CFG)" >> "$L"
 timeout $(( $(left) - 110 )) $PY bench/gpu_truth.py --device $DEVICE $QUICK --out "$W/bert" --models $BERT --batch-size $BERT_B --precisions bf16-mixed,fp32 --stages $STAGES --launch first:bf16-mixed --launch-costs analytic $CFG >> "$L" 2>&1; echo "[$(el)] $BERT rc=$?" >> "$L"
+echo "[$(el)] attention masks A/B" >> "$L"
+BM=$W/bert/models/${BERT//-/_}.py  # the model file gpu_truth wrote
+[ -f "$BM" ] && timeout 90 $PY bench/attention_masks.py "$BM" --device $DEVICE --batch-sizes $(( BERT_B / 2 )) --iterations 10 > "$OUT/attention_masks.md" 2>> "$L"; echo "[$(el)] attention masks rc=$?" >> "$L"
 echo "[$(el)] $GPT" >> "$L"
 timeout 100 $PY bench/gpu_truth.py --device $DEVICE $QUICK --out "$W/gpt" --models $GPT --batch-size $GPT_B --precisions bf16-mixed,fp32 --stages 0 --launch none $CFG >> "$L" 2>&1; echo "[$(el)] $GPT rc=$?" >> "$L"
 if [ "$(left)" -gt 240 ]; then
