@@ -390,8 +390,10 @@ def runtime_forms(plan_dir: Path, module: ModuleType, device: torch.device, repe
     outputs' gradients; on CUDA the peak memory above the weights) and profiled once each:
 
     - eager: the model file's model as it is (what the whole-model rows measure);
-    - exported: torch.export's program of it (`ExportedProgram.module()`, the graph compile
-      cuts: an attention mask HF leaves out eagerly is materialised here);
+    - exported: torch.export's raw program of it (`ExportedProgram.module()`: an attention mask
+      HF leaves out eagerly is materialised here; compile's capture then drops it where it is
+      constant and trivial or causal, partc.frontend.attention_masks, so this form shows what
+      the mask costs);
     - stage: the plan's stage file as launch runs it (StageRunner: TorchScript, autocast,
       boundary dtypes), without the pipelining runtime around it.
 
