@@ -401,6 +401,7 @@ def runtime_forms(plan_dir: Path, module: ModuleType, device: torch.device, repe
     kernels by their own time) say in which operators; the report keeps each form's top 12."""
     import torch.utils._pytree as pytree
 
+    from partc.cost.torch_profiler import device_profile
     from partc.emit.stage_code import load_stage
     from partc.emit.stage_graph import flatten_inputs
     from partc.frontend.model_file import normalize_inputs
@@ -469,12 +470,8 @@ def runtime_forms(plan_dir: Path, module: ModuleType, device: torch.device, repe
                     sync()
                     row["peak_above_weights_bytes"] = \
                         int(torch.cuda.max_memory_allocated(device)) - base
-                activities = [torch.profiler.ProfilerActivity.CPU]
-                if device.type == "cuda":
-                    activities.append(torch.profiler.ProfilerActivity.CUDA)
-                with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
+                with device_profile(device, shapes=True) as prof:
                     step()
-                    sync()
             key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
             events = sorted(prof.key_averages(), key=lambda e: -float(getattr(e, key)))
             row["top"] = [{"name": e.key, "self_ms": float(getattr(e, key)) / 1e3,

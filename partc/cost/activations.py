@@ -26,6 +26,7 @@ from partc.cost.torch_profiler import (
     precision_autocast,
     program_module,
 )
+from partc.frontend.attention_masks import sdpa_arguments
 from partc.frontend.export import Capture, quiet_torch
 from partc.frontend.model_file import Inputs, inputs_to_meta
 from partc.options import Precision
@@ -93,12 +94,11 @@ def _target_attention(kind: str, args: tuple[object, ...],
                       kwargs: dict[str, object]) -> torch.Tensor:
     """Run the target's fused attention kernel on the given (meta) tensors, as autograd would."""
     q, k, v = (t for t in args[:3] if isinstance(t, torch.Tensor))
-    rest = dict(zip(("attn_mask", "dropout_p", "is_causal"), args[3:], strict=False))
-    rest.update(kwargs)
-    mask = rest.get("attn_mask")
-    dropout_p = float(rest.get("dropout_p") or 0.0)  # type: ignore[arg-type]
-    is_causal = bool(rest.get("is_causal") or False)
-    scale = rest.get("scale")
+    named = sdpa_arguments(args, kwargs)
+    mask = named["attn_mask"]
+    dropout_p = float(named["dropout_p"] or 0.0)
+    is_causal = bool(named["is_causal"])
+    scale = named.get("scale")
     if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
         # what SDPA does before a fused kernel: a boolean mask becomes an additive bias
         mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(
@@ -156,12 +156,11 @@ def saved_activation_bytes(module: torch.fx.GraphModule, inputs: Inputs,
             return None
         if not q.is_meta and q.device.type == target_kind:
             return None  # this device runs the target's kernels itself
-        mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
-        dropout_p = args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
-        is_causal = args[5] if len(args) > 5 else kwargs.get("is_causal", False)
+        named = sdpa_arguments(args, kwargs)
+        mask = named["attn_mask"]
         kind = attention_kernel(target_kind, q, k, mask if isinstance(mask, torch.Tensor)
-                                else None, float(dropout_p or 0.0),  # type: ignore[arg-type]
-                                bool(is_causal), bool(kwargs.get("enable_gqa", False)))
+                                else None, float(named["dropout_p"] or 0.0),
+                                bool(named["is_causal"]), bool(named.get("enable_gqa", False)))
         if kind == "math":
             return None
         with torch.no_grad():
@@ -220,10 +219,6 @@ def saved_activation_bytes(module: torch.fx.GraphModule, inputs: Inputs,
 _Kernel = Callable[[tuple[object, ...], dict[str, object]], object | None]
 
 
-def _META(_: torch.device) -> torch.device:
-    return torch.device("meta")
-
-
 class _KernelRunner(NodeRunner):
     """NodeRunner whose calls of the ops in `kernels` go through their function first, which
     runs the target device's kernel or returns None to run this device's
@@ -240,7 +235,8 @@ class _KernelRunner(NodeRunner):
         if self._devices_to_meta:
             # a program captured with real weights names their device (`.to(cpu)`, factories'
             # device=cpu); run on meta copies, every tensor it makes goes to meta too
-            args, kwargs = pytree.tree_map_only(torch.device, _META, (args, kwargs))
+            args, kwargs = pytree.tree_map_only(torch.device, lambda _: torch.device("meta"),
+                                                (args, kwargs))
         kernel = self._kernels.get(target)
         if kernel is not None:
             result = kernel(tuple(args), dict(kwargs))

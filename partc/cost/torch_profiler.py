@@ -154,19 +154,32 @@ def kineto_silenced() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def cpu_memory_profile() -> Iterator[torch.profiler.profile]:
-    """A CPU torch.profiler that records allocations and frees, started and stopped with
-    kineto's lines silenced (`kineto_silenced`); read it with `allocation_events` once the
-    block has ended."""
-    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                  profile_memory=True)
+def device_profile(device: torch.device, memory: bool = False,
+                   shapes: bool = False) -> Iterator[torch.profiler.profile]:
+    """A torch.profiler over the block: host operators, and on CUDA the device's kernels (the
+    device is synchronised before it stops, so the block's last kernels are in it); allocations
+    and frees with `memory` (read them with `allocation_events` once the block has ended),
+    operators' input shapes with `shapes`. Started and stopped with kineto's lines silenced
+    (`kineto_silenced`)."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    prof = torch.profiler.profile(activities=activities, record_shapes=shapes,
+                                  profile_memory=memory)
     with kineto_silenced():
         prof.__enter__()
     try:
         yield prof
     finally:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         with kineto_silenced():
             prof.__exit__(None, None, None)
+
+
+def cpu_memory_profile() -> contextlib.AbstractContextManager[torch.profiler.profile]:
+    """`device_profile` of the CPU with allocations and frees."""
+    return device_profile(torch.device("cpu"), memory=True)
 
 
 def allocation_events(roots: Iterable[Any]) -> list[tuple[int, int, int]]:

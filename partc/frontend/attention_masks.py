@@ -29,10 +29,11 @@ trivial or causal; every other node unchanged.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.fx
+import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
 
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
@@ -46,7 +47,7 @@ def simplify_attention_masks(exported: ExportedProgram) -> ExportedProgram:
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not SDPA:
             continue
-        args = _sdpa_arguments(node)
+        args = sdpa_arguments(node.args, node.kwargs)
         mask = args["attn_mask"]
         if not isinstance(mask, torch.fx.Node) or args["is_causal"]:
             continue
@@ -95,12 +96,13 @@ _SCHEMA = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
 _DEFAULTS: dict[str, Any] = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False}
 
 
-def _sdpa_arguments(node: torch.fx.Node) -> dict[str, Any]:
-    """The call's arguments by name (positional or keyword), defaults filled in; `scale` and
-    `enable_gqa` only where the call gives them."""
+def sdpa_arguments(args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """The arguments of a `scaled_dot_product_attention` call (an FX node's, or a call's at
+    run time) by name, positional or keyword, defaults filled in; `scale` and `enable_gqa` only
+    where the call gives them."""
     named = dict(_DEFAULTS)
-    named.update(zip(_SCHEMA, node.args, strict=False))
-    named.update(node.kwargs)
+    named.update(zip(_SCHEMA, args, strict=False))
+    named.update(kwargs)
     return named
 
 
@@ -131,7 +133,10 @@ def _constant_value(mask: torch.fx.Node) -> torch.Tensor | None:
             op = n.target
             assert isinstance(op, torch._ops.OpOverload)  # checked above
             args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), lambda a: values[a])
-            values[n] = op(*_on_cpu(args), **_on_cpu(kwargs))
+            # (a meta model's `arange(..., device='meta')` runs on the CPU)
+            args, kwargs = pytree.tree_map_only(torch.device, lambda _: torch.device("cpu"),
+                                                (args, kwargs))
+            values[n] = op(*args, **kwargs)
     except Exception:  # noqa: BLE001 - an op that will not run on CPU: leave the mask alone
         return None
     out = values[mask]
@@ -141,17 +146,6 @@ def _constant_value(mask: torch.fx.Node) -> torch.Tensor | None:
 def _position(graph: torch.fx.Graph) -> Any:
     index = {n: i for i, n in enumerate(graph.nodes)}
     return index.__getitem__
-
-
-def _on_cpu(value: Any) -> Any:
-    """Device arguments (a meta model's `arange(..., device='meta')`) moved to the CPU."""
-    if isinstance(value, torch.device):
-        return torch.device("cpu")
-    if isinstance(value, dict):
-        return {k: _on_cpu(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_on_cpu(v) for v in value)
-    return value
 
 
 def _mask_kind(mask: torch.Tensor, sdpa: torch.fx.Node) -> str | None:

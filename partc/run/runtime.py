@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
 
-from partc.cost.torch_profiler import CPU_CLOCK, cpu_memory_profile, denormals_flushed
+from partc.cost.torch_profiler import CPU_CLOCK, denormals_flushed, device_profile
 from partc.errors import LaunchError, PartcError
 from partc.frontend.model_file import ModelFile
 from partc.hardware.local import batch_schedule_gloo_io
@@ -82,7 +82,7 @@ from partc.run.stage_runner import (
     synced_clock,
     wrap_for_pipeline,
 )
-from partc.run.step_trace import prepare_trace_directory, step_profiler, write_step_trace
+from partc.run.step_trace import prepare_trace_directory, write_step_trace
 from partc.run.training import batched_flags, global_batches, next_batch, output_spec, step_seed
 from partc.solve.memory import METRICS_RANK_FIELDS, METRICS_STAGE_FIELDS
 
@@ -256,11 +256,10 @@ class _MemoryProbe:
             # count twice), pipeline receive buffers and DDP buckets included, + the
             # profiler's peak above that
             self.live = live_tensor_bytes()
-        if self.traced:
-            self.profiler = self._stack.enter_context(step_profiler(
-                self.run.device, memory=self.method == MEMORY_CPU_PROFILER))
-        elif self.method == MEMORY_CPU_PROFILER:
-            self.profiler = self._stack.enter_context(cpu_memory_profile())
+        if self.traced or self.method == MEMORY_CPU_PROFILER:
+            # one profiler for both: two cannot run at once
+            self.profiler = self._stack.enter_context(device_profile(
+                self.run.device, memory=self.method == MEMORY_CPU_PROFILER, shapes=self.traced))
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -18,15 +18,12 @@ none.
 """
 from __future__ import annotations
 
-import contextlib
-import io
 import os
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import torch
 
-from partc.cost.torch_profiler import kineto_silenced
 from partc.errors import LaunchError
 from partc.files import probe_writable, write_atomic
 from partc.plans.plan import PLAN_FILE
@@ -58,27 +55,6 @@ def prepare_trace_directory(directory: Path) -> None:
                           hint="pass a writable directory") from None
 
 
-@contextlib.contextmanager
-def step_profiler(device: torch.device, memory: bool) -> Iterator[torch.profiler.profile]:
-    """A torch.profiler over the block: host operators with their input shapes, the device's
-    kernels on CUDA, allocations when `memory` (the CPU memory probe reads them from the same
-    profiler: two cannot run at once). Kineto's start and stop lines are silenced."""
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    prof = torch.profiler.profile(activities=activities, record_shapes=True,
-                                  profile_memory=memory)
-    with kineto_silenced():
-        prof.__enter__()
-    try:
-        yield prof
-    finally:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)  # the step's last kernels belong in its trace
-        with kineto_silenced():
-            prof.__exit__(None, None, None)
-
-
 def operator_table(prof: torch.profiler.profile, device: torch.device,
                    rows: int = TRACE_ROWS) -> str:
     """The profiled operators and kernels ranked by their own time: device time on CUDA (the
@@ -107,11 +83,7 @@ def write_step_trace(prof: torch.profiler.profile, directory: Path, rank: int, s
             write_atomic(json_path, tmp.read_bytes())
         finally:
             tmp.unlink(missing_ok=True)
-        out = io.StringIO()
-        out.write(header)
-        out.write(operator_table(prof, device))
-        out.write("\n")
-        write_atomic(table_path, out.getvalue())
+        write_atomic(table_path, header + operator_table(prof, device) + "\n")
     except OSError as exc:
         raise LaunchError(f"cannot write the trace of step {step} to {directory}: "
                           f"{exc.strerror or exc}",

@@ -73,8 +73,9 @@ def step_seconds(problem: StageProblem, params: Sequence[Param], rank: int,
     training = problem.training
     device = problem.cluster.device
     dispatch = step_dispatch_s(training, device)
-    optimized = [(p, step_seconds_of(p, training, device)) for p in params
-                 if sync_bytes(p, training)[0]]
+    # (0 for buffers and frozen parameters, which the step does not update)
+    optimized = [(p, seconds) for p in params
+                 if (seconds := step_seconds_of(p, training, device))]
     shape = problem.shape
     if levers.sharding == "none" or shape.replicas < 2 or not optimized:
         return sum(seconds + dispatch for _, seconds in optimized)
