@@ -28,6 +28,7 @@ Per rank, in order:
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -185,7 +186,18 @@ def _set_up(plan: Plan, layout: RankLayout, env: RankEnv, device: torch.device,
     return RankRun(plan=plan, options=options, device=device, rank=rank, replica=replica,
                    replicas=layout.replicas, stages=stages, tied=tied, loss_fn=loss_fn,
                    data=data, pending=pending, in_spec=in_spec, batched=batched, resume=resume,
-                   schedule=schedule, model_file=model_file, p2p=P2PTimer(device))
+                   schedule=schedule, model_file=model_file,
+                   p2p=P2PTimer(device, early_receives=_early_receives(plan)))
+
+
+def _early_receives(plan: Plan) -> bool:
+    """Whether this run posts each step's receives at its start (P2PTimer): on gloo, with one
+    stage per rank. The interleaved schedule receives activations and gradients from the same
+    peer in an order of its own, which early posts would have to reproduce exactly.
+    `PARTC_EARLY_RECEIVES=0` turns them off, to compare (docs/launch.md)."""
+    if os.environ.get("PARTC_EARLY_RECEIVES") == "0":
+        return False
+    return plan.cluster.backend == "gloo" and plan.training.shape.schedule != "interleaved-1f1b"
 
 
 def _data_source(model_file: ModelFile) -> str:
@@ -338,6 +350,8 @@ def _step(run: RankRun, step: int, memory_method: str, metrics: _MetricsRows,
             if local.grad_sync is not None:
                 local.grad_sync.reset()
         losses: list[torch.Tensor] | None = [] if run.loss_fn is not None else None
+        run.p2p.post_receives([local.pipe for local in run.stages if local.pipe is not None],
+                              run.plan.training.shape.num_microbatches)
         run.schedule.step(*args, target=target, losses=losses, return_outputs=False)
         for local in run.stages:
             if isinstance(local.grad_sync, GradientSharder):

@@ -9,8 +9,14 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.utils._pytree as pytree
-from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
 
 from partc.cost.torch_profiler import CPU_CLOCK
 from partc.emit.stage_graph import flatten_inputs
@@ -25,18 +31,32 @@ from partc.run.training import check_inputs, next_batch, split_batch
 
 
 class P2PTimer:
-    """The time this rank spends posting and waiting for the schedule's sends and receives.
+    """The time this rank spends posting and waiting for the schedule's sends and receives, and,
+    on gloo, the step's receives posted at its start.
 
     torch's schedules post every p2p batch with `schedules._batch_p2p` and wait with
     `schedules._wait_batch_p2p` (module functions, looked up at each call), and batch one rank's
     operations for several stages together, so the time is the rank's, not a stage's. `install`
     wraps the two functions of this process (a launch worker runs one schedule); on CUDA the
     device is synchronised before the clock is read after a wait, since NCCL's wait only orders
-    streams."""
+    streams.
 
-    def __init__(self, device: torch.device) -> None:
+    Early receives (`post_receives`, gloo and one stage per rank): torch posts a receive right
+    before the computation that needs it, and a gloo send moves its bytes only once the
+    receiver's "ready" notice has been handled on the sender's side. When it has not, the bytes
+    wait for the sender's gloo IO thread, which on a core whose other processes compute runs only
+    at the next scheduler tick (bench/gloo_spin.py, docs/benchmarks.md). Posted at the step's
+    start, every notice is there long before its send, and gloo writes the bytes from the
+    sending thread at once. The receive buffers are the stage's own (one per micro-batch, kept
+    across steps), so this allocates nothing; the schedule's later posts of the same receives
+    get the early ones' handles."""
+
+    def __init__(self, device: torch.device, early_receives: bool = False) -> None:
         self.device = device
+        self.early_receives = early_receives
         self.seconds = 0.0
+        self.early_taken = 0  # early receives the schedule has taken, over the run
+        self._early: dict[int, dist.Work] = {}  # id(receive buffer) -> its posted work
 
     def install(self) -> None:
         import torch.distributed.pipelining.schedules as schedules
@@ -44,10 +64,19 @@ class P2PTimer:
         post = getattr(schedules._batch_p2p, "__wrapped__", schedules._batch_p2p)
         wait = getattr(schedules._wait_batch_p2p, "__wrapped__", schedules._wait_batch_p2p)
 
-        def timed_post(*args: Any, **kwargs: Any) -> Any:
+        def timed_post(p2p_ops: list[dist.P2POp], desc: str | None = None) -> list[dist.Work]:
             start = time.perf_counter()
             try:
-                return post(*args, **kwargs)
+                early: list[dist.Work] = []
+                rest: list[dist.P2POp] = []
+                for op in p2p_ops:
+                    work = self._early.pop(id(op.tensor), None) if op.op is dist.irecv else None
+                    if work is None:
+                        rest.append(op)
+                    else:
+                        early.append(work)
+                self.early_taken += len(early)
+                return early + (post(rest, desc) if rest or not early else [])
             finally:
                 self.seconds += time.perf_counter() - start
 
@@ -62,6 +91,31 @@ class P2PTimer:
         timed_wait.__wrapped__ = wait  # type: ignore[attr-defined]
         schedules._batch_p2p = timed_post
         schedules._wait_batch_p2p = timed_wait
+
+    def post_receives(self, stages: Sequence[PipelineStage], microbatches: int) -> None:
+        """Post every receive of this step (forward inputs, then input gradients, in micro-batch
+        order: the order each peer sends them) before the schedule runs. A no-op until the
+        schedule has set its stages up (its first step)."""
+        if not self.early_receives:
+            return
+        if self._early:
+            raise LaunchError(f"{len(self._early)} early receives of the last step were never "
+                              "taken by the schedule", hint="report this as a partc bug")
+        ops: list[dist.P2POp] = []
+        for pipe in stages:
+            if len(pipe.args_recv_info) < microbatches:
+                return
+            ops += [op for i in range(microbatches) for op in pipe.get_fwd_recv_ops(i)]
+            if pipe.has_backward and not pipe.is_last:
+                if len(pipe.grad_recv_info) < microbatches:
+                    return
+                ops += [op for i in range(microbatches) for op in pipe.get_bwd_recv_ops(i)]
+        start = time.perf_counter()
+        for op in ops:
+            work = dist.irecv(op.tensor, group=op.group, tag=op.tag, group_src=op.group_peer)
+            if work is not None:  # None: this rank is not in the op's group (never, here)
+                self._early[id(op.tensor)] = work
+        self.seconds += time.perf_counter() - start
 
 
 class StageLoss:

@@ -7,9 +7,10 @@ to their own cores), what the simpler model of a send as its sender's busy time 
 
 - A gloo send is a rendezvous: its bytes move only once the receiver has posted the matching
   receive. A sender whose receiver posted 20 ms late waits 20.6 ms for 1 B and 26.9 ms for 16 MiB.
-- torch's schedules post a receive right before the compute that needs it, so the receiver
-  waits for the whole transfer, and `Schedule1F1B` waits on a stage's deferred send together
-  with its next receive: in steady state two neighbours meet at every exchange.
+- torch's schedules post a receive right before the compute that needs it; partc's runtime
+  posts a GPipe or 1F1B step's receives at its start (partc.run.schedule.P2PTimer), so the
+  transfer starts when its sender posts it. `Schedule1F1B` waits on a stage's deferred send
+  together with its next receive: in steady state two neighbours meet at every exchange.
 - Posting costs ~90 us; the copy runs on gloo's IO thread, on the pinned core of each side
   (a computation running meanwhile took 7.3 ms longer on the sender of a 16 MiB message,
   6.2 ms on its receiver), while the transfer itself took 7.9 ms (bench/gloo_p2p.py).
@@ -48,7 +49,8 @@ def programs(schedule: Schedule, orders: Sequence[Sequence[tuple[str, int, int]]
 
 
 def _single_program(schedule: Schedule, rank: int, s: int, m: int) -> list[Item]:
-    """ScheduleGPipe / Schedule1F1B `_step_microbatches` (torch 2.13) on rank `rank` = stage."""
+    """ScheduleGPipe / Schedule1F1B `_step_microbatches` (torch 2.13) on rank `rank` = stage,
+    with every receive of the step posted at its start, as partc's runtime does on gloo."""
     vm = s * m
     first, last = rank == 0, rank == s - 1
 
@@ -70,11 +72,17 @@ def _single_program(schedule: Schedule, rank: int, s: int, m: int) -> list[Item]
     def send_b(i: int) -> tuple[int, ...]:
         return () if first else (bwd(i),)
 
-    out: list[Item] = []
+    # partc's runtime posts the step's receives at its start (partc.run.schedule.P2PTimer) and
+    # hands them to the schedule's later posts of the same receives
+    early = tuple(k for i in range(m) for k in recv_f(i)) + \
+        tuple(k for i in range(m) for k in recv_b(i))
+    out: list[Item] = [(POST, early)] if early else []
 
     def exchange(keys: tuple[int, ...]) -> None:  # _wait_batch_p2p(_batch_p2p(keys))
+        sends = tuple(k for k in keys if k not in early)
+        if sends:
+            out.append((POST, sends))
         if keys:
-            out.append((POST, keys))
             out.append((WAIT, keys))
 
     def post(keys: tuple[int, ...]) -> tuple[int, ...]:
