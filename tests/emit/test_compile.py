@@ -335,6 +335,7 @@ def test_verify_rejects_a_bad_device(bert_plan: Path) -> None:
     assert proc.returncode == 2 and "device" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow  # default run under 15 min; `make test-slow` runs it
 def test_a_meta_cnn_compiles_verifies_and_checks(tmp_path: Path) -> None:
     """A Hugging Face CNN (ResNet) built on the meta device: convolution's meta kernel is Python,
     which torch.jit.trace cannot run on meta, so its stages are traced on CPU stand-ins; the stage

@@ -119,6 +119,7 @@ def test_check_names_added_modules_and_moves(plan_copy: Path, tmp_path: Path) ->
     assert "modules that change stage" in out  # two more layers: the boundary moves
 
 
+@pytest.mark.slow  # default run under 15 min; `make test-slow` runs it
 def test_check_re_solves_and_shows_what_moves(plan_copy: Path) -> None:
     """Same model, but the plan's recorded stage contents and predictions are not what the
     solver produces, and another partc build wrote it (as after a solver or cost-model change):
@@ -158,6 +159,7 @@ def test_check_when_memory_no_longer_fits(plan_copy: Path) -> None:
     assert "no plan fits any more" in proc.stdout
 
 
+@pytest.mark.slow  # default run under 15 min; `make test-slow` runs it
 def test_check_of_a_plan_with_a_profile(tmp_path: Path) -> None:
     """A plan priced by a profile (what the default compile measures on this machine, or a
     checked-in `--profile`: here the example plan's, so nothing is measured; measuring itself is
@@ -212,6 +214,7 @@ def test_check_missing_model_file(plan_copy: Path, tmp_path: Path) -> None:
 
 # ---- diff --------------------------------------------------------------------------------------
 
+@pytest.mark.slow  # default run under 15 min; `make test-slow` runs it
 def test_diff_of_two_plans(bert2: Path, tmp_path: Path) -> None:
     bert4 = compile_plan(tmp_path / "bert4", EXAMPLES / "bert.py", "-b", "8", "--stages", "4")
     proc = run("diff", str(bert2), str(bert4))

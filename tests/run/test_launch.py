@@ -278,6 +278,7 @@ def test_killed_rank_restarts_and_resumes_from_checkpoint(tmp_path: Path, layout
     assert len(list(ckpt.glob("step-*"))) <= 2  # --keep-checkpoints 2
 
 
+@pytest.mark.slow  # default run under 15 min; `make test-slow` runs it
 def test_resume_with_a_replanned_layout(tmp_path: Path) -> None:
     """Checkpoints are by parameter name: 3 steps on 2 stages, then 2 more on 2 x 2."""
     a = compile_plan(tmp_path, EXAMPLES / "transformer.py", 2, 1)

@@ -741,7 +741,7 @@ def test_a_received_attention_input_is_saved_as_a_copy_on_a_cpu(tmp_path: Path) 
     dropout, so on a CPU the memory model never takes a receive buffer for an attention's saved
     input (BERT cut between its query and key projections peaked 256 KiB above the model that
     did); on CUDA it does. Checked against torch's saved tensors."""
-    from partc.solve.memory import _first_saver, _saved_as_received
+    from partc.solve.memory import _first_saver, _kept_as_is
 
     hidden = torch.randn(2, 8, 64, requires_grad=True)  # as received: (batch, seq, heads * dim)
 
@@ -771,8 +771,8 @@ def test_a_received_attention_input_is_saved_as_a_copy_on_a_cpu(tmp_path: Path) 
     cpu = analytic_cost_table(graph, cpu_device())
     gpu = analytic_cost_table(graph, load_device("h100-80gb"))
     for bf16 in (False, True):
-        assert not _saved_as_received(cpu, query, attention.name, bf16)
-        assert _saved_as_received(gpu, query, attention.name, bf16)
+        assert not _kept_as_is(cpu, query, attention.name, bf16)
+        assert _kept_as_is(gpu, query, attention.name, bf16)
 
 _ATTENTION_LAYER = '''
 import torch
@@ -915,7 +915,7 @@ def test_a_received_float32_input_of_a_bf16_matrix_op_is_saved_as_a_copy(tmp_pat
     memory model must not take the buffer for the saved tensor (GPT-2's `params` stage 1 was
     1 MiB below its measured peak). Checked against torch's saved tensors; in float32 the op
     keeps the received tensor itself."""
-    from partc.solve.memory import _first_saver, _saved_as_received
+    from partc.solve.memory import _first_saver, _kept_as_is
 
     model = tmp_path / "float32_activation.py"
     model.write_text(_FLOAT32_ACTIVATION)
@@ -940,4 +940,78 @@ def test_a_received_float32_input_of_a_bf16_matrix_op_is_saved_as_a_copy(tmp_pat
                 layer(buffer)
         keeps_buffer = any(t.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
                            for t in kept)
-        assert _saved_as_received(table, received, saver, bf16) == keeps_buffer == (not bf16)
+        assert _kept_as_is(table, received, saver, bf16) == keeps_buffer == (not bf16)
+
+
+_SENT_FLOAT32 = '''import torch
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(64)
+        self.proj = torch.nn.Linear(64, 64)
+        self.head = torch.nn.Linear(64, 8)
+
+    def forward(self, x):
+        h = self.norm(x)  # float32 under autocast
+        return self.head(h + self.proj(h))
+
+
+def build_model():
+    return Net()
+
+
+def example_inputs(batch_size: int) -> tuple[torch.Tensor]:
+    return (torch.randn(batch_size, 64),)
+'''
+
+
+def test_a_sent_float32_output_a_bf16_projection_consumes_is_held_by_the_send(
+        tmp_path: Path) -> None:
+    """Cut after `proj`: stage 0 sends the normalised `h` (float32) and computes `proj` from it.
+    Under bf16-mixed `proj` keeps autocast's bfloat16 copy of `h` (torch's saved tensors say
+    so), so `h` itself is held only by the send, per micro-batch in flight: the stage's kept
+    outputs grow by exactly its float32 bytes over the model that took the copy for it (BERT's
+    bf16 `cpsat` stage 0 peaked 261,632 bytes above that). In float32 `proj` keeps `h` itself."""
+    from partc.solve.memory import _first_saver, _kept_as_is
+
+    model = tmp_path / "sent_float32.py"
+    model.write_text(_SENT_FLOAT32)
+    result = capture_graph(model, 4, onnx=False)
+    graph = result.graph
+    proj = next(n for n in graph.nodes if n.module == "proj")
+    h = proj.inputs[0]
+    assert _first_saver(graph, h) == proj.name
+    stage0 = [n.name for n in graph.nodes[:graph.nodes.index(proj) + 1]]
+    layer = torch.nn.Linear(64, 64)
+    comm = {}
+    for bf16 in (True, False):
+        precision = "bf16-mixed" if bf16 else "fp32"
+        table = analytic_cost_table(graph, cpu_device(), precision=precision,
+                                    saved=saved_activations(result.capture))
+        sent = torch.randn(4, 64, requires_grad=True)
+        kept: list[torch.Tensor] = []
+
+        def keep(t: torch.Tensor, kept: list[torch.Tensor] = kept) -> torch.Tensor:
+            kept.append(t)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                layer(sent)
+        keeps_it = any(t.untyped_storage().data_ptr() == sent.untyped_storage().data_ptr()
+                       for t in kept)
+        assert _kept_as_is(table, h, proj.name, bf16) == keeps_it == (not bf16)
+        comm[bf16] = stage_memory(table, stage0, microbatch_size=4, num_microbatches=4,
+                                  stage_index=0, num_stages=2,
+                                  config=TrainingConfig(precision=precision)).communication
+    # 2 micro-batches in flight on stage 0 of 2 (1F1B, M=4); h is 4 x 64 float32 either way,
+    # proj's output 4 x 64 in bfloat16 under bf16-mixed (its float32 size in fp32)
+    h_bytes, out_bytes = 4 * 64 * 4, 4 * 64 * 4
+    in_flight = 2
+    # fp32: kept = proj's output only; bf16: h (float32) and proj's output (bfloat16); the
+    # preallocated gradient buffers (M per sent tensor) and the sends of the last warm-up
+    # forward, which Schedule1F1B keeps to the end of the step, follow the same dtypes
+    assert comm[False] - comm[True] == in_flight * (out_bytes - out_bytes // 2 - h_bytes) \
+        + 4 * (out_bytes - out_bytes // 2) + (out_bytes - out_bytes // 2)
