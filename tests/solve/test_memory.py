@@ -928,19 +928,24 @@ def test_a_received_float32_input_of_a_bf16_matrix_op_is_saved_as_a_copy(tmp_pat
     table = analytic_cost_table(graph, cpu_device())
     layer = torch.nn.Linear(128, 64)
     for bf16 in (True, False):
-        buffer = torch.randn(4, 128, requires_grad=True)  # as received, in float32
-        kept: list[torch.Tensor] = []
-
-        def keep(t: torch.Tensor, kept: list[torch.Tensor] = kept) -> torch.Tensor:
-            kept.append(t)
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                layer(buffer)
-        keeps_buffer = any(t.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
-                           for t in kept)
+        keeps_buffer = _linear_keeps_its_input(layer, bf16)  # as received, in float32
         assert _kept_as_is(table, received, saver, bf16) == keeps_buffer == (not bf16)
+
+
+def _linear_keeps_its_input(layer: torch.nn.Linear, bf16: bool) -> bool:
+    """Whether `layer`, run on a float32 input (under bf16 autocast or not), keeps that input's
+    own storage among its saved tensors (torch's saved-tensor hooks), not a copy."""
+    x = torch.randn(4, layer.in_features, requires_grad=True)
+    kept: list[torch.Tensor] = []
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        kept.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            layer(x)
+    return any(t.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() for t in kept)
 
 
 _SENT_FLOAT32 = '''import torch
@@ -990,18 +995,7 @@ def test_a_sent_float32_output_a_bf16_projection_consumes_is_held_by_the_send(
         precision = "bf16-mixed" if bf16 else "fp32"
         table = analytic_cost_table(graph, cpu_device(), precision=precision,
                                     saved=saved_activations(result.capture))
-        sent = torch.randn(4, 64, requires_grad=True)
-        kept: list[torch.Tensor] = []
-
-        def keep(t: torch.Tensor, kept: list[torch.Tensor] = kept) -> torch.Tensor:
-            kept.append(t)
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                layer(sent)
-        keeps_it = any(t.untyped_storage().data_ptr() == sent.untyped_storage().data_ptr()
-                       for t in kept)
+        keeps_it = _linear_keeps_its_input(layer, bf16)  # h, as sent, in float32
         assert _kept_as_is(table, h, proj.name, bf16) == keeps_it == (not bf16)
         comm[bf16] = stage_memory(table, stage0, microbatch_size=4, num_microbatches=4,
                                   stage_index=0, num_stages=2,
