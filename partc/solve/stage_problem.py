@@ -219,8 +219,8 @@ class CrossingTensor:
     # and the stage before it (k - 1) pay when the tensor crosses it. Where sends are
     # asynchronous (NCCL) each pays for what it receives: the activation is `after`'s, the
     # gradient `before`'s. Where the processes copy the data themselves (gloo) both pay for
-    # both: a send is a rendezvous the receiver waits through, its bytes copied on both cores
-    # (partc.solve.host_p2p, as the simulator runs it).
+    # both: the receiver waits for the transfer, 1F1B's sender for its send, and the bytes are
+    # copied on both cores (partc.solve.host_p2p, as the simulator runs it).
     after: tuple[int, ...]
     before: tuple[int, ...]
     size: int  # memory units per micro-batch
