@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -35,13 +34,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from partc.hardware.local import free_port  # noqa: E402
+
 MODES = ("plain", "batch")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _worker(rank: int, world: int, port: int, mode: str, test: str, reps: int, out: str) -> None:
@@ -129,7 +124,7 @@ def measure(test: str, mode: str, reps: int) -> list[float]:
     try:
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "times.json")
-            mp.spawn(_worker, args=(world, _free_port(), mode, test, reps, out), nprocs=world,
+            mp.spawn(_worker, args=(world, free_port(), mode, test, reps, out), nprocs=world,
                      join=True)
             times: list[float] = json.loads(Path(out).read_text())
     finally:

@@ -16,7 +16,6 @@ import json
 import math
 import os
 import re
-import socket
 import statistics
 import tempfile
 import time
@@ -30,6 +29,7 @@ from partc.hardware.configs import list_clusters, load_cluster, load_device
 from partc.hardware.local import (
     batch_schedule_gloo_io,
     cpu_model,
+    free_port,
     physical_cores,
     pin_to_core,
     ram_bytes,
@@ -677,12 +677,6 @@ def measure_cuda(device: str = "cuda", seconds: float = 20.0,
 # --------------------------------------------------------------------------------------------
 # Links
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def link_from_pingpong(latency_s: float, big_s: float, nbytes: int) -> LinkSpec:
     """A link from one-way times: a tiny message's (the latency) and an `nbytes` one's."""
     bandwidth = nbytes / max(big_s - latency_s, 1e-12)
@@ -768,7 +762,7 @@ def _pingpong(backend: str, threads: int, small_reps: int, big_reps: int, nbytes
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "link.json")
-        mp.spawn(_pingpong_worker, args=(backend, _free_port(), threads, out, small_reps,
+        mp.spawn(_pingpong_worker, args=(backend, free_port(), threads, out, small_reps,
                                          big_reps, nbytes, allreduce), nprocs=2, join=True)
         found: dict[str, float] = json.loads(Path(out).read_text())
     return found

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterator
@@ -215,6 +216,13 @@ def batch_schedule_gloo_io() -> int:
         except OSError:  # a thread that ended meanwhile, or a system that forbids it
             continue
     return moved
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 free right now (for a local process group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def ram_bytes() -> int:

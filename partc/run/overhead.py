@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import tempfile
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ import torch
 from partc.cost.torch_profiler import denormals_flushed
 from partc.errors import PartcError
 from partc.hardware.calibration import CalibrationResult
+from partc.hardware.local import free_port
 
 WIDTH = 64  # features of the small stage's layers
 MICROBATCH = 32  # samples per micro-batch
@@ -67,7 +67,7 @@ def measure_microbatch_overhead(device: str = "cpu") -> PipelineOverhead:
     with tempfile.TemporaryDirectory(prefix="partc-overhead-") as tmp:
         out = os.path.join(tmp, "overhead.json")
         try:
-            mp.spawn(_worker, args=(kind, _free_port(), out), nprocs=2, join=True)
+            mp.spawn(_worker, args=(kind, free_port(), out), nprocs=2, join=True)
         except Exception as exc:  # a worker's failure: one line
             raise OverheadError(f"the pipeline overhead measurement failed: "
                                 f"{str(exc).strip().splitlines()[-1]}",
@@ -77,12 +77,6 @@ def measure_microbatch_overhead(device: str = "cpu") -> PipelineOverhead:
     bwd = (found["0"]["backward_s"], found["1"]["backward_s"])
     return PipelineOverhead(microbatch_overhead_s=statistics.mean([*fwd, *bwd]),
                             forward_s=fwd, backward_s=bwd)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _stage_module(seed: int) -> torch.jit.ScriptModule:

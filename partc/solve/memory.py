@@ -747,11 +747,11 @@ def stage_memory(table: CostTable, nodes: Collection[str], *, microbatch_size: i
     float_outputs = list(dict.fromkeys(
         o.tensor for o in graph.outputs if graph.tensor(o.tensor).dtype in FLOATING_DTYPES)) \
         if bf16 and last_rank else []
-    def saved_inside(t: str) -> bool:  # kept as is by a node of the stage, for its backward
+    def keeper(t: str) -> str | None:  # the node of the stage keeping t as is for backward
         saver = _first_saver(graph, t)
-        return saver in inside and _kept_as_is(table, t, saver, bf16)
+        return saver if saver in inside and _kept_as_is(table, t, saver, bf16) else None
 
-    kept = [t for t in sends if t not in float_outputs and (ckpt or not saved_inside(t))]
+    kept = [t for t in sends if t not in float_outputs and (ckpt or keeper(t) is None)]
     kept_bytes = sum(size(t) for t in kept) \
         + sum(_float32_bytes(table, t, m) for t in float_outputs)
     communication += in_flight * kept_bytes / chunks
@@ -765,7 +765,7 @@ def stage_memory(table: CostTable, nodes: Collection[str], *, microbatch_size: i
 
     # -- activations -------------------------------------------------------------------------------
     # Received tensors the stage saves for backward are the receive buffers above: not twice.
-    resaved = sum(size(t) for t in receives if saved_inside(t))
+    resaved = sum(size(t) for t in receives if keeper(t) is not None)
     saved = max(0.0, _saved_bytes(table, nodes, m) - resaved)
     # A stage that produces graph outputs computes the loss: cross-entropy keeps the log-softmax of
     # the logits, MSE the difference, i.e. one fp32 copy of the floating outputs per micro-batch.
@@ -778,7 +778,7 @@ def stage_memory(table: CostTable, nodes: Collection[str], *, microbatch_size: i
         # saves (the logits of an LM head), beside the kept originals until it ends: measured on
         # the transformer example's last stage, 2 MiB of logits twice at its peak.
         per_microbatch = loss / chunks
-        remade = sum(size(t) for t in sends if not saved_inside(t))
+        remade = sum(size(t) for t in sends if keeper(t) is None)
         recompute = (saved + remade) / chunks
     else:
         per_microbatch = (saved + loss) / chunks
@@ -807,9 +807,7 @@ def stage_memory(table: CostTable, nodes: Collection[str], *, microbatch_size: i
     # checkpointing, before the recompute brings them back.
     pinned: dict[str, float] = {}  # saved outputs that stay referenced through the backward
     for t in sends:
-        if saved_inside(t) and not ckpt:
-            saver = _first_saver(graph, t)
-            assert saver is not None
+        if (saver := keeper(t)) is not None and not ckpt:
             pinned[saver] = pinned.get(saver, 0.0) + size(t)
     preallocated = {t for t in to_stages if t in requires}
     through_nodes = _backward_transient(table, nodes, m, bf16, requires, pinned,

@@ -4,7 +4,6 @@ process groups, real PipelineStages and torch's own ScheduleGPipe / Schedule1F1B
 (the middle one receives activations from one neighbour and gradients from the other)."""
 from __future__ import annotations
 
-import socket
 from typing import Any
 
 import pytest
@@ -13,15 +12,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+from partc.hardware.local import free_port
 from partc.run.schedule import P2PTimer
 
 RANKS, MICROBATCHES, STEPS = 3, 4, 3
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _train(rank: int, schedule_cls: Any, timer: P2PTimer) -> list[torch.Tensor]:
@@ -71,7 +65,7 @@ def _rank(rank: int, port: int, results: Any) -> None:
 def outcomes() -> dict[int, dict[str, tuple[bool, int, int]]]:
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank, args=(rank, port, results)) for rank in range(RANKS)]
     for p in procs:
         p.start()
