@@ -60,6 +60,7 @@ from partc.cost.torch_profiler import (
     CPU_CLOCK_NAME,
     WALL_CLOCK,
     Clock,
+    LossCost,
     TorchTiming,
     denormals_flushed,
     flat_inputs,
@@ -212,7 +213,7 @@ class _Measurement:
     torch: TorchTiming
     ort: OrtTiming | None
     saved: dict[str, int]
-    loss_s: tuple[float, float]  # the loss function's (forward, backward)
+    loss: LossCost  # the loss function's times and saved bytes
     batch_bytes: int = 0  # one batch of batch_size samples as batches() yields it
     gemm_scratch: int = 0  # partc.cost.activations.gemm_scratch_bytes
 
@@ -242,7 +243,7 @@ def _measure(result: CaptureResult, b: int, device: torch.device, use_ort: bool,
                                 runs=max(3, options.runs // 2), precision=options.precision,
                                 clock=clock)
         with progress.step(f"torch: the loss function at batch {b}"):
-            loss_s, batch_bytes = _time_loss(cap.model_file, module, inputs, b, device, options,
+            loss, batch_bytes = _time_loss(cap.model_file, module, inputs, b, device, options,
                                              clock)
         gemm_scratch = gemm_scratch_bytes(module, inputs, device, options.precision)
     ort_timing = None
@@ -272,13 +273,13 @@ def _measure(result: CaptureResult, b: int, device: torch.device, use_ort: bool,
                 del feeds
     del module, inputs
     gc.collect()
-    return _Measurement(batch_size=b, torch=timing, ort=ort_timing, saved=saved, loss_s=loss_s,
+    return _Measurement(batch_size=b, torch=timing, ort=ort_timing, saved=saved, loss=loss,
                         batch_bytes=batch_bytes, gemm_scratch=gemm_scratch)
 
 
 def _time_loss(model_file: ModelFile, module: torch.fx.GraphModule, inputs: Inputs, b: int,
                device: torch.device, options: ProfileOptions, clock: Clock = WALL_CLOCK
-               ) -> tuple[tuple[float, float], int]:
+               ) -> tuple[LossCost, int]:
     """The model file's loss function timed on the program's outputs at batch b, with the
     target of its first batch of b samples (`ModelFile.data`, synthetic without batches()); and
     the bytes of that batch, inputs and target, as the model file yields it."""
@@ -428,8 +429,8 @@ def combine(graph: OpGraph, measurements: list[_Measurement], device: torch.devi
         validation[str(m.batch_size)] = {
             "torch_forward_s": _r(t.model_forward_s),
             "torch_backward_s": _r(t.model_backward_s),
-            "loss_forward_s": _r(m.loss_s[0]),
-            "loss_backward_s": _r(m.loss_s[1]),
+            "loss_forward_s": _r(m.loss.forward_s),
+            "loss_backward_s": _r(m.loss.backward_s),
             "ort_forward_s": _r(m.ort.model_run_s) if m.ort is not None else None,
             "ort_kernels_s": _r(sum(m.ort.node_forward_s.values()) + m.ort.unmapped_s)
             if m.ort is not None else None,
@@ -440,9 +441,10 @@ def combine(graph: OpGraph, measurements: list[_Measurement], device: torch.devi
         nodes[n] = NodeCost(forward=Curve.measured(p["forward"]),
                             backward=Curve.measured(p["backward"]),
                             saved=Curve.measured(p["saved"]), method=method.get(n, "none"))
-    loss = NodeCost(forward=Curve.measured([(m.batch_size, m.loss_s[0]) for m in measurements]),
-                    backward=Curve.measured([(m.batch_size, m.loss_s[1]) for m in measurements]),
-                    saved=Curve.measured([(m.batch_size, 0.0) for m in measurements]),
+    loss = NodeCost(
+        forward=Curve.measured([(m.batch_size, m.loss.forward_s) for m in measurements]),
+        backward=Curve.measured([(m.batch_size, m.loss.backward_s) for m in measurements]),
+        saved=Curve.measured([(m.batch_size, float(m.loss.saved_bytes)) for m in measurements]),
                     method="torch")
     batch_bytes = Curve.measured([(m.batch_size, float(m.batch_bytes)) for m in measurements])
     provider = next((m.ort.provider for m in measurements if m.ort is not None), "")

@@ -18,7 +18,6 @@ from partc.cost.autocast import (
 from partc.cost.op_classes import FREE_KINDS, op_class
 from partc.cost.table import (
     NO_COST,
-    ZERO,
     CostSource,
     CostTable,
     Curve,
@@ -181,8 +180,9 @@ LOSS_OPERATORS = 2
 
 def analytic_loss(graph: OpGraph, device: DeviceSpec) -> NodeCost:
     """The loss function's forward and backward on `device` as bandwidth over the model's
-    floating outputs (see LOSS_PASSES). What it keeps for its backward is the memory model's
-    (partc.solve.memory: the loss's tensors on the last stage), not a saved-bytes line here."""
+    floating outputs (see LOSS_PASSES), keeping one fp32 copy of them for its backward
+    (cross-entropy's log-probabilities, MSE's difference). A measured profile runs the model
+    file's own loss function instead (`partc.cost.torch_profiler.time_loss`)."""
     fixed = per_sample = 0.0
     for out in graph.outputs:
         spec = graph.tensor(out.tensor)
@@ -205,7 +205,8 @@ def analytic_loss(graph: OpGraph, device: DeviceSpec) -> NodeCost:
     else:
         forward = Linear(host + fixed * passes, per_sample * passes)
         backward = Linear(back + fixed * passes, per_sample * passes)
-    return NodeCost(forward.curve(), backward.curve(), ZERO, "analytic")
+    return NodeCost(forward.curve(), backward.curve(), Linear(fixed, per_sample).curve(),
+                    "analytic")
 
 
 def _saved_under(precision: Precision, fp32: Linear, node: OpNode, graph: OpGraph,

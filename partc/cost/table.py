@@ -37,7 +37,8 @@ from partc.options import Precision
 
 PROFILE_FORMAT = "partc-profile"
 # 2: the loss function's costs (`loss`), and measurements pinned to a core
-PROFILE_VERSION = 2
+# 3: the loss function's saved bytes measured (version 2 wrote 0)
+PROFILE_VERSION = 3
 
 
 class ProfileFileError(PartcError):

@@ -375,24 +375,41 @@ def time_model(module: torch.nn.Module, inputs: Inputs, device: torch.device,
     return statistics.median(fwd), statistics.median(bwd)
 
 
+@dataclass(frozen=True)
+class LossCost:
+    """The model file's loss function on one micro-batch (`time_loss`)."""
+
+    forward_s: float  # median
+    backward_s: float  # median
+    # what its autograd graph keeps between its forward and backward, beyond its own inputs (the
+    # model's outputs as handed to it, and the target), which the runtime holds anyway:
+    # cross-entropy's log-probabilities, a copy the function makes of a non-contiguous target
+    saved_bytes: int
+
+
 def time_loss(module: torch.fx.GraphModule, inputs: Inputs, loss_fn: Callable[[Any, Any], Any],
               target: Any, device: torch.device, warmup: int = 2, runs: int = 5,
-              precision: Precision = "fp32", clock: Clock = WALL_CLOCK) -> tuple[float, float]:
+              precision: Precision = "fp32", clock: Clock = WALL_CLOCK) -> LossCost:
     """Median (forward, backward) time (`clock`, as time_model's) of the loss function alone, as
     launch's last stage runs it: on the model's outputs (computed under `precision_autocast`,
     floating ones in fp32 as the last stage hands them over), outside autocast, its backward ending
-    at the outputs' gradients. `target` is one batch's target at the inputs' batch size, on
+    at the outputs' gradients; and the bytes it saves for its backward (one more, untimed pass
+    under saved-tensor hooks). `target` is one batch's target at the inputs' batch size, on
     `device`."""
     args, kwargs = inputs
     with torch.no_grad(), precision_autocast(precision, device.type):
         out = module(*args, **kwargs)
     flat, spec = pytree.tree_flatten(out)
+
+    def handed_over() -> tuple[Any, list[Any]]:
+        leaves = [t.detach().float().requires_grad_(True)
+                  if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in flat]
+        return pytree.tree_unflatten(leaves, spec), leaves
+
     fwd: list[float] = []
     bwd: list[float] = []
     for i in range(warmup + runs):
-        leaves = [t.detach().float().requires_grad_(True)
-                  if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in flat]
-        outputs = pytree.tree_unflatten(leaves, spec)
+        outputs, leaves = handed_over()
         _sync(device)
         t0 = clock()
         loss = loss_fn(outputs, target)
@@ -406,7 +423,24 @@ def time_loss(module: torch.fx.GraphModule, inputs: Inputs, loss_fn: Callable[[A
         if i >= warmup:
             fwd.append(t1 - t0)
             bwd.append(t2 - t1)
-    return statistics.median(fwd), statistics.median(bwd)
+    outputs, leaves = handed_over()
+    held = {t.untyped_storage()._cdata
+            for t in pytree.tree_leaves((leaves, target)) if isinstance(t, torch.Tensor)}
+    saved: dict[int, int] = {}
+    keep: list[torch.Tensor] = []  # alive until counted, so no storage key is reused
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = t.untyped_storage()._cdata
+        if key not in held:
+            saved[key] = t.untyped_storage().nbytes()
+            keep.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = loss_fn(outputs, target)
+    del loss, outputs, leaves
+    keep.clear()
+    return LossCost(statistics.median(fwd), statistics.median(bwd), sum(saved.values()))
 
 
 def _event_time_us(event: Any, device: torch.device) -> float:

@@ -767,10 +767,13 @@ def stage_memory(table: CostTable, nodes: Collection[str], *, microbatch_size: i
     # Received tensors the stage saves for backward are the receive buffers above: not twice.
     resaved = sum(size(t) for t in receives if keeper(t) is not None)
     saved = max(0.0, _saved_bytes(table, nodes, m) - resaved)
-    # A stage that produces graph outputs computes the loss: cross-entropy keeps the log-softmax of
-    # the logits, MSE the difference, i.e. one fp32 copy of the floating outputs per micro-batch.
-    loss = sum(table.tensor_bytes(t, m) for t in sends
-               if t in graph_outputs and graph.tensor(t).dtype in FLOATING_DTYPES)
+    # A stage that produces graph outputs computes the loss, which keeps what its autograd graph
+    # saves per micro-batch (`CostTable.loss`: measured on the model file's loss function, e.g.
+    # cross-entropy's log-probabilities and a copy of a non-contiguous target; analytic, one fp32
+    # copy of the floating outputs). Its backward makes gradients the size of the fp32 outputs.
+    outputs_fp32 = sum(_float32_bytes(table, t, m) for t in sends
+                       if t in graph_outputs and graph.tensor(t).dtype in FLOATING_DTYPES)
+    loss = table.loss.saved.at(m) if outputs_fp32 else 0.0
     if ckpt:
         # Checkpointing keeps the stage inputs, which are the receive buffers above, and recomputes
         # one micro-batch's activations at a time. The recompute runs the whole forward again
@@ -812,7 +815,7 @@ def stage_memory(table: CostTable, nodes: Collection[str], *, microbatch_size: i
     preallocated = {t for t in to_stages if t in requires}
     through_nodes = _backward_transient(table, nodes, m, bf16, requires, pinned,
                                         preallocated, threads=threads)[0] - loss
-    through_loss = 2.0 * loss - (recompute if ckpt else 0.0)
+    through_loss = 2.0 * outputs_fp32 - (recompute if ckpt else 0.0)
     communication = _ceil(communication + host_data)
     if gradients_resident or chunks > 1:
         # The optimizer step runs after the last backward, when activations are gone.

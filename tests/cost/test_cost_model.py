@@ -256,7 +256,7 @@ def test_combine_splits_torch_totals_by_onnxruntime_shares(capture_example) -> N
     """The arithmetic of joining the measurements, on hand-made timings of a real graph."""
     from partc.cost.measured import _Measurement, combine
     from partc.cost.ort_profiler import OrtTiming
-    from partc.cost.torch_profiler import TorchTiming
+    from partc.cost.torch_profiler import LossCost, TorchTiming
 
     graph = capture_example("mlp").graph
     linears = [n.name for n in graph.nodes if n.kind == "linear"]
@@ -274,7 +274,8 @@ def test_combine_splits_torch_totals_by_onnxruntime_shares(capture_example) -> N
                           node_forward_s={**{n: 2.0 for n in linears}, **{n: 1.0 for n in relus}},
                           unmapped_s=0.0, runs=1)
         measurements.append(_Measurement(batch_size=b, torch=torch_t, ort=ort_t,
-                                         saved={linears[0]: 100 * b}, loss_s=(0.0, 0.0)))
+                                         saved={linears[0]: 100 * b},
+                                         loss=LossCost(0.0, 0.0, 0)))
     table = combine(graph, measurements, torch.device("cpu"), ProfileOptions(), use_ort=True)
     assert table.source.calibration["backward_ratios"] == {"linear": 2.0, "relu": 1.0}
     for b in (2, 4):

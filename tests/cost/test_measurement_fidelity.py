@@ -18,6 +18,7 @@ from partc.cost.torch_profiler import (
     inputs_on,
     program_module,
     script_program,
+    time_loss,
     time_nodes,
     to_device,
 )
@@ -66,6 +67,12 @@ def test_the_loss_is_measured_and_paid_by_the_last_stage() -> None:
     assert first == (overhead, overhead)
     assert last == pytest.approx((overhead + table.loss.forward.at(4),
                                   overhead + table.loss.backward.at(4)))
+    # what it keeps for its backward, measured: the log-probabilities of every token, and the
+    # copy of the target slice (seq[:, 1:]) that loss_fn's reshape makes, plus nll's total weight
+    logits = result.graph.tensor(result.graph.outputs[0].tensor)
+    for b in (2, 16):
+        log_probs = table.tensor_bytes(logits.name, b)
+        assert table.loss.saved.at(b) == log_probs + log_probs // logits.shape[-1] * 2 + 4
     # the profile file keeps it
     assert table.to_dict()["loss"][0] == "torch"
 
@@ -93,3 +100,33 @@ def test_compile_measures_the_micro_batch_size_its_plan_runs(tmp_path: Path) -> 
     assert plan.microbatch_size == 512
     assert profile["batch_sizes"] == [2, 64, 512]
 
+
+
+@pytest.mark.parametrize("case", ["strided target", "contiguous target", "mse"])
+def test_the_loss_saves_what_its_autograd_graph_keeps(case: str) -> None:
+    # Beyond its own inputs (the outputs as the last stage hands them over, the target), which
+    # the runtime holds anyway: cross-entropy keeps its log-probabilities and the 0-dim total
+    # weight, and nll_loss a copy of a target the loss function reshapes out of a slice (GPT-2's
+    # seq[:, 1:], one per micro-batch awaiting backward under GPipe); MSE keeps nothing more.
+    vocab, b, s = 10, 4, 6
+    head = torch.nn.Linear(8, vocab)
+    inputs = ((torch.randn(b, s, 8),), {})
+    seq = torch.randint(0, vocab, (b, s + 1))
+    if case == "mse":
+        target: torch.Tensor = torch.randn(b, s, vocab)
+        loss_fn = torch.nn.functional.mse_loss
+        expected = 0
+    else:
+        target = seq[:, 1:] if case == "strided target" else seq[:, 1:].contiguous()
+
+        def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.cross_entropy(out.reshape(-1, vocab), y.reshape(-1))
+
+        expected = b * s * vocab * 4 + 4 + (b * s * 8 if case == "strided target" else 0)
+    cost = time_loss(head, inputs, loss_fn, target, CPU, warmup=0, runs=1)  # type: ignore[arg-type]
+    assert cost.saved_bytes == expected
+    assert cost.forward_s > 0 and cost.backward_s > 0
+    # under bf16-mixed the loss runs on float32 copies of the bf16 outputs: the same bytes
+    bf16 = time_loss(head, inputs, loss_fn, target, CPU, warmup=0, runs=1,  # type: ignore[arg-type]
+                     precision="bf16-mixed")
+    assert bf16.saved_bytes == expected

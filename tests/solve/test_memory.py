@@ -25,7 +25,7 @@ import torch  # noqa: E402
 
 from partc.cost.activations import saved_activations, storage_bytes  # noqa: E402
 from partc.cost.roofline import analytic_cost_table  # noqa: E402
-from partc.cost.table import CostTable  # noqa: E402
+from partc.cost.table import CostTable, Curve  # noqa: E402
 from partc.errors import MemoryConfigError  # noqa: E402
 from partc.frontend.capture import CaptureResult, capture_graph  # noqa: E402
 from partc.graph.opgraph import GraphOutput, OpGraph, OpNode, Param, TensorSpec  # noqa: E402
@@ -133,6 +133,25 @@ def test_gpipe_activations_grow_with_micro_batches() -> None:
     assert logits > 0
     assert ckpt.recompute == pytest.approx(table.sum_saved_bytes(nodes, 8) - ids + logits, abs=1)
     assert ckpt.activations + ckpt.recompute < three.activations / 2
+
+
+def test_the_last_stage_keeps_what_the_loss_function_saves() -> None:
+    # GPipe keeps the loss's saved tensors of every micro-batch awaiting its backward on the last
+    # stage: the table's loss.saved (measured on the model file's loss function; analytic, one
+    # fp32 copy of the logits), nothing on the others.
+    result, table = captured("gpt2")
+    nodes = [n.name for n in result.graph.nodes]
+    logits = sum(table.tensor_bytes(o.tensor, 8) for o in result.graph.outputs)
+    assert table.loss.saved.at(8) == pytest.approx(logits)
+    # GPT-2's loss_fn reshapes the target slice seq[:, 1:]: nll_loss keeps that copy too
+    measured = replace(table, loss=replace(table.loss, saved=Curve.line(4.0, (logits + 1024) / 8)))
+    config = TrainingConfig(schedule="gpipe")
+    for index, stage in enumerate((nodes[:len(nodes) // 2], nodes[len(nodes) // 2:])):
+        analytic, real = (stage_memory(t, stage, microbatch_size=8, num_microbatches=3,
+                                       stage_index=index, num_stages=2, config=config)
+                          for t in (table, measured))
+        grown = 3 * (1024 + 4) if index == 1 else 0
+        assert real.activations - analytic.activations == pytest.approx(grown, abs=3)
 
 
 def test_bf16_saved_bytes_match_saved_tensors_under_autocast() -> None:
@@ -441,11 +460,13 @@ def test_communication_of_a_middle_stage() -> None:
 
 
 def _uniform_table(graph: OpGraph) -> CostTable:
-    """Every node saves 32 bytes per sample: only the graph's shapes matter."""
+    """Every node saves 32 bytes per sample: only the graph's shapes matter. The loss is the
+    roofline's (it keeps one fp32 copy of the outputs)."""
     from partc.cost.table import Curve, NodeCost
 
     zero = Curve.line(0.0, 0.0)
-    return CostTable(graph=graph, source=analytic_cost_table(graph, cpu_device()).source,
+    analytic = analytic_cost_table(graph, cpu_device())
+    return CostTable(graph=graph, source=analytic.source, loss=analytic.loss,
                      nodes={n.name: NodeCost(zero, zero, Curve.line(0.0, 32.0), "analytic")
                             for n in graph.nodes})
 
