@@ -114,6 +114,8 @@ class Plan:
     # per repeat: the stages' measured forward + backward work over the predicted (wall times;
     # CPU times where processes share cores): the stage-cost model's part of the gap
     work_ratio: list[float] = field(default_factory=list)
+    # per repeat, per stage: the same ratio stage by stage (where a cut's error sits)
+    stage_work: list[list[float]] = field(default_factory=list)
 
 
 def last_line(text: str) -> str:
@@ -180,6 +182,8 @@ def launch(plan: Plan, steps: int) -> None:
     if len(work) == len(stages):
         predicted = sum(st.forward_s + st.backward_s for st in loaded.stages)
         plan.work_ratio.append(sum(fwd + bwd for fwd, bwd, _ in work) / predicted)
+        plan.stage_work.append([(fwd + bwd) / (st.forward_s + st.backward_s)
+                                for (fwd, bwd, _), st in zip(work, loaded.stages, strict=True)])
     peaks = [st for st in run.steps if st.memory_method != MEMORY_NONE]
     if peaks:
         plan.peaks.append([int(sm.peak_memory_bytes or 0) for sm in peaks[-1].stages])
@@ -345,6 +349,7 @@ def main() -> None:
                    "measured_peak_bytes": m.peaks,
                    "replayed_steps_s": list(m.replayed_s),
                    "stage_work_ratio": list(m.work_ratio),
+                   "per_stage_work_ratio": list(m.stage_work),
                    "same_plan_as": plan.same_as, "error": error,
                    "compile_s": plan.compile_s, "launch_s": list(plan.launch_s)}
             rows.append(row)
@@ -402,8 +407,9 @@ def main() -> None:
           "model's errors drop out; and those errors: the stages' measured forward + backward "
           "work over the predicted.\n")
     print("| model | processes | strategy | measured ms/iter | replayed ms/iter "
-          "| measured/replayed (per repeat) | stage work measured/predicted |")
-    print("|---|---|---|---|---|---|---|")
+          "| measured/replayed (per repeat) | stage work measured/predicted "
+          "| per stage (median) |")
+    print("|---|---|---|---|---|---|---|---|")
     for (model, n), plans in cases.items():
         for strategy, plan in plans.items():
             if plan.error or plan.same_as or not plan.replayed_s:
@@ -411,9 +417,12 @@ def main() -> None:
             each = [a / b for a, b in zip(plan.steps_s, plan.replayed_s, strict=True)]
             work = (f"{statistics.median(plan.work_ratio):.3f} ({min(plan.work_ratio):.3f}-"
                     f"{max(plan.work_ratio):.3f})" if plan.work_ratio else "-")
+            per_stage = " ".join(f"{statistics.median(r):.2f}"
+                                 for r in zip(*plan.stage_work, strict=True)) or "-"
             print(f"| {model} | {n} | {strategy} | {statistics.median(plan.steps_s) * 1e3:.1f} "
                   f"| {statistics.median(plan.replayed_s) * 1e3:.1f} "
-                  f"| {statistics.median(each):.3f} ({min(each):.3f}-{max(each):.3f}) | {work} |")
+                  f"| {statistics.median(each):.3f} ({min(each):.3f}-{max(each):.3f}) | {work} "
+                  f"| {per_stage} |")
 
     # the bound is "never below" in bytes: the ratio's rounding hides a few KB, so each stage's
     # margin is also given exactly, against the highest peak any repeat measured
