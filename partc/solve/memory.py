@@ -796,8 +796,13 @@ def stage_memory(table: CostTable, nodes: Collection[str], *, microbatch_size: i
     # (a relayed tensor's gradient is sent back too: autograd copies the received one into the
     # input's .grad, since the receive buffer is still referenced)
     input_grads += sum(size(t) for t in relayed if t in requires and t not in consumed)
+    # What a micro-batch whose backward is done still holds: its input gradients (above), and under
+    # GPipe the outputs it sent that the stage saved (counted among its activations until then):
+    # ScheduleGPipe keeps every forward send's work, and so its tensor, to the step's end.
+    finished = input_grads
     if config.schedule == "gpipe":
-        communication += (M - 1) * max(0.0, input_grads - per_microbatch)
+        finished += sum(size(t) for t in to_stages if not ckpt and keeper(t) is not None)
+        communication += (M - 1) * max(0.0, finished - per_microbatch)
     elif M > in_flight:
         communication += input_grads
     else:
@@ -844,9 +849,18 @@ def stage_memory(table: CostTable, nodes: Collection[str], *, microbatch_size: i
     later_recompute = recompute if M > 1 else 0.0
     later_ws = max(through_nodes if M > 1 else 0.0, through_loss if M > 1 else 0.0,
                    step_temps - later - later_recompute)
+    # From the second backward on, what the finished micro-batches hold (`finished`) is still there
+    # where no forward comes between two backwards (GPipe; 1F1B with M <= in-flight): the
+    # communication term counts it only beyond the activations it replaces (the step's end), so
+    # the second backward, with one finished and M - 1 micro-batches' activations, adds the rest.
+    # Measured: GPT-2's second stage at 4 processes (GPipe, M = 8), its input gradient (524,288 B);
+    # the MLP's first of 2 (tests/solve/test_memory.py), its sent ReLU output.
+    later_comm = communication
+    if M > 1 and (config.schedule == "gpipe" or (config.schedule == "1f1b" and M <= in_flight)):
+        later_comm += _ceil(min(finished, per_microbatch))
     phases.append(StageMemory(parameters=weights, gradients=grads, optimizer_state=state,
                               activations=_ceil(later), recompute=_ceil(later_recompute),
-                              communication=communication, workspace=_ceil(later_ws)))
+                              communication=later_comm, workspace=_ceil(later_ws)))
     return max(phases, key=lambda phase: phase.total)
 
 

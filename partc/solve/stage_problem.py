@@ -311,8 +311,10 @@ class StageProblem:
         in_flight = [in_flight_microbatches(shape.schedule, d, S, M, shape.chunks)
                      for d in range(S)]
         outputs = {o.tensor for o in graph.outputs}
-        loss = units.memory(sum(table.tensor_bytes(t, m) for t in outputs
-                                if graph.tensor(t).dtype in FLOATING_DTYPES))
+        # what the loss function keeps for its backward (partc.solve.memory's loss term)
+        loss = units.memory(table.loss.saved.at(m)
+                            if any(graph.tensor(t).dtype in FLOATING_DTYPES for t in outputs)
+                            else 0.0)
         inputs = units.memory(M * sum(table.tensor_bytes(t.name, m) for t in graph.inputs))
         host = host_data_bytes(table, cluster.device.kind, shape.global_batch_size, m, M, S,
                                num_stages=S * shape.chunks, processes=S * shape.replicas)
