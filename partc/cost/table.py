@@ -540,7 +540,8 @@ def format_cost_summary(table: CostTable, top: int = 8) -> str:
         f"{k} {100 * v / total:.0f}%" for k, v in ranked if v > 0))
     if table.loss.method != "none":
         lines.append(f"loss function at micro-batch {b} (on the last stage): forward "
-                     f"{_ms(table.loss.forward.at(b))}, backward {_ms(table.loss.backward.at(b))}")
+                     f"{_ms(table.loss.forward.at(b))}, backward {_ms(table.loss.backward.at(b))}, "
+                     f"keeps {human_bytes(int(table.loss.saved.at(b)))} for its backward")
     measured = src.calibration.get("measured") or {}
     for size, m in sorted(measured.items(), key=lambda kv: int(kv[0])):
         if m.get("ort_forward_s") is not None:
