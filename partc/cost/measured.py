@@ -14,8 +14,10 @@ up to T_f(b). Backward: per op kind, ratio r_k = sum(torch bwd) / sum(torch fwd)
 that kind that have a backward; a node's backward is its forward x r_k ("torch"-priced nodes keep
 their own torch backward share), scaled per batch size so that the sum is T_b(b) (this spreads
 AccumulateGrad and the autograd engine's own time). Nodes without a backward get 0.
-Each node's forward, backward and saved bytes are then a `Curve` through its values at the
-profiled sizes.
+Repeated operators (the same operator at the same place of repeated blocks, on the same shapes:
+partc.cost.repeats) get their group's mean forward and backward at each size, so the solver does
+not cut where one node's timing noise happens to make a stage cheap. Each node's forward,
+backward and saved bytes are then a `Curve` through its values at the profiled sizes.
 
 When the model has no ONNX export (or `method="torch"`, or `auto` on a device onnxruntime has no
 execution provider for, or a bf16-mixed precision, which onnxruntime cannot autocast), every node is
@@ -54,6 +56,7 @@ from partc.cost.ort_profiler import (
     onnx_feeds,
     time_onnx,
 )
+from partc.cost.repeats import pooled, repeated_nodes
 from partc.cost.table import CostSource, CostTable, Curve, NodeCost, needs_backward
 from partc.cost.torch_profiler import (
     CPU_CLOCK,
@@ -388,6 +391,7 @@ def combine(graph: OpGraph, measurements: list[_Measurement], device: torch.devi
                 kind_bwd[kinds[n]] = (kind_bwd.get(kinds[n], 0.0)
                                       + m.torch.node_backward_s.get(n, 0.0))
     ratios = {k: kind_bwd[k] / kind_fwd[k] for k in sorted(kind_fwd)}
+    repeats = repeated_nodes(graph)
 
     per_node: dict[str, dict[str, list[tuple[float, float]]]] = {
         n: {"forward": [], "backward": [], "saved": []} for n in names}
@@ -418,6 +422,9 @@ def combine(graph: OpGraph, measurements: list[_Measurement], device: torch.devi
                 raw_bwd[n] = t.node_backward_s.get(n, 0.0)
         raw_total = sum(raw_bwd.values()) or 1.0
         bwd = {n: v * t.model_backward_s / raw_total for n, v in raw_bwd.items()}
+        # repeated operators (blocks, layers) priced alike: the noise of each one's own
+        # measurement is not a reason to cut there (partc.cost.repeats)
+        fwd, bwd = pooled(fwd, repeats), pooled(bwd, repeats)
         for n in names:
             per_node[n]["forward"].append((b, fwd[n]))
             per_node[n]["backward"].append((b, bwd[n]))

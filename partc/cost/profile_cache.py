@@ -58,7 +58,8 @@ def _slug(text: str) -> str:
 # How this partc measures, beyond the file format: bumped when the same options measure
 # differently, so older entries are not found. 2: busy neighbours run the plan's precision.
 # 3: denormals flushed to zero on CPU, as launch computes. 4: GEMM working buffers measured.
-MEASUREMENT_REVISION = 4
+# 5: repeated operators priced at their group's mean (partc.cost.repeats).
+MEASUREMENT_REVISION = 5
 
 
 def _entry_name(graph_hash: str, device: str, precision: str, threads: int,

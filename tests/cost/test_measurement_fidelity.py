@@ -12,6 +12,7 @@ import yaml
 from conftest import EXAMPLES, captured
 
 from partc.cost.measured import ProfileOptions, measure_costs
+from partc.cost.repeats import pooled, repeated_nodes
 from partc.cost.roofline import LOSS_OPERATORS, LOSS_PASSES, analytic_cost_table
 from partc.cost.torch_profiler import (
     flat_inputs,
@@ -130,3 +131,35 @@ def test_the_loss_saves_what_its_autograd_graph_keeps(case: str) -> None:
     bf16 = time_loss(head, inputs, loss_fn, target, CPU, warmup=0, runs=1,  # type: ignore[arg-type]
                      precision="bf16-mixed")
     assert bf16.saved_bytes == expected
+
+
+def test_repeated_operators_are_priced_alike() -> None:
+    # The MLP's four hidden layers run the same Linear on the same shapes: the profile gives
+    # them their mean (one node's timing noise is no reason to cut beside it), and its totals
+    # stay the measured ones. The first layer is not one of them: its input needs no
+    # gradient, so its backward only forms the weight's.
+    result = captured(EXAMPLES / "mlp.py")
+    graph = result.graph
+    groups = repeated_nodes(graph)
+    linears = [n.name for n in graph.nodes if n.kind == "linear"]
+    assert groups == [tuple(linears[1:5])]
+    table = measure_costs(result, CPU, FAST, progress=Progress())
+    for b in FAST.batch_sizes:
+        fwd = {table.forward_s(n, b) for n in linears[1:5]}
+        bwd = {table.backward_s(n, b) for n in linears[1:5]}
+        assert len(fwd) == 1 and len(bwd) == 1, (fwd, bwd)
+    # a group's mean keeps its sum, and nodes outside groups as measured
+    values = {"a": 1.0, "b": 2.0, "c": 6.0, "d": 5.0}
+    assert pooled(values, [("a", "b", "c")]) == {"a": 3.0, "b": 3.0, "c": 3.0, "d": 5.0}
+
+
+def test_repeated_operators_are_those_of_repeated_blocks() -> None:
+    graph = captured(EXAMPLES / "transformer.py").graph
+    groups = repeated_nodes(graph)
+    blocks = {n.name for n in graph.nodes if n.module.startswith("blocks.")}
+    # every group is one operator's occurrence across the four blocks, nothing outside them
+    assert groups and all(len(g) == 4 and set(g) <= blocks for g in groups)
+    for g in groups:
+        modules = [graph.node(n).module for n in g]
+        assert [m.split(".")[1] for m in modules] == ["0", "1", "2", "3"]
+        assert len({graph.node(n).target for n in g}) == 1
