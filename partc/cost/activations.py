@@ -25,6 +25,7 @@ from partc.cost.torch_profiler import (
     node_owner,
     precision_autocast,
     program_module,
+    storage_key,
 )
 from partc.frontend.attention_masks import sdpa_arguments
 from partc.frontend.export import Capture, quiet_torch
@@ -36,7 +37,7 @@ def storage_bytes(tensors: list[Any]) -> int:
     """Bytes of the distinct storages among `tensors` (views of one storage count once). Keyed
     by the storage itself, not its data pointer: every meta tensor's pointer is 0, so a meta
     model's batch would count as its largest tensor alone."""
-    storages = {_storage_key(t): t.untyped_storage().nbytes()
+    storages = {storage_key(t): t.untyped_storage().nbytes()
                 for t in tensors if isinstance(t, torch.Tensor)}
     return sum(storages.values())
 
@@ -53,10 +54,6 @@ def buffers_restored(module: torch.nn.Module) -> Iterator[None]:
             for n, t in module.named_buffers():
                 if n in before:
                     t.copy_(before[n])
-
-
-def _storage_key(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
 
 
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
@@ -125,7 +122,7 @@ def saved_activation_bytes(module: torch.fx.GraphModule, inputs: Inputs,
     projection to save). For a CUDA target, dropout is counted as CUDA's fused kernel keeps it
     (a bool mask), not as a float noise tensor the size of its input."""
     owner = node_owner(module)
-    state = {_storage_key(t) for t in [*module.parameters(), *module.buffers()]}
+    state = {storage_key(t) for t in [*module.parameters(), *module.buffers()]}
     seen: set[int] = set(state)
     keep: list[torch.Tensor] = []  # saved storages stay alive, so keys cannot be reused
     current: list[str] = [""]
@@ -134,8 +131,8 @@ def saved_activation_bytes(module: torch.fx.GraphModule, inputs: Inputs,
     stands_for: dict[int, torch.Tensor] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        real = stands_for.get(_storage_key(t), t)
-        key = _storage_key(real)
+        real = stands_for.get(storage_key(t), t)
+        key = storage_key(real)
         if key not in seen:
             seen.add(key)
             keep.append(t)
@@ -175,7 +172,7 @@ def saved_activation_bytes(module: torch.fx.GraphModule, inputs: Inputs,
             for a, m in zip(args, stand_ins, strict=True):
                 if isinstance(a, torch.Tensor) and isinstance(m, torch.Tensor):
                     keep.append(m)
-                    stands_for[_storage_key(m)] = a
+                    stands_for[storage_key(m)] = a
         target_out = _target_attention(kind, tuple(stand_ins), kwargs)
         # What flows on is the target kernel's output: in its layout (CUDA's efficient kernel
         # writes batch, sequence, heads, dim, so the usual transpose back to one row per token
@@ -192,7 +189,7 @@ def saved_activation_bytes(module: torch.fx.GraphModule, inputs: Inputs,
         flowing.requires_grad_(any(isinstance(a, torch.Tensor) and a.requires_grad
                                    for a in args))
         keep.append(flowing)
-        stands_for[_storage_key(flowing)] = target_out
+        stands_for[storage_key(flowing)] = target_out
         return flowing
 
     def dropout(args: tuple[object, ...], kwargs: dict[str, object]) -> object | None:

@@ -452,7 +452,7 @@ def combine(graph: OpGraph, measurements: list[_Measurement], device: torch.devi
         forward=Curve.measured([(m.batch_size, m.loss.forward_s) for m in measurements]),
         backward=Curve.measured([(m.batch_size, m.loss.backward_s) for m in measurements]),
         saved=Curve.measured([(m.batch_size, float(m.loss.saved_bytes)) for m in measurements]),
-                    method="torch")
+        method="torch")
     batch_bytes = Curve.measured([(m.batch_size, float(m.batch_bytes)) for m in measurements])
     provider = next((m.ort.provider for m in measurements if m.ort is not None), "")
     source = CostSource(

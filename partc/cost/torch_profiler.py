@@ -61,6 +61,12 @@ _NODE_RANGE = "partc::"
 _BACKWARD_EVENT = "autograd::engine::evaluate_function: "
 
 
+def storage_key(t: torch.Tensor) -> int:
+    """A tensor's storage, as a key: views of one storage share it. Not its data pointer:
+    every meta tensor's is 0."""
+    return t.untyped_storage()._cdata
+
+
 def program_module(program: ExportedProgram) -> torch.fx.GraphModule:
     """The program as a runnable GraphModule (guards off: they break tracing/scripting later and
     the inputs are the captured ones anyway)."""
@@ -424,22 +430,18 @@ def time_loss(module: torch.fx.GraphModule, inputs: Inputs, loss_fn: Callable[[A
             fwd.append(t1 - t0)
             bwd.append(t2 - t1)
     outputs, leaves = handed_over()
-    held = {t.untyped_storage()._cdata
+    held = {storage_key(t)
             for t in pytree.tree_leaves((leaves, target)) if isinstance(t, torch.Tensor)}
-    saved: dict[int, int] = {}
-    keep: list[torch.Tensor] = []  # alive until counted, so no storage key is reused
+    saved: dict[int, int] = {}  # (the loss's graph keeps them alive: no key is reused)
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        key = t.untyped_storage()._cdata
-        if key not in held:
+        if (key := storage_key(t)) not in held:
             saved[key] = t.untyped_storage().nbytes()
-            keep.append(t)
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = loss_fn(outputs, target)
     del loss, outputs, leaves
-    keep.clear()
     return LossCost(statistics.median(fwd), statistics.median(bwd), sum(saved.values()))
 
 

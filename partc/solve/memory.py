@@ -333,6 +333,15 @@ def _tensor_bytes(table: CostTable, tensor: str, m: float, bf16: bool) -> float:
     return table.runtime_bytes(tensor, m, "bf16-mixed" if bf16 else "fp32")
 
 
+def loss_saved_bytes(table: CostTable, m: float) -> float:
+    """What the loss function keeps for its backward per micro-batch of m samples on the last
+    stage (`CostTable.loss`), or 0 for a model without floating outputs (no loss to train)."""
+    graph = table.graph
+    if not any(graph.tensor(o.tensor).dtype in FLOATING_DTYPES for o in graph.outputs):
+        return 0.0
+    return table.loss.saved.at(m)
+
+
 def _float32_bytes(table: CostTable, tensor: str, m: float) -> float:
     """Bytes of a floating tensor at micro-batch m cast to float32."""
     return table.tensor_bytes(tensor, m) * _FP32 / dtype_bytes(table.graph.tensor(tensor).dtype)
@@ -773,7 +782,7 @@ def stage_memory(table: CostTable, nodes: Collection[str], *, microbatch_size: i
     # copy of the floating outputs). Its backward makes gradients the size of the fp32 outputs.
     outputs_fp32 = sum(_float32_bytes(table, t, m) for t in sends
                        if t in graph_outputs and graph.tensor(t).dtype in FLOATING_DTYPES)
-    loss = table.loss.saved.at(m) if outputs_fp32 else 0.0
+    loss = loss_saved_bytes(table, m) if outputs_fp32 else 0.0
     if ckpt:
         # Checkpointing keeps the stage inputs, which are the receive buffers above, and recomputes
         # one micro-batch's activations at a time. The recompute runs the whole forward again

@@ -39,7 +39,7 @@ from typing import Any, Callable, Collection, Sequence, TypeVar
 
 from partc.cost.table import CostTable
 from partc.errors import PartcError
-from partc.graph.opgraph import FLOATING_DTYPES, Param
+from partc.graph.opgraph import Param
 from partc.hardware.specs import ClusterSpec, DeviceSpec, LinkSpec
 from partc.options import (
     PLACEMENTS,
@@ -58,6 +58,7 @@ from partc.solve.memory import (
     host_data_bytes,
     in_flight_microbatches,
     kernel_scratch,
+    loss_saved_bytes,
     param_memory,
     stage_memory,
     trainable_weight_bytes,
@@ -310,11 +311,7 @@ class StageProblem:
         terms = _BlockTerms.of(blocks, table, cluster, training, shape, units, per_byte, memo)
         in_flight = [in_flight_microbatches(shape.schedule, d, S, M, shape.chunks)
                      for d in range(S)]
-        outputs = {o.tensor for o in graph.outputs}
-        # what the loss function keeps for its backward (partc.solve.memory's loss term)
-        loss = units.memory(table.loss.saved.at(m)
-                            if any(graph.tensor(t).dtype in FLOATING_DTYPES for t in outputs)
-                            else 0.0)
+        loss = units.memory(loss_saved_bytes(table, m))
         inputs = units.memory(M * sum(table.tensor_bytes(t.name, m) for t in graph.inputs))
         host = host_data_bytes(table, cluster.device.kind, shape.global_batch_size, m, M, S,
                                num_stages=S * shape.chunks, processes=S * shape.replicas)
