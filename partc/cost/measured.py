@@ -65,7 +65,7 @@ from partc.cost.torch_profiler import (
     Clock,
     LossCost,
     TorchTiming,
-    denormals_flushed,
+    cpu_settings,
     flat_inputs,
     inputs_on,
     node_owner,
@@ -133,12 +133,12 @@ def timing_choice(options: ProfileOptions, device: torch.device) -> TimingChoice
 @contextlib.contextmanager
 def intra_op_threads(device: torch.device, threads: int) -> Iterator[None]:
     """torch's intra-op threads set to `threads` while measuring on CPU, restored after, and
-    denormals flushed as launch computes (`denormals_flushed`)."""
+    the CPU settings launch computes under (`cpu_settings`)."""
     before = torch.get_num_threads()
     if device.type == "cpu":
         torch.set_num_threads(threads)
     try:
-        with denormals_flushed(device):
+        with cpu_settings(device):
             yield
     finally:
         torch.set_num_threads(before)

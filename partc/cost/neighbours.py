@@ -121,10 +121,10 @@ def _model_step(model: str, batch_size: int,
 def _loop(model: str | None, batch_size: int, precision: Precision) -> None:
     import torch
 
-    from partc.cost.torch_profiler import denormals_flushed
+    from partc.cost.torch_profiler import cpu_settings
 
     torch.set_num_threads(1)
-    with denormals_flushed(torch.device("cpu")):  # as the measured process and launch compute
+    with cpu_settings(torch.device("cpu")):  # as the measured process and launch compute
         step = _model_step(model, batch_size, precision) if model is not None else None
         if step is not None:
             print(_READY, flush=True)

@@ -161,7 +161,7 @@ def time_onnx(model: onnx.ModelProto, feeds: dict[str, np.ndarray], onnx_to_node
         opts.inter_op_num_threads = 1
         opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         opts.log_severity_level = 3  # errors only: ORT warns about unfoldable constants
-        # denormals flushed, as launch computes (partc.cost.torch_profiler.denormals_flushed);
+        # denormals flushed, as launch computes (partc.cost.torch_profiler.cpu_settings);
         # ORT sets its threads' and the calling thread's mode from this (default: kept)
         opts.add_session_config_entry("session.set_denormal_as_zero", "1")
         # One profiled session: the trace's model_run spans tell warm-up runs from timed ones.

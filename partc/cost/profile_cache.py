@@ -58,8 +58,9 @@ def _slug(text: str) -> str:
 # How this partc measures, beyond the file format: bumped when the same options measure
 # differently, so older entries are not found. 2: busy neighbours run the plan's precision.
 # 3: denormals flushed to zero on CPU, as launch computes. 4: GEMM working buffers measured.
-# 5: repeated operators priced at their group's mean (partc.cost.repeats).
-MEASUREMENT_REVISION = 5
+# 5: repeated operators priced at their group's mean (partc.cost.repeats). 6: freed memory kept
+# by the C allocator on CPU, as launch computes (partc.cost.torch_profiler.cpu_settings).
+MEASUREMENT_REVISION = 6
 
 
 def _entry_name(graph_hash: str, device: str, precision: str, threads: int,

@@ -43,6 +43,7 @@ from torch.export import ExportedProgram
 
 from partc.frontend.export import quiet_torch
 from partc.frontend.model_file import Inputs
+from partc.hardware.local import keep_freed_memory
 from partc.options import Precision
 
 Clock = Callable[[], float]
@@ -207,20 +208,28 @@ def allocation_events(roots: Iterable[Any]) -> list[tuple[int, int, int]]:
 
 
 @contextlib.contextmanager
-def denormals_flushed(device: torch.device) -> Iterator[None]:
-    """Denormal floats flushed to zero while partc measures or trains on a CPU (on other devices
-    nothing: their kernels ignore this host setting), then torch's default (not flushed) again.
-    The one definition: launch's ranks, single-process reference training and the profiler all
-    run in it, so a profile times the arithmetic launch does. Why: an x86 core takes a microcode
-    assist on every denormal operand, and how many there are depends on the weights, which
-    training moves. Measured on an Intel Xeon VM: the transformer example's initial logits leave
-    40% of its softmax probabilities denormal, and its cross-entropy ran 5x slower (1.13 ms
-    against 0.22 ms forward at 8 samples); a profile of the initial weights priced the last
-    stage's loss at 5x what the launched steps took, their weights having moved. Flushing
-    changes only values below 1.2e-38 in float32 (TensorFlow runs CPUs this way by default)."""
+def cpu_settings(device: torch.device) -> Iterator[None]:
+    """The settings every partc process that measures or trains on a CPU computes under (on
+    other devices nothing: their kernels ignore these host settings), so that a profile times
+    what launch runs. The one definition: launch's ranks, single-process reference training, the
+    profiler and its busy neighbours all run in it.
+
+    - Denormal floats flushed to zero, torch's default (not flushed) again after. Why: an x86
+      core takes a microcode assist on every denormal operand, and how many there are depends
+      on the weights, which training moves. Measured on an Intel Xeon VM: the transformer
+      example's initial logits leave 40% of its softmax probabilities denormal, and its
+      cross-entropy ran 5x slower (1.13 ms against 0.22 ms forward at 8 samples); a profile of
+      the initial weights priced the last stage's loss at 5x what the launched steps took, their
+      weights having moved. Flushing changes only values below 1.2e-38 in float32 (TensorFlow
+      runs CPUs this way by default).
+    - Freed memory kept by the C allocator for the rest of the process
+      (`partc.hardware.local.keep_freed_memory`): a step that frees many micro-batches'
+      activations at once otherwise page-faults them in again every step, which an operator
+      timed in a loop never does."""
     if device.type != "cpu":
         yield
         return
+    keep_freed_memory()
     torch.set_flush_denormal(True)
     try:
         yield

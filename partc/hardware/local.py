@@ -181,6 +181,44 @@ def set_affinity(cpus: frozenset[int]) -> bool:
     return done
 
 
+_M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters (malloc.h)
+_M_MMAP_MAX = -4
+
+
+def keep_freed_memory() -> bool:
+    """Have glibc's malloc keep the memory this process frees, for the rest of the process,
+    instead of handing it back to the OS: no allocation is served by its own mmap (M_MMAP_MAX
+    0) and the heap's free top is never trimmed (M_TRIM_THRESHOLD -1). This is what CUDA's
+    caching allocator does for a GPU, and what a training step's steady state wants: it frees
+    and re-allocates the same sizes every micro-batch. Returns whether it applied (False where
+    the C library is not glibc); calling it again is harmless.
+
+    Why: by default a free of a block at the heap's top beyond the trim threshold, or of a
+    block above the mmap threshold (dynamic, at most 32 MiB), goes back to the OS, and the next
+    allocation of that memory page-faults and zero-fills every 4 KiB page again. A schedule that
+    holds many micro-batches' activations (GPipe) frees them in one sweep at the step's end and
+    pays that again each step; one that reuses memory at once (1F1B) does not, and an operator
+    timed in a loop never does. Measured on an Intel Xeon VM (glibc 2.36), the BERT example's
+    4 forwards then 4 backwards at micro-batch 8 in one process: 3,036 minor faults and 2.4%
+    more time than interleaved forward/backward by default, 3 faults and the same time (0.5%
+    less) with freed memory kept; launched as a 2-stage pipeline, the same cut measured 5%
+    slower under GPipe than 1F1B where the profile priced them equal.
+
+    The cost: the process's resident memory stays at its high-water mark (as a GPU's reserved
+    memory does), which is what partc's memory model prices a step to reach anyway."""
+    import ctypes
+    import platform
+
+    if platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, -1))
+
+
 GLOO_IO_THREAD = "gloo_tcp_loop"
 """The name gloo's TCP transport gives each process group's socket event-loop thread."""
 

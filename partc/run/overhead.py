@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from partc.cost.torch_profiler import denormals_flushed
+from partc.cost.torch_profiler import cpu_settings
 from partc.errors import PartcError
 from partc.hardware.calibration import CalibrationResult
 from partc.hardware.local import free_port
@@ -126,7 +126,7 @@ def _worker(rank: int, kind: str, port: int, out: str) -> None:
                             world_size=2)
     batch_schedule_gloo_io()  # as launch runs gloo
     try:
-        with torch.jit.optimized_execution(False), denormals_flushed(device):
+        with torch.jit.optimized_execution(False), cpu_settings(device):
             module = _stage_module(rank).to(device).train()
             alone = _alone_s(module, device, first=rank == 0)
             last = rank == 1

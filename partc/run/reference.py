@@ -20,7 +20,7 @@ from partc.cost.activations import storage_bytes
 from partc.cost.torch_profiler import (
     allocation_events,
     cpu_memory_profile,
-    denormals_flushed,
+    cpu_settings,
     program_module,
 )
 from partc.emit.stage_code import load_stage
@@ -63,8 +63,8 @@ def train_single_process(plan: Plan, options: TrainOptions, chunks: int = 1,
     def on_device(t: Any) -> Any:
         return t.to(dev) if isinstance(t, torch.Tensor) else t
 
-    # denormals flushed, as launch's ranks compute (`denormals_flushed`)
-    with denormals_flushed(dev):
+    # denormals flushed and freed memory kept, as launch's ranks compute (`cpu_settings`)
+    with cpu_settings(dev):
         for step in range(options.steps):
             (args, kwargs), target = next_batch(data, options.seed, step)
             torch.manual_seed(step_seed(options.seed, step, 0))

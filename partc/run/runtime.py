@@ -39,7 +39,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
 
-from partc.cost.torch_profiler import CPU_CLOCK, denormals_flushed, device_profile
+from partc.cost.torch_profiler import CPU_CLOCK, cpu_settings, device_profile
 from partc.errors import LaunchError, PartcError
 from partc.frontend.model_file import ModelFile
 from partc.hardware.local import batch_schedule_gloo_io
@@ -110,7 +110,7 @@ def run_rank(plan_path: str | Path, options: TrainOptions, out: TextIO = sys.std
         # Stages run as plain TorchScript graphs with eager autograd: the optimising executor's
         # profiling runs and differentiable subgraphs are slower on these graphs, make the first
         # steps slow, and recompute differently under activation checkpointing.
-        with torch.jit.optimized_execution(False), denormals_flushed(device):
+        with torch.jit.optimized_execution(False), cpu_settings(device):
             run = _set_up(plan, layout, env, device, options)
             # every process group exists now, each with its socket loop
             batch_schedule_gloo_io()

@@ -398,13 +398,14 @@ def test_rank_layout_of_both_placements(tmp_path: Path) -> None:
         rank_layout(broken)
 
 
-def test_cpu_workers_are_pinned_one_per_core_and_flush_denormals(
+def test_cpu_workers_are_pinned_one_per_core_and_compute_under_cpu_settings(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A partc CPU device is one core: each gloo worker runs on core local_rank % cores only (its
     data-drawing ranks record where they may run), and gloo's socket loops run SCHED_BATCH, so
     they cannot preempt the worker's own threads and spin (the last stage's loss records them).
-    The workers compute with denormals flushed to zero, as single-process training and the
-    profiler do: a profile times the arithmetic launch runs."""
+    The workers compute with denormals flushed to zero and freed memory kept by the C allocator,
+    as single-process training and the profiler do: a profile times the arithmetic launch
+    runs."""
     from partc.cost.measured import ProfileOptions, profile_model
     from partc.hardware.local import core_cpus
 
@@ -424,14 +425,30 @@ def test_cpu_workers_are_pinned_one_per_core_and_flush_denormals(
     loops = (probe / "gloo_io.txt").read_text().split()
     assert len(loops) >= 2 and set(loops) == {"batch"}, loops
     denormals = probe / "denormals.txt"
+    allocator = probe / "allocator.txt"
     assert set(denormals.read_text().split()) == {"flushed"}  # launch's last stage
+    assert set(allocator.read_text().split()) == {"kept"}
     denormals.unlink()
+    allocator.unlink()
+    # the same probe in a fresh process that does not enter cpu_settings: glibc's default
+    default = subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
+                              "import process_probe, torch; process_probe.loss_fn("
+                              "torch.zeros(2, 4), torch.zeros(2, dtype=torch.long))",
+                              str(TEST_MODELS)], capture_output=True, text=True, env=env,
+                             timeout=120)
+    assert default.returncode == 0, default.stderr[-2000:]
+    assert allocator.read_text().split() == ["returned"]
+    denormals.unlink()
+    allocator.unlink()
     monkeypatch.setenv("PARTC_PROBE_DIR", str(probe))
     train_single_process(load_plan(plan), TrainOptions(steps=1))
     assert set(denormals.read_text().split()) == {"flushed"}
+    assert set(allocator.read_text().split()) == {"kept"}
     denormals.unlink()
+    allocator.unlink()
     profile_model(model, 4, ProfileOptions(batch_sizes=(2, 4), warmup=1, runs=2))
     assert set(denormals.read_text().split()) == {"flushed"}
+    assert set(allocator.read_text().split()) == {"kept"}
     # and this process computes as torch's default again
     assert float(torch.full((), 1e-40) * 2) != 0.0
 
