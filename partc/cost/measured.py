@@ -86,6 +86,14 @@ from partc.options import PRECISIONS, PROFILE_METHODS, Precision, ProfileMethod
 from partc.progress import Progress
 from partc.version import __version__
 
+# How this partc measures, beyond the file format: bumped when the same options measure
+# differently. A profile records it (calibration.revision), and the profile cache neither finds
+# nor extends an entry of another revision: sizes measured two ways would make one curve.
+# 2: busy neighbours run the plan's precision. 3: denormals flushed to zero on CPU, as launch
+# computes. 4: GEMM working buffers measured. 5: repeated operators priced at their group's
+# mean (partc.cost.repeats). 6: freed memory kept by the C allocator on CPU, as launch computes
+# (partc.cost.torch_profiler.cpu_settings); the revision recorded in the profile.
+MEASUREMENT_REVISION = 6
 
 @dataclass(frozen=True)
 class ProfileOptions:
@@ -463,6 +471,7 @@ def combine(graph: OpGraph, measurements: list[_Measurement], device: torch.devi
         versions=_versions(),
         calibration={"backward_ratios": {k: _r(v) for k, v in ratios.items()},
                      "measured": validation, "warmup": options.warmup, "runs": options.runs,
+                     "revision": MEASUREMENT_REVISION,
                      **({"busy_neighbours": options.neighbours}
                         if options.neighbours and device.type == "cpu" else {}),
                      **({"clock": CPU_CLOCK_NAME} if cpu_time else {}),

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 from partc.cost.measured import (
+    MEASUREMENT_REVISION,
     ProfileOptions,
     check_options,
     cpu_clocked,
@@ -53,14 +54,6 @@ def profile_cache_dir() -> Path:
 def _slug(text: str) -> str:
     """Filesystem-safe: letters, digits, '.', '_' and '-' only, never empty or hidden."""
     return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip(".-")[:48] or "x"
-
-
-# How this partc measures, beyond the file format: bumped when the same options measure
-# differently, so older entries are not found. 2: busy neighbours run the plan's precision.
-# 3: denormals flushed to zero on CPU, as launch computes. 4: GEMM working buffers measured.
-# 5: repeated operators priced at their group's mean (partc.cost.repeats). 6: freed memory kept
-# by the C allocator on CPU, as launch computes (partc.cost.torch_profiler.cpu_settings).
-MEASUREMENT_REVISION = 6
 
 
 def _entry_name(graph_hash: str, device: str, precision: str, threads: int,
@@ -137,6 +130,7 @@ def cached_profile(result: CaptureResult, options: ProfileOptions,
                 and src.calibration.get("busy_neighbours", 0) == neighbours
                 and (src.calibration.get("clock") == CPU_CLOCK_NAME) == clocked
                 and src.precision == options.precision and (src.provider or "torch") == timing
+                and src.calibration.get("revision") == MEASUREMENT_REVISION
                 and _complete(table, graph))
 
     if path.is_file():

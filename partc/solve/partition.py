@@ -65,22 +65,27 @@ class StagePlan:
 @dataclass(frozen=True)
 class CutCandidate:
     """One cut the search simulated before choosing the plan (SolverReport.candidates): the
-    shape's label, whose cut it is, its solver objective J and its simulated iteration time."""
+    shape's label, whose cut it is, its solver objective J, its simulated iteration time and
+    the predicted peak of its most loaded rank (what breaks a tie; None in older plans)."""
 
     shape: str  # PipelineShape.label()
     cut_from: Strategy
     objective_s: float
     iteration_s: float
+    peak_bytes: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"shape": self.shape, "cut_from": self.cut_from,
-                "objective_s": round_seconds(self.objective_s),
-                "iteration_s": round_seconds(self.iteration_s)}
+        d: dict[str, Any] = {"shape": self.shape, "cut_from": self.cut_from,
+                             "objective_s": round_seconds(self.objective_s),
+                             "iteration_s": round_seconds(self.iteration_s)}
+        if self.peak_bytes is not None:
+            d["peak_bytes"] = self.peak_bytes
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "CutCandidate":
         return cls(shape=d["shape"], cut_from=d["cut_from"], objective_s=d["objective_s"],
-                   iteration_s=d["iteration_s"])
+                   iteration_s=d["iteration_s"], peak_bytes=d.get("peak_bytes"))
 
 
 @dataclass(frozen=True)

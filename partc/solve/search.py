@@ -21,8 +21,9 @@ their plans compare like for like:
    (partc.solve.simulator) and the fastest simulated one that fits memory is the plan: the
    objective is a smooth estimate that can disagree with the simulator, and a plan must never be
    one the simulator puts slower than a baseline's cut of its shape. Cuts within TIE_TOLERANCE
-   of the fastest are a tie the model cannot break, which goes to the conventional cut (uniform's,
-   then params'; a cut is conventional whichever source found it). `uniform` and `params` keep
+   of the fastest are a tie the model cannot break, which goes to the conventional cut (uniform's
+   or params'; a cut is conventional whichever source found it) whose busiest rank holds the
+   least memory, then the faster. `uniform` and `params` keep
    their own cut. The plan is simulated for the
    predicted iteration time and bubble.
 """
@@ -89,7 +90,7 @@ RERANK_SHAPES = 3
 # Strategies whose cut is re-ranked against the baselines'; a baseline asked for runs its own cut.
 RERANKED_STRATEGIES: tuple[Strategy, ...] = ("cpsat", "chain-dp")
 # Simulated iterations closer than this (relative) are a tie the model cannot break: the re-ranking
-# then takes the conventional cut (uniform's, then params'), the one users already trust. Measured
+# then takes a conventional cut (uniform's or params'), the one users already trust. Measured
 # on this repository's CPU machine, two cuts predicted 0.01% apart ran 6-7% apart, either way round
 # from run to run (docs/benchmarks.md); the calibrated model is good to a few percent, not better.
 TIE_TOLERANCE = 0.005
@@ -435,8 +436,10 @@ def _rerank(evaluated: Sequence[_Candidate], blocks: BlockGraph,
             global_batch: int) -> tuple[_Cut, tuple[CutCandidate, ...]]:
     """Simulate the cuts of the best RERANK_SHAPES layouts by J (shapes whatever levers they
     allow, every evaluated lever policy of each) and pick the fastest (module docstring, step
-    5). Cuts within TIE_TOLERANCE of the fastest tie, and a tie goes to the faster conventional
-    cut (uniform's or params'); otherwise, and among equals, to the faster, then the shape's own
+    5). Cuts within TIE_TOLERANCE of the fastest tie, unless a conventional cut of their own
+    layout is faster, and a tie goes to a conventional cut (uniform's or params'), the one whose
+    most loaded rank's predicted peak is least, then the faster; otherwise, and among equals,
+    to the least peak, the faster, then the shape's own
     cut of the strategy, the DP's, uniform's, params', then the layout better by J: the same
     inputs always give the same plan. Returns the chosen cut and every cut simulated, fastest
     first."""
@@ -466,12 +469,29 @@ def _rerank(evaluated: Sequence[_Candidate], blocks: BlockGraph,
     scored.sort(key=lambda kc: kc[0])
     considered = tuple(CutCandidate(shape=c.shape.shape.label(), cut_from=c.source,
                                     objective_s=c.objective_s,
-                                    iteration_s=c.partition.iteration_s if c.partition else 0.0)
+                                    iteration_s=c.partition.iteration_s if c.partition else 0.0,
+                                    peak_bytes=_peak(c))
                        for _, c in scored)
+    # Never a cut slower than a conventional cut of its own layout, whatever a tie prefers: the
+    # plan is never one the simulator puts slower than a baseline's cut of its shape.
+    conventional_best: dict[PipelineShape, float] = {}
+    for key, cut in scored:  # fastest first
+        if cut.conventional:
+            conventional_best.setdefault(_layout(cut.shape.shape), key[0])
     fastest = scored[0][0][0]
-    tied = [(key, cut) for key, cut in scored if key[0] <= fastest * (1 + TIE_TOLERANCE)]
-    chosen = min(tied, key=lambda kc: (not kc[1].conventional, kc[0]))
+    tied = [(key, cut) for key, cut in scored if key[0] <= fastest * (1 + TIE_TOLERANCE)
+            and key[0] <= conventional_best.get(_layout(cut.shape.shape), math.inf)]
+    chosen = min(tied, key=lambda kc: (not kc[1].conventional, _peak(kc[1]), kc[0]))
     return chosen[1], considered
+
+
+def _peak(cut: _Cut) -> int:
+    """The predicted peak of a simulated cut's most loaded rank: among cuts whose times tie, the
+    one that holds less. The memory model is good to a few percent where time is not, and a
+    lower peak is headroom, and on a CPU less memory for the allocator to fault in (the same cut
+    under GPipe and 1F1B, predicted 0.28% apart, measured GPipe 3-8% slower: docs/solver.md)."""
+    assert cut.partition is not None
+    return max(m.total for m in cut.partition.memory)
 
 
 def _layout(shape: PipelineShape) -> PipelineShape:

@@ -151,3 +151,23 @@ def test_measuring_leaves_the_model_state_as_built() -> None:
     assert not changed, changed
     program = {n: t for n, t in result.capture.exported.state_dict.items() if n in before}
     assert program and all(torch.equal(t, before[n]) for n, t in program.items())
+
+
+def test_an_entry_of_another_measurement_revision_is_not_extended(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # sizes measured two ways (say, before and after launch's allocator settings) would make
+    # one curve whose slope is neither's: an entry at some of the sizes, written by a partc that
+    # measured differently, is measured again at every size, not merged
+    from partc.cost.measured import MEASUREMENT_REVISION
+
+    monkeypatch.setenv("PARTC_CACHE_DIR", str(tmp_path))
+    first, first_path, _ = _cached(dataclasses.replace(FAST, batch_sizes=(2, 4)))
+    assert first.source.calibration["revision"] == MEASUREMENT_REVISION
+    text = first_path.read_text()
+    assert text.count(f"revision: {MEASUREMENT_REVISION}\n") == 1
+    first_path.write_text(text.replace(f"revision: {MEASUREMENT_REVISION}\n",
+                                       f"revision: {MEASUREMENT_REVISION - 1}\n"))
+    more, _, steps = _cached(dataclasses.replace(FAST, batch_sizes=(2, 4, 16)))
+    measured = " ".join(s for s in steps.steps if s.startswith("torch: "))
+    assert all(f"batch {b}" in measured for b in (2, 4, 16)), measured
+    assert more.source.calibration["revision"] == MEASUREMENT_REVISION

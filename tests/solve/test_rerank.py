@@ -143,24 +143,31 @@ def test_the_plan_never_simulates_slower_than_a_baseline_cut_of_its_shape(
             options = replace(options, strategy=strategy)
             p = search(table, cluster, 8, options=options)
             assert all(m.total <= p.usable_memory_bytes for m in p.memory)
-            for name, b in baseline_cuts(p, table, options, cluster).items():
+            baselines = baseline_cuts(p, table, options, cluster)
+            for name, b in baselines.items():
                 assert round_seconds(p.iteration_s) <= round_seconds(b.iteration_s), \
                     (seed, options, name)
             r = p.solver
-            # The candidates are listed fastest first; the chosen cut is the fastest, or a
-            # conventional one the model cannot tell from it (a tie: TIE_TOLERANCE).
+            # The candidates are listed fastest first; the chosen cut is the fastest, or one the
+            # model cannot tell from it (a tie: TIE_TOLERANCE), then a conventional one, then
+            # the one that holds the least memory.
             times = [round_seconds(c.iteration_s) for c in r.candidates]
             assert times == sorted(times) and len({c.shape for c in r.candidates}) <= RERANK_SHAPES
+            peak = max(m.total for m in p.memory)
+            assert all(c.peak_bytes is not None for c in r.candidates)
+            chosen = [c for c in r.candidates if c.cut_from == r.chosen_cut
+                      and round_seconds(c.iteration_s) == round_seconds(p.iteration_s)
+                      and c.peak_bytes == peak]
+            assert chosen, (seed, options)
             tied = [c for c in r.candidates
                     if c.iteration_s <= r.candidates[0].iteration_s * (1 + TIE_TOLERANCE)]
-            conventional = [c for c in tied if c.cut_from in ("uniform", "params")]
-            if conventional:
-                ties_to_conventional += conventional[0] is not r.candidates[0]
-                assert r.chosen_cut == conventional[0].cut_from
-                assert round_seconds(p.iteration_s) == round_seconds(conventional[0].iteration_s)
-            else:
-                assert r.candidates[0].cut_from == r.chosen_cut
-                assert times[0] == round_seconds(p.iteration_s)
+            assert chosen[0] in tied
+            if any(c.cut_from in ("uniform", "params") for c in tied):
+                # a conventional cut: uniform's or params', whichever source found it
+                assert any(assignment_of(b) == assignment_of(p) for b in baselines.values())
+                ties_to_conventional += chosen[0] is not r.candidates[0]
+            elif len(tied) == 1:
+                assert chosen[0] is r.candidates[0]
             chosen_elsewhere += r.chosen_cut != strategy
     assert chosen_elsewhere > 0  # the sweep does exercise the re-ranking
     if transfers == "async":
@@ -230,3 +237,23 @@ def test_a_tie_goes_to_a_conventional_cut_the_strategy_also_found() -> None:
         assert assignment_of(p) == tuple(0 if i < 20 else 1 for i in range(n))
         for name, b in baseline_cuts(p, table, replace(PINNED, strategy=strategy), CPU4).items():
             assert round_seconds(p.iteration_s) <= round_seconds(b.iteration_s), name
+
+
+def test_a_tie_goes_to_the_cut_that_holds_less_memory() -> None:
+    """Among cuts whose simulated times tie, the plan is the one whose most loaded rank holds
+    the least. The same cut under GPipe and 1F1B (4 micro-batches, 2 stages): GPipe simulates
+    0.4% faster, within TIE_TOLERANCE, and holds all 4 micro-batches' activations on rank 0
+    where 1F1B holds 2. Measured on this repository's CPU machine, the BERT example's cut
+    predicted so ran 3-8% slower under GPipe (docs/solver.md); the time model cannot tell them
+    apart, the memory model can."""
+    table = random_table(1)
+    free = SearchOptions(stages=2, replicas=1, num_microbatches=4, time_limit_s=1)
+    for strategy in ("cpsat", "chain-dp"):
+        options = replace(free, strategy=strategy)
+        p = search(table, CPU4, 16, options=options)
+        gpipe = search(table, CPU4, 16, options=replace(options, schedule="gpipe"))
+        assert assignment_of(gpipe) == assignment_of(p)
+        assert p.shape.schedule == "1f1b" and gpipe.shape.schedule == "gpipe"
+        assert gpipe.iteration_s < p.iteration_s <= gpipe.iteration_s * (1 + TIE_TOLERANCE)
+        assert max(m.total for m in p.memory) < max(m.total for m in gpipe.memory)
+        assert p.solver.candidates[0].shape.endswith("gpipe")  # the fastest, not chosen
