@@ -7,6 +7,8 @@ gloo over loopback. For each message size:
 - one-way time: rank 0 isends, rank 1 irecvs, both wait (median and mean over the repeats);
 - rendezvous: rank 1 posts its receive `--late-ms` after rank 0 posted its send; rank 0's wait
   (a send that moved without the receive would return in about the one-way time);
+- early receive: rank 1 posts its receive 2 ms before rank 0 posts its send (as partc's runtime
+  posts a step's receives at its start); rank 0's post + wait, against the one-way time;
 - post: how long rank 0's isend call itself takes;
 - copy on the sender: rank 0 posts its send and computes a fixed matmul loop while the bytes
   move (rank 1 already waiting): how much longer the loop takes than alone, timed right before
@@ -76,6 +78,7 @@ def _worker(rank: int, port: int, repeats: int, late_s: float, out: str) -> None
             _wait(op(tensor, peer))
         one_way: list[float] = []
         late: list[float] = []
+        early: list[float] = []
         post: list[float] = []
         send_copy: list[float] = []
         recv_copy: list[float] = []
@@ -92,6 +95,15 @@ def _worker(rank: int, port: int, repeats: int, late_s: float, out: str) -> None
                 late.append(time.perf_counter() - start)
             else:
                 time.sleep(late_s)
+                _wait(dist.irecv(tensor, peer))
+        for _ in range(repeats):
+            dist.barrier()
+            if rank == 0:
+                time.sleep(0.002)  # the receive's "ready" notice has been handled by now
+                start = time.perf_counter()
+                _wait(dist.isend(tensor, peer))
+                early.append(time.perf_counter() - start)
+            else:
                 _wait(dist.irecv(tensor, peer))
         # Each repeat times the loop alone, then with the transfer: the machine's drift cancels.
         for computing, slower in ((0, send_copy), (1, recv_copy)):
@@ -115,6 +127,7 @@ def _worker(rank: int, port: int, repeats: int, late_s: float, out: str) -> None
             {"one_way_ms_median": statistics.median(one_way) * ms,
              "one_way_ms_mean": statistics.mean(one_way) * ms,
              "late_receiver_wait_ms": statistics.median(late) * ms,
+             "early_receiver_wait_ms": statistics.median(early) * ms,
              "post_ms": statistics.median(post) * ms,
              "sender_compute_slower_ms": statistics.median(send_copy) * ms}
             if rank == 0 else
@@ -160,11 +173,13 @@ def main(argv: list[str] | None = None) -> int:
     found = measure(args.repeats, args.late_ms)
     print(f"compute loop alone: {found['compute_alone_ms']:.2f} ms (median of 30)")
     print(f"\n| bytes | one-way ms (median / mean) | sender's wait, receive posted "
-          f"{args.late_ms:g} ms late | isend post ms | computation slower on the sender, ms "
-          "| on the receiver, ms |\n|---|---|---|---|---|---|")
+          f"{args.late_ms:g} ms late | sender's post + wait, receive posted 2 ms early "
+          "| isend post ms | computation slower on the sender, ms "
+          "| on the receiver, ms |\n|---|---|---|---|---|---|---|")
     for size, row in found["sizes"].items():
         print(f"| {int(size):,} | {row['one_way_ms_median']:.2f} / {row['one_way_ms_mean']:.2f} "
-              f"| {row['late_receiver_wait_ms']:.2f} | {row['post_ms']:.3f} "
+              f"| {row['late_receiver_wait_ms']:.2f} | {row['early_receiver_wait_ms']:.3f} "
+              f"| {row['post_ms']:.3f} "
               f"| {row['sender_compute_slower_ms']:.2f} "
               f"| {row['receiver_compute_slower_ms']:.2f} |")
     if args.json:

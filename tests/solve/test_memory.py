@@ -192,11 +192,21 @@ PIPE_RUNS: dict[str, tuple[str, int, str, bool]] = {
     "mlp-checkpointed": ("mlp", 512, "6", True),
     "transformer": ("transformer", 16, "blocks.2", False),
     "mlp-grads-freed": ("mlp", 64, "6", False),
+    "mlp-grads-freed-m2": ("mlp", 64, "6", False),
 }
 # runs whose optimizer frees the gradients between steps (launch's zero_grad(set_to_none=True)
 # without a DDP bucket): under GPipe, stage 1's second backward holds all the gradients and the
 # input gradient the first one sent, its peak there
-GRADS_FREED = {"mlp-grads-freed"}
+GRADS_FREED = {"mlp-grads-freed", "mlp-grads-freed-m2"}
+# runs with another micro-batch count than PIPE_MICROBATCHES: M = 2, both micro-batches in flight
+# on stage 0 under 1F1B (its backwards run back to back, as GPipe's). The later phase's sent input
+# gradient for 1F1B with M <= in-flight (partc.solve.memory) needs a middle stage to show: stage 0
+# sends none, and stage 1 holds one micro-batch in flight, so 3 processes at least
+RUN_MICROBATCHES = {"mlp-grads-freed-m2": 2}
+
+
+def _microbatches(run: str) -> int:
+    return RUN_MICROBATCHES.get(run, PIPE_MICROBATCHES)
 
 
 class _Checkpointed(torch.nn.Module):
@@ -218,7 +228,7 @@ def _pipeline_stage(run: str, rank: int) -> tuple[Any, Any, Any, Any]:
     model_file = _model_file(name)
     model = model_file.build()
     gen = torch.Generator().manual_seed(0)
-    count = m * PIPE_MICROBATCHES
+    count = m * _microbatches(run)
     if name == "mlp":
         # Stage 0: the first three Linear+ReLU layers (OpGraph nodes [:6]); stage 1: the rest.
         layers = [mod for layer in model.layers for mod in (layer, torch.nn.ReLU())]
@@ -257,7 +267,7 @@ def _pipeline_rank(rank: int, init_file: str) -> None:
     for run in PIPE_RUNS:
         for schedule_name, schedule_class in (("1f1b", Schedule1F1B), ("gpipe", ScheduleGPipe)):
             stage, x, y, loss_fn = _pipeline_stage(run, rank)
-            schedule = schedule_class(stage, n_microbatches=PIPE_MICROBATCHES, loss_fn=loss_fn)
+            schedule = schedule_class(stage, n_microbatches=_microbatches(run), loss_fn=loss_fn)
             params = list(stage.submod.parameters())
             opt = build_optimizer("adamw", params)
             live = storage_bytes([*params, *stage.submod.buffers(), x if rank == 0 else None,
@@ -308,14 +318,14 @@ def run_pipeline(directory: Path) -> list[Comparison]:
             next(i for i, n in enumerate(graph.nodes) if n.module.startswith(split))
         names = [n.name for n in graph.nodes]
         predicted = stage_memory(table, names[:cut] if rank == 0 else names[cut:],
-                                 microbatch_size=m, num_microbatches=PIPE_MICROBATCHES,
+                                 microbatch_size=m, num_microbatches=_microbatches(run),
                                  stage_index=rank, num_stages=2,
                                  gradients_resident=run not in GRADS_FREED,
                                  config=TrainingConfig(
                                      schedule=schedule, activation_checkpointing=checkpointing))
         case = f"{schedule}{', checkpointing' if checkpointing else ''}" \
                f"{', gradients freed' if run in GRADS_FREED else ''}, stage {rank} of 2, " \
-               f"M={PIPE_MICROBATCHES}"
+               f"M={_microbatches(run)}"
         comparisons.append(Comparison(name, case, predicted, peak))
     return comparisons
 
