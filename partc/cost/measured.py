@@ -95,6 +95,7 @@ from partc.version import __version__
 # (partc.cost.torch_profiler.cpu_settings); the revision recorded in the profile.
 MEASUREMENT_REVISION = 6
 
+
 @dataclass(frozen=True)
 class ProfileOptions:
     """What `partc profile` measures and how."""

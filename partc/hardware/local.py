@@ -3,6 +3,7 @@ about it other passes need (physical cores, RAM, CPU model)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import socket
 from dataclasses import replace
@@ -185,13 +186,15 @@ _M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters (malloc.h)
 _M_MMAP_MAX = -4
 
 
+@functools.cache
 def keep_freed_memory() -> bool:
     """Have glibc's malloc keep the memory this process frees, for the rest of the process,
     instead of handing it back to the OS: no allocation is served by its own mmap (M_MMAP_MAX
     0) and the heap's free top is never trimmed (M_TRIM_THRESHOLD -1). This is what CUDA's
     caching allocator does for a GPU, and what a training step's steady state wants: it frees
     and re-allocates the same sizes every micro-batch. Returns whether it applied (False where
-    the C library is not glibc); calling it again is harmless.
+    the C library is not glibc); once per process (cached: `platform.libc_ver` reads the
+    interpreter's binary, and every measurement enters `cpu_settings`).
 
     Why: by default a free of a block at the heap's top beyond the trim threshold, or of a
     block above the mmap threshold (dynamic, at most 32 MiB), goes back to the OS, and the next
