@@ -127,7 +127,10 @@ def measure_training_peak(capture: Capture, microbatch_size: int, num_microbatch
 
     def forward(a: tuple[Any, ...], k: dict[str, Any]) -> Any:
         if checkpointing:
-            return torch.utils.checkpoint.checkpoint(module, *a, use_reentrant=False, **k)
+            # recomputed whole, as launch's stages recompute (partc.run.stage_runner: TorchScript
+            # cannot stop early), so the outputs nothing saves are remade at the peak too
+            with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+                return torch.utils.checkpoint.checkpoint(module, *a, use_reentrant=False, **k)
         return module(*a, **k)
 
     def step() -> None:

@@ -767,9 +767,14 @@ def stage_memory(table: CostTable, nodes: Collection[str], *, microbatch_size: i
     if last_rank and any(t in graph_outputs for t in sends):
         # the step's M loss values the schedule keeps, and the loss backward's seed: scalars
         communication += (M + 1) * _FP32
-    if config.schedule == "1f1b" and M > in_flight >= 2:
-        # Schedule1F1B keeps the works of its last early warm-up send, and so that micro-batch's
-        # outputs, to the end of the step.
+    if config.schedule == "1f1b" and in_flight >= 2 and M >= 2 * in_flight - 1:
+        # Schedule1F1B keeps the works of its last early warm-up send (micro-batch W - 2 of W
+        # warm-up forwards), and so that micro-batch's outputs, to the end of the step: past its
+        # backward, which is W - 1 backwards into the steady state. It adds to the peak where W
+        # micro-batches are in flight again after that backward, i.e. where a forward of
+        # micro-batch 2W - 2 follows it (M >= 2W - 1); else fewer are in flight from then on.
+        # Measured (tests/solve/test_memory.py): stage 0 of 3 at M = 4 holds none of it at its
+        # peak; stage 0 of 2 and stage 1 of 3 at M = 4 hold it.
         communication += sum(size(t) for t in to_stages)
 
     # -- activations -------------------------------------------------------------------------------

@@ -183,26 +183,38 @@ def test_bf16_saved_bytes_match_saved_tensors_under_autocast() -> None:
         assert predicted == pytest.approx(measured, rel=0.02), name
 
 
-# ---- two real pipeline stages (torch.distributed.pipelining, gloo) -------------------------------
+# ---- real pipelines of 2 and 3 stages (torch.distributed.pipelining, gloo) -----------------------
 PIPE_MICROBATCHES = 4
 # run -> (model, micro-batch size, where stage 1 begins: a module path for torch's own pipeline()
-# split, or the OpGraph node index for a hand-made split of the MLP's layers, checkpointing)
+# split, or the OpGraph node indices where stages 1, 2, ... begin for a hand-made split of the
+# MLP's layers, checkpointing)
 PIPE_RUNS: dict[str, tuple[str, int, str, bool]] = {
     "mlp": ("mlp", 512, "6", False),
     "mlp-checkpointed": ("mlp", 512, "6", True),
     "transformer": ("transformer", 16, "blocks.2", False),
     "mlp-grads-freed": ("mlp", 64, "6", False),
     "mlp-grads-freed-m2": ("mlp", 64, "6", False),
+    "mlp-3": ("mlp", 256, "4,8", False),
+    "mlp-3-grads-freed-m3": ("mlp", 64, "4,8", False),
 }
 # runs whose optimizer frees the gradients between steps (launch's zero_grad(set_to_none=True)
 # without a DDP bucket): under GPipe, stage 1's second backward holds all the gradients and the
 # input gradient the first one sent, its peak there
-GRADS_FREED = {"mlp-grads-freed", "mlp-grads-freed-m2"}
-# runs with another micro-batch count than PIPE_MICROBATCHES: M = 2, both micro-batches in flight
-# on stage 0 under 1F1B (its backwards run back to back, as GPipe's). The later phase's sent input
-# gradient for 1F1B with M <= in-flight (partc.solve.memory) needs a middle stage to show: stage 0
-# sends none, and stage 1 holds one micro-batch in flight, so 3 processes at least
-RUN_MICROBATCHES = {"mlp-grads-freed-m2": 2}
+GRADS_FREED = {"mlp-grads-freed", "mlp-grads-freed-m2", "mlp-3-grads-freed-m3"}
+# runs with another micro-batch count than PIPE_MICROBATCHES: M = S, every micro-batch in flight
+# on stage 0 under 1F1B (its backwards run back to back, as GPipe's: partc.solve.memory's
+# M <= in-flight case). torch's Schedule1F1B refuses M < S, so that case is stage 0's alone.
+RUN_MICROBATCHES = {"mlp-grads-freed-m2": 2, "mlp-3-grads-freed-m3": 3}
+
+
+def _num_stages(run: str) -> int:
+    split = PIPE_RUNS[run][2]
+    return len(split.split(",")) + 1 if split[0].isdigit() else 2
+
+
+def _bounds(split: str, total: int) -> list[int]:
+    """Where each stage of a hand-made MLP split begins and the last ends (node indices)."""
+    return [0, *(int(c) for c in split.split(",")), total]
 
 
 def _microbatches(run: str) -> int:
@@ -230,13 +242,14 @@ def _pipeline_stage(run: str, rank: int) -> tuple[Any, Any, Any, Any]:
     gen = torch.Generator().manual_seed(0)
     count = m * _microbatches(run)
     if name == "mlp":
-        # Stage 0: the first three Linear+ReLU layers (OpGraph nodes [:6]); stage 1: the rest.
-        layers = [mod for layer in model.layers for mod in (layer, torch.nn.ReLU())]
-        part: torch.nn.Module = torch.nn.Sequential(*layers[:6]) if rank == 0 else \
-            torch.nn.Sequential(*layers[6:], model.head)
+        # The OpGraph's nodes are the layers' Linear and ReLU in turn, then the head: a split
+        # at node indices ("6": the first three Linear+ReLU layers on stage 0, the rest on 1)
+        mods = [mod for layer in model.layers for mod in (layer, torch.nn.ReLU())] + [model.head]
+        bounds = _bounds(split, len(mods))
+        part: torch.nn.Module = torch.nn.Sequential(*mods[bounds[rank]:bounds[rank + 1]])
         if checkpointing:
             part = _Checkpointed(part)
-        stage = PipelineStage(part, rank, 2, torch.device("cpu"))
+        stage = PipelineStage(part, rank, len(bounds) - 1, torch.device("cpu"))
         x = torch.randn(count, model.layers[0].in_features, generator=gen)
         y = torch.randint(0, model.head.out_features, (count,), generator=gen)
         return stage, x, y, torch.nn.functional.cross_entropy
@@ -253,8 +266,8 @@ def _model_file(name: str) -> Any:
     return load_model_file(EXAMPLES / f"{name}.py")
 
 
-def _pipeline_rank(rank: int, init_file: str) -> None:
-    """One rank of each 2-stage pipeline of PIPE_RUNS under Schedule1F1B and ScheduleGPipe
+def _pipeline_rank(rank: int, init_file: str, world: int) -> None:
+    """One rank of each `world`-stage pipeline of PIPE_RUNS under Schedule1F1B and ScheduleGPipe
     (AdamW): prints each run's peak bytes on this rank, measured over two training steps from an
     empty start (the runtime allocates its buffers lazily in the first)."""
     import warnings
@@ -263,22 +276,26 @@ def _pipeline_rank(rank: int, init_file: str) -> None:
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
     warnings.filterwarnings("ignore")
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    for run in PIPE_RUNS:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    last = rank == world - 1
+    for run in (r for r in PIPE_RUNS if _num_stages(r) == world):
         for schedule_name, schedule_class in (("1f1b", Schedule1F1B), ("gpipe", ScheduleGPipe)):
             stage, x, y, loss_fn = _pipeline_stage(run, rank)
             schedule = schedule_class(stage, n_microbatches=_microbatches(run), loss_fn=loss_fn)
             params = list(stage.submod.parameters())
             opt = build_optimizer("adamw", params)
             live = storage_bytes([*params, *stage.submod.buffers(), x if rank == 0 else None,
-                                   y if rank == 1 else None])
+                                   y if last else None])
 
             def step(schedule: Any = schedule, x: Any = x, y: Any = y, opt: Any = opt,
                      freed: bool = run in GRADS_FREED) -> None:
                 if rank == 0:
                     schedule.step(x)
-                else:
+                elif last:
                     schedule.step(target=y, return_outputs=False)
+                else:
+                    schedule.step()
                 opt.step()
                 opt.zero_grad(set_to_none=freed)
 
@@ -286,45 +303,50 @@ def _pipeline_rank(rank: int, init_file: str) -> None:
                                         profile_memory=True) as prof:
                 step()
                 step()
-            print(f"PEAK {run} {schedule_name} {rank} {live + peak_above_start(prof)}",
+            # the last rank's targets: step data its process holds (host_data, as launch's)
+            held = storage_bytes([y]) if last else 0
+            print(f"PEAK {run} {schedule_name} {rank} {live + peak_above_start(prof)} {held}",
                   flush=True)
             del stage, schedule, opt, params, prof, step  # step's defaults hold schedule, opt
     dist.destroy_process_group()
 
 
-def run_pipeline(directory: Path) -> list[Comparison]:
-    """Run `_pipeline_rank` on two processes and compare each rank's peak with stage_memory."""
+def run_pipeline(directory: Path, world: int = 2) -> list[Comparison]:
+    """Run `_pipeline_rank` on `world` processes (the PIPE_RUNS of that many stages) and compare
+    each rank's peak with stage_memory."""
     import subprocess
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    init = directory / "pipeline-init"
-    procs = [subprocess.Popen([sys.executable, __file__, "pipeline-rank", str(rank), str(init)],
+    init = directory / f"pipeline-init-{world}"
+    procs = [subprocess.Popen([sys.executable, __file__, "pipeline-rank", str(rank), str(init),
+                               str(world)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-             for rank in (0, 1)]
-    measured: dict[tuple[str, str, int], int] = {}
+             for rank in range(world)]
+    measured: dict[tuple[str, str, int], tuple[int, int]] = {}
     for proc in procs:
         out, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, err[-2000:]
         for line in out.splitlines():
             if line.startswith("PEAK "):
-                _, name, schedule, rank, peak = line.split()
-                measured[(name, schedule, int(rank))] = int(peak)
+                _, name, schedule, rank, peak, held = line.split()
+                measured[(name, schedule, int(rank))] = int(peak), int(held)
     comparisons = []
-    for (run, schedule, rank), peak in sorted(measured.items()):
+    for (run, schedule, rank), (peak, held) in sorted(measured.items()):
         name, m, split, checkpointing = PIPE_RUNS[run]
         result, table = captured(name, m)
         graph = result.graph
-        cut = int(split) if split.isdigit() else \
-            next(i for i, n in enumerate(graph.nodes) if n.module.startswith(split))
         names = [n.name for n in graph.nodes]
-        predicted = stage_memory(table, names[:cut] if rank == 0 else names[cut:],
+        bounds = _bounds(split, len(names)) if split[0].isdigit() else \
+            [0, next(i for i, n in enumerate(graph.nodes) if n.module.startswith(split)),
+             len(names)]
+        predicted = stage_memory(table, names[bounds[rank]:bounds[rank + 1]],
                                  microbatch_size=m, num_microbatches=_microbatches(run),
-                                 stage_index=rank, num_stages=2,
+                                 stage_index=rank, num_stages=world, host_data=held,
                                  gradients_resident=run not in GRADS_FREED,
                                  config=TrainingConfig(
                                      schedule=schedule, activation_checkpointing=checkpointing))
         case = f"{schedule}{', checkpointing' if checkpointing else ''}" \
-               f"{', gradients freed' if run in GRADS_FREED else ''}, stage {rank} of 2, " \
+               f"{', gradients freed' if run in GRADS_FREED else ''}, stage {rank} of {world}, " \
                f"M={_microbatches(run)}"
         comparisons.append(Comparison(name, case, predicted, peak))
     return comparisons
@@ -333,8 +355,19 @@ def run_pipeline(directory: Path) -> list[Comparison]:
 def test_two_stage_pipeline_peaks_match_torch(tmp_path: Path) -> None:
     """Both ranks of a real 2-stage pipeline, under 1F1B and GPipe: this checks the communication
     term (torch's preallocated receive/gradient buffers, held sends) against the runtime."""
-    comparisons = run_pipeline(tmp_path)
-    assert len(comparisons) == 4 * len(PIPE_RUNS)
+    _check_pipeline(run_pipeline(tmp_path), world=2)
+
+
+def test_three_stage_pipeline_peaks_match_torch(tmp_path: Path) -> None:
+    """Every rank of real 3-stage pipelines: the middle stage receives activations and sends
+    them, and receives gradients and sends them (its communication term's every part), at M = 4
+    and at M = S = 3 with the gradients freed."""
+    _check_pipeline(run_pipeline(tmp_path, world=3), world=3)
+
+
+def _check_pipeline(comparisons: list[Comparison], world: int) -> None:
+    runs = [r for r in PIPE_RUNS if _num_stages(r) == world]
+    assert runs and len(comparisons) == 2 * world * len(runs)
     for c in comparisons:
         assert abs(c.error) <= TOLERANCE, (c.case, c.predicted.to_dict(), c.measured, c.error)
         if "gradients freed" in c.case:  # exact enough to be never below
@@ -679,7 +712,7 @@ def main() -> None:
     print("|---|---|---:|---:|---:|")
     rows = [compare(name, case) for name in MODELS for case in cases]
     with tempfile.TemporaryDirectory() as tmp:
-        rows += run_pipeline(Path(tmp))
+        rows += run_pipeline(Path(tmp)) + run_pipeline(Path(tmp), world=3)
     for c in rows:
         print(f"| {c.model} | {c.case} | {c.predicted.total / 1e6:.2f} | {c.measured / 1e6:.2f} | "
               f"{c.error:+.1%} |")
@@ -688,7 +721,7 @@ def main() -> None:
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
     if sys.argv[1:2] == ["pipeline-rank"]:
-        _pipeline_rank(int(sys.argv[2]), sys.argv[3])
+        _pipeline_rank(int(sys.argv[2]), sys.argv[3], int(sys.argv[4]))
     else:
         main()
 
