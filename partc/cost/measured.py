@@ -64,6 +64,7 @@ from partc.cost.torch_profiler import (
     WALL_CLOCK,
     Clock,
     LossCost,
+    TimedProgram,
     TorchTiming,
     cpu_settings,
     flat_inputs,
@@ -73,7 +74,9 @@ from partc.cost.torch_profiler import (
     program_module,
     time_loss,
     time_nodes,
+    time_totals,
     to_device,
+    totals_program,
 )
 from partc.errors import ModelFileError, PartcError, summarize_exception
 from partc.frontend.capture import CaptureResult, capture_graph
@@ -92,8 +95,10 @@ from partc.version import __version__
 # 2: busy neighbours run the plan's precision. 3: denormals flushed to zero on CPU, as launch
 # computes. 4: GEMM working buffers measured. 5: repeated operators priced at their group's
 # mean (partc.cost.repeats). 6: freed memory kept by the C allocator on CPU, as launch computes
-# (partc.cost.torch_profiler.cpu_settings); the revision recorded in the profile.
-MEASUREMENT_REVISION = 6
+# (partc.cost.torch_profiler.cpu_settings); the revision recorded in the profile. 7: the sizes'
+# whole-model totals timed in rounds together (time_interleaved), an extension's against one of
+# the entry's sizes timed again (TotalsReference).
+MEASUREMENT_REVISION = 7
 
 
 @dataclass(frozen=True)
@@ -228,17 +233,39 @@ class _Measurement:
     loss: LossCost  # the loss function's times and saved bytes
     batch_bytes: int = 0  # one batch of batch_size samples as batches() yields it
     gemm_scratch: int = 0  # partc.cost.activations.gemm_scratch_bytes
+    # what times the whole-model totals, with the other sizes' (None: the nodes' sums stand)
+    totals: TimedProgram | None = None
+
+
+def _module_at(result: CaptureResult, program: ExportedProgram, b: int, device: torch.device,
+               progress: Progress, weights: dict[str, torch.Tensor]) -> torch.fx.GraphModule:
+    """`program` (at batch `b`) runnable on `device`. A meta model's weights are materialised
+    once: later sizes take `weights` (the first one's, filled here) where shapes allow, since
+    every size is alive at once while the totals are timed (a model built on meta may be one
+    whose weights a CPU holds once, not three times)."""
+    cap = result.capture
+    module = program_module(program)
+    if cap.on_meta and weights:
+        own = module.state_dict(keep_vars=True)
+        module.load_state_dict({k: v for k, v in weights.items()
+                                if k in own and own[k].shape == v.shape
+                                and own[k].dtype == v.dtype}, strict=False, assign=True)
+    where = "materialising the model (random weights)" if cap.on_meta else "moving the model"
+    with progress.step(f"{where} to {device} at batch {b}"):
+        to_device(module, device)
+    if cap.on_meta:
+        for k, v in module.state_dict(keep_vars=True).items():
+            weights.setdefault(k, v)
+    return module
 
 
 def _measure(result: CaptureResult, b: int, device: torch.device, use_ort: bool,
              options: ProfileOptions, progress: Progress,
-             clock: Clock = WALL_CLOCK) -> _Measurement:
+             clock: Clock = WALL_CLOCK,
+             weights: dict[str, torch.Tensor] | None = None) -> _Measurement:
     cap = result.capture
     program = _program_at(result, b)
-    module = program_module(program)
-    where = "materialising the model (random weights)" if cap.on_meta else "moving the model"
-    with progress.step(f"{where} to {device} at batch {b}"):
-        to_device(module, device)
+    module = _module_at(result, program, b, device, progress, {} if weights is None else weights)
     inputs = inputs_on(cap.model_file.inputs(b), device)
     # Every training-mode forward below updates the model's own buffers (batch-norm statistics),
     # which emit saves into the stage files: without the restore a plan's weights would depend
@@ -253,7 +280,7 @@ def _measure(result: CaptureResult, b: int, device: torch.device, use_ort: bool,
                 saved = saved_activation_bytes(module, inputs)
             timing = time_nodes(module, inputs, b, device, warmup=options.warmup,
                                 runs=max(3, options.runs // 2), precision=options.precision,
-                                clock=clock)
+                                clock=clock, totals=False)
         with progress.step(f"torch: the loss function at batch {b}"):
             loss, batch_bytes = _time_loss(cap.model_file, module, inputs, b, device, options,
                                              clock)
@@ -283,10 +310,47 @@ def _measure(result: CaptureResult, b: int, device: torch.device, use_ort: bool,
                                        threads=options.threads, warmup=options.warmup,
                                        runs=options.runs)
                 del feeds
+    totals = totals_program(module, flat_inputs(module, inputs), device)
     del module, inputs
     gc.collect()
     return _Measurement(batch_size=b, torch=timing, ort=ort_timing, saved=saved, loss=loss,
-                        batch_bytes=batch_bytes, gemm_scratch=gemm_scratch)
+                        batch_bytes=batch_bytes, gemm_scratch=gemm_scratch, totals=totals)
+
+
+def _time_totals(result: CaptureResult, measurements: list[_Measurement],
+                 device: torch.device, options: ProfileOptions, progress: Progress, clock: Clock,
+                 weights: dict[str, torch.Tensor],
+                 retime: tuple[int, ...] = ()) -> dict[int, tuple[float, float]]:
+    """Every size's whole-model totals timed together (`time_totals`: in rounds, so the sizes'
+    ratios are taken in the same moments), into `measurements` in place; the sizes `retime`
+    (a profile's earlier ones) in the same rounds, returned: {size: (forward, backward)}."""
+    timed = [m for m in measurements if m.totals is not None]
+    programs = [m.totals for m in timed if m.totals is not None]
+    again: list[int] = []
+    for b in retime:
+        module = _module_at(result, _program_at(result, b), b, device, progress, weights)
+        inputs = inputs_on(result.capture.model_file.inputs(b), device)
+        program = totals_program(module, flat_inputs(module, inputs), device)
+        del module, inputs
+        if program is not None:
+            programs.append(program)
+            again.append(b)
+    if not programs:
+        return {}
+    sizes = ", ".join(str(m.batch_size) for m in timed) + (
+        f" (and {', '.join(map(str, again))} again)" if again else "")
+    with progress.step(f"torch: whole-model totals at batch {sizes}, timed in turn"), \
+            contextlib.ExitStack() as restored:
+        for timed_module, _ in programs:  # training-mode forwards: buffers put back (_measure)
+            restored.enter_context(buffers_restored(timed_module))
+        totals = time_totals(programs, device, options.warmup, max(3, options.runs // 2),
+                             options.precision, clock)
+    for m, (fwd, bwd) in zip(timed, totals, strict=False):
+        m.torch = replace(m.torch, model_forward_s=fwd, model_backward_s=bwd)
+        m.totals = None
+    del programs
+    gc.collect()
+    return dict(zip(again, totals[len(timed):], strict=True))
 
 
 def _time_loss(model_file: ModelFile, module: torch.fx.GraphModule, inputs: Inputs, b: int,
@@ -345,6 +409,31 @@ def measure_sizes(result: CaptureResult, device: torch.device, options: ProfileO
                   progress: Progress) -> CostTable:
     """`measure_costs` at `options.batch_sizes`, one or more (a single size gives costs
     proportional to the micro-batch: the part of a table `CostTable.merged` adds to another)."""
+    return _measure_sizes(result, device, options, progress)[0]
+
+
+def extend_profile(part: CostTable, result: CaptureResult, device: torch.device,
+                   options: ProfileOptions, progress: Progress) -> CostTable:
+    """`part` (a measured profile of this capture, measured as `options` say) with the sizes of
+    `options.batch_sizes` it lacks measured and merged in. Its own sizes' totals are timed
+    again in the same rounds as the new ones' and its nodes at those sizes scaled to them (their
+    shares kept): all of a profile's totals are then one sitting's, and the slope between an
+    earlier size and the new one is not the machine's speed on two days (this VM: 5-12% apart
+    between minutes)."""
+    missing = tuple(b for b in options.batch_sizes if b not in part.source.batch_sizes)
+    table, retimed = _measure_sizes(result, device, replace(options, batch_sizes=missing),
+                                    progress, retime=part.source.batch_sizes)
+    for b, (fwd, bwd) in sorted(retimed.items()):
+        part = part.scaled_at(b, fwd / part.total_forward_s(b) if part.total_forward_s(b) else 1.0,
+                              bwd / part.total_backward_s(b) if part.total_backward_s(b) else 1.0)
+    return part.merged(table)
+
+
+def _measure_sizes(result: CaptureResult, device: torch.device, options: ProfileOptions,
+                   progress: Progress, retime: tuple[int, ...] = ()
+                   ) -> tuple[CostTable, dict[int, tuple[float, float]]]:
+    """`measure_sizes`, and the totals of the sizes `retime` timed with its own
+    (`_time_totals`)."""
     check_options(options)
     sizes = tuple(sorted(set(options.batch_sizes)))
     choice = timing_choice(options, device)
@@ -371,10 +460,14 @@ def measure_sizes(result: CaptureResult, device: torch.device, options: ProfileO
     # (the neighbours start first: a child inherits its parent's pinning)
     with busy_neighbours(neighbours, result.capture.model_file.path, max(sizes),
                          options.precision, progress), pinned:
-        measurements = [_measure(result, b, device, use_ort, options, progress, clock)
+        weights: dict[str, torch.Tensor] = {}
+        measurements = [_measure(result, b, device, use_ort, options, progress, clock, weights)
                         for b in sizes]
+        retimed = _time_totals(result, measurements, device, options, progress, clock, weights,
+                               retime)
+        del weights
     return combine(result.graph, measurements, device, options, use_ort,
-                   fallback=choice.fallback, cpu_time=clock is CPU_CLOCK)
+                   fallback=choice.fallback, cpu_time=clock is CPU_CLOCK), retimed
 
 
 def combine(graph: OpGraph, measurements: list[_Measurement], device: torch.device,

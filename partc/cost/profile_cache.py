@@ -7,7 +7,9 @@ busy neighbours, the
 profiled micro-batch sizes and the timing method. A missing entry is measured and written
 atomically (`partc.files.write_atomic`, through `CostTable.save`), so concurrent compiles see a
 whole file or none; an entry that cannot be read or that does not match its key (a corrupt or
-hand-edited file) is measured again and replaced, never trusted.
+hand-edited file) is measured again and replaced, never trusted. An entry at some of the sizes
+asked for is extended (`extend_profile`): the other sizes measured, its own whole-model totals
+timed again in the same rounds.
 
 Where: `$PARTC_CACHE_DIR`, else `$XDG_CACHE_HOME/partc/profiles`, else `~/.cache/partc/profiles`.
 """
@@ -27,9 +29,9 @@ from partc.cost.measured import (
     check_options,
     cpu_clocked,
     device_label,
+    extend_profile,
     intra_op_threads,
     measure_costs,
-    measure_sizes,
     parse_device,
     timing_choice,
 )
@@ -144,16 +146,15 @@ def cached_profile(result: CaptureResult, options: ProfileOptions,
                 return table, path
             progress.warn(f"re-measuring: cached profile {path.name} does not match its key")
     # an entry at some of the sizes (a compile measuring one more micro-batch size than
-    # before): measure only the others
+    # before): measure only the others, the entry's totals timed again with theirs
     part = _largest_subset(directory, graph, options.precision, sizes, matches) \
         if directory.is_dir() else None
     with intra_op_threads(device, options.threads):
         if part is None:
             table = measure_costs(result, device, options, progress)
         else:
-            missing = tuple(b for b in sizes if b not in part.source.batch_sizes)
-            table = part.merged(measure_sizes(result, device,
-                                              replace(options, batch_sizes=missing), progress))
+            table = extend_profile(part, result, device, replace(options, batch_sizes=sizes),
+                                   progress)
     try:
         directory.mkdir(parents=True, exist_ok=True)
         with progress.step(f"caching the profile in {path}"):

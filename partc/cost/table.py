@@ -301,6 +301,33 @@ class CostTable:
             counts[c.method] = counts.get(c.method, 0) + 1
         return dict(sorted(counts.items()))
 
+    def scaled_at(self, batch_size: int, forward: float, backward: float) -> "CostTable":
+        """This measured table with every node's forward and backward at `batch_size` (one of its
+        sizes) multiplied by `forward` and `backward`: its whole-model totals timed again
+        (partc.cost.measured.extend_profile), the nodes' shares kept. The calibration records
+        the new totals and the factors."""
+        if batch_size not in self.source.batch_sizes:
+            raise ValueError(f"batch size {batch_size} is not one of {self.source.batch_sizes}")
+
+        def point(curve: Curve, factor: float) -> Curve:
+            return Curve.through([(m, v * factor if m == batch_size else v)
+                                  for m, v in curve.points])
+
+        nodes = {n: replace(c, forward=point(c.forward, forward),
+                            backward=point(c.backward, backward))
+                 for n, c in self.nodes.items()}
+        measured = dict(self.source.calibration.get("measured", {}))
+        row = dict(measured.get(str(batch_size), {}))
+        for key, factor in (("torch_forward_s", forward), ("torch_backward_s", backward)):
+            if isinstance(row.get(key), (int, float)):
+                row[key] = float(f"{row[key] * factor:.6g}")
+        row["retimed"] = {"forward_scale": float(f"{forward:.6g}"),
+                          "backward_scale": float(f"{backward:.6g}")}
+        measured[str(batch_size)] = row
+        source = replace(self.source,
+                         calibration={**self.source.calibration, "measured": measured})
+        return replace(self, source=source, nodes=nodes)
+
     def merged(self, other: "CostTable") -> "CostTable":
         """This measured table and `other` (the same graph, device and conditions, at other batch
         sizes) as one: every cost through the points of both, the sizes and the per-size

@@ -34,7 +34,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.fx
@@ -346,18 +346,14 @@ def _zero_grads(module: torch.nn.Module) -> None:
         p.grad = None
 
 
-def time_model(module: torch.nn.Module, inputs: Inputs, device: torch.device,
-               warmup: int = 2, runs: int = 5, precision: Precision = "fp32",
-               cold: bool = False, clock: Clock = WALL_CLOCK, budget_s: float = 0.0,
-               max_runs: int = 0) -> tuple[float, float]:
-    """Median (forward, backward) time of a whole training step of the program, without the
-    loss: backward starts from all-ones output gradients, so only the model is timed. The forward
-    runs under `precision_autocast`, as in launch. On CUDA every clock read follows a
-    synchronize: kernels run asynchronously, so the clock alone would time their launch. `cold`:
-    the CPU caches are flushed before each run (`flush_cpu_caches`). `clock`: WALL_CLOCK, or on a
-    CPU whose core is shared CPU_CLOCK. `budget_s`: after `runs` timed runs, more until that much
-    wall time has passed since the first timed one (whatever `clock` times), at most `max_runs`
-    in all: a fixed cost in the user's time, the same whether the core is shared or not."""
+# A program ready to time (`time_interleaved`): the module and its (args, kwargs).
+TimedProgram = tuple[torch.nn.Module, Inputs]
+
+
+def _step_timer(module: torch.nn.Module, inputs: Inputs, device: torch.device,
+                precision: Precision, cold: bool,
+                clock: Clock) -> Callable[[], tuple[float, float]]:
+    """One timed training step of the program (time_model's run): (forward, backward)."""
     args, kwargs = inputs
 
     def once() -> tuple[float, float]:
@@ -375,19 +371,53 @@ def time_model(module: torch.nn.Module, inputs: Inputs, device: torch.device,
             torch.autograd.backward(tensors, grads)
         _sync(device)
         t2 = clock()
+        _zero_grads(module)  # a program's gradients are not kept while others run
         return t1 - t0, t2 - t1
 
+    return once
+
+
+def time_model(module: torch.nn.Module, inputs: Inputs, device: torch.device,
+               warmup: int = 2, runs: int = 5, precision: Precision = "fp32",
+               cold: bool = False, clock: Clock = WALL_CLOCK, budget_s: float = 0.0,
+               max_runs: int = 0) -> tuple[float, float]:
+    """Median (forward, backward) time of a whole training step of the program, without the
+    loss: backward starts from all-ones output gradients, so only the model is timed. The forward
+    runs under `precision_autocast`, as in launch. On CUDA every clock read follows a
+    synchronize: kernels run asynchronously, so the clock alone would time their launch. `cold`:
+    the CPU caches are flushed before each run (`flush_cpu_caches`). `clock`: WALL_CLOCK, or on a
+    CPU whose core is shared CPU_CLOCK. `budget_s`: after `runs` timed runs, more until that much
+    wall time has passed since the first timed one (whatever `clock` times), at most `max_runs`
+    in all: a fixed cost in the user's time, the same whether the core is shared or not."""
+    return time_interleaved([(module, inputs)], device, warmup, runs, precision, cold, clock,
+                            budget_s, max_runs)[0]
+
+
+def time_interleaved(programs: Sequence[TimedProgram], device: torch.device,
+                     warmup: int = 2, runs: int = 5, precision: Precision = "fp32",
+                     cold: bool = False, clock: Clock = WALL_CLOCK, budget_s: float = 0.0,
+                     max_runs: int = 0) -> list[tuple[float, float]]:
+    """`time_model` of several programs at once, in rounds of one run each, so that whatever
+    the machine does meanwhile (a shared VM's slower minute) falls on all of them alike: their
+    ratios are taken in the same moments. A profile's micro-batch sizes are such programs, and
+    the solver compares shapes through their ratios (measured on this repository's VM: the
+    per-sample cost of an MLP at 1024 over 512 spread with a standard deviation of 0.02-0.04
+    over eight profiles timed one size after the other, 0.010-0.012 timed in rounds).
+    `budget_s` is per program: the rounds go on, after `runs`, until `budget_s` times the
+    number of programs has passed."""
+    steps = [_step_timer(m, i, device, precision, cold, clock) for m, i in programs]
     for _ in range(warmup):
-        once()
-    fwd: list[float] = []
-    bwd: list[float] = []
+        for once in steps:
+            once()
+    times: list[list[tuple[float, float]]] = [[] for _ in steps]
+    budget = budget_s * len(steps)
     started = WALL_CLOCK()
-    while len(fwd) < runs or (len(fwd) < max_runs and WALL_CLOCK() - started < budget_s):
-        f, b = once()
-        fwd.append(f)
-        bwd.append(b)
-    _zero_grads(module)
-    return statistics.median(fwd), statistics.median(bwd)
+    while len(times[0]) < runs or (len(times[0]) < max_runs
+                                   and WALL_CLOCK() - started < budget):
+        for once, timed in zip(steps, times, strict=True):
+            timed.append(once())
+    return [(statistics.median(f for f, _ in timed), statistics.median(b for _, b in timed))
+            for timed in times]
 
 
 @dataclass(frozen=True)
@@ -588,14 +618,20 @@ def _clock_once(module: torch.fx.GraphModule, flat: list[Any], device: torch.dev
 
 def time_nodes(module: torch.fx.GraphModule, inputs: Inputs, batch_size: int,
                device: torch.device, warmup: int = 3, runs: int = 5,
-               precision: Precision = "fp32", clock: Clock = WALL_CLOCK) -> TorchTiming:
+               precision: Precision = "fp32", clock: Clock = WALL_CLOCK,
+               totals: bool = True) -> TorchTiming:
     """Whole-model and per-node forward/backward times of the program on `device`, forward under
     `precision_autocast(precision)` (the module docstring says how, per device); on a CPU by
-    `clock` (CPU_CLOCK where the core is shared)."""
+    `clock` (CPU_CLOCK where the core is shared). `totals=False`: the whole-model times are the
+    nodes' sums, for a caller that times the totals itself (`totals_program`, with other sizes
+    in `time_interleaved`)."""
     flat = flat_inputs(module, inputs)
     if device.type == "cpu":
-        return _clocked_nodes(module, flat, batch_size, device, warmup, runs, precision, clock)
-    model_fwd, model_bwd = time_model(module, inputs, device, warmup, runs, precision)
+        return _clocked_nodes(module, flat, batch_size, device, warmup, runs, precision, clock,
+                              totals)
+    model_fwd = model_bwd = 0.0
+    if totals:
+        model_fwd, model_bwd = time_model(module, inputs, device, warmup, runs, precision)
     per_run: list[tuple[dict[str, float], dict[str, float], float]] = []
     differentiable: set[str] = set()
     # Profiled runs need their own warm-up: the first few are slow again (allocator and
@@ -609,6 +645,8 @@ def time_nodes(module: torch.fx.GraphModule, inputs: Inputs, batch_size: int,
     median = lambda vals: statistics.median(vals) * 1e-6  # noqa: E731  (us -> s)
     node_fwd = {n: median([f.get(n, 0.0) for f, _, _ in per_run]) for n in names}
     node_bwd = {n: median([b.get(n, 0.0) for _, b, _ in per_run]) for n in names}
+    if not totals:
+        model_fwd, model_bwd = sum(node_fwd.values()), sum(node_bwd.values())
     return TorchTiming(batch_size=batch_size, model_forward_s=model_fwd, model_backward_s=model_bwd,
                        node_forward_s={n: v for n, v in node_fwd.items() if v > 0},
                        node_backward_s={n: v for n, v in node_bwd.items() if v > 0},
@@ -618,7 +656,8 @@ def time_nodes(module: torch.fx.GraphModule, inputs: Inputs, batch_size: int,
 
 def _clocked_nodes(module: torch.fx.GraphModule, flat: list[Any], batch_size: int,
                    device: torch.device, warmup: int, runs: int,
-                   precision: Precision, clock: Clock = WALL_CLOCK) -> TorchTiming:
+                   precision: Precision, clock: Clock = WALL_CLOCK,
+                   totals: bool = True) -> TorchTiming:
     """`time_nodes` on the CPU: `clock` medians per node (`_clock_once`), the engine's time
     between autograd nodes spread by autograd-node count; the model's times are their sums."""
     per_run: list[tuple[dict[str, float], dict[str, float], float]] = []
@@ -643,17 +682,9 @@ def _clocked_nodes(module: torch.fx.GraphModule, flat: list[Any], batch_size: in
     node_fwd = {n: v for n, v in node_fwd.items() if v > 0}
     node_bwd = {n: v for n, v in node_bwd.items() if v > 0}
     model_fwd, model_bwd = sum(node_fwd.values()), sum(node_bwd.values())
-    scripted = script_program(module, flat)
-    if scripted is not None:  # the totals launch's stage files run in
-        # The totals decide every stage's time: timed for TOTALS_BUDGET_S of wall time (this
-        # VM's run-to-run spread is +-5-15% over a handful of runs; medians of many settle it).
-        # Wall time, not `clock`'s: on a shared core CPU time passes at a fraction of the wall's,
-        # and a CPU-time budget doubled cpu-4 compiles (with the neighbours spinning throughout).
-        with torch.jit.optimized_execution(False):
-            model_fwd, model_bwd = time_model(scripted, (tuple(flat), {}), device, warmup, runs,
-                                              precision, cold=True, clock=clock,
-                                              budget_s=TOTALS_BUDGET_S,
-                                              max_runs=TOTALS_MAX_RUNS)
+    program = totals_program(module, flat, device) if totals else None
+    if program is not None:
+        model_fwd, model_bwd = time_totals([program], device, warmup, runs, precision, clock)[0]
     return TorchTiming(batch_size=batch_size, model_forward_s=model_fwd,
                        model_backward_s=model_bwd, node_forward_s=node_fwd,
                        node_backward_s=node_bwd, unattributed_backward_s=0.0,
@@ -662,6 +693,33 @@ def _clocked_nodes(module: torch.fx.GraphModule, flat: list[Any], batch_size: in
 
 TOTALS_BUDGET_S = 1.0  # the wall time a CPU profile spends timing a size's totals
 TOTALS_MAX_RUNS = 100
+
+
+def totals_program(module: torch.fx.GraphModule, flat: list[Any],
+                   device: torch.device) -> TimedProgram | None:
+    """What times a program's whole-model totals (`time_totals`): on a CPU the program as
+    TorchScript, the form launch's stage files run in (None when it cannot be scripted: the
+    caller keeps the per-node sums); elsewhere the program itself."""
+    if device.type != "cpu":
+        return module, (tuple(flat), {})
+    scripted = script_program(module, flat)
+    return (scripted, (tuple(flat), {})) if scripted is not None else None
+
+
+def time_totals(programs: Sequence[TimedProgram], device: torch.device,
+                warmup: int, runs: int, precision: Precision,
+                clock: Clock = WALL_CLOCK) -> list[tuple[float, float]]:
+    """The whole-model (forward, backward) medians of `totals_program`s, timed in rounds
+    (`time_interleaved`). On a CPU they decide every stage's time: each program is timed for
+    TOTALS_BUDGET_S of wall time (this VM's run-to-run spread is +-5-15% over a handful of runs;
+    medians of many settle it), from cold caches as a stage's pass starts. Wall time, not
+    `clock`'s: on a shared core CPU time passes at a fraction of the wall's, and a CPU-time budget
+    doubled cpu-4 compiles (with the neighbours spinning throughout)."""
+    if device.type != "cpu":
+        return time_interleaved(programs, device, warmup, runs, precision)
+    with torch.jit.optimized_execution(False):
+        return time_interleaved(programs, device, warmup, runs, precision, cold=True,
+                                clock=clock, budget_s=TOTALS_BUDGET_S, max_runs=TOTALS_MAX_RUNS)
 
 _FLUSH: list[torch.Tensor] = []
 

@@ -7,8 +7,9 @@ A measured cost is exact at the sizes it was measured at and interpolated betwee
 choices), so a plan whose micro-batch lies far from the measured sizes is priced by an
 extrapolation (measured on this repository's CPU machine: an MLP profiled at 2 and 64 samples
 ran 1.3x slower per stage at 512 than the line predicted). Each round adds the plan's size to the
-profile (measuring only that size: partc.cost.profile_cache) and searches again; the shape can
-move, so this repeats, at most `MEASURE_ROUNDS` times.
+profile (measuring only that size, the profile's whole-model totals timed again with it:
+partc.cost.measured.extend_profile) and searches again; the shape can move, so this repeats, at
+most `MEASURE_ROUNDS` times.
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import EXAMPLES, captured
+from conftest import EXAMPLES, TEST_MODELS, captured
 
 from partc.cost.measured import ProfileOptions, measure_costs
 from partc.cost.repeats import pooled, repeated_nodes
@@ -19,6 +19,7 @@ from partc.cost.torch_profiler import (
     inputs_on,
     program_module,
     script_program,
+    time_interleaved,
     time_loss,
     time_nodes,
     to_device,
@@ -50,6 +51,54 @@ def test_identical_layers_are_timed_alike_on_the_cpu() -> None:
     # the totals are the program's as TorchScript, and the nodes share them out
     assert script_program(module, flat_inputs(module, inputs)) is not None
     assert timing.model_forward_s > 0 and timing.model_backward_s > 0
+
+
+class _Tagged(torch.nn.Module):
+    """Records each forward in `calls`: which program ran when."""
+
+    def __init__(self, tag: str, calls: list[str], width: int) -> None:
+        super().__init__()
+        self.tag, self.calls = tag, calls
+        self.weight = torch.nn.Parameter(torch.ones(width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.append(self.tag)
+        return x @ self.weight
+
+
+def test_a_profiles_sizes_are_timed_in_rounds() -> None:
+    # a drift of the machine's speed (a shared VM's slower second) falls on every size alike
+    # only if they are timed in the same moments: one run of each per round, warm-ups included,
+    # and each program's medians its own
+    calls: list[str] = []
+    small, large = _Tagged("small", calls, 8), _Tagged("large", calls, 256)
+    x_small, x_large = torch.randn(4, 8), torch.randn(256, 256)
+    times = time_interleaved([(small, ((x_small,), {})), (large, ((x_large,), {}))], CPU,
+                             warmup=1, runs=3)
+    assert calls == ["small", "large"] * 4
+    (small_f, small_b), (large_f, large_b) = times
+    assert 0 < small_f < large_f and 0 < small_b < large_b
+    assert small.weight.grad is None and large.weight.grad is None  # none kept between runs
+    # with a budget (per program) the rounds go on past `runs`, still whole rounds
+    calls.clear()
+    time_interleaved([(small, ((x_small,), {})), (large, ((x_large,), {}))], CPU, warmup=0,
+                     runs=1, budget_s=0.02, max_runs=20)
+    assert len(calls) > 2 and calls == ["small", "large"] * (len(calls) // 2)
+
+
+def test_a_meta_models_sizes_share_one_copy_of_its_weights() -> None:
+    # every size is alive while their totals are timed together: a model built on meta is
+    # materialised once, the other sizes take its tensors
+    from partc.cost.measured import _module_at, _program_at
+
+    result = captured(TEST_MODELS / "tiny_gpt2_meta.py")
+    assert result.capture.on_meta
+    weights: dict[str, torch.Tensor] = {}
+    first = _module_at(result, _program_at(result, 2), 2, CPU, Progress(), weights)
+    second = _module_at(result, _program_at(result, 4), 4, CPU, Progress(), weights)
+    params = dict(first.named_parameters())
+    assert params and all(not t.is_meta for t in params.values())
+    assert all(t.data_ptr() == params[n].data_ptr() for n, t in second.named_parameters())
 
 
 def test_the_loss_is_measured_and_paid_by_the_last_stage() -> None:

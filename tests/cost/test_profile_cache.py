@@ -107,18 +107,22 @@ def test_each_precision_has_its_own_entry(monkeypatch: pytest.MonkeyPatch,
 def test_a_larger_set_of_sizes_measures_only_the_missing_ones(monkeypatch: pytest.MonkeyPatch,
                                                               tmp_path: Path) -> None:
     # compile adds the plan's micro-batch size to a profile (partc.plans.priced_search): the
-    # entry at the other sizes is reused, only the new size is measured, and the merged table is
-    # exact at every measured size
+    # entry at the other sizes is reused (their per-node costs kept, up to one factor per size
+    # and direction: their totals are timed again with the new size's), only the new size is
+    # measured per node, and the merged table is exact at every measured size
     monkeypatch.setenv("PARTC_CACHE_DIR", str(tmp_path))
     first, first_path, _ = _cached(dataclasses.replace(FAST, batch_sizes=(2, 4)))
     more, path, steps = _cached(dataclasses.replace(FAST, batch_sizes=(2, 4, 16)))
     assert path != first_path and more.source.batch_sizes == (2, 4, 16)
     measured = [s for s in steps.steps if s.startswith("torch: ")]
     assert measured and all("batch 16" in s for s in measured), measured
-    for name, cost in first.nodes.items():  # both as their files hold them
-        for b in (2, 4):
-            assert more.forward_s(name, b) == cost.forward.at(b)
-            assert more.backward_s(name, b) == cost.backward.at(b)
+    for b in (2, 4):
+        scale = more.source.calibration["measured"][str(b)]["retimed"]
+        for name, cost in first.nodes.items():  # both as their files hold them
+            assert more.forward_s(name, b) == pytest.approx(
+                cost.forward.at(b) * scale["forward_scale"], rel=1e-4, abs=1e-12)
+            assert more.backward_s(name, b) == pytest.approx(
+                cost.backward.at(b) * scale["backward_scale"], rel=1e-4, abs=1e-12)
     assert more.loss.forward.at(2) == first.loss.forward.at(2)
     # the file holds the three sizes and reads back to the same costs
     again = CostTable.load(path, more.graph)
@@ -128,6 +132,39 @@ def test_a_larger_set_of_sizes_measures_only_the_missing_ones(monkeypatch: pytes
     # and a later ask for those sizes is a plain hit
     _, _, hit = _cached(dataclasses.replace(FAST, batch_sizes=(2, 4, 16)))
     assert not hit.measured()
+
+
+def test_an_extension_times_the_entrys_totals_again_with_its_own(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # An entry measured on a day the machine ran at half speed (its size-4 costs doubled in the
+    # file): the size a later compile adds is timed in the same rounds as the entry's sizes
+    # again, which are scaled to their new totals, so that the day's speed is not read as what
+    # a larger micro-batch costs.
+    import yaml
+
+    monkeypatch.setenv("PARTC_CACHE_DIR", str(tmp_path))
+    first, first_path, _ = _cached(dataclasses.replace(FAST, batch_sizes=(2, 4)))
+    data = yaml.safe_load(first_path.read_text())
+    for row in data["nodes"].values():  # [method, [fwd], [bwd], [saved]] at sizes 2 and 4
+        row[1][1] *= 2
+        row[2][1] *= 2
+    first_path.write_text(yaml.safe_dump(data, sort_keys=True))
+    slow = CostTable.load(first_path, first.graph)
+    assert slow.total_forward_s(4) == pytest.approx(2 * first.total_forward_s(4), rel=1e-4)
+    more, _, steps = _cached(dataclasses.replace(FAST, batch_sizes=(2, 4, 16)))
+    assert any("batch 16 (and 2, 4 again)" in s for s in steps.steps), steps.steps
+    retimed = more.source.calibration["measured"]["4"]["retimed"]
+    # about 1/2: the factor put into the file, times this machine's drift between the timings
+    assert 0.3 < retimed["forward_scale"] < 0.75 and 0.3 < retimed["backward_scale"] < 0.75
+    assert 0.6 < more.total_forward_s(4) / first.total_forward_s(4) < 1.5
+    # each node keeps its share of its size's total
+    for name in more.nodes:
+        assert more.forward_s(name, 4) == pytest.approx(
+            slow.forward_s(name, 4) * retimed["forward_scale"], rel=1e-4, abs=1e-12)
+    # and a later ask for those sizes is a plain hit of what was written
+    again, _, hit = _cached(dataclasses.replace(FAST, batch_sizes=(2, 4, 16)))
+    assert not hit.measured()
+    assert again.total_forward_s(4) == pytest.approx(more.total_forward_s(4), rel=1e-9)
 
 
 def test_measuring_leaves_the_model_state_as_built() -> None:
