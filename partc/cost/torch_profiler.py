@@ -682,7 +682,7 @@ def _clocked_nodes(module: torch.fx.GraphModule, flat: list[Any], batch_size: in
     node_fwd = {n: v for n, v in node_fwd.items() if v > 0}
     node_bwd = {n: v for n, v in node_bwd.items() if v > 0}
     model_fwd, model_bwd = sum(node_fwd.values()), sum(node_bwd.values())
-    program = totals_program(module, flat, device) if totals else None
+    program = totals_program(module, (tuple(flat), {}), device) if totals else None
     if program is not None:
         model_fwd, model_bwd = time_totals([program], device, warmup, runs, precision, clock)[0]
     return TorchTiming(batch_size=batch_size, model_forward_s=model_fwd,
@@ -695,13 +695,15 @@ TOTALS_BUDGET_S = 1.0  # the wall time a CPU profile spends timing a size's tota
 TOTALS_MAX_RUNS = 100
 
 
-def totals_program(module: torch.fx.GraphModule, flat: list[Any],
+def totals_program(module: torch.fx.GraphModule, inputs: Inputs,
                    device: torch.device) -> TimedProgram | None:
     """What times a program's whole-model totals (`time_totals`): on a CPU the program as
-    TorchScript, the form launch's stage files run in (None when it cannot be scripted: the
-    caller keeps the per-node sums); elsewhere the program itself."""
+    TorchScript, the form launch's stage files run in, on the flat inputs (None when it cannot
+    be scripted: the caller keeps the per-node sums); elsewhere the program itself, on the
+    model's own (args, kwargs)."""
     if device.type != "cpu":
-        return module, (tuple(flat), {})
+        return module, inputs
+    flat = flat_inputs(module, inputs)
     scripted = script_program(module, flat)
     return (scripted, (tuple(flat), {})) if scripted is not None else None
 
