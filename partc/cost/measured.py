@@ -96,8 +96,8 @@ from partc.version import __version__
 # computes. 4: GEMM working buffers measured. 5: repeated operators priced at their group's
 # mean (partc.cost.repeats). 6: freed memory kept by the C allocator on CPU, as launch computes
 # (partc.cost.torch_profiler.cpu_settings); the revision recorded in the profile. 7: the sizes'
-# whole-model totals timed in rounds together (time_interleaved), an extension's against one of
-# the entry's sizes timed again (TotalsReference).
+# whole-model totals timed in rounds together (time_interleaved), an extension timing the
+# entry's sizes again with its own (extend_profile).
 MEASUREMENT_REVISION = 7
 
 
@@ -402,14 +402,7 @@ def measure_costs(result: CaptureResult, device: torch.device, options: ProfileO
     if len(sizes) < 2:
         raise PartcError(f"profiling needs two or more batch sizes, got {list(sizes)}",
                          hint="pass --batch-sizes with at least two values, e.g. 2,4")
-    return measure_sizes(result, device, replace(options, batch_sizes=sizes), progress)
-
-
-def measure_sizes(result: CaptureResult, device: torch.device, options: ProfileOptions,
-                  progress: Progress) -> CostTable:
-    """`measure_costs` at `options.batch_sizes`, one or more (a single size gives costs
-    proportional to the micro-batch: the part of a table `CostTable.merged` adds to another)."""
-    return _measure_sizes(result, device, options, progress)[0]
+    return _measure_sizes(result, device, replace(options, batch_sizes=sizes), progress)[0]
 
 
 def extend_profile(part: CostTable, result: CaptureResult, device: torch.device,
@@ -418,8 +411,8 @@ def extend_profile(part: CostTable, result: CaptureResult, device: torch.device,
     `options.batch_sizes` it lacks measured and merged in. Its own sizes' totals are timed
     again in the same rounds as the new ones' and its nodes at those sizes scaled to them (their
     shares kept): all of a profile's totals are then one sitting's, and the slope between an
-    earlier size and the new one is not the machine's speed on two days (this VM: 5-12% apart
-    between minutes)."""
+    earlier size and the new one is not the machine's speed at two times (on this VM the MLP's
+    size 64 re-timed 5-12% slower than its entry had it, minutes apart)."""
     missing = tuple(b for b in options.batch_sizes if b not in part.source.batch_sizes)
     table, retimed = _measure_sizes(result, device, replace(options, batch_sizes=missing),
                                     progress, retime=part.source.batch_sizes)
@@ -432,8 +425,9 @@ def extend_profile(part: CostTable, result: CaptureResult, device: torch.device,
 def _measure_sizes(result: CaptureResult, device: torch.device, options: ProfileOptions,
                    progress: Progress, retime: tuple[int, ...] = ()
                    ) -> tuple[CostTable, dict[int, tuple[float, float]]]:
-    """`measure_sizes`, and the totals of the sizes `retime` timed with its own
-    (`_time_totals`)."""
+    """The measured CostTable at `options.batch_sizes`, one or more (a single size gives costs
+    proportional to the micro-batch: the part of a table `CostTable.merged` adds to another);
+    and the totals of the sizes `retime` timed in the same rounds (`_time_totals`)."""
     check_options(options)
     sizes = tuple(sorted(set(options.batch_sizes)))
     choice = timing_choice(options, device)
