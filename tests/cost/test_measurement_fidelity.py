@@ -71,19 +71,22 @@ def test_a_profiles_sizes_are_timed_in_rounds() -> None:
     # only if they are timed in the same moments: one run of each per round, warm-ups included,
     # and each program's medians its own
     calls: list[str] = []
-    small, large = _Tagged("small", calls, 8), _Tagged("large", calls, 256)
-    x_small, x_large = torch.randn(4, 8), torch.randn(256, 256)
+    # a 4x8 by 8x8 product against a 512-square one: microseconds against milliseconds, far
+    # apart even on a loaded machine
+    small, large = _Tagged("small", calls, 8), _Tagged("large", calls, 512)
+    x_small, x_large = torch.randn(4, 8), torch.randn(512, 512)
     times = time_interleaved([(small, ((x_small,), {})), (large, ((x_large,), {}))], CPU,
-                             warmup=1, runs=3)
-    assert calls == ["small", "large"] * 4
+                             warmup=1, runs=5)
+    assert calls == ["small", "large"] * 6
     (small_f, small_b), (large_f, large_b) = times
     assert 0 < small_f < large_f and 0 < small_b < large_b
     assert small.weight.grad is None and large.weight.grad is None  # none kept between runs
     # with a budget (per program) the rounds go on past `runs`, still whole rounds
     calls.clear()
-    time_interleaved([(small, ((x_small,), {})), (large, ((x_large,), {}))], CPU, warmup=0,
+    other = _Tagged("other", calls, 8)
+    time_interleaved([(small, ((x_small,), {})), (other, ((x_small,), {}))], CPU, warmup=0,
                      runs=1, budget_s=0.02, max_runs=20)
-    assert len(calls) > 2 and calls == ["small", "large"] * (len(calls) // 2)
+    assert len(calls) > 2 and calls == ["small", "other"] * (len(calls) // 2)
 
 
 def test_a_meta_models_sizes_share_one_copy_of_its_weights() -> None:
