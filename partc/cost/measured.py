@@ -280,7 +280,7 @@ def _measure(result: CaptureResult, b: int, device: torch.device, use_ort: bool,
                 saved = saved_activation_bytes(module, inputs)
             timing = time_nodes(module, inputs, b, device, warmup=options.warmup,
                                 runs=max(3, options.runs // 2), precision=options.precision,
-                                clock=clock, totals=False)
+                                clock=clock)
         with progress.step(f"torch: the loss function at batch {b}"):
             loss, batch_bytes = _time_loss(cap.model_file, module, inputs, b, device, options,
                                              clock)
@@ -417,8 +417,9 @@ def extend_profile(part: CostTable, result: CaptureResult, device: torch.device,
     table, retimed = _measure_sizes(result, device, replace(options, batch_sizes=missing),
                                     progress, retime=part.source.batch_sizes)
     for b, (fwd, bwd) in sorted(retimed.items()):
-        part = part.scaled_at(b, fwd / part.total_forward_s(b) if part.total_forward_s(b) else 1.0,
-                              bwd / part.total_backward_s(b) if part.total_backward_s(b) else 1.0)
+        was_fwd, was_bwd = part.total_forward_s(b), part.total_backward_s(b)
+        part = part.scaled_at(b, fwd / was_fwd if was_fwd else 1.0,
+                              bwd / was_bwd if was_bwd else 1.0)
     return part.merged(table)
 
 

@@ -618,20 +618,15 @@ def _clock_once(module: torch.fx.GraphModule, flat: list[Any], device: torch.dev
 
 def time_nodes(module: torch.fx.GraphModule, inputs: Inputs, batch_size: int,
                device: torch.device, warmup: int = 3, runs: int = 5,
-               precision: Precision = "fp32", clock: Clock = WALL_CLOCK,
-               totals: bool = True) -> TorchTiming:
-    """Whole-model and per-node forward/backward times of the program on `device`, forward under
+               precision: Precision = "fp32", clock: Clock = WALL_CLOCK) -> TorchTiming:
+    """Per-node forward/backward times of the program on `device`, forward under
     `precision_autocast(precision)` (the module docstring says how, per device); on a CPU by
-    `clock` (CPU_CLOCK where the core is shared). `totals=False`: the whole-model times are the
-    nodes' sums, for a caller that times the totals itself (`totals_program`, with other sizes
-    in `time_interleaved`)."""
+    `clock` (CPU_CLOCK where the core is shared). The whole-model times are the nodes' sums:
+    the program's own totals are timed by `time_totals` (of `totals_program`), with the other
+    sizes of a profile in the same rounds."""
     flat = flat_inputs(module, inputs)
     if device.type == "cpu":
-        return _clocked_nodes(module, flat, batch_size, device, warmup, runs, precision, clock,
-                              totals)
-    model_fwd = model_bwd = 0.0
-    if totals:
-        model_fwd, model_bwd = time_model(module, inputs, device, warmup, runs, precision)
+        return _clocked_nodes(module, flat, batch_size, device, warmup, runs, precision, clock)
     per_run: list[tuple[dict[str, float], dict[str, float], float]] = []
     differentiable: set[str] = set()
     # Profiled runs need their own warm-up: the first few are slow again (allocator and
@@ -645,8 +640,7 @@ def time_nodes(module: torch.fx.GraphModule, inputs: Inputs, batch_size: int,
     median = lambda vals: statistics.median(vals) * 1e-6  # noqa: E731  (us -> s)
     node_fwd = {n: median([f.get(n, 0.0) for f, _, _ in per_run]) for n in names}
     node_bwd = {n: median([b.get(n, 0.0) for _, b, _ in per_run]) for n in names}
-    if not totals:
-        model_fwd, model_bwd = sum(node_fwd.values()), sum(node_bwd.values())
+    model_fwd, model_bwd = sum(node_fwd.values()), sum(node_bwd.values())
     return TorchTiming(batch_size=batch_size, model_forward_s=model_fwd, model_backward_s=model_bwd,
                        node_forward_s={n: v for n, v in node_fwd.items() if v > 0},
                        node_backward_s={n: v for n, v in node_bwd.items() if v > 0},
@@ -656,8 +650,7 @@ def time_nodes(module: torch.fx.GraphModule, inputs: Inputs, batch_size: int,
 
 def _clocked_nodes(module: torch.fx.GraphModule, flat: list[Any], batch_size: int,
                    device: torch.device, warmup: int, runs: int,
-                   precision: Precision, clock: Clock = WALL_CLOCK,
-                   totals: bool = True) -> TorchTiming:
+                   precision: Precision, clock: Clock = WALL_CLOCK) -> TorchTiming:
     """`time_nodes` on the CPU: `clock` medians per node (`_clock_once`), the engine's time
     between autograd nodes spread by autograd-node count; the model's times are their sums."""
     per_run: list[tuple[dict[str, float], dict[str, float], float]] = []
@@ -681,12 +674,8 @@ def _clocked_nodes(module: torch.fx.GraphModule, flat: list[Any], batch_size: in
             node_bwd[n] = node_bwd.get(n, 0.0) + engine * count / autograd_nodes
     node_fwd = {n: v for n, v in node_fwd.items() if v > 0}
     node_bwd = {n: v for n, v in node_bwd.items() if v > 0}
-    model_fwd, model_bwd = sum(node_fwd.values()), sum(node_bwd.values())
-    program = totals_program(module, (tuple(flat), {}), device) if totals else None
-    if program is not None:
-        model_fwd, model_bwd = time_totals([program], device, warmup, runs, precision, clock)[0]
-    return TorchTiming(batch_size=batch_size, model_forward_s=model_fwd,
-                       model_backward_s=model_bwd, node_forward_s=node_fwd,
+    return TorchTiming(batch_size=batch_size, model_forward_s=sum(node_fwd.values()),
+                       model_backward_s=sum(node_bwd.values()), node_forward_s=node_fwd,
                        node_backward_s=node_bwd, unattributed_backward_s=0.0,
                        differentiable=frozenset(differentiable), runs=runs)
 

@@ -22,7 +22,9 @@ from partc.cost.torch_profiler import (
     time_interleaved,
     time_loss,
     time_nodes,
+    time_totals,
     to_device,
+    totals_program,
 )
 from partc.emit.compile import CompileOptions, compile_model
 from partc.hardware.configs import load_cluster, load_device
@@ -48,9 +50,15 @@ def test_identical_layers_are_timed_alike_on_the_cpu() -> None:
     for per_node in (timing.node_forward_s, timing.node_backward_s):
         times = [per_node[n] for n in layers]
         assert max(times) < 1.6 * min(times), times
-    # the totals are the program's as TorchScript, and the nodes share them out
+    # the nodes' sums are the model's times here; the totals are the program's as TorchScript,
+    # timed on their own (`time_totals`), and the nodes share them out
+    assert timing.model_forward_s == pytest.approx(sum(timing.node_forward_s.values()))
+    assert timing.model_backward_s == pytest.approx(sum(timing.node_backward_s.values()))
     assert script_program(module, flat_inputs(module, inputs)) is not None
-    assert timing.model_forward_s > 0 and timing.model_backward_s > 0
+    program = totals_program(module, inputs, CPU)
+    assert program is not None
+    [(fwd, bwd)] = time_totals([program], CPU, warmup=1, runs=3, precision="fp32")
+    assert fwd > 0 and bwd > 0
 
 
 class _Tagged(torch.nn.Module):
