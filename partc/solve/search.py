@@ -10,7 +10,8 @@ their plans compare like for like:
 2. Give each an analytic lower bound of its objective (perfect balance, no communication, the
    average rank's all-reduce) and drop shapes whose parameters alone cannot fit.
 3. Evaluate shapes in order of their bound, stopping once the next bound is no better than the
-   best plan found (branch and bound): `uniform`/`params` place their cut, `chain-dp` and `cpsat`
+   best plan found (branch and bound; shapes compared by `_Candidate.estimate_s`, J paced by
+   shared cores where ranks share one): `uniform`/`params` place their cut, `chain-dp` and `cpsat`
    run the exact contiguous DP. Each assignment is checked with the exact memory model; when the
    linear model inside the solvers was too optimistic for a rank, that rank's capacity is
    tightened and the shape re-solved.
@@ -114,6 +115,19 @@ class _Candidate:
     hints: tuple[tuple[int, ...], ...] = ()
     source: Strategy | None = None  # whose cut `assignment` is
     dp_assignment: tuple[int, ...] | None = None  # the exact DP's cut, when it fits
+
+    @property
+    def estimate_s(self) -> float:
+        """What shapes are compared by (the branch and bound, the shapes CP-SAT refines and the
+        re-ranking simulates): J of its cut with the steady state paced by shared cores
+        (`StageProblem.shared_core_objective`); J itself where no core is shared. The cut
+        within a shape is still J's."""
+        if self.assignment is None or self.problem is None:
+            return math.inf
+        if not self.problem.core_sharing:
+            return self.objective_s
+        unit = self.problem.time_unit_s / self.shape.chunks
+        return max(self.objective_s, self.problem.shared_core_objective(self.assignment) * unit)
 
 
 # ---- shapes ----------------------------------------------------------------------------------
@@ -348,24 +362,24 @@ def search(table: CostTable, cluster: ClusterSpec, global_batch: int,
     pruned = 0
     with progress.step(f"{strategy}: search {len(shapes)} shapes"):
         for i, cand in enumerate(candidates):
-            if best is not None and cand.lower_bound_s >= best.objective_s:
+            if best is not None and cand.lower_bound_s >= best.estimate_s:
                 pruned = len(candidates) - i
                 break
             _screen(cand, blocks, table, cluster, training, strategy, memo, forced)
             evaluated.append(cand)
             if cand.assignment is not None and (best is None
-                                                or cand.objective_s < best.objective_s):
+                                                or cand.estimate_s < best.estimate_s):
                 best = cand
     if best is None:
         raise _infeasible(blocks, table, cluster, training, global_batch, options)
     if strategy == "cpsat":
         ranked = sorted((c for c in evaluated if c.assignment is not None),
-                        key=lambda c: (c.objective_s, c.shape.label()))
+                        key=lambda c: (c.estimate_s, c.shape.label()))
         for cand in ranked[:options.refine]:
             with progress.step(f"cpsat: {cand.shape.label()} ({len(blocks.blocks)} blocks)"):
                 _refine(cand, options)
         best = min((c for c in evaluated if c.assignment is not None),
-                   key=lambda c: (c.objective_s, c.shape.label()))
+                   key=lambda c: (c.estimate_s, c.shape.label()))
     # Lower bound over every shape: proven per-shape bounds where a solver gave one, the
     # analytic bound elsewhere; pruned shapes have bounds no better than the best objective.
     bounds = [c.bound_s if c.bound_s is not None else c.lower_bound_s for c in evaluated]
@@ -444,7 +458,7 @@ def _rerank(evaluated: Sequence[_Candidate], blocks: BlockGraph,
     inputs always give the same plan. Returns the chosen cut and every cut simulated, fastest
     first."""
     ranked = sorted((c for c in evaluated if c.assignment is not None),
-                    key=lambda c: (c.objective_s, c.shape.label()))
+                    key=lambda c: (c.estimate_s, c.shape.label()))
     # The best RERANK_SHAPES layouts, each with every lever policy it was evaluated under: shapes
     # that differ only in the levers they allow often end as the same plan (a rank keeps only the
     # levers its memory needs), and must not crowd the other layouts out of the re-ranking.
