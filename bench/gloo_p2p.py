@@ -5,6 +5,9 @@ Two processes pinned to cores 0 and 1 (as `partc launch` pins its workers), one 
 gloo over loopback. For each message size:
 
 - one-way time: rank 0 isends, rank 1 irecvs, both wait (median and mean over the repeats);
+- exchange: both send to each other at once (`batch_isend_irecv`, as 1F1B's steady state
+  meets its neighbour), mean, and its ratio to the one-way mean: the simulator charges two
+  crossing transfers twice one (`partc calibrate` times the link one way);
 - rendezvous: rank 1 posts its receive `--late-ms` after rank 0 posted its send; rank 0's wait
   (a send that moved without the receive would return in about the one-way time);
 - early receive: rank 1 posts its receive 2 ms before rank 0 posts its send (as partc's runtime
@@ -15,7 +18,7 @@ gloo over loopback. For each message size:
   in the same repeat;
 - copy on the receiver: rank 1 posts its receive and computes the loop while rank 0 sends.
 
-Prints a markdown table (medians over `--repeats`), or JSON with --json. About 15 s.
+Prints a markdown table (medians over `--repeats`), or JSON with --json. About 30 s.
 
 Usage: python bench/gloo_p2p.py [--repeats 40] [--late-ms 20] [--json FILE]
 """
@@ -35,7 +38,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-SIZES = (1, 1 << 16, 1 << 20, 4 << 20, 16 << 20)
+SIZES = (1, 1 << 16, 1 << 20, 4 << 20, 16 << 20, 64 << 20)
 
 
 def _wait(work: Any) -> None:
@@ -77,6 +80,7 @@ def _worker(rank: int, port: int, repeats: int, late_s: float, out: str) -> None
             dist.barrier()
             _wait(op(tensor, peer))
         one_way: list[float] = []
+        exchange: list[float] = []
         late: list[float] = []
         early: list[float] = []
         post: list[float] = []
@@ -87,6 +91,14 @@ def _worker(rank: int, port: int, repeats: int, late_s: float, out: str) -> None
             start = time.perf_counter()
             _wait(op(tensor, peer))
             one_way.append(time.perf_counter() - start)
+        received = torch.empty_like(tensor)
+        for _ in range(repeats):
+            dist.barrier()
+            start = time.perf_counter()
+            for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, peer),
+                                                dist.P2POp(dist.irecv, received, peer)]):
+                _wait(work)
+            exchange.append(time.perf_counter() - start)
         for _ in range(max(3, repeats // 5)):
             dist.barrier()
             if rank == 0:
@@ -126,6 +138,7 @@ def _worker(rank: int, port: int, repeats: int, late_s: float, out: str) -> None
         rows["sizes"][str(nbytes)] = (
             {"one_way_ms_median": statistics.median(one_way) * ms,
              "one_way_ms_mean": statistics.mean(one_way) * ms,
+             "exchange_ms_mean": statistics.mean(exchange) * ms,
              "late_receiver_wait_ms": statistics.median(late) * ms,
              "early_receiver_wait_ms": statistics.median(early) * ms,
              "post_ms": statistics.median(post) * ms,
@@ -172,12 +185,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     found = measure(args.repeats, args.late_ms)
     print(f"compute loop alone: {found['compute_alone_ms']:.2f} ms (median of 30)")
-    print(f"\n| bytes | one-way ms (median / mean) | sender's wait, receive posted "
+    print(f"\n| bytes | one-way ms (median / mean) | exchange ms (mean) | exchange / one-way "
+          f"| sender's wait, receive posted "
           f"{args.late_ms:g} ms late | sender's post + wait, receive posted 2 ms early "
           "| isend post ms | computation slower on the sender, ms "
-          "| on the receiver, ms |\n|---|---|---|---|---|---|---|")
+          "| on the receiver, ms |\n|---|---|---|---|---|---|---|---|---|")
     for size, row in found["sizes"].items():
         print(f"| {int(size):,} | {row['one_way_ms_median']:.2f} / {row['one_way_ms_mean']:.2f} "
+              f"| {row['exchange_ms_mean']:.2f} "
+              f"| {row['exchange_ms_mean'] / row['one_way_ms_mean']:.2f} "
               f"| {row['late_receiver_wait_ms']:.2f} | {row['early_receiver_wait_ms']:.3f} "
               f"| {row['post_ms']:.3f} "
               f"| {row['sender_compute_slower_ms']:.2f} "

@@ -48,7 +48,7 @@ import yaml  # noqa: E402
 
 from partc.cost.activations import saved_activations  # noqa: E402
 from partc.cost.plan_costs import plan_costs  # noqa: E402
-from partc.cost.table import CostTable, Linear  # noqa: E402
+from partc.cost.table import CostTable, SavedActivations  # noqa: E402
 from partc.errors import summarize_exception  # noqa: E402
 from partc.files import write_atomic  # noqa: E402
 from partc.frontend.capture import CaptureResult, capture_graph  # noqa: E402
@@ -249,7 +249,7 @@ def measure_model(module: ModuleType, batch_size: int, device: torch.device, pre
 # Predicting
 
 def price(result: CaptureResult, device: DeviceSpec, precision: str,
-          saved: dict[str, dict[str, Linear]]) -> tuple[CostTable, str]:
+          saved: dict[str, SavedActivations]) -> tuple[CostTable, str]:
     """partc's analytic CostTable at `precision` (attention saved as the device's kernels keep
     it), and a note on how it was priced. `saved`: saved activations by device kind, measured
     once per capture (a forward of the model at two batch sizes each)."""
@@ -261,7 +261,7 @@ def price(result: CaptureResult, device: DeviceSpec, precision: str,
 
 
 def predict(result: CaptureResult, device: DeviceSpec, precision: str,
-            batch_size: int, saved: dict[str, dict[str, Linear]]) -> dict[str, Any]:
+            batch_size: int, saved: dict[str, SavedActivations]) -> dict[str, Any]:
     table, note = price(result, device, precision, saved)
     forward = table.total_forward_s(batch_size)
     backward = table.total_backward_s(batch_size)
@@ -825,7 +825,7 @@ def main(argv: list[str] | None = None) -> int:
         module = import_model_file(path)
         t0 = time.perf_counter()
         result = capture_graph(path, args.capture_batch, onnx=False)
-        saved: dict[str, dict[str, Linear]] = {}
+        saved: dict[str, SavedActivations] = {}
         print(f"{case.name}: captured {len(result.graph.nodes)} operators in "
               f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
         for precision in precisions:

@@ -5,7 +5,10 @@ each node of the captured program runs (node by node, under partc.cost.torch_pro
 interpreter). Each distinct storage is counted once, on the first node that saves it; parameters
 and buffers are not activations and are left out. This runs on the meta device too (storages have
 sizes but no data), so it needs no hardware and works for models of any size; `saved_activations`
-fits the bytes of the captured B and 2B as a `Linear` of the micro-batch size.
+fits the bytes of the captured B and 2B as a `Linear` of the micro-batch size. It also records
+which nodes keep their own result (a ReLU's output, a fused attention kernel's): whether a
+tensor's storage is counted on its producer or on a later node that saves it, which the memory
+model needs where a stage boundary falls between the two (partc.solve.memory).
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-from partc.cost.table import Linear
+from partc.cost.table import Linear, SavedActivations
 from partc.cost.torch_profiler import (
     NodeRunner,
     allocation_events,
@@ -109,7 +112,8 @@ def _target_attention(kind: str, args: tuple[object, ...],
 
 
 def saved_activation_bytes(module: torch.fx.GraphModule, inputs: Inputs,
-                           target_kind: str | None = None) -> dict[str, int]:
+                           target_kind: str | None = None,
+                           keeps_result: set[str] | None = None) -> dict[str, int]:
     """Bytes each node saves for backward in one training forward pass (see the module docstring).
     Works with meta tensors. Nodes that save nothing are absent.
 
@@ -120,8 +124,12 @@ def saved_activation_bytes(module: torch.fx.GraphModule, inputs: Inputs,
     store, and its output goes on in the layout the target's kernel gives it (where the model's
     transpose back to one row per token is then a view, nothing is copied for the next
     projection to save). For a CUDA target, dropout is counted as CUDA's fused kernel keeps it
-    (a bool mask), not as a float noise tensor the size of its input."""
+    (a bool mask), not as a float noise tensor the size of its input.
+
+    `keeps_result`: filled with the nodes among whose saved (first-counted) storages is their own
+    result's: the producer, not a later consumer, holds that storage's bytes."""
     owner = node_owner(module)
+    counted: dict[str, set[int]] = {}  # node -> the storages counted on it
     state = {storage_key(t) for t in [*module.parameters(), *module.buffers()]}
     seen: set[int] = set(state)
     keep: list[torch.Tensor] = []  # saved storages stay alive, so keys cannot be reused
@@ -138,7 +146,20 @@ def saved_activation_bytes(module: torch.fx.GraphModule, inputs: Inputs,
             keep.append(t)
             name = owner.get(current[0], current[0])
             saved[name] = saved.get(name, 0) + real.untyped_storage().nbytes()
+            counted.setdefault(name, set()).add(key)
         return t
+
+    def after(n: torch.fx.Node, result: object) -> None:
+        if keeps_result is None:
+            return
+        name = owner.get(n.name, n.name)
+        mine = counted.get(name)
+        if not mine:
+            return
+        for t in pytree.tree_leaves(result):
+            if isinstance(t, torch.Tensor) and \
+                    storage_key(stands_for.get(storage_key(t), t)) in mine:
+                keeps_result.add(name)
 
     @contextlib.contextmanager
     def around(n: torch.fx.Node) -> Iterator[None]:
@@ -209,7 +230,7 @@ def saved_activation_bytes(module: torch.fx.GraphModule, inputs: Inputs,
     with (torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
           quiet_torch()):
         _KernelRunner(module, around, {_SDPA: attention, _DROPOUT: dropout},
-                      devices_to_meta=on_meta_device).run(*flat)
+                      devices_to_meta=on_meta_device, after=after).run(*flat)
     return saved
 
 
@@ -223,8 +244,9 @@ class _KernelRunner(NodeRunner):
 
     def __init__(self, module: torch.fx.GraphModule,
                  around: Callable[[torch.fx.Node], contextlib.AbstractContextManager[Any]],
-                 kernels: dict[Any, _Kernel], devices_to_meta: bool = False) -> None:
-        super().__init__(module, around)
+                 kernels: dict[Any, _Kernel], devices_to_meta: bool = False,
+                 after: Callable[[torch.fx.Node, Any], None] | None = None) -> None:
+        super().__init__(module, around, after)
         self._kernels = kernels
         self._devices_to_meta = devices_to_meta
 
@@ -242,7 +264,7 @@ class _KernelRunner(NodeRunner):
         return super().call_function(target, args, kwargs)
 
 
-def saved_activations(capture: Capture, target_kind: str | None = None) -> dict[str, Linear]:
+def saved_activations(capture: Capture, target_kind: str | None = None) -> SavedActivations:
     """Bytes each node saves for backward, fitted over the captured B and 2B, counted as the
     `target_kind` device's kernels keep them (saved_activation_bytes). Runs on the meta device
     (no memory, no device needed): a meta model as it is, a model with real weights on a meta
@@ -250,6 +272,7 @@ def saved_activations(capture: Capture, target_kind: str | None = None) -> dict[
     where the meta copy cannot run the program (an op whose output shape depends on values), it
     runs where the model lives."""
     points: dict[str, list[tuple[float, float]]] = {}
+    keepers: set[str] = set()
     programs = [(capture.batch_size, capture.exported)]
     if capture.scaled is not None:
         programs.append((capture.scaled_batch_size, capture.scaled))
@@ -257,24 +280,29 @@ def saved_activations(capture: Capture, target_kind: str | None = None) -> dict[
         module = program_module(program)
         inputs = capture.model_file.inputs(b)
         saved: dict[str, int] | None = None
+        found: set[str] = set()
         if capture.on_meta:
-            saved = saved_activation_bytes(module, inputs_to_meta(inputs), target_kind)
+            saved = saved_activation_bytes(module, inputs_to_meta(inputs), target_kind, found)
         else:
             # counted for the target, else for the device the model lives on (not meta's kernels)
             lives_on = next((t.device.type for t in module.parameters()), "cpu")
             try:
                 saved = saved_activation_bytes(on_meta(module), inputs_to_meta(inputs),
-                                               target_kind or lives_on)
+                                               target_kind or lives_on, found)
             except Exception:  # noqa: BLE001 - any op meta cannot run: measure where it lives
                 saved = None
             if saved is None:
+                found.clear()
                 module = program_module(program)  # its own tensors, not the meta copies
                 with buffers_restored(module):
-                    saved = saved_activation_bytes(module, inputs, target_kind)
+                    saved = saved_activation_bytes(module, inputs, target_kind, found)
+        keepers |= found
         for name in {n.name for n in program.graph.nodes} | set(saved):
             points.setdefault(name, []).append((float(b), float(saved.get(name, 0))))
         del module
-    return {name: Linear.fit(p) for name, p in points.items() if any(v for _, v in p)}
+    return SavedActivations(
+        bytes={name: Linear.fit(p) for name, p in points.items() if any(v for _, v in p)},
+        keeps_result=frozenset(keepers))
 
 
 def on_meta(module: torch.fx.GraphModule) -> torch.fx.GraphModule:

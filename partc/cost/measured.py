@@ -97,8 +97,9 @@ from partc.version import __version__
 # mean (partc.cost.repeats). 6: freed memory kept by the C allocator on CPU, as launch computes
 # (partc.cost.torch_profiler.cpu_settings); the revision recorded in the profile. 7: the sizes'
 # whole-model totals timed in rounds together (time_interleaved), an extension timing the
-# entry's sizes again with its own (extend_profile).
-MEASUREMENT_REVISION = 7
+# entry's sizes again with its own (extend_profile). 8: the nodes that keep their own result
+# recorded (CostTable.keeps_result), for the memory model's stage boundaries.
+MEASUREMENT_REVISION = 8
 
 
 @dataclass(frozen=True)
@@ -235,6 +236,8 @@ class _Measurement:
     gemm_scratch: int = 0  # partc.cost.activations.gemm_scratch_bytes
     # what times the whole-model totals, with the other sizes' (None: the nodes' sums stand)
     totals: TimedProgram | None = None
+    # nodes that keep their own result (partc.cost.activations.saved_activation_bytes)
+    keeps_result: frozenset[str] = frozenset()
 
 
 def _module_at(result: CaptureResult, program: ExportedProgram, b: int, device: torch.device,
@@ -276,8 +279,9 @@ def _measure(result: CaptureResult, b: int, device: torch.device, use_ort: bool,
         clocked = " (CPU time: a neighbour shares this core)" if clock is CPU_CLOCK else ""
         with progress.step(f"torch: saved activations, fwd/bwd per node at batch {b}{clocked}"):
             # saved bytes under the precision's autocast: bf16-mixed saves bf16 activations
+            keepers: set[str] = set()
             with precision_autocast(options.precision, device.type):
-                saved = saved_activation_bytes(module, inputs)
+                saved = saved_activation_bytes(module, inputs, keeps_result=keepers)
             timing = time_nodes(module, inputs, b, device, warmup=options.warmup,
                                 runs=max(3, options.runs // 2), precision=options.precision,
                                 clock=clock)
@@ -314,7 +318,8 @@ def _measure(result: CaptureResult, b: int, device: torch.device, use_ort: bool,
     del module, inputs
     gc.collect()
     return _Measurement(batch_size=b, torch=timing, ort=ort_timing, saved=saved, loss=loss,
-                        batch_bytes=batch_bytes, gemm_scratch=gemm_scratch, totals=totals)
+                        batch_bytes=batch_bytes, gemm_scratch=gemm_scratch, totals=totals,
+                        keeps_result=frozenset(keepers))
 
 
 def _time_totals(result: CaptureResult, measurements: list[_Measurement],
@@ -566,7 +571,8 @@ def combine(graph: OpGraph, measurements: list[_Measurement], device: torch.devi
                      **({"clock": CPU_CLOCK_NAME} if cpu_time else {}),
                      **({"fallback": fallback} if fallback else {})})
     return CostTable(graph=graph, source=source, nodes=nodes, loss=loss, batch_bytes=batch_bytes,
-                     gemm_scratch_bytes=max(m.gemm_scratch for m in measurements))
+                     gemm_scratch_bytes=max(m.gemm_scratch for m in measurements),
+                     keeps_result=frozenset().union(*(m.keeps_result for m in measurements)))
 
 
 def _r(x: float) -> float:

@@ -10,7 +10,7 @@ import torch.utils._pytree as pytree
 from partc.cost.activations import saved_activations, storage_bytes
 from partc.cost.measured import ProfileOptions
 from partc.cost.roofline import analytic_cost_table
-from partc.cost.table import CostTable, Curve, Linear
+from partc.cost.table import CostTable, Curve, SavedActivations
 from partc.errors import PartcError
 from partc.frontend.capture import CaptureResult
 from partc.hardware.local import measurable_device
@@ -21,7 +21,7 @@ from partc.progress import Progress
 
 def plan_costs(result: CaptureResult, device: DeviceSpec, profile: str | Path | None = None,
                progress: Progress | None = None, precision: Precision = "fp32",
-               saved: dict[str, Linear] | None = None) -> CostTable:
+               saved: SavedActivations | None = None) -> CostTable:
     """The CostTable a plan is solved with: a saved profile of this model (`partc profile`,
     checked against the graph hash and the precision) or, without one, the analytic roofline on
     `device` under `precision`, with saved activations measured on meta as `device`'s kernels

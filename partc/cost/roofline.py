@@ -23,6 +23,7 @@ from partc.cost.table import (
     Curve,
     Linear,
     NodeCost,
+    SavedActivations,
     needs_backward,
     requires_grad_tensors,
 )
@@ -105,7 +106,7 @@ def node_time(work: Linear, overhead_s: float, cast: NodeCast, device: DeviceSpe
 
 
 def analytic_cost_table(graph: OpGraph, device: DeviceSpec,
-                        saved: dict[str, Linear] | None = None,
+                        saved: SavedActivations | None = None,
                         backward_ratios: dict[str, float] | None = None,
                         precision: Precision = "fp32") -> CostTable:
     """Roofline costs of every node on `device` under `precision`, without running anything.
@@ -144,7 +145,7 @@ def analytic_cost_table(graph: OpGraph, device: DeviceSpec,
             else:
                 backward = Linear(0.0, 0.0)
         if saved is not None:
-            saved_cost = saved.get(node.name, Linear(0.0, 0.0))
+            saved_cost = saved.bytes.get(node.name, Linear(0.0, 0.0))
         elif node.name in differentiable and not node.is_view:
             saved_cost = _output_bytes(node, graph)
         else:
@@ -167,6 +168,7 @@ def analytic_cost_table(graph: OpGraph, device: DeviceSpec,
     inputs = [float(sum(t.nbytes * (b / b1 if t.batch_dim is not None else 1.0)
                         for t in graph.inputs)) for b in (b1, 2 * b1)]
     return CostTable(graph=graph, source=source, nodes=nodes, loss=loss,
+                     keeps_result=None if saved is None else saved.keeps_result,
                      batch_bytes=Curve.through(list(zip((b1, 2 * b1), inputs, strict=True))))
 
 

@@ -174,6 +174,16 @@ NO_COST = NodeCost(ZERO, ZERO, ZERO, "none")
 
 
 @dataclass(frozen=True)
+class SavedActivations:
+    """Saved-for-backward bytes measured on meta (partc.cost.activations.saved_activations): per
+    node, the bytes it saves as a `Linear` of the micro-batch size, and the nodes that keep their
+    own result (`CostTable.keeps_result`)."""
+
+    bytes: dict[str, Linear]
+    keeps_result: frozenset[str]
+
+
+@dataclass(frozen=True)
 class CostSource:
     """Where a CostTable's numbers come from: recorded in every profile file."""
 
@@ -212,6 +222,11 @@ class CostTable:
     # CPU bf16 GEMMs pack blocks of their operands), at any measured size and one intra-op
     # thread; measured (partc.cost.activations.gemm_scratch_bytes), 0 in an analytic table
     gemm_scratch_bytes: int = 0
+    # the nodes among whose saved bytes is their own result's storage (a ReLU's output, a fused
+    # attention's): a tensor's storage is counted on its producer there, not on a later node
+    # that saves it too (partc.cost.activations); None in profiles from before it was recorded,
+    # where the memory model goes by operator kind
+    keeps_result: frozenset[str] | None = None
 
     # ---- per node ------------------------------------------------------------------------------
     def cost(self, node: str) -> NodeCost:
@@ -357,7 +372,10 @@ class CostTable:
                          loss=union(self.loss, other.loss),
                          batch_bytes=Curve.through(sorted(batch.items())),
                          gemm_scratch_bytes=max(self.gemm_scratch_bytes,
-                                                other.gemm_scratch_bytes))
+                                                other.gemm_scratch_bytes),
+                         keeps_result=other.keeps_result if self.keeps_result is None
+                         else self.keeps_result if other.keeps_result is None
+                         else self.keeps_result | other.keeps_result)
 
     # ---- files ---------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -384,6 +402,8 @@ class CostTable:
             "loss": _row(written.loss, sizes),
             "batch_bytes": [int(round(self.batch_bytes.at(b))) for b in sizes],
             "gemm_scratch_bytes": self.gemm_scratch_bytes,
+            **({} if self.keeps_result is None
+               else {"keeps_result": sorted(self.keeps_result)}),
             "nodes": {name: _row(c, sizes) for name, c in written.nodes.items()},
         }
 
@@ -459,6 +479,10 @@ class CostTable:
             scratch = int(d.get("gemm_scratch_bytes", 0))  # absent in older profiles
             if scratch < 0:
                 raise ValueError(f"gemm_scratch_bytes must be >= 0, got {scratch}")
+            keepers = d.get("keeps_result")  # absent in older profiles
+            if keepers is not None and (not isinstance(keepers, list)
+                                        or not all(isinstance(k, str) for k in keepers)):
+                raise ValueError(f"keeps_result must be a list of node names, got {keepers!r}")
         # AttributeError: a key of the wrong type (`nodes: [...]`)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ProfileFileError(f"malformed profile {path}: {exc!r}",
@@ -467,13 +491,14 @@ class CostTable:
             raise ProfileFileError(
                 f"profile {path} was taken at precision {source.precision}, not {precision}",
                 hint=f"profile again with --precision {precision}")
-        unknown = sorted(set(nodes) - {n.name for n in graph.nodes})
+        unknown = sorted((set(nodes) | set(keepers or ())) - {n.name for n in graph.nodes})
         if unknown:
             raise ProfileFileError(f"profile {path} prices nodes the model does not have: "
                                    f"{', '.join(unknown[:3])}",
                                    hint="re-create it with partc profile")
         return cls(graph=graph, source=source, nodes=nodes, loss=loss, batch_bytes=batch_bytes,
-                   gemm_scratch_bytes=scratch)
+                   gemm_scratch_bytes=scratch,
+                   keeps_result=None if keepers is None else frozenset(keepers))
 
 
 def _row(c: NodeCost, sizes: Sequence[int]) -> list[Any]:

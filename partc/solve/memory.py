@@ -268,10 +268,25 @@ def _attention_keeps_inputs(table: CostTable, node: OpNode, precision: Precision
     return head[0] % (4 if table.runtime_dtype(query, precision) == "float32" else 8) == 0
 
 
-def _first_saver(graph: OpGraph, tensor: str) -> str | None:
-    """The node whose saved bytes hold `tensor`'s storage: the first in execution order among its
-    producer (if that keeps its result) and its consumers, through views, that keep their inputs;
-    None if nothing keeps it for backward."""
+def _storage_root(graph: OpGraph, tensor: str) -> str:
+    """The tensor whose storage `tensor` is: back through the views that made it (a reshape of
+    an attention's output that its kernel's layout makes a view)."""
+    while (producer := graph.producer(tensor)) is not None:
+        node = graph.node(producer)
+        if not node.is_view or not node.inputs:
+            break
+        tensor = node.inputs[0]
+    return tensor
+
+
+def _first_saver(table: CostTable, tensor: str) -> str | None:
+    """The node whose saved bytes hold `tensor`'s storage (a profile counts a storage once, on
+    the first node that saves it): the first in execution order among the producer of the
+    storage (`_storage_root`) if it keeps its result, and the nodes that keep it as an input,
+    through views; None if nothing keeps it for backward. Which producers keep their result is
+    the table's record (`CostTable.keeps_result`: a fused attention keeps its output, the math
+    path does not), or, for a profile without one, the operator's kind."""
+    graph = table.graph
     cache = _graph_cache(graph)
     if "consumers" not in cache:
         _requires_grad(graph)
@@ -282,18 +297,22 @@ def _first_saver(graph: OpGraph, tensor: str) -> str | None:
         cache["consumers"] = consumers
         cache["position"] = {n.name: i for i, n in enumerate(graph.nodes)}
         cache["savers"] = {}
-    savers: dict[str, str | None] = cache["savers"]  # type: ignore[assignment]
-    if tensor in savers:
-        return savers[tensor]
+    savers: dict[tuple[str, frozenset[str] | None], str | None] = \
+        cache["savers"]  # type: ignore[assignment]
+    key = (tensor, table.keeps_result)
+    if key in savers:
+        return savers[key]
     consumers = cache["consumers"]  # type: ignore[assignment]
     position: dict[str, int] = cache["position"]  # type: ignore[assignment]
     differentiable: frozenset[str] = cache["differentiable"]  # type: ignore[assignment]
     found: list[str] = []
-    producer = graph.producer(tensor)
-    if producer is not None and producer in differentiable \
-            and graph.node(producer).kind in _SAVES_RESULT:
+    root = _storage_root(graph, tensor)
+    producer = graph.producer(root)
+    if producer is not None and producer in differentiable and (
+            producer in table.keeps_result if table.keeps_result is not None
+            else graph.node(producer).kind in _SAVES_RESULT):
         found.append(producer)
-    stack = [tensor]
+    stack = [root]
     while stack:
         reaching = stack.pop()
         for name in consumers.get(reaching, ()):
@@ -304,7 +323,7 @@ def _first_saver(graph: OpGraph, tensor: str) -> str | None:
                     and not _converted_before_saving(graph, node, reaching):
                 found.append(name)
     saver = min(found, key=position.__getitem__) if found else None
-    savers[tensor] = saver
+    savers[key] = saver
     return saver
 
 
@@ -757,8 +776,13 @@ def stage_memory(table: CostTable, nodes: Collection[str], *, microbatch_size: i
         o.tensor for o in graph.outputs if graph.tensor(o.tensor).dtype in FLOATING_DTYPES)) \
         if bf16 and last_rank else []
     def keeper(t: str) -> str | None:  # the node of the stage keeping t as is for backward
-        saver = _first_saver(graph, t)
-        return saver if saver in inside and _kept_as_is(table, t, saver, bf16) else None
+        saver = _first_saver(table, t)
+        if saver is None or saver not in inside:
+            return None
+        # a producer that keeps its result keeps the tensor itself, in the dtype it made it
+        if saver == graph.producer(_storage_root(graph, t)):
+            return saver
+        return saver if _kept_as_is(table, t, saver, bf16) else None
 
     kept = [t for t in sends if t not in float_outputs and (ckpt or keeper(t) is None)]
     kept_bytes = sum(size(t) for t in kept) \

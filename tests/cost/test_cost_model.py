@@ -94,8 +94,13 @@ def test_saved_bytes_on_meta_match_cpu_for_a_plain_model() -> None:
     model_file = result.capture.model_file
     meta_inputs = inputs_to_meta(model_file.inputs(2))
     program = export_program(model_file.build().to("meta"), meta_inputs, "mlp on meta")
-    on_meta = saved_activation_bytes(program_module(program), meta_inputs)
-    assert on_meta and {n: int(c.at(2)) for n, c in on_cpu.items()} == on_meta
+    keepers: set[str] = set()
+    on_meta = saved_activation_bytes(program_module(program), meta_inputs, keeps_result=keepers)
+    assert on_meta and {n: int(c.at(2)) for n, c in on_cpu.bytes.items()} == on_meta
+    # the ReLUs keep their outputs (the Linears their inputs, which are those same outputs: the
+    # storage counts once, on the ReLU that kept it first)
+    relus = {n.name for n in result.graph.nodes if n.kind == "relu"}
+    assert relus and keepers == relus == on_cpu.keeps_result
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +131,9 @@ def test_profile_prices_every_node_and_round_trips(mlp_profile: CostTable, tmp_p
     loaded = CostTable.load(path, table.graph)
     assert loaded.source == table.source
     assert loaded.nodes.keys() == table.nodes.keys()
+    # which nodes keep their own result (the ReLUs) is measured and written with the profile
+    relus = {n.name for n in table.graph.nodes if n.kind == "relu"}
+    assert relus and table.keeps_result == loaded.keeps_result == relus
     for name, cost in table.nodes.items():
         assert loaded.nodes[name].forward.at(3) == pytest.approx(cost.forward.at(3), rel=1e-9)
         assert loaded.nodes[name].saved.at(3) == pytest.approx(cost.saved.at(3), rel=1e-9)

@@ -217,7 +217,7 @@ def test_meta_model_saved_activations_for_cuda_are_smaller(capture_example) -> N
     capture = capture_example("bert").capture
     math = saved_activations(capture)
     cuda = saved_activations(capture, target_kind="cuda")
-    assert sum(v.at(16) for v in cuda.values()) < sum(v.at(16) for v in math.values())
+    assert sum(v.at(16) for v in cuda.bytes.values()) < sum(v.at(16) for v in math.bytes.values())
 
 
 @pytest.mark.parametrize("example", ["transformer", "bert", "resnet"])
@@ -239,7 +239,7 @@ def test_saved_activations_of_a_real_model_are_counted_on_a_meta_copy(capture_ex
                         module, capture.model_file.inputs(b), kind).items():
                     here.setdefault(name, []).append((float(b), float(v)))
         counted = saved_activations(capture, target_kind=kind)
-        assert {n: (c.at(3), c.at(5)) for n, c in counted.items()} == \
+        assert {n: (c.at(3), c.at(5)) for n, c in counted.bytes.items()} == \
             {n: (Linear.fit(p).at(3), Linear.fit(p).at(5)) for n, p in here.items()}
     for name, t in capture.exported.state_dict.items():
         assert not t.is_meta and torch.equal(t, weights[name])
@@ -257,5 +257,5 @@ def test_a_program_meta_cannot_run_is_counted_where_it_lives() -> None:
                                inputs_to_meta(inputs), "cpu")
     here = saved_activation_bytes(module, inputs, "cpu")
     counted = saved_activations(capture, target_kind="cpu")
-    assert here and {n: c.at(capture.batch_size) for n, c in counted.items()} == \
+    assert here and {n: c.at(capture.batch_size) for n, c in counted.bytes.items()} == \
         {n: float(v) for n, v in here.items()}

@@ -84,6 +84,7 @@ class Comparison:
     case: str
     predicted: StageMemory
     measured: int
+    run: str = ""  # the PIPE_RUNS entry, for the real pipelines
 
     @property
     def error(self) -> float:
@@ -192,11 +193,20 @@ PIPE_RUNS: dict[str, tuple[str, int, str, bool]] = {
     "mlp": ("mlp", 512, "6", False),
     "mlp-checkpointed": ("mlp", 512, "6", True),
     "transformer": ("transformer", 16, "blocks.2", False),
+    # cut inside a block, before the attention's output projection: stage 1 receives the
+    # attention's output and the residual stream
+    "transformer-mid-block": ("transformer", 16, "blocks.2.attn.proj", False),
     "mlp-grads-freed": ("mlp", 64, "6", False),
     "mlp-grads-freed-m2": ("mlp", 64, "6", False),
     "mlp-3": ("mlp", 256, "4,8", False),
     "mlp-3-grads-freed-m3": ("mlp", 64, "4,8", False),
 }
+# runs the model holds to 16 KiB (the transformer's stage 0 is 12,288 B over, its GPipe last stage
+# 12 B under): a cut inside the attention block, between the attention and its output
+# projection, once missed a micro-batch of the attention's output on each side (+262,144 B on
+# stage 0 under 1F1B and -1,048,588 B on stage 1 under GPipe: the fused kernel keeps its output,
+# and the projection's input is a view of it, counted on the attention, not the projection)
+EXACT_RUNS = {"transformer", "transformer-mid-block"}
 # runs whose optimizer frees the gradients between steps (launch's zero_grad(set_to_none=True)
 # without a DDP bucket): under GPipe, stage 1's second backward holds all the gradients and the
 # input gradient the first one sent, its peak there
@@ -345,10 +355,11 @@ def run_pipeline(directory: Path, world: int = 2) -> list[Comparison]:
                                  gradients_resident=run not in GRADS_FREED,
                                  config=TrainingConfig(
                                      schedule=schedule, activation_checkpointing=checkpointing))
+        cut = "" if split[0].isdigit() else f", cut before {split}"
         case = f"{schedule}{', checkpointing' if checkpointing else ''}" \
-               f"{', gradients freed' if run in GRADS_FREED else ''}, stage {rank} of {world}, " \
-               f"M={_microbatches(run)}"
-        comparisons.append(Comparison(name, case, predicted, peak))
+               f"{', gradients freed' if run in GRADS_FREED else ''}{cut}, stage {rank} of " \
+               f"{world}, M={_microbatches(run)}"
+        comparisons.append(Comparison(name, case, predicted, peak, run))
     return comparisons
 
 
@@ -370,6 +381,9 @@ def _check_pipeline(comparisons: list[Comparison], world: int) -> None:
     assert runs and len(comparisons) == 2 * world * len(runs)
     for c in comparisons:
         assert abs(c.error) <= TOLERANCE, (c.case, c.predicted.to_dict(), c.measured, c.error)
+        if c.run in EXACT_RUNS:
+            assert abs(c.predicted.total - c.measured) <= 16 << 10, (c.run, c.case, c.measured,
+                                                                     c.predicted.to_dict())
         if "gradients freed" in c.case:  # exact enough to be never below
             assert c.predicted.total >= c.measured, (c.case, c.predicted.to_dict(), c.measured)
 
@@ -802,9 +816,10 @@ def test_a_boolean_attention_mask_is_not_kept_by_the_attention(tmp_path: Path) -
     assert masks, sends  # the mask crosses the cut, as BERT's does
     # nothing in the stage keeps the mask (so the runtime's hold on the sent output counts),
     # while the attention keeps its float inputs
-    assert [_first_saver(graph, t) for t in masks] == [None] * len(masks)
+    table = analytic_cost_table(graph, cpu_device())
+    assert [_first_saver(table, t) for t in masks] == [None] * len(masks)
     attention = next(n for n in graph.nodes if n.kind == "scaled_dot_product_attention")
-    assert _first_saver(graph, attention.inputs[0]) == attention.name
+    assert _first_saver(table, attention.inputs[0]) == attention.name
 
 
 
@@ -841,8 +856,8 @@ def test_a_received_attention_input_is_saved_as_a_copy_on_a_cpu(tmp_path: Path) 
     graph = capture_graph(model, 4, onnx=False).graph
     attention = next(n for n in graph.nodes if n.kind == "scaled_dot_product_attention")
     query = attention.inputs[0]
-    assert _first_saver(graph, query) == attention.name
     cpu = analytic_cost_table(graph, cpu_device())
+    assert _first_saver(cpu, query) == attention.name
     gpu = analytic_cost_table(graph, load_device("h100-80gb"))
     for bf16 in (False, True):
         assert not _kept_as_is(cpu, query, attention.name, bf16)
@@ -996,10 +1011,10 @@ def test_a_received_float32_input_of_a_bf16_matrix_op_is_saved_as_a_copy(tmp_pat
     graph = capture_graph(model, 4, onnx=False).graph
     down = next(n for n in graph.nodes if n.module == "down")
     received = down.inputs[0]  # the cut sends this to the stage holding `down`
-    saver = _first_saver(graph, received)
+    table = analytic_cost_table(graph, cpu_device())
+    saver = _first_saver(table, received)
     assert saver == down.name
 
-    table = analytic_cost_table(graph, cpu_device())
     layer = torch.nn.Linear(128, 64)
     for bf16 in (True, False):
         keeps_buffer = _linear_keeps_its_input(layer, bf16)  # as received, in float32
@@ -1061,7 +1076,7 @@ def test_a_sent_float32_output_a_bf16_projection_consumes_is_held_by_the_send(
     graph = result.graph
     proj = next(n for n in graph.nodes if n.module == "proj")
     h = proj.inputs[0]
-    assert _first_saver(graph, h) == proj.name
+    assert _first_saver(analytic_cost_table(graph, cpu_device()), h) == proj.name
     stage0 = [n.name for n in graph.nodes[:graph.nodes.index(proj) + 1]]
     layer = torch.nn.Linear(64, 64)
     comm = {}
