@@ -4,9 +4,9 @@ this repository's configs/ as the default output.
 Writes configs/devices/cpu.yaml (matmul/conv/attention FLOP/s, memory bandwidth, per-operator
 forward and backward overheads, the pipelining runtime's overhead per stage pass, memory per
 device) and configs/clusters/cpu.yaml (one node of `cores / threads` such devices; the
-intra-node link is measured: gloo between two local processes pinned to their cores, one
-sending while the other receives, 1 B for latency and 1-64 MiB for bandwidth, means).
-configs/clusters/cpu-4.yaml takes the same link by hand. Takes about 35 s. Other processes
+intra-node link is measured: gloo between two local processes pinned to their cores, exchanging
+1 B for latency and 64 MiB for bandwidth, means). configs/clusters/cpu-4.yaml takes the same
+link by hand. Takes about 35 s. Other processes
 lower every number (cores and memory bandwidth are shared): the script reports how much CPU they
 used meanwhile and warns above 10% of a core; rerun on an idle machine then. The measuring is
 partc.hardware.calibration.calibrate (docs/hardware.md#the-cpu-device).

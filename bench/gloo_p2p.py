@@ -6,8 +6,8 @@ gloo over loopback. For each message size:
 
 - one-way time: rank 0 isends, rank 1 irecvs, both wait (median and mean over the repeats);
 - exchange: both send to each other at once (`batch_isend_irecv`, as 1F1B's steady state
-  meets its neighbour), mean, and its ratio to the one-way mean: the simulator charges two
-  crossing transfers twice one (`partc calibrate` times the link one way);
+  meets its neighbour, and as `partc calibrate` times the link), mean, and its ratio to the
+  one-way mean (the simulator charges two crossing transfers twice one);
 - rendezvous: rank 1 posts its receive `--late-ms` after rank 0 posted its send; rank 0's wait
   (a send that moved without the receive would return in about the one-way time);
 - early receive: rank 1 posts its receive 2 ms before rank 0 posts its send (as partc's runtime

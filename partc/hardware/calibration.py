@@ -45,10 +45,7 @@ if TYPE_CHECKING:
 DEFAULT_EFFICIENCY = {"norm": 0.5, "elementwise": 0.5, "reduction": 0.5, "gather": 0.5,
                       "copy": 0.5, "other": 0.3}
 BANDWIDTH_CLASSES = ("elementwise", "norm", "reduction", "gather", "copy")
-LINK_BYTES = 64 << 20  # the message that measures an NCCL link's bandwidth
-# gloo: one-way messages whose times the bandwidth is fitted to (a CPU pipeline's activations
-# span these sizes; one-way bytes/s here varied 2.3-4.0 GB/s across them)
-GLOO_LINK_SIZES = (1 << 20, 4 << 20, 16 << 20, 64 << 20)
+LINK_BYTES = 64 << 20  # the message that measures a link's bandwidth
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
@@ -680,34 +677,22 @@ def measure_cuda(device: str = "cuda", seconds: float = 20.0,
 # --------------------------------------------------------------------------------------------
 # Links
 
-def link_from_times(latency_s: float, times: dict[int, float]) -> LinkSpec:
-    """A link from one-way times: a tiny message's (the latency) and larger ones' ({bytes:
-    seconds}). The bandwidth is the one whose `latency + bytes / bandwidth` fits them with the
-    least squared relative error: with one size, bytes / (its time - latency)."""
-    # minimise sum(((L + n c - t) / t)^2) over c = 1 / bandwidth: c = sum(x y) / sum(x^2) with
-    # x = n / t, y = (t - L) / t
-    xs = [n / t for n, t in times.items() if t > 0]
-    ys = [(t - latency_s) / t for t in times.values() if t > 0]
-    per_byte = sum(x * y for x, y in zip(xs, ys, strict=True)) / max(sum(x * x for x in xs), 1e-300)
-    bandwidth = 1.0 / max(per_byte, 1e-15)
+def link_from_pingpong(latency_s: float, big_s: float, nbytes: int) -> LinkSpec:
+    """A link from one-way times: a tiny message's (the latency) and an `nbytes` one's."""
+    bandwidth = nbytes / max(big_s - latency_s, 1e-12)
     return LinkSpec(bandwidth=_snap(bandwidth, "B/s", 3), latency_s=_snap(latency_s, "s", 3))
 
 
 def _pingpong_worker(rank: int, backend: str, port: int, threads: int, out: str,
-                     small_reps: int, big_reps: int, sizes: tuple[int, ...],
-                     allreduce: bool) -> None:
-    """One of two processes timing a tiny message and one of each of `sizes` one way (and, with
-    `allreduce`, all-reduces of the last size), rank 0 writing the times to `out` as JSON:
-    `latency_s` and `one_way_<bytes>_s`.
+                     small_reps: int, big_reps: int, nbytes: int, allreduce: bool) -> None:
+    """One of two processes timing a tiny and an `nbytes` message one way (and, with
+    `allreduce`, all-reduces), rank 0 writing the times to `out` as JSON.
 
     NCCL: half a ping-pong, medians. gloo: as a pipeline uses it, each process pinned to its
-    own core as launch pins its workers, rank 0 sending while rank 1 receives (both posted
-    together), and the mean: on a small VM an occasional transfer stalls whatever its size,
-    and a step of many transfers pays the mean, not the median. One way, not both processes
-    sending at once: the simulator charges a transfer's copy on both cores and shares each core
-    between the copies and computations on it (partc.solve.host_p2p), so an exchange costs two
-    transfers there; timed as an exchange, every transfer was priced at an exchange's time
-    (measured here 1.37-1.50x a one-way transfer, 1-64 MiB)."""
+    own core as launch pins its workers, both sending to each other at once (torch's schedules
+    post a send and a receive together), and the mean: on a small VM about one exchange in ten
+    stalls ~4 ms whatever its size (measured on this repository's 2-core machine: 1 B 0.07 ms
+    median, 0.51 ms mean), and a step of many transfers pays the mean, not the median."""
     import torch
     import torch.distributed as dist
 
@@ -739,14 +724,16 @@ def _pingpong_worker(rank: int, backend: str, port: int, threads: int, out: str,
         return average(times)
 
     def one_way_s(tensor: torch.Tensor, reps: int) -> float:
-        """NCCL: half a ping-pong, rank 0 sends, rank 1 sends it back. gloo: rank 0 sends,
-        rank 1 receives, both posted at once after a barrier (rank 0's post and wait)."""
+        """NCCL: half a ping-pong, rank 0 sends, rank 1 sends it back. gloo: an exchange, each
+        process sending its tensor to the other while receiving the other's."""
         if backend != "nccl":
-            def send_or_receive() -> None:
-                work = dist.isend(tensor, peer) if rank == 0 else dist.irecv(tensor, peer)
-                if work is not None:
+            received = torch.empty_like(tensor)
+
+            def exchange() -> None:
+                for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, peer),
+                                                    dist.P2POp(dist.irecv, received, peer)]):
                     work.wait()
-            return timed(send_or_receive, reps)
+            return timed(exchange, reps)
 
         def step() -> None:
             if rank == 0:
@@ -757,13 +744,11 @@ def _pingpong_worker(rank: int, backend: str, port: int, threads: int, out: str,
                 dist.send(tensor, peer)
         return timed(step, reps) / 2
 
-    result = {"latency_s": one_way_s(torch.zeros(1, dtype=torch.uint8, device=device), small_reps)}
-    for nbytes in sizes:
-        result[f"one_way_{nbytes}_s"] = one_way_s(
-            torch.zeros(nbytes, dtype=torch.uint8, device=device), big_reps)
+    result = {"latency_s": one_way_s(torch.zeros(1, dtype=torch.uint8, device=device), small_reps),
+              "big_s": one_way_s(torch.zeros(nbytes, dtype=torch.uint8, device=device), big_reps)}
     if allreduce:
         small = torch.zeros(1, device=device)
-        big = torch.zeros(sizes[-1] // 4, device=device)
+        big = torch.zeros(nbytes // 4, device=device)
         result["allreduce_small_s"] = timed(lambda: dist.all_reduce(small), small_reps)
         result["allreduce_big_s"] = timed(lambda: dist.all_reduce(big), big_reps)
     if rank == 0:
@@ -771,30 +756,30 @@ def _pingpong_worker(rank: int, backend: str, port: int, threads: int, out: str,
     dist.destroy_process_group()
 
 
-def _pingpong(backend: str, threads: int, small_reps: int, big_reps: int,
-              sizes: tuple[int, ...], allreduce: bool) -> dict[str, float]:
+def _pingpong(backend: str, threads: int, small_reps: int, big_reps: int, nbytes: int,
+              allreduce: bool) -> dict[str, float]:
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "link.json")
         mp.spawn(_pingpong_worker, args=(backend, free_port(), threads, out, small_reps,
-                                         big_reps, sizes, allreduce), nprocs=2, join=True)
+                                         big_reps, nbytes, allreduce), nprocs=2, join=True)
         found: dict[str, float] = json.loads(Path(out).read_text())
     return found
 
 
 def measure_gloo_link(threads: int = 1, small_reps: int = 500, big_reps: int = 20,
-                      sizes: tuple[int, ...] = GLOO_LINK_SIZES) -> LinkCalibration:
+                      nbytes: int = LINK_BYTES) -> LinkCalibration:
     """Point-to-point gloo link between two processes of this machine (TCP over loopback), as
-    a pipeline uses it (`_pingpong_worker`): latency = the mean one-way time of 1 B, bandwidth
-    fitted to the mean one-way times of `sizes` (`link_from_times`)."""
-    found = _pingpong("gloo", threads, small_reps, big_reps, sizes, allreduce=False)
-    link = link_from_times(found["latency_s"], {n: found[f"one_way_{n}_s"] for n in sizes})
-    mib = ", ".join(f"{n / 2**20:g}" for n in sizes)
+    a pipeline uses it (`_pingpong_worker`): latency = the mean exchange of 1 B, bandwidth =
+    `nbytes` / (its mean exchange - latency)."""
+    found = _pingpong("gloo", threads, small_reps, big_reps, nbytes, allreduce=False)
+    found["message_bytes"] = float(nbytes)
+    link = link_from_pingpong(found["latency_s"], found["big_s"], nbytes)
     how = ("measured by partc calibrate: gloo between two local processes (TCP over loopback), "
-           f"each pinned to a core, one sending while the other receives, on {cpu_model()}; "
-           f"latency = the mean one-way time of 1 B, bandwidth fitted to the mean one-way "
-           f"times of {mib} MiB (least squared relative error)")
+           f"each pinned to a core, sending to each other at once, on {cpu_model()}; latency = "
+           f"the mean exchange of 1 B, bandwidth = {nbytes >> 20} MiB / (its mean exchange - "
+           "latency)")
     return LinkCalibration(link=link, measured=True, source=how, measurements=found)
 
 
@@ -809,12 +794,12 @@ def measure_nccl_link(small_reps: int = 200, big_reps: int = 20,
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         raise CalibrationError("measuring an NCCL link needs two visible CUDA GPUs",
                                "set CUDA_VISIBLE_DEVICES to two GPUs of one node")
-    found = _pingpong("nccl", 1, small_reps, big_reps, (nbytes,), allreduce=True)
+    found = _pingpong("nccl", 1, small_reps, big_reps, nbytes, allreduce=True)
     found["message_bytes"] = float(nbytes)
     # Ring all-reduce over 2 devices: t = n / B + 2 L (ClusterSpec.allreduce_s).
     ar_latency = found["allreduce_small_s"] / 2
     found["allreduce_ring_B_s"] = nbytes / max(found["allreduce_big_s"] - 2 * ar_latency, 1e-12)
-    link = link_from_times(found["latency_s"], {nbytes: found[f"one_way_{nbytes}_s"]})
+    link = link_from_pingpong(found["latency_s"], found["big_s"], nbytes)
     how = (f"measured by partc calibrate: NCCL send/recv between cuda:0 and cuda:1 "
            f"({torch.cuda.get_device_name(0)}); latency = half the median round trip of 1 B, "
            f"bandwidth = {nbytes >> 20} MiB / (half its median round trip - latency)")
@@ -1172,7 +1157,7 @@ def calibrate(out_dir: str | Path, device: str = "cpu", *, name: str | None = No
         if measure_link:
             link = measure_gloo_link(threads, small_reps=50 if quick else 500,
                                      big_reps=3 if quick else 20,
-                                     sizes=(8 << 20,) if quick else GLOO_LINK_SIZES)
+                                     nbytes=(8 << 20) if quick else LINK_BYTES)
         else:
             link = LinkCalibration(link=LinkSpec(bandwidth=1e9, latency_s=100e-6), measured=False,
                                    source="placeholder: the link was not measured")

@@ -404,10 +404,10 @@ class StageProblem:
     def shared_core_objective(self, assignment: Sequence[int]) -> int:
         """`objective` with each rank's steady state paced by its core: where ranks share a core
         (an oversubscribed CPU node), a micro-batch's turn through the steady state costs the
-        core the work of every rank on it, which J's per-rank term does not see (it read a
-        2-stage, 2-replica ResNet on 4 processes over 2 cores as 23.6 ms at 2 micro-batches,
-        simulated 29.5, and let its bound prune 1 micro-batch, simulated 25.4). The same as
-        `objective` without sharing; never below it."""
+        core the work of every rank on it, which J's per-rank term does not see (with a faster
+        link than the shipped cpu one, it read a 2-stage, 2-replica ResNet on 4 processes over 2
+        cores as 23.6 ms at 2 micro-batches, simulated 29.5, and let its bound prune 1
+        micro-batch, simulated 25.4). The same as `objective` without sharing; never below it."""
         if not self.core_sharing:
             return self.objective(assignment)
         S, v, M = self.shape.stages, self.shape.chunks, self.shape.num_microbatches

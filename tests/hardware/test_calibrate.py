@@ -24,7 +24,6 @@ from partc.hardware.calibration import (
     cuda_dtypes,
     device_yaml,
     gpu_slug,
-    link_from_times,
     measure_accelerator,
     measure_nccl_link,
     measure_op_overheads,
@@ -160,19 +159,6 @@ def write_pair(root: Path, cal: CpuCalibration | CudaCalibration, link: LinkCali
     return clusters
 
 
-def test_a_links_bandwidth_is_fitted_to_its_one_way_times() -> None:
-    # one size: bytes over (its time - latency), as a ping-pong's link always was
-    one = link_from_times(100e-6, {1 << 20: 100e-6 + (1 << 20) / 2e9})
-    assert one.bandwidth == pytest.approx(2e9, rel=1e-3) and one.latency_s == 100e-6
-    # times on one line give back that line's bandwidth, whatever the sizes
-    line = {n: 50e-6 + n / 3e9 for n in (1 << 20, 4 << 20, 16 << 20, 64 << 20)}
-    assert link_from_times(50e-6, line).bandwidth == pytest.approx(3e9, rel=1e-3)
-    # off the line, the fit weighs each size by its relative error: a slow 64 MiB (2 GB/s)
-    # against three sizes at 4 GB/s lands between them, nearer the many
-    mixed = {n: n / 4e9 for n in (1 << 20, 4 << 20, 16 << 20)} | {64 << 20: (64 << 20) / 2e9}
-    assert 2.5e9 < link_from_times(0.0, mixed).bandwidth < 4e9
-
-
 def test_cluster_yaml_loads_with_its_sibling_device(tmp_path: Path) -> None:
     cal = gpu_calibration(count=8)
     link = LinkCalibration(LinkSpec(bandwidth=370.5e9, latency_s=12.5e-6), measured=True,
@@ -273,10 +259,6 @@ def test_calibrate_command_writes_configs_that_compile(tmp_path: Path) -> None:
     assert spec.op_overhead_s > 0
     assert spec.backward_op_overhead_s is not None and spec.backward_op_overhead_s >= 0
     assert cluster.backend == "gloo" and cluster.intra_node.bandwidth > 0
-    # measured one way (a transfer's own time; the simulator adds up concurrent ones)
-    cluster_text = cluster_path.read_text()
-    assert "one sending while the other receives" in cluster_text
-    assert "#   one_way_8388608_s:" in cluster_text
     # the pipelining runtime's own cost per pass, measured on two pinned gloo processes
     assert 0 < spec.microbatch_overhead_s < 0.01
     text = device_path.read_text()
