@@ -392,14 +392,7 @@ class StageProblem:
 
     def objective(self, assignment: Sequence[int]) -> int:
         """v * J in time units (an integer; J = objective / chunks)."""
-        S, v, M = self.shape.stages, self.shape.chunks, self.shape.num_microbatches
-        t = self.stage_times(assignment)
-        per_rank = [0] * S
-        for k, x in enumerate(t):
-            per_rank[self.rank_of(k)] += x
-        sync = self.rank_sync(assignment)
-        g = max((M - 1) * per_rank[d] + sync[d] for d in range(S))
-        return v * g + (v - 1) * max(per_rank) + sum(t)
+        return self._objective(assignment, paced_by_cores=False)
 
     def shared_core_objective(self, assignment: Sequence[int]) -> int:
         """`objective` with each rank's steady state paced by its core: where ranks share a core
@@ -408,17 +401,18 @@ class StageProblem:
         link than the shipped cpu one, it read a 2-stage, 2-replica ResNet on 4 processes over 2
         cores as 23.6 ms at 2 micro-batches, simulated 29.5, and let its bound prune 1
         micro-batch, simulated 25.4). The same as `objective` without sharing; never below it."""
-        if not self.core_sharing:
-            return self.objective(assignment)
+        return self._objective(assignment, paced_by_cores=bool(self.core_sharing))
+
+    def _objective(self, assignment: Sequence[int], paced_by_cores: bool) -> int:
         S, v, M = self.shape.stages, self.shape.chunks, self.shape.num_microbatches
         t = self.stage_times(assignment)
         per_rank = [0] * S
         for k, x in enumerate(t):
             per_rank[self.rank_of(k)] += x
         sync = self.rank_sync(assignment)
-        core = [max(per_rank[d], sum(per_rank[o] for o in self.core_sharing[d]))
-                for d in range(S)]
-        g = max((M - 1) * core[d] + sync[d] for d in range(S))
+        steady = [max(per_rank[d], sum(per_rank[o] for o in self.core_sharing[d]))
+                  for d in range(S)] if paced_by_cores else per_rank
+        g = max((M - 1) * steady[d] + sync[d] for d in range(S))
         return v * g + (v - 1) * max(per_rank) + sum(t)
 
     def rank_memory(self, assignment: Sequence[int]) -> list[int]:
