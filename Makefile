@@ -36,7 +36,7 @@ lint: install
 
 # -n auto: one pytest worker per core (xdist); each worker measures its own profiles
 test: lint
-	$(PY) -m pytest -m "not slow" -q -n auto
+	$(PY) -m pytest -m "not slow" -q -n auto --durations=30
 
 test-slow: install
 	$(PY) -m pytest -m slow -q
