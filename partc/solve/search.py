@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from itertools import product
 from typing import Any, Sequence
 
@@ -115,6 +115,11 @@ class _Candidate:
     hints: tuple[tuple[int, ...], ...] = ()
     source: Strategy | None = None  # whose cut `assignment` is
     dp_assignment: tuple[int, ...] | None = None  # the exact DP's cut, when it fits
+    # (assignment, objective_s) -> estimate: the shared-core objective is O(blocks) and read
+    # in every comparison of the branch and bound and the sorts; the key keeps it right when
+    # the search replaces a candidate's cut.
+    _estimate_memo: tuple[tuple[int, ...], float, float] | None = field(
+        default=None, repr=False, compare=False)
 
     @property
     def estimate_s(self) -> float:
@@ -126,8 +131,15 @@ class _Candidate:
             return math.inf
         if not self.problem.core_sharing:
             return self.objective_s
+        memo = self._estimate_memo
+        if memo is not None and memo[0] == self.assignment and memo[1] == self.objective_s:
+            return memo[2]
         unit = self.problem.time_unit_s / self.shape.chunks
-        return max(self.objective_s, self.problem.shared_core_objective(self.assignment) * unit)
+        # max(): CP-SAT's objective is integer-scaled and may round below the Python J
+        estimate = max(self.objective_s,
+                       self.problem.shared_core_objective(self.assignment) * unit)
+        self._estimate_memo = (self.assignment, self.objective_s, estimate)
+        return estimate
 
 
 # ---- shapes ----------------------------------------------------------------------------------
