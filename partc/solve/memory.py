@@ -255,13 +255,20 @@ def _kept_as_is(table: CostTable, tensor: str, saver: str, bf16: bool) -> bool:
 
 def _attention_keeps_inputs(table: CostTable, node: OpNode, precision: Precision) -> bool:
     """Whether scaled_dot_product_attention keeps its query, key and value themselves for
-    backward. CUDA's flash and memory-efficient kernels do (head size a multiple of 8; 4 in
-    float32: partc.cost.activations.attention_kernel). On a CPU the flash kernel does, but it
-    runs only without dropout: with dropout on, as in training, the math path keeps the scaled
-    query and key and the heads its matmuls reshape into copies (checked with torch's saved
-    tensors). Dropout is not in the graph, so a CPU counts the copies: at worst one input's
-    bytes per micro-batch too many where the flash kernel runs."""
-    if table.source.device_kind != "cuda" or not node.inputs:
+    backward: a fused kernel does (CUDA's flash and memory-efficient kernels; a CPU's flash
+    kernel, which runs only without dropout), the math path keeps the scaled query and key and
+    the heads its matmuls reshape into copies (checked with torch's saved tensors). A fused
+    kernel also keeps its own result, which the math path never does, so a table that records
+    which nodes keep their result (`CostTable.keeps_result`, measured with the kernel that ran
+    or, for another device, the one it would run) tells which ran. A table without that record
+    goes by the device: CUDA's documented constraints (head size a multiple of 8; 4 in float32:
+    partc.cost.activations.attention_kernel), and on a CPU the math path (dropout is not in the
+    graph): at worst one input's bytes per micro-batch too many where the flash kernel runs."""
+    if not node.inputs:
+        return False
+    if table.keeps_result is not None:
+        return node.name in table.keeps_result
+    if table.source.device_kind != "cuda":
         return False
     query = node.inputs[0]
     head = table.graph.tensor(query).shape[-1:] or (0,)

@@ -45,6 +45,7 @@ from partc.solve.memory import (  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
+TEST_MODELS = ROOT / "tests" / "models"
 
 # Micro-batch size per example: large enough that activations are a real share of the peak.
 BATCH = {"mlp": 64, "transformer": 16, "gpt2": 8, "bert": 8, "resnet": 16}
@@ -71,7 +72,7 @@ def captured(name: str, batch: int | None = None) -> tuple[CaptureResult, CostTa
     """The example captured at `batch` (default: its BATCH size) and its CostTable (cached)."""
     key = (name, batch or BATCH[name])
     if key not in _captures:
-        result = capture_graph(EXAMPLES / f"{name}.py", key[1], onnx=False)
+        result = capture_graph(_model_path(name), key[1], onnx=False)
         table = analytic_cost_table(result.graph, cpu_device(),
                                     saved=saved_activations(result.capture))
         _captures[key] = (result, table)
@@ -85,6 +86,7 @@ class Comparison:
     predicted: StageMemory
     measured: int
     run: str = ""  # the PIPE_RUNS entry, for the real pipelines
+    stage: int = 0  # the rank's stage, for the real pipelines
 
     @property
     def error(self) -> float:
@@ -196,17 +198,28 @@ PIPE_RUNS: dict[str, tuple[str, int, str, bool]] = {
     # cut inside a block, before the attention's output projection: stage 1 receives the
     # attention's output and the residual stream
     "transformer-mid-block": ("transformer", 16, "blocks.2.attn.proj", False),
+    # cut between the query and key projections of a dropout-free attention: stage 1 receives
+    # the query, and the CPU's flash kernel keeps that buffer itself (the math path, under
+    # dropout, keeps a scaled copy)
+    "attention-after-query": ("split_attention", 16, "blocks.1.attn.k", False),
     "mlp-grads-freed": ("mlp", 64, "6", False),
     "mlp-grads-freed-m2": ("mlp", 64, "6", False),
     "mlp-3": ("mlp", 256, "4,8", False),
     "mlp-3-grads-freed-m3": ("mlp", 64, "4,8", False),
 }
-# runs the model holds to 16 KiB (the transformer's stage 0 is 12,288 B over, its GPipe last stage
-# 12 B under): a cut inside the attention block, between the attention and its output
-# projection, once missed a micro-batch of the attention's output on each side (+262,144 B on
-# stage 0 under 1F1B and -1,048,588 B on stage 1 under GPipe: the fused kernel keeps its output,
-# and the projection's input is a view of it, counted on the attention, not the projection)
-EXACT_RUNS = {"transformer", "transformer-mid-block"}
+# runs (and their stages) the model holds to 16 KiB (the transformer's stage 0 is 12,288 B over,
+# its GPipe last stage 12 B under): a cut inside the attention block, between the attention and
+# its output projection, once missed a micro-batch of the attention's output on each side
+# (+262,144 B on stage 0 under 1F1B and -1,048,588 B on stage 1 under GPipe: the fused kernel
+# keeps its output, and the projection's input is a view of it, counted on the attention).
+# A cut between the query and key projections counted a copy of the query that the flash kernel
+# never makes (stage 1 +262,144 B under 1F1B, +1,048,564 B under GPipe; now 0 and -12 B). Its
+# stage 0 is held to the 5% alone: it peaks 249,856 B above the model (-1.2%) at its first
+# backward, where the residual stream's gradient is the received one summed with the block's
+# norm's into a fresh buffer (the same cut before `blocks.1.attn.q` misses the same bytes, one
+# before `blocks.1.ln1` does not): docs/memory-model.md, open.
+EXACT_RUNS = {"transformer": (0, 1), "transformer-mid-block": (0, 1),
+              "attention-after-query": (1,)}
 # runs whose optimizer frees the gradients between steps (launch's zero_grad(set_to_none=True)
 # without a DDP bucket): under GPipe, stage 1's second backward holds all the gradients and the
 # input gradient the first one sent, its peak there
@@ -273,7 +286,13 @@ def _model_file(name: str) -> Any:
     """The example's loaded model file."""
     from partc.frontend.model_file import load_model_file
 
-    return load_model_file(EXAMPLES / f"{name}.py")
+    return load_model_file(_model_path(name))
+
+
+def _model_path(name: str) -> Path:
+    """An example's model file, or a test model's (tests/models) where no example has the name."""
+    example = EXAMPLES / f"{name}.py"
+    return example if example.exists() else TEST_MODELS / f"{name}.py"
 
 
 def _pipeline_rank(rank: int, init_file: str, world: int) -> None:
@@ -359,7 +378,7 @@ def run_pipeline(directory: Path, world: int = 2) -> list[Comparison]:
         case = f"{schedule}{', checkpointing' if checkpointing else ''}" \
                f"{', gradients freed' if run in GRADS_FREED else ''}{cut}, stage {rank} of " \
                f"{world}, M={_microbatches(run)}"
-        comparisons.append(Comparison(name, case, predicted, peak, run))
+        comparisons.append(Comparison(name, case, predicted, peak, run, rank))
     return comparisons
 
 
@@ -381,7 +400,7 @@ def _check_pipeline(comparisons: list[Comparison], world: int) -> None:
     assert runs and len(comparisons) == 2 * world * len(runs)
     for c in comparisons:
         assert abs(c.error) <= TOLERANCE, (c.case, c.predicted.to_dict(), c.measured, c.error)
-        if c.run in EXACT_RUNS:
+        if c.stage in EXACT_RUNS.get(c.run, ()):
             assert abs(c.predicted.total - c.measured) <= 16 << 10, (c.run, c.case, c.measured,
                                                                      c.predicted.to_dict())
         if "gradients freed" in c.case:  # exact enough to be never below
