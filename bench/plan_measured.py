@@ -22,11 +22,17 @@ DeepSpeed-style balanced parameters) compiles a plan, and each distinct plan is 
   the same training shape (stages, replicas, micro-batches and their size, schedule, virtual
   stages, checkpointing, placement) are one plan; it is launched once and the others are reported
   as "same plan as <strategy>" with its numbers (on a 2-core machine launches are the cost).
-- Repeats (`--repeats R`): everything is compiled once (compiles are deterministic), then the
-  repeat loop is outermost: each repeat launches every distinct plan of every (model, processes)
-  case in turn, starting at a different plan each repeat, so machine drift and the position in the
-  sequence hit all strategies alike. Tables show medians over repeats; cpsat-vs-baseline
-  throughput ratios are computed per repeat (cpsat samples/s / baseline samples/s), then medianed.
+- Repeats (`--repeats R`): each plan is compiled once (compiles are deterministic). By default
+  (`--order case`) each (model, processes) case's R repeats are launched right after its
+  compile, each repeat launching every distinct plan of the case in turn, starting at a different
+  plan each repeat, so drift and the position in the sequence hit all strategies alike. A plan's
+  prediction is priced with the profile its compile measured, and this VM's speed drifts by up to
+  1.5x within 20 minutes and by model (run U, 2026-11-28: BERT's stage work 1.3-1.5x its profile,
+  the transformer's 0.8x, launched 10-25 minutes after everything was compiled), so a prediction
+  is checked against launches minutes, not the whole run, after its profile was measured.
+  `--order round` compiles everything first and then runs one round of every case per repeat
+  (the order before 2026-11-28). Tables show medians over repeats; cpsat-vs-baseline throughput
+  ratios are computed per repeat (cpsat samples/s / baseline samples/s), then medianed.
 - Global batches (BATCH below): big enough that a step's compute is not lost in the fixed per-step
   cost of a launch (gloo round trips, Python dispatch, ~20 ms here) yet a launch of N steps stays
   a few seconds of training: the MLP is tiny (a 64-sample step is ~1 ms of predicted compute,
@@ -53,7 +59,7 @@ searched counts differ between strategies (e.g. the MLP: cpsat 8, uniform 4, pre
 apart) and the per-micro-batch cost the model misses can outweigh a better cut on this machine.
 
     .venv/bin/python bench/plan_measured.py [--quick] [--models mlp,bert] [--processes 2,4]
-        [--repeats 3] [--steps 10] [--microbatches M] [--json rows.json]
+        [--repeats 3] [--steps 10] [--microbatches M] [--order case|round] [--json rows.json]
 """
 from __future__ import annotations
 
@@ -257,6 +263,9 @@ def main() -> None:
                         help="pin the micro-batch count for every strategy (default: searched)")
     parser.add_argument("--precision", default="fp32", choices=PRECISIONS,
                         help="the training precision every plan is compiled for")
+    parser.add_argument("--order", default="case", choices=("case", "round"),
+                        help="case: each case's repeats right after its compile (default); "
+                             "round: compile everything, then one round of launches per repeat")
     parser.add_argument("--json", type=Path, help="write the raw rows here")
     args = parser.parse_args()
     models = ["mlp", "bert"] if args.quick else MODELS
@@ -280,7 +289,8 @@ def main() -> None:
     config = {"models": models, "processes": processes, "repeats": repeats, "steps": steps,
               "warmup_steps": WARMUP, "batch": {m: BATCH[m] for m in models},
               "clusters": {p: CASES[p][0] for p in processes}, "omp_num_threads": 1,
-              "microbatches": args.microbatches or "searched", "precision": args.precision}
+              "microbatches": args.microbatches or "searched", "precision": args.precision,
+              "order": args.order}
     print(f"machine: {machine['processor']} ({machine['cpu_model']}), {machine['cpu_count']} "
           f"cpus, python {machine['python']}, torch {machine['torch']}, load average "
           f"{machine['load_average_1m']} at start")
@@ -290,39 +300,55 @@ def main() -> None:
           flush=True)
 
     began = time.perf_counter()
+    compile_s = 0.0
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         cases: dict[tuple[str, int], dict[str, Plan]] = {}
-        for model in models:
-            for n in processes:
-                plans: dict[str, Plan] = {}
-                for strategy in STRATEGIES:
-                    plan = compile_plan(model, n, strategy, tmp / f"{model}-{n}-{strategy}",
-                                        args.microbatches, args.precision)
-                    same = [s for s, p in plans.items()
-                            if p.error is None and not p.same_as and p.key == plan.key]
-                    if plan.error is None and same:
-                        plan.same_as = same[0]
-                    plans[strategy] = plan
-                    print(f"compiled {model} x{n} {strategy} in {plan.compile_s:.1f} s"
-                          f"{': ' + plan.error if plan.error else ''}"
-                          f"{' (same plan as ' + plan.same_as + ')' if plan.same_as else ''}",
-                          file=sys.stderr, flush=True)
-                cases[(model, n)] = plans
-        compile_s = time.perf_counter() - began
 
-        for r in range(repeats):
-            for (model, n), plans in cases.items():
-                todo = [p for p in plans.values() if p.error is None and not p.same_as]
-                # Rotate the start so no strategy always runs first (right after a compile or
-                # another case's launches).
-                k = r % len(todo) if todo else 0
-                for plan in todo[k:] + todo[:k]:
-                    launch(plan, steps)
-                    got = (f"{plan.steps_s[-1] * 1e3:.1f} ms/step" if plan.error is None
-                           else plan.error)
-                    print(f"repeat {r + 1}/{repeats} {model} x{n} {plan.strategy}: {got} "
-                          f"(launch {plan.launch_s[-1]:.1f} s)", file=sys.stderr, flush=True)
+        def compile_case(model: str, n: int) -> None:
+            nonlocal compile_s
+            start = time.perf_counter()
+            plans: dict[str, Plan] = {}
+            for strategy in STRATEGIES:
+                plan = compile_plan(model, n, strategy, tmp / f"{model}-{n}-{strategy}",
+                                    args.microbatches, args.precision)
+                same = [s for s, p in plans.items()
+                        if p.error is None and not p.same_as and p.key == plan.key]
+                if plan.error is None and same:
+                    plan.same_as = same[0]
+                plans[strategy] = plan
+                print(f"compiled {model} x{n} {strategy} in {plan.compile_s:.1f} s"
+                      f"{': ' + plan.error if plan.error else ''}"
+                      f"{' (same plan as ' + plan.same_as + ')' if plan.same_as else ''}",
+                      file=sys.stderr, flush=True)
+            cases[(model, n)] = plans
+            compile_s += time.perf_counter() - start
+
+        def launch_case(r: int, model: str, n: int) -> None:
+            plans = cases[(model, n)]
+            todo = [p for p in plans.values() if p.error is None and not p.same_as]
+            # Rotate the start so no strategy always runs first (right after a compile or
+            # another case's launches).
+            k = r % len(todo) if todo else 0
+            for plan in todo[k:] + todo[:k]:
+                launch(plan, steps)
+                got = (f"{plan.steps_s[-1] * 1e3:.1f} ms/step" if plan.error is None
+                       else plan.error)
+                print(f"repeat {r + 1}/{repeats} {model} x{n} {plan.strategy}: {got} "
+                      f"(launch {plan.launch_s[-1]:.1f} s)", file=sys.stderr, flush=True)
+
+        every = [(model, n) for model in models for n in processes]
+        if args.order == "case":
+            for model, n in every:
+                compile_case(model, n)
+                for r in range(repeats):
+                    launch_case(r, model, n)
+        else:
+            for model, n in every:
+                compile_case(model, n)
+            for r in range(repeats):
+                for model, n in every:
+                    launch_case(r, model, n)
     total_s = time.perf_counter() - began
 
     rows: list[dict[str, Any]] = []
