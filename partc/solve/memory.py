@@ -258,15 +258,18 @@ def _attention_keeps_inputs(table: CostTable, node: OpNode, precision: Precision
     backward: a fused kernel does (CUDA's flash and memory-efficient kernels; a CPU's flash
     kernel, which runs only without dropout), the math path keeps the scaled query and key and
     the heads its matmuls reshape into copies (checked with torch's saved tensors). A fused
-    kernel also keeps its own result, which the math path never does, so a table that records
-    which nodes keep their result (`CostTable.keeps_result`, measured with the kernel that ran
-    or, for another device, the one it would run) tells which ran. A table without that record
-    goes by the device: CUDA's documented constraints (head size a multiple of 8; 4 in float32:
-    partc.cost.activations.attention_kernel), and on a CPU the math path (dropout is not in the
-    graph): at worst one input's bytes per micro-batch too many where the flash kernel runs."""
+    kernel also keeps its own result, which the math path never does, so a table's record of
+    which nodes keep their result (`CostTable.keeps_result`) tells which ran where the kernel
+    was real: a measured profile, or a CPU's (whose analytic table asks torch's own dispatcher
+    with the graph's dropout, partc.cost.activations.attention_kernel). Otherwise it goes by
+    the device: CUDA's documented constraints (head size a multiple of 8; 4 in float32), in the
+    dtype the attention runs in under the plan's precision, and on a CPU without the record the
+    math path (dropout is not in the OpGraph): at worst one input's bytes per micro-batch too
+    many where the flash kernel runs."""
     if not node.inputs:
         return False
-    if table.keeps_result is not None:
+    if table.keeps_result is not None and (table.source.kind == "measured"
+                                           or table.source.device_kind == "cpu"):
         return node.name in table.keeps_result
     if table.source.device_kind != "cuda":
         return False
