@@ -54,6 +54,14 @@ loading the stages) and 4-process launches are the slow ones. The default run co
 (~4 min) and has 28 distinct plans to launch per repeat (~7 min): ~25 min with 3 repeats, 11 min
 with `--repeats 1`; `--quick` takes under 2 min. The end of the report gives the run's totals.
 
+One profile per case (default; `--no-one-profile` turns it off): each compile prices with the
+profile cache's entry for the micro-batch sizes its own search measured, and entries measured
+minutes apart differ by this VM's drift (run V, 2026-11-28: the ResNet's size 16 read 1.42x apart
+in `cpsat`'s and `params`' profiles), so where a case's strategies' profiles differ, `partc
+profile` measures one holding every size any of them holds (torch timing, one thread, the node's
+other devices busy, as compile measures) and every strategy is compiled again with it
+(`--profile`): a case's predictions then compare plans, not measurements.
+
 `--microbatches M` pins the micro-batch count for every strategy, to compare the cuts alone: the
 searched counts differ between strategies (e.g. the MLP: cpsat 8, uniform 4, predicted 0.5%
 apart) and the per-micro-batch cost the model misses can outweigh a better cut on this machine.
@@ -79,6 +87,7 @@ from typing import Any
 
 import yaml
 
+from partc.hardware.configs import load_cluster
 from partc.options import PRECISIONS, STRATEGIES
 from partc.plans.plan import load_plan
 from partc.plans.report import replay_measured
@@ -130,11 +139,14 @@ def last_line(text: str) -> str:
 
 
 def compile_plan(model: str, processes: int, strategy: str, out: Path,
-                 microbatches: int | None = None, precision: str = "fp32") -> Plan:
+                 microbatches: int | None = None, precision: str = "fp32",
+                 profile: Path | None = None) -> Plan:
     cluster, pinned = CASES[processes]
     if microbatches:
         pinned = [*pinned, "--microbatches", str(microbatches)]
     pinned = [*pinned, "--precision", precision]
+    if profile is not None:
+        pinned = [*pinned, "--profile", str(profile)]
     start = time.perf_counter()
     proc = subprocess.run([PARTC, "compile", f"examples/{model}.py", "-b", str(BATCH[model]),
                            "--cluster", cluster, *pinned, "--strategy", strategy, "-o", str(out)],
@@ -159,6 +171,34 @@ def compile_plan(model: str, processes: int, strategy: str, out: Path,
     plan.predicted_iteration_s = float(doc["predicted"]["iteration_s"])
     plan.predicted_samples_per_s = float(doc["predicted"]["samples_per_s"])
     return plan
+
+
+def case_profile(model: str, processes: int, plans: dict[str, Plan], precision: str,
+                 out: Path) -> Path | None:
+    """One profile for every strategy of a case, or None when their compiles already priced
+    with one (the same profile file). Each compile prices with the profile cache's entry for
+    the micro-batch sizes its own search measured, and entries measured minutes apart differ by
+    the machine's drift (run V: 1.42x at the same size), so a case's predicted order would
+    compare measurements, not plans. This profile holds every size any of the case's profiles
+    holds, measured together as compile measures (torch timing, one thread, the node's other
+    devices busy); the strategies are then compiled again with it."""
+    profiles = [p.directory / "profile.yaml" for p in plans.values() if p.error is None]
+    digests = {f.read_bytes() for f in profiles if f.exists()}
+    if len(digests) <= 1:
+        return None
+    sizes = sorted({int(b) for f in profiles if f.exists()
+                    for b in yaml.safe_load(f.read_text())["batch_sizes"]})
+    cluster = load_cluster(CASES[processes][0])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run([PARTC, "profile", f"examples/{model}.py", "--batch-sizes",
+                           ",".join(map(str, sizes)), "--method", "torch", "--precision",
+                           precision, "--threads", "1", "--neighbours",
+                           str(cluster.devices_per_node - 1), "-o", str(out)],
+                          cwd=ROOT, env=ENV, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"partc profile for {model} x{processes} failed: "
+                         f"{last_line(proc.stderr)}")
+    return out
 
 
 def launch(plan: Plan, steps: int) -> None:
@@ -266,6 +306,10 @@ def main() -> None:
     parser.add_argument("--order", default="case", choices=("case", "round"),
                         help="case: each case's repeats right after its compile (default); "
                              "round: compile everything, then one round of launches per repeat")
+    parser.add_argument("--no-one-profile", dest="one_profile", action="store_false",
+                        help="keep each strategy's plan as its own compile priced it, even "
+                             "where the strategies' profiles differ (default: price a case's "
+                             "strategies with one profile holding all their sizes)")
     parser.add_argument("--json", type=Path, help="write the raw rows here")
     args = parser.parse_args()
     models = ["mlp", "bert"] if args.quick else MODELS
@@ -290,7 +334,7 @@ def main() -> None:
               "warmup_steps": WARMUP, "batch": {m: BATCH[m] for m in models},
               "clusters": {p: CASES[p][0] for p in processes}, "omp_num_threads": 1,
               "microbatches": args.microbatches or "searched", "precision": args.precision,
-              "order": args.order}
+              "order": args.order, "one_profile": args.one_profile}
     print(f"machine: {machine['processor']} ({machine['cpu_model']}), {machine['cpu_count']} "
           f"cpus, python {machine['python']}, torch {machine['torch']}, load average "
           f"{machine['load_average_1m']} at start")
@@ -301,6 +345,7 @@ def main() -> None:
 
     began = time.perf_counter()
     compile_s = 0.0
+    one_profile: list[str] = []  # cases priced again with one profile (case_profile)
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         cases: dict[tuple[str, int], dict[str, Plan]] = {}
@@ -308,19 +353,31 @@ def main() -> None:
         def compile_case(model: str, n: int) -> None:
             nonlocal compile_s
             start = time.perf_counter()
-            plans: dict[str, Plan] = {}
-            for strategy in STRATEGIES:
-                plan = compile_plan(model, n, strategy, tmp / f"{model}-{n}-{strategy}",
-                                    args.microbatches, args.precision)
-                same = [s for s, p in plans.items()
-                        if p.error is None and not p.same_as and p.key == plan.key]
-                if plan.error is None and same:
-                    plan.same_as = same[0]
-                plans[strategy] = plan
-                print(f"compiled {model} x{n} {strategy} in {plan.compile_s:.1f} s"
-                      f"{': ' + plan.error if plan.error else ''}"
-                      f"{' (same plan as ' + plan.same_as + ')' if plan.same_as else ''}",
-                      file=sys.stderr, flush=True)
+
+            def compile_all(profile: Path | None) -> dict[str, Plan]:
+                plans: dict[str, Plan] = {}
+                for strategy in STRATEGIES:
+                    plan = compile_plan(model, n, strategy, tmp / f"{model}-{n}-{strategy}",
+                                        args.microbatches, args.precision, profile)
+                    same = [s for s, p in plans.items()
+                            if p.error is None and not p.same_as and p.key == plan.key]
+                    if plan.error is None and same:
+                        plan.same_as = same[0]
+                    plans[strategy] = plan
+                    print(f"compiled {model} x{n} {strategy} in {plan.compile_s:.1f} s"
+                          f"{' with the case profile' if profile else ''}"
+                          f"{': ' + plan.error if plan.error else ''}"
+                          f"{' (same plan as ' + plan.same_as + ')' if plan.same_as else ''}",
+                          file=sys.stderr, flush=True)
+                return plans
+
+            plans = compile_all(None)
+            if args.one_profile:
+                shared = case_profile(model, n, plans, args.precision,
+                                      tmp / "profiles" / f"{model}-{n}.yaml")
+                if shared is not None:
+                    plans = compile_all(shared)
+                    one_profile.append(f"{model} x{n}")
             cases[(model, n)] = plans
             compile_s += time.perf_counter() - start
 
@@ -476,12 +533,15 @@ def main() -> None:
           f"{max(compiles):.1f} s each), {len(launches)} launches in {sum(launches):.0f} s "
           + (f"({min(launches):.1f}-{max(launches):.1f} s each), " if launches else "")
           + f"{total_s / 60:.1f} min in all")
+    print("cases priced again with one profile holding all their strategies' sizes (their "
+          f"compiles' profiles differed): {', '.join(one_profile) or 'none'}")
     if 4 in processes:
         print("4 processes share the 2 cores (2 per core, pinned); the predictions time-share "
               "each core between the processes busy on it (cpu-4: cores_per_node 2).")
     if args.json:
         args.json.write_text(json.dumps({"machine": machine, "config": config, "rows": rows,
                                          "ratios": ratios, "orders": order_rows,
+                                         "one_profile_cases": one_profile,
                                          "total_s": total_s}, indent=1) + "\n")
 
 
