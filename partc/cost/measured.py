@@ -314,7 +314,9 @@ def _measure(result: CaptureResult, b: int, device: torch.device, use_ort: bool,
                                        threads=options.threads, warmup=options.warmup,
                                        runs=options.runs)
                 del feeds
-    totals = totals_program(module, inputs, device)
+    # scripting traces the program: training-mode forwards, buffers put back as above
+    with buffers_restored(module):
+        totals = totals_program(module, inputs, device)
     del module, inputs
     gc.collect()
     return _Measurement(batch_size=b, torch=timing, ort=ort_timing, saved=saved, loss=loss,
@@ -335,7 +337,8 @@ def _time_totals(result: CaptureResult, measurements: list[_Measurement],
     for b in retime:
         module = _module_at(result, _program_at(result, b), b, device, progress, weights)
         inputs = inputs_on(result.capture.model_file.inputs(b), device)
-        program = totals_program(module, inputs, device)
+        with buffers_restored(module):  # scripting traces it in training mode
+            program = totals_program(module, inputs, device)
         del module, inputs
         if program is not None:
             programs.append(program)
