@@ -234,11 +234,12 @@ def profile(model: Path, device: str, batch_size: int, batch_sizes: tuple[int, .
 
     progress = TerminalProgress()
     if analytic_device is not None:
-        from partc.cost.plan_costs import plan_costs
-        from partc.frontend.capture import capture_graph
         from partc.hardware.configs import load_device
 
-        spec = load_device(analytic_device)
+        spec = load_device(analytic_device)  # torch-free: a bad name fails before the imports
+        from partc.cost.plan_costs import plan_costs
+        from partc.frontend.capture import capture_graph
+
         result = capture_graph(model, batch_size, onnx=False, progress=progress)
         table = plan_costs(result, spec, progress=progress, precision=precision)
     else:
@@ -365,6 +366,8 @@ def solve(model: Path, output: Path | None, timeline: Path | None, **kw: Any) ->
     """Find the best pipeline x data-parallel partition of MODEL for a cluster and global batch:
     coarsen, search shapes, cut stages (CP-SAT by default), simulate; print the plan."""
     _refuse_a_bad_model_file(model)
+    # the options are torch-free: a bad cluster fails before the seconds of importing torch
+    cluster, training, options = _search_inputs(kw)
     from partc.frontend.capture import capture_graph
     from partc.plans.priced_search import priced_search
     from partc.progress import TerminalProgress
@@ -372,7 +375,6 @@ def solve(model: Path, output: Path | None, timeline: Path | None, **kw: Any) ->
     from partc.solve.search import compare_strategies
 
     progress = TerminalProgress()
-    cluster, training, options = _search_inputs(kw)
     result = capture_graph(model, kw["capture_batch"], onnx=False, progress=progress)
     # (with --strategy all, `options` asks for cpsat: every strategy is then compared on the
     # costs measured for cpsat's plan)
@@ -417,12 +419,12 @@ def compile_command(model: Path, output: Path | None, calibrate_from: Path | Non
     """Compile MODEL into a plan directory: capture, price, coarsen, solve, simulate, then split
     the program into stages, trace each to TorchScript (stage_<k>.pt) and write plan.yaml."""
     _refuse_a_bad_model_file(model)
+    cluster, training, search_options = _search_inputs(kw)  # torch-free, as in solve
     from partc.emit.compile import CompileOptions, compile_model
     from partc.plans.plan import format_plan
     from partc.progress import TerminalProgress
 
     progress = TerminalProgress()
-    cluster, training, search_options = _search_inputs(kw)
     output = output if output is not None else Path("plans") / model.stem
     options = CompileOptions(batch_size=kw["batch_size"], search=search_options,
                              training=training, profile=kw["profile_path"],
