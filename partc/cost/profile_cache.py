@@ -6,8 +6,11 @@ size), the device label (the device model, not just "cpu"), the precision, the C
 busy neighbours, the
 profiled micro-batch sizes and the timing method. A missing entry is measured and written
 atomically (`partc.files.write_atomic`, through `CostTable.save`), so concurrent compiles see a
-whole file or none; an entry that cannot be read or that does not match its key (a corrupt or
-hand-edited file) is measured again and replaced, never trusted. An entry at some of the sizes
+whole file or none, and under a lock of that entry (`.<entry>.lock`, flock), so two compiles
+needing the same entry at once measure it once: the second waits and reads it (two
+measurements at once would also each time the other as load); an entry that cannot be read
+or that does not match its key (a corrupt or hand-edited file) is measured again and replaced,
+never trusted. An entry at some of the sizes
 asked for is extended (`extend_profile`): the other sizes measured, its own whole-model totals
 timed again in the same rounds.
 
@@ -15,13 +18,15 @@ Where: `$PARTC_CACHE_DIR`, else `$XDG_CACHE_HOME/partc/profiles`, else `~/.cache
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import glob
 import hashlib
 import os
 import re
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from partc.cost.measured import (
     MEASUREMENT_REVISION,
@@ -103,6 +108,29 @@ def _largest_subset(directory: Path, graph: OpGraph, precision: str, sizes: tupl
     return best
 
 
+@contextlib.contextmanager
+def _entry_lock(path: Path, progress: Progress) -> Iterator[None]:
+    """Hold an exclusive lock of the cache entry `path` (flock of a hidden file beside it; the
+    kernel drops it when its holder exits, killed or not). Where no lock file can be made (a
+    read-only cache) the entry is looked up and measured without one."""
+    lock = path.with_name(f".{path.stem}.lock")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            with progress.step("waiting for another partc measuring this profile"):
+                fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 def cached_profile(result: CaptureResult, options: ProfileOptions,
                    cache_dir: Path | None = None,
                    progress: Progress | None = None) -> tuple[CostTable, Path]:
@@ -135,32 +163,33 @@ def cached_profile(result: CaptureResult, options: ProfileOptions,
                 and src.calibration.get("revision") == MEASUREMENT_REVISION
                 and _complete(table, graph))
 
-    if path.is_file():
+    with _entry_lock(path, progress):
+        if path.is_file():
+            try:
+                table = CostTable.load(path, graph, precision=options.precision)
+            except ProfileFileError as exc:
+                progress.warn(f"re-measuring: cached profile {path.name} is unreadable "
+                              f"({exc.message})")
+            else:
+                if matches(table) and table.source.batch_sizes == sizes:
+                    return table, path
+                progress.warn(f"re-measuring: cached profile {path.name} does not match its key")
+        # an entry at some of the sizes (a compile measuring one more micro-batch size than
+        # before): measure only the others, the entry's totals timed again with theirs
+        part = _largest_subset(directory, graph, options.precision, sizes, matches) \
+            if directory.is_dir() else None
+        with intra_op_threads(device, options.threads):
+            if part is None:
+                table = measure_costs(result, device, options, progress)
+            else:
+                table = extend_profile(part, result, device, replace(options, batch_sizes=sizes),
+                                       progress)
         try:
-            table = CostTable.load(path, graph, precision=options.precision)
-        except ProfileFileError as exc:
-            progress.warn(f"re-measuring: cached profile {path.name} is unreadable "
-                          f"({exc.message})")
-        else:
-            if matches(table) and table.source.batch_sizes == sizes:
-                return table, path
-            progress.warn(f"re-measuring: cached profile {path.name} does not match its key")
-    # an entry at some of the sizes (a compile measuring one more micro-batch size than
-    # before): measure only the others, the entry's totals timed again with theirs
-    part = _largest_subset(directory, graph, options.precision, sizes, matches) \
-        if directory.is_dir() else None
-    with intra_op_threads(device, options.threads):
-        if part is None:
-            table = measure_costs(result, device, options, progress)
-        else:
-            table = extend_profile(part, result, device, replace(options, batch_sizes=sizes),
-                                   progress)
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        with progress.step(f"caching the profile in {path}"):
-            table.save(path)
-    except OSError as exc:
-        raise ProfileError(f"cannot write the profile cache {path}: {exc.strerror or exc}",
-                           hint="set PARTC_CACHE_DIR to a writable directory") from exc
-    # the costs as the file holds them (rounded): what a plan's check will load from its copy
-    return CostTable.load(path, graph, precision=options.precision), path
+            directory.mkdir(parents=True, exist_ok=True)
+            with progress.step(f"caching the profile in {path}"):
+                table.save(path)
+        except OSError as exc:
+            raise ProfileError(f"cannot write the profile cache {path}: {exc.strerror or exc}",
+                               hint="set PARTC_CACHE_DIR to a writable directory") from exc
+        # the costs as the file holds them (rounded): what a plan's check will load from its copy
+        return CostTable.load(path, graph, precision=options.precision), path

@@ -45,6 +45,46 @@ def _cached(options: ProfileOptions = FAST) -> tuple[CostTable, Path, Steps]:
     return table, path, steps
 
 
+def _lock_of(entry: Path) -> Path:
+    return entry.with_name(f".{entry.stem}.lock")
+
+
+def test_two_callers_at_once_measure_an_entry_once(monkeypatch: pytest.MonkeyPatch,
+                                                  tmp_path: Path) -> None:
+    """Two compiles needing the same entry at once (two shells, two test workers): the second
+    waits on the entry's lock and reads what the first measured, rather than measuring too (and
+    timing the first one's work as load). Real threads, real flock (separate open files lock
+    each other out within one process too)."""
+    import threading
+
+    monkeypatch.setenv("PARTC_CACHE_DIR", str(tmp_path))
+    first_in = threading.Event()
+
+    class Signalling(Steps):
+        def step(self, label: str):  # type: ignore[override]
+            if label.startswith("torch: "):
+                first_in.set()  # measuring: the lock is held
+            return super().step(label)
+
+    results: dict[str, tuple[CostTable, Path, Steps]] = {}
+
+    def measure(name: str, progress: Steps) -> None:
+        table, path = cached_profile(captured(EXAMPLES / "mlp.py"), FAST, progress=progress)
+        results[name] = table, path, progress
+
+    a = threading.Thread(target=measure, args=("a", Signalling()))
+    a.start()
+    assert first_in.wait(120)
+    b = threading.Thread(target=measure, args=("b", Steps()))
+    b.start()
+    a.join(300)
+    b.join(300)
+    (ta, pa, sa), (tb, pb, sb) = results["a"], results["b"]
+    assert pa == pb and sa.measured() and not sb.measured()
+    assert "waiting for another partc measuring this profile" in sb.steps
+    assert ta.source == tb.source and not sa.warnings and not sb.warnings
+
+
 def test_cache_dir_from_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("PARTC_CACHE_DIR", str(tmp_path / "mine"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
@@ -61,7 +101,9 @@ def test_second_call_is_a_hit(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -
     first, path, steps = _cached()
     assert steps.measured() and path.parent == tmp_path / "cache" and path.is_file()
     assert re.fullmatch(r"[A-Za-z0-9._-]+\.yaml", path.name) and not path.name.startswith(".")
-    assert list(path.parent.iterdir()) == [path]  # no temporary file left behind
+    # no temporary file left behind; the entry's lock (hidden, empty) stays
+    assert sorted(path.parent.iterdir()) == sorted([path, _lock_of(path)])
+    assert _lock_of(path).stat().st_size == 0
     stamp = path.stat().st_mtime_ns
 
     again, path2, steps2 = _cached()
@@ -99,7 +141,8 @@ def test_each_precision_has_its_own_entry(monkeypatch: pytest.MonkeyPatch,
                                               batch_sizes=(2, 3)))
     _, threads_path, _ = _cached(ProfileOptions(runs=2, warmup=1, method="torch", threads=2))
     assert len({fp32_path, bf16_path, sizes_path, threads_path}) == 4
-    assert sorted(tmp_path.iterdir()) == sorted([fp32_path, bf16_path, sizes_path, threads_path])
+    entries = [fp32_path, bf16_path, sizes_path, threads_path]
+    assert sorted(tmp_path.iterdir()) == sorted([*entries, *map(_lock_of, entries)])
     _, again, steps = _cached()
     assert again == fp32_path and not steps.measured()
 
