@@ -103,6 +103,26 @@ def copy_plan(mlp_plan: Path, tmp_path: Path) -> Path:
     return plan_dir
 
 
+@pytest.fixture(scope="module")
+def own_mlp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder holding a copy of examples/mlp.py (mlp.py) and its 2-stage plan on cpu-4 (plan/),
+    compiled once; tests that change the model file take their own copy (`own_copy`)."""
+    folder = tmp_path_factory.mktemp("own")
+    shutil.copy(EXAMPLES / "mlp.py", folder / "mlp.py")
+    proc = run("compile", str(folder / "mlp.py"), "-b", "8", "--stages", "2", "--cluster",
+               "cpu-4", "-o", str(folder / "plan"))
+    assert proc.returncode == 0, _context(proc)
+    return folder
+
+
+def own_copy(own_mlp: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """(model file, plan directory): a private copy of `own_mlp`, the plan naming its model by
+    the same relative path, which now leads to the copy."""
+    shutil.copy(own_mlp / "mlp.py", tmp_path / "mlp.py")
+    shutil.copytree(own_mlp / "plan", tmp_path / "plan")
+    return tmp_path / "mlp.py", tmp_path / "plan"
+
+
 # ---- model files -------------------------------------------------------------------------------
 
 MODEL_CASES = [
@@ -568,13 +588,8 @@ def test_compile_refuses_a_model_outside_the_plans_repository(tmp_path: Path) ->
     assert not (repo / "plans" / "mlp" / "plan.yaml").exists()
 
 
-def test_changed_model_file_is_not_imported(mlp_plan: Path, tmp_path: Path) -> None:
-    model = tmp_path / "mlp.py"
-    shutil.copy(EXAMPLES / "mlp.py", model)
-    out = tmp_path / "plan"
-    proc = run("compile", str(model), "-b", "8", "--stages", "2", "--cluster", "cpu-4",
-               "-o", str(out))
-    assert proc.returncode == 0, _context(proc)
+def test_changed_model_file_is_not_imported(own_mlp: Path, tmp_path: Path) -> None:
+    model, out = own_copy(own_mlp, tmp_path)
     marker = tmp_path / "ran"
     model.write_text(model.read_text() + f"\nopen({str(marker)!r}, 'w').close()\n")
     for command in (["verify", str(out)], ["launch", str(out), "--steps", "1"]):
@@ -601,13 +616,9 @@ def test_model_code_cannot_fake_success(command: str, model: str, fragment: str,
     assert_one_line_error(proc, "build_model()", fragment)
 
 
-def test_model_that_exits_cannot_pass_check_or_verify(mlp_plan: Path, tmp_path: Path) -> None:
+def test_model_that_exits_cannot_pass_check_or_verify(own_mlp: Path, tmp_path: Path) -> None:
     """A plan whose model file now calls sys.exit(0) while building: no command exits 0."""
-    model = tmp_path / "mlp.py"
-    shutil.copy(EXAMPLES / "mlp.py", model)
-    out = tmp_path / "plan"
-    assert run("compile", str(model), "-b", "8", "--stages", "2", "--cluster", "cpu-4",
-               "-o", str(out)).returncode == 0
+    model, out = own_copy(own_mlp, tmp_path)
     text = model.read_text().replace("    torch.manual_seed(0)\n",
                                      "    import sys\n    sys.exit(0)\n", 1)
     model.write_text(text)
@@ -710,14 +721,11 @@ def test_launch_given_a_model_file(tmp_path: Path) -> None:
     "import os as _o\n_o._exit(0)\n",
     "import partc.plans.check as _c\n_c.CheckReport.exit_code = property(lambda s: 0)\n",
 ], ids=["os-exit", "patches-partc"])
-def test_changed_model_code_cannot_make_check_pass(injection: str, tmp_path: Path) -> None:
+def test_changed_model_code_cannot_make_check_pass(injection: str, own_mlp: Path,
+                                                   tmp_path: Path) -> None:
     """A model file changed since compile runs in a child process: whatever its code does, the
     check of the plan is not "current"."""
-    model = tmp_path / "mlp.py"
-    shutil.copy(EXAMPLES / "mlp.py", model)
-    out = tmp_path / "plan"
-    assert run("compile", str(model), "-b", "8", "--stages", "2", "--cluster", "cpu-4",
-               "-o", str(out)).returncode == 0
+    model, out = own_copy(own_mlp, tmp_path)
     model.write_text(model.read_text() + "\n" + injection)
     proc = run("check", str(out))
     assert proc.returncode == 1, _context(proc)
@@ -744,13 +752,9 @@ def test_an_empty_expect_is_refused(mlp_plan: Path) -> None:
 
 
 @pytest.mark.parametrize("command", ["show-html", "launch-metrics", "metrics-hard-link"])
-def test_outputs_never_overwrite_the_model_or_a_linked_plan(command: str, mlp_plan: Path,
+def test_outputs_never_overwrite_the_model_or_a_linked_plan(command: str, own_mlp: Path,
                                                             tmp_path: Path) -> None:
-    model = tmp_path / "mlp.py"
-    shutil.copy(EXAMPLES / "mlp.py", model)
-    out = tmp_path / "plan"
-    assert run("compile", str(model), "-b", "8", "--stages", "2", "--cluster", "cpu-4",
-               "-o", str(out)).returncode == 0
+    model, out = own_copy(own_mlp, tmp_path)
     before = {p: p.read_bytes() for p in (model, out / "plan.yaml")}
     if command == "show-html":
         proc = run("show", str(out), "--html", str(model))

@@ -133,7 +133,19 @@ def test_plans_are_byte_identical_across_runs(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def bert_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return compile_to(tmp_path_factory.mktemp("bert"), EXAMPLES / "bert.py", 2)
+    """HF BERT in 2 stages for the tests of what a plan holds (schema, hashes, verify); analytic
+    costs, since measuring BERT with 3 busy neighbours was the default run's costliest fixture
+    (tests/cost profiles BERT for real)."""
+    return compile_to(tmp_path_factory.mktemp("bert"), EXAMPLES / "bert.py", 2, costs="analytic")
+
+
+@pytest.fixture(scope="module")
+def meta_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny HF GPT-2 built on the meta device, in 2 stages. Analytic costs: these tests are of
+    stage files without weights; profiling a meta model (materialised) has its own tests in
+    tests/cost."""
+    return compile_to(tmp_path_factory.mktemp("meta"), TEST_MODELS / "tiny_gpt2_meta.py", 2,
+                      batch=4, costs="analytic")
 
 
 def test_produced_plan_matches_the_json_schema(bert_plan: Path) -> None:
@@ -220,8 +232,8 @@ def test_verify_catches_a_wrong_stage(tmp_path: Path) -> None:
     assert "output <output>" in proc.stdout or "loss" in proc.stdout
 
 
-def test_meta_model_compiles_without_weights_and_verifies(tmp_path: Path) -> None:
-    out = compile_to(tmp_path, TEST_MODELS / "tiny_gpt2_meta.py", 2, batch=4)
+def test_meta_model_compiles_without_weights_and_verifies(meta_plan: Path) -> None:
+    out = meta_plan
     plan = load_plan(out)
     assert plan.model.on_meta and plan.model.weights == "initialise-at-launch"
     for st in plan.stages:
@@ -284,13 +296,13 @@ def test_compile_user_errors_are_one_line(tmp_path: Path) -> None:
         assert "Traceback" not in proc.stderr
 
 
-def test_meta_plan_takes_weights_from_a_state_dict(tmp_path: Path) -> None:
+def test_meta_plan_takes_weights_from_a_state_dict(meta_plan: Path, tmp_path: Path) -> None:
     """The --init-from path: a checkpoint by FQN (here with the tied tensor saved under its other
     name only) fills the meta stages; verify runs both sides from it."""
     from partc.emit.stage_weights import initial_state
     from partc.frontend.model_file import load_model_file
 
-    out = compile_to(tmp_path, TEST_MODELS / "tiny_gpt2_meta.py", 2, batch=4)
+    out = meta_plan
     mf = load_model_file(TEST_MODELS / "tiny_gpt2_meta.py")
     names = [n for n, _ in mf.build().named_parameters(remove_duplicate=False)]
     state = initial_state(mf, names, "cpu", seed=11)
@@ -317,10 +329,13 @@ def test_awkward_inputs_and_outputs_compile_and_verify(tmp_path: Path, stages: i
 
 
 def test_stage_files_hold_the_buffers_build_model_made(tmp_path: Path) -> None:
-    """Tracing runs forward in training mode; batch-norm statistics must not leak into files."""
+    """Tracing runs forward in training mode; batch-norm statistics must not leak into files.
+    Priced as compile prices it here (measured): measuring runs training forwards too (the
+    whole-model totals' scripting once leaked them), on the 2-device `cpu` cluster, whose one
+    busy neighbour costs less to start than cpu-4's three."""
     from partc.frontend.model_file import load_model_file
 
-    out = compile_to(tmp_path, EXAMPLES / "resnet.py", 2)
+    out = compile_to(tmp_path, EXAMPLES / "resnet.py", 2, cluster=load_cluster("cpu"))
     fresh = load_model_file(EXAMPLES / "resnet.py").build().state_dict()
     plan = load_plan(out)
     for st in plan.stages:

@@ -266,11 +266,14 @@ def test_calibrate_command_writes_configs_that_compile(tmp_path: Path) -> None:
     assert "# The pipelining runtime's time per stage forward and backward" in text
     assert not list(out.rglob(".*.tmp"))  # atomic writes leave no temporary files
 
+    # analytic: the roofline is what prices with the calibrated numbers (a measured profile
+    # would time the model itself)
     plan = tmp_path / "plan"
     proc = run("compile", str(ROOT / "examples" / "mlp.py"), "--cluster", str(cluster_path),
-               "-b", "8", "-o", str(plan))
+               "-b", "8", "--costs", "analytic", "-o", str(plan))
     assert proc.returncode == 0, proc.stderr
     assert (plan / "plan.yaml").is_file()
+    assert f"source: {spec.source}" in (plan / "plan.yaml").read_text()  # the calibrated device
 
 
 @pytest.mark.parametrize(("args", "message"), [
