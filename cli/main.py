@@ -445,13 +445,21 @@ def _refuse_a_bad_model_file(model: Path) -> None:
     refuse_bad_model_source(model)
 
 
-def _refuse_a_bad_plan(plan: Path) -> None:
+def _refuse_a_bad_plan(plan: Path, *, files: bool = False, expect: str | None = None) -> None:
     """Read and validate the plan (torch-free) before the command imports torch: a missing,
     damaged or inconsistent plan is refused in a fraction of a second instead of after seconds
-    of imports. The command reads it again itself; this only fails it early."""
+    of imports. `files`: also its stage files and model file against their recorded sha256 (for
+    the commands that refuse a plan whose files changed: verify, launch; check reports them).
+    `expect`: launch's --expect digest, checked first as launch checks it. The command reads and
+    checks all of it again itself; this only fails it early."""
     from partc.plans.plan import load_plan
 
-    load_plan(plan)
+    loaded = load_plan(plan)
+    if expect is not None:
+        loaded.require_digest(expect)
+    if files:
+        loaded.check_stage_files()
+        loaded.model_source()
 
 
 @cli.command()
@@ -473,7 +481,7 @@ def verify(plan: Path, rtol: float, atol: float, seed: int, device: str,
            init_from: Path | None) -> None:
     """Check a plan: schema, stage file hashes, and that the stages in sequence compute the model's
     outputs, loss and every gradient (exit 1 when above tolerance)."""
-    _refuse_a_bad_plan(plan)
+    _refuse_a_bad_plan(plan, files=True)
     from partc.emit.verify import format_report, verify_plan
 
     report = verify_plan(plan, rtol=rtol, atol=atol, seed=seed, device=device,
@@ -491,7 +499,7 @@ def verify(plan: Path, rtol: float, atol: float, seed: int, device: str,
 def launch(plan: Path, **kw: Any) -> None:
     """Train a plan on torch.distributed: one process per device, pipeline x data parallel,
     started by torch's elastic launcher (torchrun's flags and semantics)."""
-    _refuse_a_bad_plan(plan)
+    _refuse_a_bad_plan(plan, files=True, expect=kw.get("expect"))
     from partc.run.launch import launch as run_plan
 
     run_plan(plan, from_flags(TrainOptions, kw), from_flags(ElasticOptions, kw))
