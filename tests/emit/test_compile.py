@@ -331,12 +331,16 @@ def test_awkward_inputs_and_outputs_compile_and_verify(tmp_path: Path, stages: i
 def test_stage_files_hold_the_buffers_build_model_made(tmp_path: Path) -> None:
     """Tracing runs forward in training mode; batch-norm statistics must not leak into files.
     Priced as compile prices it here (measured): measuring runs training forwards too (the
-    whole-model totals' scripting once leaked them), on the 2-device `cpu` cluster, whose one
+    whole-model totals' scripting once leaked them). A small CNN with batch norm (the ResNet's
+    profile was the costliest step of the default run), on the 2-device `cpu` cluster, whose one
     busy neighbour costs less to start than cpu-4's three."""
     from partc.frontend.model_file import load_model_file
 
-    out = compile_to(tmp_path, EXAMPLES / "resnet.py", 2, cluster=load_cluster("cpu"))
-    fresh = load_model_file(EXAMPLES / "resnet.py").build().state_dict()
+    model = TEST_MODELS / "small_cnn.py"
+    out = compile_to(tmp_path, model, 2, cluster=load_cluster("cpu"))
+    assert load_plan(out).costs.source == "profile"  # measured, as the leak needs
+    fresh = load_model_file(model).build().state_dict()
+    assert any(name.endswith("num_batches_tracked") for name in fresh)
     plan = load_plan(out)
     for st in plan.stages:
         for name, t in load_stage(plan.stage_path(st)).state_dict().items():

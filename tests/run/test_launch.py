@@ -98,8 +98,8 @@ def test_two_stages_tied_transformer(tmp_path: Path) -> None:
     assert all(len(r["stage_forward_s"]) == 2 and r["samples_per_s"] > 0 for r in rows)
 
 
-# slow set: the default run trains the same HF GPT-2 2 x 2 with its tied lm_head in
-# test_a_model_that_computes_its_own_loss (the model's own loss instead of the file's)
+# slow set: the default run trains the same HF GPT-2 (2 x 1) with its tied lm_head in
+# test_a_model_that_computes_its_own_loss, and data parallel stages in the ResNet's 2 x 2
 @pytest.mark.slow
 def test_two_by_two_hf_gpt2_tied(tmp_path: Path) -> None:
     """4 processes: 2 stages x 2 replicas (DDP per stage), HF GPT-2 with tied lm_head."""
@@ -130,10 +130,10 @@ def test_two_by_two_cnn_with_batch_norm(tmp_path: Path) -> None:
 
 def test_a_model_that_computes_its_own_loss(tmp_path: Path) -> None:
     """The Hugging Face habit: labels are a model input, the model returns `output.loss`, the
-    batches yield no target. Pipeline x data parallel training equals the single-process run,
-    and verify checks it as launch runs it."""
-    plan = compile_plan(tmp_path, TEST_MODELS / "gpt2_model_loss.py", 2, 2, batch=8)
-    assert load_plan(plan).tied_parameters  # the tied lm_head spans both stages, 2 replicas each
+    batches yield no target. Pipeline training equals the single-process run, and verify checks
+    it as launch runs it (2 x 2, data parallel too: test_two_by_two_hf_gpt2_tied, slow set)."""
+    plan = compile_plan(tmp_path, TEST_MODELS / "gpt2_model_loss.py", 2, 1, batch=8)
+    assert load_plan(plan).tied_parameters  # the tied lm_head spans both stages
     verify = subprocess.run([PARTC, "verify", str(plan)], capture_output=True, text=True,
                             cwd=ROOT, timeout=600)
     assert verify.returncode == 0 and "verify: ok" in verify.stdout, verify.stdout[-3000:]
