@@ -61,6 +61,7 @@ from partc.cost.table import CostSource, CostTable, Curve, NodeCost, needs_backw
 from partc.cost.torch_profiler import (
     CPU_CLOCK,
     CPU_CLOCK_NAME,
+    TOTALS_BUDGET_S,
     WALL_CLOCK,
     Clock,
     LossCost,
@@ -116,6 +117,9 @@ class ProfileOptions:
     # CPU: processes kept busy training the same model while measuring (partc.cost.neighbours):
     # the other devices of the host, which run at the same time in training
     neighbours: int = 0
+    # CPU: wall seconds each size's whole-model totals are timed for (torch_profiler.time_totals;
+    # they set every stage's time there). Not part of a cache entry's key, like runs and warmup.
+    totals_budget_s: float = TOTALS_BUDGET_S
 
 
 def check_options(options: ProfileOptions) -> None:
@@ -126,6 +130,9 @@ def check_options(options: ProfileOptions) -> None:
     if options.precision not in PRECISIONS:
         raise ProfileError(f"unknown precision {options.precision!r}",
                            hint=f"use one of {', '.join(PRECISIONS)}")
+    if not options.totals_budget_s > 0:
+        raise ProfileError(f"totals_budget_s must be > 0, got {options.totals_budget_s!r}",
+                           hint="the wall seconds each size's whole-model totals are timed for")
 
 
 def cpu_clocked(options: ProfileOptions, device: torch.device) -> bool:
@@ -352,7 +359,7 @@ def _time_totals(result: CaptureResult, measurements: list[_Measurement],
         for timed_module, _ in programs:  # training-mode forwards: buffers put back (_measure)
             restored.enter_context(buffers_restored(timed_module))
         totals = time_totals(programs, device, options.warmup, max(3, options.runs // 2),
-                             options.precision, clock)
+                             options.precision, clock, options.totals_budget_s)
     for m, (fwd, bwd) in zip(timed, totals, strict=False):
         m.torch = replace(m.torch, model_forward_s=fwd, model_backward_s=bwd)
         m.totals = None

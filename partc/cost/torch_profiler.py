@@ -699,18 +699,20 @@ def totals_program(module: torch.fx.GraphModule, inputs: Inputs,
 
 def time_totals(programs: Sequence[TimedProgram], device: torch.device,
                 warmup: int, runs: int, precision: Precision,
-                clock: Clock = WALL_CLOCK) -> list[tuple[float, float]]:
+                clock: Clock = WALL_CLOCK,
+                budget_s: float = TOTALS_BUDGET_S) -> list[tuple[float, float]]:
     """The whole-model (forward, backward) medians of `totals_program`s, timed in rounds
     (`time_interleaved`). On a CPU they decide every stage's time: each program is timed for
-    TOTALS_BUDGET_S of wall time (this VM's run-to-run spread is +-5-15% over a handful of runs;
-    medians of many settle it), from cold caches as a stage's pass starts. Wall time, not
-    `clock`'s: on a shared core CPU time passes at a fraction of the wall's, and a CPU-time budget
-    doubled cpu-4 compiles (with the neighbours spinning throughout)."""
+    `budget_s` (default TOTALS_BUDGET_S) of wall time (this VM's run-to-run spread is +-5-15%
+    over a handful of runs; medians of many settle it), from cold caches as a stage's pass
+    starts. Wall time, not `clock`'s: on a shared core CPU time passes at a fraction of the
+    wall's, and a CPU-time budget doubled cpu-4 compiles (with the neighbours spinning
+    throughout)."""
     if device.type != "cpu":
         return time_interleaved(programs, device, warmup, runs, precision)
     with torch.jit.optimized_execution(False):
         return time_interleaved(programs, device, warmup, runs, precision, cold=True,
-                                clock=clock, budget_s=TOTALS_BUDGET_S, max_runs=TOTALS_MAX_RUNS)
+                                clock=clock, budget_s=budget_s, max_runs=TOTALS_MAX_RUNS)
 
 _FLUSH: list[torch.Tensor] = []
 

@@ -46,7 +46,7 @@ def test_compile_measures_with_the_other_devices_of_the_node_busy(tmp_path: Path
     assert options.neighbours == 1 and options.batch_sizes == (2, 16)
     assert measurement("cuda:0", 2, 64, "fp32", neighbours=7).neighbours == 0
     result = captured(EXAMPLES / "mlp.py")
-    fast = ProfileOptions(runs=2, warmup=1, method="torch")
+    fast = ProfileOptions(runs=2, warmup=1, method="torch", totals_budget_s=0.2)
     alone, a = cached_profile(result, fast, cache_dir=tmp_path)
     busy, b = cached_profile(result, dataclasses.replace(fast, neighbours=1), cache_dir=tmp_path)
     assert a != b  # separate cache entries
@@ -68,7 +68,7 @@ def test_a_neighbour_on_the_measuring_core_times_the_work_by_cpu_time(tmp_path: 
 
     cores = len(core_cpus())
     cpu = torch.device("cpu")
-    fast = ProfileOptions(runs=2, warmup=1, method="torch")
+    fast = ProfileOptions(runs=2, warmup=1, method="torch", totals_budget_s=0.2)
     assert not cpu_clocked(fast, cpu)
     assert not cpu_clocked(dataclasses.replace(fast, neighbours=cores - 1), cpu)
     assert cpu_clocked(dataclasses.replace(fast, neighbours=cores), cpu)

@@ -16,7 +16,8 @@ from partc.cost.profile_cache import cached_profile, profile_cache_dir
 from partc.cost.table import CostTable
 from partc.progress import Progress
 
-FAST = ProfileOptions(runs=2, warmup=1, method="torch")
+# totals timed for 0.2 s, not 1 s: these tests are of the cache, not of the numbers
+FAST = ProfileOptions(runs=2, warmup=1, method="torch", totals_budget_s=0.2)
 
 
 class Steps(Progress):
@@ -132,14 +133,16 @@ def test_each_precision_has_its_own_entry(monkeypatch: pytest.MonkeyPatch,
                                           tmp_path: Path) -> None:
     monkeypatch.setenv("PARTC_CACHE_DIR", str(tmp_path))
     fp32, fp32_path, _ = _cached()
-    bf16, bf16_path, steps = _cached(ProfileOptions(runs=2, warmup=1, precision="bf16-mixed"))
+    bf16, bf16_path, steps = _cached(ProfileOptions(runs=2, warmup=1, precision="bf16-mixed",
+                                                    totals_budget_s=0.2))
     assert bf16_path != fp32_path and steps.measured()
     assert fp32.source.precision == "fp32" and bf16.source.precision == "bf16-mixed"
     assert CostTable.load(bf16_path, bf16.graph, precision="bf16-mixed").source == bf16.source
     # so do other batch sizes and thread counts, and they leave the others in place
-    _, sizes_path, _ = _cached(ProfileOptions(runs=2, warmup=1, method="torch",
+    _, sizes_path, _ = _cached(ProfileOptions(runs=2, warmup=1, method="torch", totals_budget_s=0.2,
                                               batch_sizes=(2, 3)))
-    _, threads_path, _ = _cached(ProfileOptions(runs=2, warmup=1, method="torch", threads=2))
+    _, threads_path, _ = _cached(ProfileOptions(runs=2, warmup=1, method="torch", threads=2,
+                                              totals_budget_s=0.2))
     assert len({fp32_path, bf16_path, sizes_path, threads_path}) == 4
     entries = [fp32_path, bf16_path, sizes_path, threads_path]
     assert sorted(tmp_path.iterdir()) == sorted([*entries, *map(_lock_of, entries)])
