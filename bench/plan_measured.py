@@ -119,6 +119,7 @@ class Plan:
     predicted_iteration_s: float | None = None
     predicted_samples_per_s: float | None = None
     same_as: str | None = None  # the strategy whose identical plan is launched instead
+    profile_sha256: str | None = None  # plan.yaml's digest of the profile that priced it
     steps_s: list[float] = field(default_factory=list)  # measured step time per repeat
     launch_s: list[float] = field(default_factory=list)  # wall time of each launch
     predicted_peaks: list[int] = field(default_factory=list)  # memory model, per stage
@@ -170,6 +171,7 @@ def compile_plan(model: str, processes: int, strategy: str, out: Path,
     plan.predicted_peaks = [int(doc["predicted"]["memory"][r]["total"]) for r in ranks]
     plan.predicted_iteration_s = float(doc["predicted"]["iteration_s"])
     plan.predicted_samples_per_s = float(doc["predicted"]["samples_per_s"])
+    plan.profile_sha256 = doc["costs"].get("profile_sha256")
     return plan
 
 
@@ -182,12 +184,11 @@ def case_profile(model: str, processes: int, plans: dict[str, Plan], precision: 
     compare measurements, not plans. This profile holds every size any of the case's profiles
     holds, measured together as compile measures (torch timing, one thread, the node's other
     devices busy); the strategies are then compiled again with it."""
-    profiles = [p.directory / "profile.yaml" for p in plans.values() if p.error is None]
-    digests = {f.read_bytes() for f in profiles if f.exists()}
-    if len(digests) <= 1:
+    priced = [p for p in plans.values() if p.error is None and p.profile_sha256]
+    if len({p.profile_sha256 for p in priced}) <= 1:
         return None
-    sizes = sorted({int(b) for f in profiles if f.exists()
-                    for b in yaml.safe_load(f.read_text())["batch_sizes"]})
+    sizes = sorted({int(b) for p in priced for b in
+                    yaml.safe_load((p.directory / "profile.yaml").read_text())["batch_sizes"]})
     cluster = load_cluster(CASES[processes][0])
     out.parent.mkdir(parents=True, exist_ok=True)
     proc = subprocess.run([PARTC, "profile", f"examples/{model}.py", "--batch-sizes",
@@ -233,6 +234,50 @@ def launch(plan: Plan, steps: int) -> None:
     peaks = [st for st in run.steps if st.memory_method != MEMORY_NONE]
     if peaks:
         plan.peaks.append([int(sm.peak_memory_bytes or 0) for sm in peaks[-1].stages])
+
+
+def compile_all(model: str, n: int, tmp: Path, args: argparse.Namespace,
+                profile: Path | None) -> dict[str, Plan]:
+    """Every strategy's plan of one (model, processes) case, identical plans marked."""
+    plans: dict[str, Plan] = {}
+    for strategy in STRATEGIES:
+        plan = compile_plan(model, n, strategy, tmp / f"{model}-{n}-{strategy}",
+                            args.microbatches, args.precision, profile)
+        same = [s for s, p in plans.items()
+                if p.error is None and not p.same_as and p.key == plan.key]
+        if plan.error is None and same:
+            plan.same_as = same[0]
+        plans[strategy] = plan
+        print(f"compiled {model} x{n} {strategy} in {plan.compile_s:.1f} s"
+              f"{' with the case profile' if profile else ''}"
+              f"{': ' + plan.error if plan.error else ''}"
+              f"{' (same plan as ' + plan.same_as + ')' if plan.same_as else ''}",
+              file=sys.stderr, flush=True)
+    return plans
+
+
+def compile_case(model: str, n: int, tmp: Path,
+                 args: argparse.Namespace) -> tuple[dict[str, Plan], bool]:
+    """A case's plans, and whether they were compiled again with one profile (`case_profile`)."""
+    plans = compile_all(model, n, tmp, args, None)
+    if args.one_profile:
+        shared = case_profile(model, n, plans, args.precision,
+                              tmp / "profiles" / f"{model}-{n}.yaml")
+        if shared is not None:
+            return compile_all(model, n, tmp, args, shared), True
+    return plans, False
+
+
+def launch_case(plans: dict[str, Plan], r: int, repeats: int, steps: int) -> None:
+    """Repeat r of a case: every distinct plan launched once, starting at a different plan each
+    repeat (no strategy always runs right after a compile or another case's launches)."""
+    todo = [p for p in plans.values() if p.error is None and not p.same_as]
+    k = r % len(todo) if todo else 0
+    for plan in todo[k:] + todo[:k]:
+        launch(plan, steps)
+        got = f"{plan.steps_s[-1] * 1e3:.1f} ms/step" if plan.error is None else plan.error
+        print(f"repeat {r + 1}/{repeats} {plan.model} x{plan.processes} {plan.strategy}: {got} "
+              f"(launch {plan.launch_s[-1]:.1f} s)", file=sys.stderr, flush=True)
 
 
 def shape_text(shape: dict[str, Any]) -> str:
@@ -350,62 +395,27 @@ def main() -> None:
         tmp = Path(tmp_name)
         cases: dict[tuple[str, int], dict[str, Plan]] = {}
 
-        def compile_case(model: str, n: int) -> None:
+        every = [(model, n) for model in models for n in processes]
+
+        def compiled(model: str, n: int) -> None:
             nonlocal compile_s
             start = time.perf_counter()
-
-            def compile_all(profile: Path | None) -> dict[str, Plan]:
-                plans: dict[str, Plan] = {}
-                for strategy in STRATEGIES:
-                    plan = compile_plan(model, n, strategy, tmp / f"{model}-{n}-{strategy}",
-                                        args.microbatches, args.precision, profile)
-                    same = [s for s, p in plans.items()
-                            if p.error is None and not p.same_as and p.key == plan.key]
-                    if plan.error is None and same:
-                        plan.same_as = same[0]
-                    plans[strategy] = plan
-                    print(f"compiled {model} x{n} {strategy} in {plan.compile_s:.1f} s"
-                          f"{' with the case profile' if profile else ''}"
-                          f"{': ' + plan.error if plan.error else ''}"
-                          f"{' (same plan as ' + plan.same_as + ')' if plan.same_as else ''}",
-                          file=sys.stderr, flush=True)
-                return plans
-
-            plans = compile_all(None)
-            if args.one_profile:
-                shared = case_profile(model, n, plans, args.precision,
-                                      tmp / "profiles" / f"{model}-{n}.yaml")
-                if shared is not None:
-                    plans = compile_all(shared)
-                    one_profile.append(f"{model} x{n}")
-            cases[(model, n)] = plans
+            cases[(model, n)], priced_again = compile_case(model, n, tmp, args)
+            if priced_again:
+                one_profile.append(f"{model} x{n}")
             compile_s += time.perf_counter() - start
 
-        def launch_case(r: int, model: str, n: int) -> None:
-            plans = cases[(model, n)]
-            todo = [p for p in plans.values() if p.error is None and not p.same_as]
-            # Rotate the start so no strategy always runs first (right after a compile or
-            # another case's launches).
-            k = r % len(todo) if todo else 0
-            for plan in todo[k:] + todo[:k]:
-                launch(plan, steps)
-                got = (f"{plan.steps_s[-1] * 1e3:.1f} ms/step" if plan.error is None
-                       else plan.error)
-                print(f"repeat {r + 1}/{repeats} {model} x{n} {plan.strategy}: {got} "
-                      f"(launch {plan.launch_s[-1]:.1f} s)", file=sys.stderr, flush=True)
-
-        every = [(model, n) for model in models for n in processes]
         if args.order == "case":
             for model, n in every:
-                compile_case(model, n)
+                compiled(model, n)
                 for r in range(repeats):
-                    launch_case(r, model, n)
+                    launch_case(cases[(model, n)], r, repeats, steps)
         else:
             for model, n in every:
-                compile_case(model, n)
+                compiled(model, n)
             for r in range(repeats):
                 for model, n in every:
-                    launch_case(r, model, n)
+                    launch_case(cases[(model, n)], r, repeats, steps)
     total_s = time.perf_counter() - began
 
     rows: list[dict[str, Any]] = []
