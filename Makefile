@@ -34,7 +34,10 @@ lint: install
 	$(PY) -m ruff check partc cli bench tests
 	$(PY) -m mypy
 
-# -n auto: one pytest worker per core (xdist); each worker measures its own profiles
+# -n auto: one pytest worker per core (xdist); the workers share one profile cache for the run
+# (tests/conftest.py), each entry measured once under its lock. --durations: the slowest tests,
+# for keeping the default run under 15 minutes (move a test to the slow set only where the
+# default run covers its ground more cheaply, and say where)
 test: lint
 	$(PY) -m pytest -m "not slow" -q -n auto --durations=30
 

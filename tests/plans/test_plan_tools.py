@@ -87,12 +87,6 @@ def test_example_plans_are_current() -> None:
 
 # ---- check -------------------------------------------------------------------------------------
 
-def test_check_current_plan(bert2: Path) -> None:
-    proc = run("check", str(bert2 / "plan.yaml"))
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
-    assert proc.stdout.startswith(f"{bert2 / 'plan.yaml'}: current (bert, 2 stage(s)")
-
-
 def test_check_names_changed_parameters_and_modules(plan_copy: Path, tmp_path: Path) -> None:
     model = edited_model(tmp_path, "intermediate_size=1024", "intermediate_size=1536")
     proc = run("check", str(plan_copy), "--model", str(model))
@@ -200,9 +194,12 @@ def test_check_of_a_plan_with_a_profile(tmp_path: Path) -> None:
 
 
 def test_check_several_plans_reports_each(bert2: Path, tmp_path: Path) -> None:
+    """A current plan, a missing one and a checked-in one: each reported, exit 2 for the bad
+    input (a current plan alone exits 0: test_example_plans_are_current)."""
     proc = run("check", str(bert2), str(tmp_path / "missing"), "examples/plans/mlp")
     assert proc.returncode == 2
     assert proc.stdout.count(": current (") == 2
+    assert proc.stdout.startswith(f"{bert2 / 'plan.yaml'}: current (bert, 2 stage(s)")
     errors = [line for line in proc.stderr.splitlines() if line.startswith("partc: error:")]
     assert len(errors) == 1 and "missing" in errors[0]
 
