@@ -455,7 +455,8 @@ def main() -> None:
             spread = (f" ({min(m.steps_s) * 1e3:.0f}-{max(m.steps_s) * 1e3:.0f})"
                       if len(m.steps_s) > 1 else "")
             print(f"| {model} | {n} | {strategy} | {shape_text(plan.shape)} "
-                  f"| {plan.predicted_iteration_s * 1e3:.2f} | {step * 1e3:.1f}{spread} "
+                  f"| {(plan.predicted_iteration_s or 0) * 1e3:.2f} "
+                  f"| {(step or 0) * 1e3:.1f}{spread} "
                   f"| {row['measured_over_predicted']:.2f}x | {row['measured_samples_per_s']:,.0f} "
                   f"| {plan.same_as or ''} |")
 
@@ -527,13 +528,13 @@ def main() -> None:
         for strategy, plan in plans.items():
             if plan.error or plan.same_as or not plan.peaks:
                 continue
-            for k, pred in enumerate(plan.predicted_peaks):
+            for k, peak in enumerate(plan.predicted_peaks):
                 got = statistics.median(r[k] for r in plan.peaks)
-                margin = pred - max(r[k] for r in plan.peaks)
+                margin = peak - max(r[k] for r in plan.peaks)
                 stages += 1
                 below += margin < 0
                 print(f"| {model} | {n} | {strategy} | {k} | {got / 2**20:,.1f} "
-                      f"| {pred / 2**20:,.1f} | {pred / got if got else 0:.3f} "
+                      f"| {peak / 2**20:,.1f} | {peak / got if got else 0:.3f} "
                       f"| {margin:,.0f}{' **below**' if margin < 0 else ''} |")
     print(f"\n{stages - below} of {stages} stages never below their predicted peak")
 
