@@ -23,6 +23,7 @@ from partc.cost.table import Linear, SavedActivations
 from partc.cost.torch_profiler import (
     NodeRunner,
     allocation_events,
+    buffers_restored,
     cpu_memory_profile,
     flat_inputs,
     node_owner,
@@ -43,20 +44,6 @@ def storage_bytes(tensors: list[Any]) -> int:
     storages = {storage_key(t): t.untyped_storage().nbytes()
                 for t in tensors if isinstance(t, torch.Tensor)}
     return sum(storages.values())
-
-
-@contextlib.contextmanager
-def buffers_restored(module: torch.nn.Module) -> Iterator[None]:
-    """Measurements run forward in training mode, which updates buffers in place (batch-norm
-    statistics); those are the model's own state, which later passes (emit) save: put them back."""
-    before = {n: t.detach().clone() for n, t in module.named_buffers() if not t.is_meta}
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for n, t in module.named_buffers():
-                if n in before:
-                    t.copy_(before[n])
 
 
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default

@@ -42,7 +42,6 @@ import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
 
 from partc.cost.activations import (
-    buffers_restored,
     gemm_scratch_bytes,
     saved_activation_bytes,
     storage_bytes,
@@ -67,6 +66,7 @@ from partc.cost.torch_profiler import (
     LossCost,
     TimedProgram,
     TorchTiming,
+    buffers_restored,
     cpu_settings,
     flat_inputs,
     inputs_on,
@@ -321,9 +321,7 @@ def _measure(result: CaptureResult, b: int, device: torch.device, use_ort: bool,
                                        threads=options.threads, warmup=options.warmup,
                                        runs=options.runs)
                 del feeds
-    # scripting traces the program: training-mode forwards, buffers put back as above
-    with buffers_restored(module):
-        totals = totals_program(module, inputs, device)
+    totals = totals_program(module, inputs, device)  # (its scripting puts buffers back)
     del module, inputs
     gc.collect()
     return _Measurement(batch_size=b, torch=timing, ort=ort_timing, saved=saved, loss=loss,
@@ -344,8 +342,7 @@ def _time_totals(result: CaptureResult, measurements: list[_Measurement],
     for b in retime:
         module = _module_at(result, _program_at(result, b), b, device, progress, weights)
         inputs = inputs_on(result.capture.model_file.inputs(b), device)
-        with buffers_restored(module):  # scripting traces it in training mode
-            program = totals_program(module, inputs, device)
+        program = totals_program(module, inputs, device)
         del module, inputs
         if program is not None:
             programs.append(program)

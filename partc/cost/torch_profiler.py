@@ -734,6 +734,20 @@ def flush_cpu_caches() -> None:
     _FLUSH[0].add_(1)
 
 
+@contextlib.contextmanager
+def buffers_restored(module: torch.nn.Module) -> Iterator[None]:
+    """Measurements run forward in training mode, which updates buffers in place (batch-norm
+    statistics); those are the model's own state, which later passes (emit) save: put them back."""
+    before = {n: t.detach().clone() for n, t in module.named_buffers() if not t.is_meta}
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for n, t in module.named_buffers():
+                if n in before:
+                    t.copy_(before[n])
+
+
 def script_program(module: torch.fx.GraphModule,
                    flat: list[Any]) -> torch.jit.ScriptModule | None:
     """The program as TorchScript, traced from its graph at these flat inputs the way compile
@@ -748,7 +762,10 @@ def script_program(module: torch.fx.GraphModule,
     graph._codegen = torch.fx.graph.CodeGen()  # flat placeholders in, flat outputs out
     flat_module = torch.fx.GraphModule(module, graph)
     try:
-        with warnings.catch_warnings(), torch.jit.optimized_execution(False):
+        # tracing runs the program in training mode: its buffers (shared with `module`) are put
+        # back, or a plan's batch-norm statistics would depend on whether its profile was cached
+        with warnings.catch_warnings(), torch.jit.optimized_execution(False), \
+                buffers_restored(flat_module):
             warnings.simplefilter("ignore")  # TracerWarnings on export graphs
             return torch.jit.trace(flat_module, tuple(flat), check_trace=False, strict=False)
     except Exception:  # tracing is an optimisation of the totals here, never a requirement
