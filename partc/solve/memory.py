@@ -535,6 +535,47 @@ def param_memory(p: Param, config: TrainingConfig) -> tuple[int, int, int, int]:
     return weights, grads, state, temps
 
 
+# Views whose backward is a view of the incoming gradient (a reshape of it), not a new tensor
+# (slice, select and expand backwards allocate the input's size).
+_GRADIENT_VIEWS = frozenset({
+    "view", "_unsafe_view", "reshape", "_reshape_alias", "view_as", "alias", "transpose", "t",
+    "permute", "movedim", "swapaxes", "unsqueeze", "squeeze", "flatten", "unflatten"})
+# Ops whose backward returns the incoming gradient itself for a same-shaped input: AddBackward0
+# hands `grad` to both operands (alpha 1, as `+` and residual connections have it).
+_GRADIENT_PASSED = frozenset({"add", "add_"})
+
+
+def _forwarded_inputs(table: CostTable, node: OpNode, m: float, bf16: bool,
+                      requires: frozenset[str]) -> frozenset[str]:
+    """The inputs of `node` whose gradient its backward hands on as the incoming one's storage:
+    a residual add's operands, a reshape's input; not one broadcast to the output's shape, cast
+    to its dtype, or given twice (autograd sums that with itself)."""
+    if not (node.kind in _GRADIENT_PASSED or (node.is_view and node.kind in _GRADIENT_VIEWS)) \
+            or len(node.outputs) != 1:
+        return frozenset()
+    out = node.outputs[0]
+    graph = table.graph
+    numel = math.prod(out.shape)
+    nbytes = _tensor_bytes(table, out.name, m, bf16)
+    return frozenset(
+        t for t in node.inputs
+        if t in requires and node.inputs.count(t) == 1
+        and (graph.tensor(t).shape == out.shape if node.kind in _GRADIENT_PASSED
+             else math.prod(graph.tensor(t).shape) == numel)
+        and _tensor_bytes(table, t, m, bf16) == nbytes)
+
+
+def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Half-open index ranges, overlapping or touching ones joined."""
+    out: list[tuple[int, int]] = []
+    for lo, hi in sorted(r for r in ranges if r[1] > r[0]):
+        if out and lo <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out
+
+
 def _backward_transient(table: CostTable, nodes: list[str], m: float, bf16: bool,
                         requires: frozenset[str], pinned: dict[str, float],
                         preallocated: set[str], fresh: bool = False,
@@ -577,8 +618,10 @@ def _backward_transient(table: CostTable, nodes: list[str], m: float, bf16: bool
     # backward for a received tensor: it accumulates in the input's .grad): through the backward
     # of every node in between, those of the other branches of a fork (the other projections of
     # an attention, a residual block's shortcut) and, for a tensor used by several nodes (a
-    # residual stream), while autograd sums it. A view's output hands its gradient on to its
-    # input at the view (whose own backward is free).
+    # residual stream), while autograd sums it. Some backwards hand the incoming gradient on
+    # as it is (`_forwarded_inputs`: an add's, a reshape's): their inputs' gradients are that
+    # storage itself until another use's gradient is summed into it, so it counts once, and not
+    # at all where it is a receive buffer (the communication term has it).
     produced_at = {t.name: i for i, name in enumerate(ordered) for t in graph.node(name).outputs}
     uses: dict[str, list[int]] = {}
     for i, name in enumerate(ordered):
@@ -591,10 +634,44 @@ def _backward_transient(table: CostTable, nodes: list[str], m: float, bf16: bool
     for t in preallocated:
         if t in uses:
             uses[t].append(len(ordered))
-    summed = {t for t in preallocated if t in uses}
+    forwarded = [_forwarded_inputs(table, graph.node(name), m, bf16, requires)
+                 for name in ordered]
+    covers: dict[str, list[tuple[int, int]]] = {}  # gradient storage -> node ranges it is live
+    storage_at_producer: dict[str, str | None] = {}
+    made_here = {t.name for name in ordered for t in graph.node(name).outputs
+                 if t.name in requires}
+    # latest producer first: a forwarded gradient is its output's storage, decided before
+    for t in sorted(set(uses) | made_here, key=lambda t: (-produced_at.get(t, -1), t)):
+        at = produced_at.get(t, -1)
+        u = uses.get(t)
+        if not u:  # an output with no use here: its gradient arrives (from the loss, or sent)
+            if t not in preallocated:
+                covers.setdefault(t, []).append((at, at + 1))
+            storage_at_producer[t] = None if t in preallocated else t
+            continue
+        final = u[-1]  # in forward order: the first backward to form its gradient
+        # until a second use's gradient is summed in (after that use's backward), the first
+        # one's storage; from then on, the sum
+        switch = u[-2] if len(u) >= 2 else max(at, 0)
+        if final == len(ordered):
+            # sent and used here: the receive buffer until the last local use's backward,
+            # whose gradient autograd sums with it into a fresh buffer as that backward ends
+            first_storage, switch = None, switch + 1
+        elif t in forwarded[final]:
+            first_storage = storage_at_producer.get(graph.node(ordered[final]).outputs[0].name,
+                                                    t)
+        else:
+            first_storage = t
+        if first_storage is not None:
+            covers.setdefault(first_storage, []).append((switch, final))
+        if len(u) >= 2:
+            covers.setdefault(t, []).append((max(at, 0), switch))
+        storage_at_producer[t] = first_storage if len(u) == 1 else t
     spans = [(lo, last[p], grad_size[p]) for p, lo in first.items()]
-    spans += [(produced_at.get(t, -1) + 1, u[-1], _tensor_bytes(table, t, m, bf16))
-              for t, u in uses.items()]
+    for storage, ranges in covers.items():
+        nbytes = _tensor_bytes(table, storage, m, bf16)
+        for lo, hi in _merged(ranges):
+            spans.append((lo, hi, nbytes))
     pending = [0.0] * (len(ordered) + 1)  # difference array over [first index, last index)
     for lo, hi, nbytes in spans:
         if hi > lo:
@@ -619,11 +696,10 @@ def _backward_transient(table: CostTable, nodes: list[str], m: float, bf16: bool
         saved = table.saved_bytes(name, m)
         if saved:
             prefix += saved
-        if node.is_view:
-            continue  # a view's gradient is a view of the incoming one
-        grads = sum(_tensor_bytes(table, t.name, m, bf16) for t in node.outputs
-                    if t.name in requires and (t.name not in preallocated or t.name in summed))
-        grads += sum(_tensor_bytes(table, t, m, bf16) for t in set(node.inputs) if t in requires)
+        made = [t for t in set(node.inputs) if t in requires and t not in forwarded[i]]
+        if node.is_view or (not made and forwarded[i]):
+            continue  # its backward allocates nothing: the incoming gradient is passed on
+        grads = sum(_tensor_bytes(table, t, m, bf16) for t in made)
         grads += kernel_scratch(table, node, m, bf16, requires, threads)
         here = prefix + still_pinned + grads + own[i] + held + allocated[i + 1]
         if here > peak:

@@ -207,19 +207,19 @@ PIPE_RUNS: dict[str, tuple[str, int, str, bool]] = {
     "mlp-3": ("mlp", 256, "4,8", False),
     "mlp-3-grads-freed-m3": ("mlp", 64, "4,8", False),
 }
-# runs (and their stages) the model holds to 16 KiB (the transformer's stage 0 is 12,288 B over,
-# its GPipe last stage 12 B under): a cut inside the attention block, between the attention and
-# its output projection, once missed a micro-batch of the attention's output on each side
-# (+262,144 B on stage 0 under 1F1B and -1,048,588 B on stage 1 under GPipe: the fused kernel
-# keeps its output, and the projection's input is a view of it, counted on the attention).
-# A cut between the query and key projections counted a copy of the query that the flash kernel
-# never makes (stage 1 +262,144 B under 1F1B, +1,048,564 B under GPipe; now 0 and -12 B). Its
-# stage 0 is held to the 5% alone: it peaks 249,856 B above the model (-1.2%) at its first
-# backward, where the residual stream's gradient is the received one summed with the block's
-# norm's into a fresh buffer (the same cut before `blocks.1.attn.q` misses the same bytes, one
-# before `blocks.1.ln1` does not): docs/memory-model.md, open.
+# runs (and their stages) the model holds to 1 KiB under both schedules (every GPipe last stage
+# is 12 B under). A cut inside the attention block, between the attention and its output
+# projection, once missed a micro-batch of the attention's output on each side (+262,144 B on
+# stage 0 under 1F1B and -1,048,588 B on stage 1 under GPipe: the fused kernel keeps its output,
+# and the projection's input is a view of it, counted on the attention). A cut between the query
+# and key projections counted a copy of the query that the flash kernel never makes (stage 1
+# +262,144 B under 1F1B, +1,048,564 B under GPipe). Every first stage of the transformers was one
+# or two residual-stream gradients over (an add's backward hands its operands the incoming
+# gradient itself, a receive buffer until the last local use's gradient is summed in), which
+# pipeline()'s unused copy of the tied weight (512,000 B, `_stage_parameters`) hid.
 EXACT_RUNS = {"transformer": (0, 1), "transformer-mid-block": (0, 1),
-              "attention-after-query": (1,)}
+              "attention-after-query": (0, 1), "mlp": (0, 1), "mlp-3": (0, 1, 2),
+              "mlp-3-grads-freed-m3": (0, 1), "mlp-grads-freed": (0,)}
 # runs whose optimizer frees the gradients between steps (launch's zero_grad(set_to_none=True)
 # without a DDP bucket): under GPipe, stage 1's second backward holds all the gradients and the
 # input gradient the first one sent, its peak there
@@ -295,6 +295,27 @@ def _model_path(name: str) -> Path:
     return example if example.exists() else TEST_MODELS / f"{name}.py"
 
 
+def _stage_parameters(submod: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters a stage module computes with. pipeline()'s stage of a model with a tied
+    weight also carries the unused module that owns the tie's other name (the transformer's
+    first stage has `head`, with its own copy of the embedding: 512,000 B never read), which
+    partc's stages do not hold; counted, it put every such first stage that much above what
+    partc runs."""
+    if not isinstance(submod, torch.fx.GraphModule):
+        return list(submod.parameters())
+    found: dict[int, torch.nn.Parameter] = {}
+    for node in submod.graph.nodes:
+        if node.op == "call_module":
+            for p in submod.get_submodule(node.target).parameters():
+                found.setdefault(id(p), p)
+        elif node.op == "get_attr":
+            owner, _, name = node.target.rpartition(".")
+            attr = getattr(submod.get_submodule(owner), name)
+            if isinstance(attr, torch.nn.Parameter):
+                found.setdefault(id(attr), attr)
+    return list(found.values())
+
+
 def _pipeline_rank(rank: int, init_file: str, world: int) -> None:
     """One rank of each `world`-stage pipeline of PIPE_RUNS under Schedule1F1B and ScheduleGPipe
     (AdamW): prints each run's peak bytes on this rank, measured over two training steps from an
@@ -312,7 +333,7 @@ def _pipeline_rank(rank: int, init_file: str, world: int) -> None:
         for schedule_name, schedule_class in (("1f1b", Schedule1F1B), ("gpipe", ScheduleGPipe)):
             stage, x, y, loss_fn = _pipeline_stage(run, rank)
             schedule = schedule_class(stage, n_microbatches=_microbatches(run), loss_fn=loss_fn)
-            params = list(stage.submod.parameters())
+            params = _stage_parameters(stage.submod)
             opt = build_optimizer("adamw", params)
             live = storage_bytes([*params, *stage.submod.buffers(), x if rank == 0 else None,
                                    y if last else None])
@@ -401,8 +422,8 @@ def _check_pipeline(comparisons: list[Comparison], world: int) -> None:
     for c in comparisons:
         assert abs(c.error) <= TOLERANCE, (c.case, c.predicted.to_dict(), c.measured, c.error)
         if c.stage in EXACT_RUNS.get(c.run, ()):
-            assert abs(c.predicted.total - c.measured) <= 16 << 10, (c.run, c.case, c.measured,
-                                                                     c.predicted.to_dict())
+            assert abs(c.predicted.total - c.measured) <= 1 << 10, (c.run, c.case, c.measured,
+                                                                    c.predicted.to_dict())
         if "gradients freed" in c.case:  # exact enough to be never below
             assert c.predicted.total >= c.measured, (c.case, c.predicted.to_dict(), c.measured)
 
@@ -470,8 +491,8 @@ def test_interleaved_in_flight_matches_torch_schedule() -> None:
                 (ranks, chunks, count, rank)
 
 
-def _two_branch_graph(check: bool = False) -> OpGraph:
-    """x -> a = linear(x) -> {b = relu(a), c = linear(a)} -> d = add(b, c) -> out; with `check`,
+def _two_branch_graph(check: bool = False, join: str = "add") -> OpGraph:
+    """x -> a = linear(x) -> {b = relu(a), c = linear(a)} -> d = join(b, c) -> out; with `check`,
     a metadata assertion on a at the end."""
     def t(name: str) -> TensorSpec:
         return TensorSpec(name, (4, 8), "float32", 0)
@@ -487,7 +508,7 @@ def _two_branch_graph(check: bool = False) -> OpGraph:
         params=(Param("w1", (8, 8), "float32", "parameter", True),
                 Param("w2", (8, 8), "float32", "parameter", True)),
         nodes=(node("a", "linear", ("x",), ("w1",)), node("b", "relu", ("a",)),
-               node("c", "linear", ("a",), ("w2",)), node("d", "add", ("b", "c")))
+               node("c", "linear", ("a",), ("w2",)), node("d", join, ("b", "c")))
         + ((replace(node("chk", "_assert_tensor_metadata", ("a",)), outputs=()),) if check
            else ()))
 
@@ -606,21 +627,25 @@ def test_exact_memory_counts_a_relayed_skip_connection() -> None:
     assert exact[1].total > without.total
 
 
-def test_gradient_of_a_fork_lives_through_the_other_branch() -> None:
-    """x -> a -> {b = relu(a), c = linear(a)} -> d: a's gradient is summed from c's backward to
-    a's, and b's gradient (from d's backward) stays alive through c's backward."""
-    graph = _two_branch_graph()
+@pytest.mark.parametrize("join", ["mul", "add"])
+def test_gradient_of_a_fork_lives_through_the_other_branch(join: str) -> None:
+    """x -> a -> {b = relu(a), c = linear(a)} -> d = join(b, c): a's gradient is summed from c's
+    backward to a's, and b's gradient (from d's backward) stays alive through c's backward. A
+    product's backward makes a fresh gradient for each operand; a sum's hands both its own
+    incoming gradient (AddBackward0 returns `grad` twice), so b's and c's are one tensor."""
+    graph = _two_branch_graph(join=join)
     table = _uniform_table(graph)
     got = stage_memory(table, ["a", "b", "c", "d"], microbatch_size=4, stage_index=0,
                        num_stages=1, num_microbatches=1, config=TrainingConfig(optimizer="sgd"))
     tensor = 4 * 8 * 4  # every tensor, and every node's saved bytes (the uniform table)
     weight = 8 * 8 * 4
     # The peak is c's backward: its output's and input's gradients, w2's, and b's gradient,
-    # formed by d's backward and waiting for b's, with a, b and c's saves still held.
-    peak = 3 * tensor + (tensor + tensor + weight + tensor)
+    # formed by d's backward and waiting for b's, with a, b and c's saves still held; under a
+    # sum b's gradient is c's output's.
+    pending = tensor if join == "mul" else 0
+    peak = 3 * tensor + (tensor + tensor + weight + pending)
     loss = tensor  # the loss's copy of d, freed by then
     assert got.workspace == peak - 4 * tensor - loss
-    # (without b's pending gradient it would be one tensor less: the two-branch gap)
 
 
 @pytest.mark.parametrize("cin,cout,k,stride,hw,batch,input_grad", [
