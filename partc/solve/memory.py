@@ -748,6 +748,10 @@ def _cpu_attention_scratch(table: CostTable, node: OpNode, bf16: bool, threads: 
     return max(1, threads) * per_thread
 
 
+# x ** scalar: its backward's temporaries (kernel_scratch); a tensor exponent is another formula
+_POW_KINDS = frozenset({"pow"})
+
+
 def kernel_scratch(table: CostTable, node: OpNode, m: float, bf16: bool,
                    requires: Collection[str] = (), threads: int = 1) -> float:
     """Bytes a node's backward kernel allocates besides the gradients it forms, on the table's
@@ -755,7 +759,13 @@ def kernel_scratch(table: CostTable, node: OpNode, m: float, bf16: bool,
     backward (`_cpu_attention_scratch`) and its matrix multiplies' working buffers (measured:
     `CostTable.gemm_scratch_bytes`), per intra-op thread where the kernel keeps one per thread
     (`threads`, what launch gives each process, `ClusterSpec.threads_per_device`). `requires`:
-    the tensors that get a gradient (whether the convolution forms its input's)."""
+    the tensors that get a gradient (whether the convolution forms its input's). On every
+    device: the temporaries of autograd formulas that compose several ops (`_POW_KINDS`)."""
+    if node.kind in _POW_KINDS and len(set(node.inputs)) == 1 and node.inputs[0] in requires:
+        # pow_backward is grad * (exponent * self.pow(exponent - 1)): both factors, the size of
+        # the result, are alive while the product forms (traced on HF GPT-2's tanh GELU,
+        # x + 0.044715 * x**3, whose stage peaked there 1 MiB above the model)
+        return 2.0 * sum(_tensor_bytes(table, t.name, m, bf16) for t in node.outputs)
     if table.source.device_kind != "cpu" or not node.inputs:
         return 0.0
     if node.kind == "scaled_dot_product_attention":

@@ -696,6 +696,33 @@ def test_conv_backward_scratch_covers_onednn(tmp_path: Path, cin: int, cout: int
     assert predicted - measured <= max(x.numel() * 4, 64 * 1024), (predicted, measured)
 
 
+@pytest.mark.parametrize("exponent", [3.0, 2.0, 0.5])
+def test_pow_backward_scratch_matches_autograd(tmp_path: Path, exponent: float) -> None:
+    """kernel_scratch of x ** c against torch.profiler's peak of its real backward above the
+    gradient it returns: pow_backward's two result-sized factors (HF GPT-2's tanh GELU cubes its
+    input; a stage of it peaked there, 1 MiB above the model without them)."""
+    x = torch.randn(8, 64, 256, requires_grad=True)
+    y = x ** exponent
+    g = torch.randn_like(y)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                profile_memory=True) as prof:
+        y.backward(g, retain_graph=True)
+    measured = peak_above_start(prof) - x.numel() * 4
+
+    model_file = tmp_path / "cube.py"
+    model_file.write_text(
+        "import torch\n"
+        "class Pow(torch.nn.Module):\n"
+        f"    def forward(self, x):\n        return x ** {exponent}\n"
+        "def build_model():\n    return Pow()\n"
+        "def example_inputs(b):\n    return (torch.randn(b, 64, 256),)\n")
+    graph = capture_graph(model_file, 8, onnx=False).graph
+    node = next(n for n in graph.nodes if n.kind == "pow")
+    table = analytic_cost_table(graph, cpu_device())
+    assert kernel_scratch(table, node, 8, False, {node.inputs[0]}) == measured
+    assert kernel_scratch(table, node, 8, False, set()) == 0  # no input gradient, no backward
+
+
 def test_gradients_freed_between_steps_are_not_held_before_the_first_backward() -> None:
     """Without a DDP bucket launch frees the gradients each step: where every micro-batch is in
     flight at the first backward (GPipe; the first stage of a short 1F1B) the peak holds all the
