@@ -29,6 +29,9 @@ from partc.options import SCHEDULES, Precision, Schedule, TrainingConfig, check_
 _BF16 = 2
 _FP32 = 4
 _INDEX_BYTES = 8  # int64
+# torch's CPU generator state (mt19937 and its cached normal samples), as
+# torch.get_rng_state() returns it; tests/solve/test_memory.py checks it against torch
+CPU_RNG_STATE_BYTES = 5056
 
 
 def in_flight_microbatches(schedule: Schedule, stage_index: int, num_stages: int,
@@ -921,6 +924,10 @@ def stage_memory(table: CostTable, nodes: Collection[str], *, microbatch_size: i
         per_microbatch = (saved + loss) / chunks
         recompute = 0.0
     activations = in_flight * per_microbatch
+    if ckpt and table.source.device_kind == "cpu":
+        # torch.utils.checkpoint keeps the CPU generator's state per checkpointed forward, to
+        # replay dropout in the recompute: host memory, which is the device's only on a CPU
+        activations += in_flight * CPU_RNG_STATE_BYTES
 
     # Input gradients a backward sends to the previous stage stay referenced by the send. 1F1B:
     # the latest one, through the next forward (steady state) or the next backward (cool-down).
