@@ -579,6 +579,47 @@ def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
+def _gradient_storages(graph: OpGraph, ordered: list[str], uses: dict[str, list[int]],
+                       produced_at: dict[str, int], forwarded: list[frozenset[str]],
+                       preallocated: set[str], made: set[str]) -> dict[str, list[tuple[int, int]]]:
+    """The gradient storages of one micro-batch's backward and the node index ranges (forward
+    order, half-open) each is alive over. `uses`: node indices reading each tensor, len(ordered)
+    for the send of one also sent; `forwarded`: per node, the inputs whose gradient is its
+    output's storage (`_forwarded_inputs`); `preallocated`: sent tensors, whose gradient arrives
+    in a receive buffer (no storage here); `made`: the tensors the nodes produce that need one."""
+    covers: dict[str, list[tuple[int, int]]] = {}
+    storage_at_producer: dict[str, str | None] = {}
+    # latest producer first: a forwarded gradient is its output's storage, decided before
+    for t in sorted(set(uses) | made, key=lambda t: (-produced_at.get(t, -1), t)):
+        at = produced_at.get(t, -1)
+        u = uses.get(t)
+        if not u:  # an output with no use here: its gradient arrives (from the loss, or sent)
+            storage_at_producer[t] = None if t in preallocated else t
+            if t not in preallocated:
+                covers.setdefault(t, []).append((at, at + 1))
+            continue
+        final = u[-1]  # in forward order: the first backward to form its gradient
+        # until a second use's gradient is summed in (after that use's backward), the first
+        # one's storage; from then on, the sum
+        switch = u[-2] if len(u) >= 2 else max(at, 0)
+        first_storage: str | None
+        if final == len(ordered):
+            # sent and used here: the receive buffer until the last local use's backward,
+            # whose gradient autograd sums with it into a fresh buffer as that backward ends
+            first_storage, switch = None, switch + 1
+        elif t in forwarded[final]:
+            first_storage = storage_at_producer.get(graph.node(ordered[final]).outputs[0].name,
+                                                    t)
+        else:
+            first_storage = t
+        if first_storage is not None:
+            covers.setdefault(first_storage, []).append((switch, final))
+        if len(u) >= 2:
+            covers.setdefault(t, []).append((max(at, 0), switch))
+        storage_at_producer[t] = first_storage if len(u) == 1 else t
+    return covers
+
+
 def _backward_transient(table: CostTable, nodes: list[str], m: float, bf16: bool,
                         requires: frozenset[str], pinned: dict[str, float],
                         preallocated: set[str], fresh: bool = False,
@@ -639,37 +680,8 @@ def _backward_transient(table: CostTable, nodes: list[str], m: float, bf16: bool
             uses[t].append(len(ordered))
     forwarded = [_forwarded_inputs(table, graph.node(name), m, bf16, requires)
                  for name in ordered]
-    covers: dict[str, list[tuple[int, int]]] = {}  # gradient storage -> node ranges it is live
-    storage_at_producer: dict[str, str | None] = {}
-    made_here = {t.name for name in ordered for t in graph.node(name).outputs
-                 if t.name in requires}
-    # latest producer first: a forwarded gradient is its output's storage, decided before
-    for t in sorted(set(uses) | made_here, key=lambda t: (-produced_at.get(t, -1), t)):
-        at = produced_at.get(t, -1)
-        u = uses.get(t)
-        if not u:  # an output with no use here: its gradient arrives (from the loss, or sent)
-            if t not in preallocated:
-                covers.setdefault(t, []).append((at, at + 1))
-            storage_at_producer[t] = None if t in preallocated else t
-            continue
-        final = u[-1]  # in forward order: the first backward to form its gradient
-        # until a second use's gradient is summed in (after that use's backward), the first
-        # one's storage; from then on, the sum
-        switch = u[-2] if len(u) >= 2 else max(at, 0)
-        if final == len(ordered):
-            # sent and used here: the receive buffer until the last local use's backward,
-            # whose gradient autograd sums with it into a fresh buffer as that backward ends
-            first_storage, switch = None, switch + 1
-        elif t in forwarded[final]:
-            first_storage = storage_at_producer.get(graph.node(ordered[final]).outputs[0].name,
-                                                    t)
-        else:
-            first_storage = t
-        if first_storage is not None:
-            covers.setdefault(first_storage, []).append((switch, final))
-        if len(u) >= 2:
-            covers.setdefault(t, []).append((max(at, 0), switch))
-        storage_at_producer[t] = first_storage if len(u) == 1 else t
+    covers = _gradient_storages(graph, ordered, uses, produced_at, forwarded, preallocated,
+                                made={t for t in produced_at if t in requires})
     spans = [(lo, last[p], grad_size[p]) for p, lo in first.items()]
     for storage, ranges in covers.items():
         nbytes = _tensor_bytes(table, storage, m, bf16)
