@@ -807,6 +807,121 @@ def kernel_scratch(table: CostTable, node: OpNode, m: float, bf16: bool,
     return max(scratch, trainable_weight_bytes(graph, node, bf16))
 
 
+def _cpu_math_attention_forward(table: CostTable, node: OpNode, m: float, bf16: bool) -> float:
+    """What torch's math-path scaled_dot_product_attention (a CPU's, under dropout) holds at its
+    forward's end besides what it saves for backward and its output: the scaled query, whose
+    contiguous copy its matmul saves instead, and the mask as an additive float tensor (a boolean
+    mask converted; a causal one made, the query length x the key length; the OpGraph does not
+    record `is_causal`, so an attention without a mask input is priced as causal, at most that
+    many bytes over). Under bf16-mixed the CPU's math path computes in float32: float32 copies of
+    query, key and value, its float32 result before the cast back, and the probabilities cast to
+    bfloat16 for the product with the value; the mask it converts in bfloat16 (a float mask too,
+    as autocast casts it), and autocast's bfloat16 copies of float32 inputs. Measured with
+    torch.profiler against saved_tensors_hooks
+    (tests/solve/test_memory.py), exact over query/key lengths, head sizes, masks and both
+    precisions."""
+    graph = table.graph
+    # the node's distinct tensor inputs in argument order: query, key and value where they
+    # differ, then the mask (boolean, or a fourth floating input)
+    floating = [t for t in node.inputs if graph.tensor(t).dtype in FLOATING_DTYPES]
+    booleans = [t for t in node.inputs if graph.tensor(t).dtype == "bool"]
+    if not floating or not node.outputs:
+        return 0.0
+    query = floating[0]
+    key = floating[1] if len(floating) > 1 else query
+    value = floating[2] if len(floating) > 2 else key
+    mask = booleans[0] if booleans else floating[3] if len(floating) > 3 else None
+    out = node.outputs[0].name
+    q_shape, k_shape = graph.tensor(query).shape, graph.tensor(key).shape
+    if len(q_shape) < 2 or len(k_shape) < 2:
+        return 0.0
+
+    def elements(tensor: str) -> float:  # at micro-batch m, whatever its dtype
+        return table.tensor_bytes(tensor, m) / dtype_bytes(graph.tensor(tensor).dtype)
+
+    q_len, k_len = q_shape[-2], k_shape[-2]
+    # the probabilities: (batch, heads, queries, keys), as many rows as the query has vectors
+    probabilities = elements(query) / q_shape[-1] * k_len
+    mask_bytes = _BF16 if bf16 else _FP32
+    made: float
+    if mask is None:
+        made = q_len * k_len * _FP32
+    elif graph.tensor(mask).dtype == "bool" or bf16:
+        made = elements(mask) * mask_bytes
+    else:
+        made = 0.0
+    if not bf16:
+        return _FP32 * elements(query) + made
+    upcast = _FP32 * (elements(query) + elements(key) + elements(value))
+    # autocast's bfloat16 copies of the inputs that reach the attention in float32
+    upcast += _BF16 * sum(elements(t) for t in (query, key, value, mask) if t is not None
+                          and table.runtime_dtype(t, "bf16-mixed") == "float32")
+    return upcast + _FP32 * elements(query) + _FP32 * elements(out) \
+        + _BF16 * probabilities + made
+
+
+def forward_scratch(table: CostTable, node: OpNode, m: float, bf16: bool) -> float:
+    """Bytes a node's forward holds at its peak besides what it saves for backward and its
+    outputs, on the table's device: a CPU's math-path attention (`_cpu_math_attention_forward`),
+    where the attention did not run a fused kernel (`_attention_keeps_inputs`). Other kernels'
+    forward scratch is not modelled (a CPU's flash attention holds about 8-20 KB per thread)."""
+    if node.kind != "scaled_dot_product_attention" or table.source.device_kind != "cpu":
+        return 0.0
+    if _attention_keeps_inputs(table, node, "bf16-mixed" if bf16 else "fp32"):
+        return 0.0
+    return _cpu_math_attention_forward(table, node, m, bf16)
+
+
+def _forward_transient(table: CostTable, nodes: list[str], m: float, bf16: bool,
+                       held: Collection[str]) -> float:
+    """Peak of one micro-batch's forward above what it holds when the forward ends (its saved
+    bytes and `held`: the outputs the pipeline runtime keeps, which the stage makes), or 0.
+
+    While node n runs, the micro-batch holds what the nodes up to n saved, every tensor made
+    before n that a later node reads and nothing keeps yet (an attention's query, key and value
+    on the math path, which keeps copies; a residual stream until the add), n's outputs, and
+    n's forward scratch (`forward_scratch`). A tensor a node keeps as it is counts among that
+    node's saved bytes from there on; a received tensor is a receive buffer (communication)."""
+    graph = table.graph
+    position = {n.name: i for i, n in enumerate(graph.nodes)}
+    ordered = sorted(nodes, key=position.__getitem__)
+    index = {name: i for i, name in enumerate(ordered)}
+    last_use: dict[str, int] = {}
+    for i, name in enumerate(ordered):
+        for t in graph.node(name).inputs:
+            last_use[_storage_root(graph, t)] = i
+    kept_to_end = {_storage_root(graph, t) for t in held}
+    live = [0.0] * (len(ordered) + 1)  # difference array: storages made by the nodes
+    at_end = 0.0
+    for i, name in enumerate(ordered):
+        node = graph.node(name)
+        if node.is_view or (node.kind.endswith("_") and not node.kind.startswith("_")):
+            continue  # a view, or an in-place op: the input's storage
+        for spec in node.outputs:
+            nbytes = _tensor_bytes(table, spec.name, m, bf16)
+            if spec.name in kept_to_end:
+                end = len(ordered)
+                at_end += nbytes
+            else:
+                saver = _first_saver(table, spec.name)
+                kept_at = index.get(saver) if saver is not None else None
+                if saver is not None and kept_at is not None and kept_at >= i and (
+                        saver == name or _kept_as_is(table, spec.name, saver, bf16)):
+                    end = kept_at  # from there on among the saver's saved bytes
+                else:
+                    end = last_use.get(spec.name, i) + 1
+            if end > i:
+                live[i] += nbytes
+                live[end] -= nbytes
+    prefix = current = peak = 0.0
+    for i, name in enumerate(ordered):
+        node = graph.node(name)
+        prefix += table.saved_bytes(name, m)
+        current += live[i]
+        peak = max(peak, prefix + current + forward_scratch(table, node, m, bf16))
+    return max(0.0, peak - prefix - at_end)
+
+
 def trainable_weight_bytes(graph: OpGraph, node: OpNode, bf16: bool) -> float:
     """Bytes of a node's distinct trainable weights in the dtype its kernel runs them (and its
     fresh weight gradients are formed in): bfloat16 under bf16-mixed autocast."""
@@ -974,10 +1089,17 @@ def stage_memory(table: CostTable, nodes: Collection[str], *, microbatch_size: i
     through_nodes = _backward_transient(table, nodes, m, bf16, requires, pinned,
                                         preallocated, threads=threads)[0] - loss
     through_loss = 2.0 * outputs_fp32 - (recompute if ckpt else 0.0)
+    # A forward holds the micro-batches in flight before it and its own, which can peak above
+    # what it keeps (`_forward_transient`): where that is more than a backward's workspace the
+    # stage peaks in a forward (measured: a stage ending in a math-path attention, whose query,
+    # key and value it reads without keeping). Under checkpointing the recompute is such a
+    # forward, inside the backward.
+    through_forward = _forward_transient(table, nodes, m, bf16, [*kept, *float_outputs])
     communication = _ceil(communication + host_data)
     if gradients_resident or chunks > 1:
         # The optimizer step runs after the last backward, when activations are gone.
-        workspace = max(through_nodes, through_loss, step_temps - activations - recompute)
+        workspace = max(through_nodes, through_loss, through_forward,
+                        step_temps - activations - recompute)
         return StageMemory(parameters=weights, gradients=grads, optimizer_state=state,
                            activations=_ceil(activations), recompute=_ceil(recompute),
                            communication=communication, workspace=_ceil(workspace))
@@ -993,14 +1115,23 @@ def stage_memory(table: CostTable, nodes: Collection[str], *, microbatch_size: i
     # the others' are reduced away as their buckets fill)
     first_ws, first_grads = (fresh - fresh_grads, min(fresh_grads, float(grads))) \
         if fresh >= through_loss else (through_loss, 0.0)
+    if ckpt:
+        first_ws = max(first_ws, through_forward)
+    # the forwards: before the step's first backward no gradient exists; 1F1B's steady state
+    # runs forwards after backwards, with every gradient formed
+    forwards_after_backward = config.schedule != "gpipe" and M > in_flight
     phases = [StageMemory(parameters=weights, gradients=_ceil(first_grads),
                           optimizer_state=state, activations=_ceil(activations),
                           recompute=_ceil(recompute), communication=communication,
-                          workspace=_ceil(first_ws))]
+                          workspace=_ceil(first_ws)),
+              StageMemory(parameters=weights, gradients=grads if forwards_after_backward else 0,
+                          optimizer_state=state, activations=_ceil(activations), recompute=0,
+                          communication=communication, workspace=_ceil(through_forward))]
     after = (in_flight if M > in_flight else in_flight - 1) if M > 1 else 0
     later = after * per_microbatch
     later_recompute = recompute if M > 1 else 0.0
     later_ws = max(through_nodes if M > 1 else 0.0, through_loss if M > 1 else 0.0,
+                   through_forward if ckpt and M > 1 else 0.0,
                    step_temps - later - later_recompute)
     # From the second backward on, what the finished micro-batches hold (`finished`) is still there
     # where no forward comes between two backwards (GPipe; 1F1B with M <= in-flight): the
