@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 
 def example(name: str) -> ModuleType:
@@ -13,3 +14,15 @@ def example(name: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def transformer_with_attention(transformer: ModuleType, attention: type) -> Any:
+    """examples/transformer.py's TinyLM (seeded as its build_model) with every block's attention
+    an `attention(d_model, heads)`: the test models that vary only the attention."""
+    import torch
+
+    torch.manual_seed(0)
+    model = transformer.TinyLM()
+    for block in model.blocks:
+        block.attn = attention(transformer.D_MODEL, transformer.HEADS)
+    return model

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from _examples import example
+from _examples import example, transformer_with_attention
 
 _example = example("transformer")
 
@@ -34,8 +34,4 @@ class SplitAttention(nn.Module):
 
 
 def build_model() -> nn.Module:
-    torch.manual_seed(0)
-    model = _example.TinyLM()
-    for block in model.blocks:
-        block.attn = SplitAttention(_example.D_MODEL, _example.HEADS)
-    return model
+    return transformer_with_attention(_example, SplitAttention)
