@@ -797,6 +797,60 @@ def test_math_attention_forward_scratch_matches_torch(tmp_path: Path, precision:
     assert forward_scratch(table, node, b, bf16) == measured
 
 
+_SENT_AND_USED_MODEL = """
+import torch
+class SentAndUsed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(64)
+        self.up = torch.nn.Linear(64, 256)
+    def forward(self, x):
+        h = self.norm(x)
+        return h, self.up(h)
+def build_model():
+    torch.manual_seed(0)
+    return SentAndUsed()
+def example_inputs(b):
+    return (torch.randn(b, 32, 64),)
+"""
+
+
+def test_a_sent_and_used_tensor_has_one_gradient_at_its_last_use(tmp_path: Path) -> None:
+    """A stage sends h and also feeds it to a projection (BERT's attention block output, sent to
+    the next stage's residual add): the projection's backward forms h's local gradient, and
+    autograd then adds the received one into it in place, not into a third buffer. The model's
+    backward transient against torch.profiler's peak of the stage's real backward (both outputs'
+    gradients received, as PipelineStage runs it; gradients resident): counting a sum there too
+    put BERT's 4-stage first stage 262,144 B over its launched peak."""
+    from partc.solve.memory import _backward_transient, _requires_grad
+
+    model_file = tmp_path / "sent_and_used.py"
+    model_file.write_text(_SENT_AND_USED_MODEL)
+    b = 8
+    graph = capture_graph(model_file, b, onnx=False).graph
+    table = analytic_cost_table(graph, cpu_device())
+    nodes = [n.name for n in graph.nodes]
+    sent = {o.tensor for o in graph.outputs}
+    norm_out = next(n.outputs[0] for n in graph.nodes if n.kind == "layer_norm")
+    keeper = next(n.name for n in graph.nodes if n.kind == "linear")
+    predicted, _ = _backward_transient(table, nodes, b, False, _requires_grad(graph),
+                                       {keeper: norm_out.nbytes}, set(sent))
+
+    from partc.frontend.model_file import load_model_file
+
+    module = load_model_file(model_file)
+    model = module.build()
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    (x,), _ = module.inputs(b)
+    h, y = model(x)
+    received = [torch.randn_like(h), torch.randn_like(y)]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                profile_memory=True) as prof:
+        torch.autograd.backward([h, y], received)
+    assert predicted == peak_above_start(prof)
+
+
 def test_checkpointing_keeps_the_cpu_generator_state_per_micro_batch() -> None:
     """torch.utils.checkpoint keeps torch.get_rng_state() per checkpointed forward: the solver's
     torch-free constant is torch's size (the checkpointed MLP's first stage was 5,056 B per
