@@ -7,8 +7,9 @@ https://pytorch.org/docs/stable/amp.html#autocast-op-reference):
 
 - matrix operators (linear, matmul, bmm, conv, scaled_dot_product_attention, ...) cast their
   floating inputs, weights included, to bfloat16 and compute in bfloat16;
-- numerically sensitive operators (norms, softmax, losses, exp/log/pow, sums) run in float32,
-  casting bfloat16 inputs up;
+- numerically sensitive operators run in float32, casting bfloat16 inputs up: on CUDA norms,
+  softmax, losses, exp/log/pow and sums; on a CPU only losses, a few reductions and linear
+  algebra (`CPU_FLOAT32_KINDS`: its norms, softmax and pointwise ops keep their input's dtype);
 - every other operator runs in the widest floating dtype of its inputs (type promotion), so a
   residual add of a float32 stream and a bfloat16 projection stays float32.
 
@@ -36,7 +37,7 @@ LOWER_PRECISION_KINDS = frozenset({
     "_scaled_dot_product_cudnn_attention", "_native_multi_head_attention",
 })
 
-# Autocast's float32 ops: they run in float32 whatever their inputs are.
+# Autocast's float32 ops on CUDA: they run in float32 whatever their inputs are.
 FLOAT32_KINDS = frozenset({
     "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p",
     "reciprocal", "rsqrt", "sinh", "tan", "pow", "softplus", "layer_norm", "native_layer_norm",
@@ -49,6 +50,42 @@ FLOAT32_KINDS = frozenset({
     "logsumexp", "softmax", "_softmax", "log_softmax", "_log_softmax", "softmin", "cumsum",
     "cumprod", "prod", "sum", "linalg_vector_norm",
 })
+
+# A CPU's float32 ops (AutocastCPU's fp32 policy; tests/cost/test_precision_and_kernels.py checks
+# the list against torch's own dispatcher): losses, a few reductions, 3-D pooling, padding, FFTs
+# and linear algebra. Pointwise ops, norms, softmax and sums are not among them: on a CPU they run
+# in their input's dtype, so a GELU of a bfloat16 projection computes (and hands on) bfloat16.
+# Composite kinds whose inner op is cast count as theirs (cross_entropy -> cross_entropy_loss).
+CPU_FLOAT32_KINDS = frozenset({
+    "prod", "cdist", "trace", "polar", "quantile", "nanquantile", "stft", "view_as_complex",
+    "binary_cross_entropy", "binary_cross_entropy_with_logits", "cross_entropy",
+    "cross_entropy_loss", "nll_loss", "nll_loss2d", "nll_loss_forward", "nll_loss2d_forward",
+    "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "kl_div", "poisson_nll_loss",
+    "cosine_embedding_loss", "hinge_embedding_loss", "margin_ranking_loss", "soft_margin_loss",
+    "triplet_margin_loss", "multi_margin_loss", "multilabel_margin_loss",
+    "multilabel_margin_loss_forward", "ctc_loss",
+    "avg_pool3d", "max_pool3d", "adaptive_avg_pool3d", "adaptive_max_pool3d", "max_unpool2d",
+    "max_unpool3d", "fractional_max_pool2d", "fractional_max_pool3d", "grid_sampler",
+    "grid_sampler_2d", "grid_sampler_3d", "_grid_sampler_2d_cpu_fallback",
+    "reflection_pad1d", "reflection_pad2d", "replication_pad1d", "replication_pad2d",
+    "replication_pad3d",
+    "fft_fft", "fft_ifft", "fft_fft2", "fft_ifft2", "fft_fftn", "fft_ifftn", "fft_rfft",
+    "fft_irfft", "fft_rfft2", "fft_irfft2", "fft_rfftn", "fft_irfftn", "fft_hfft", "fft_ihfft",
+    "cholesky", "cholesky_inverse", "cholesky_solve", "inverse", "lu_solve", "orgqr", "ormqr",
+    "pinverse", "geqrf", "_lu_with_info", "qr", "svd", "triangular_solve",
+    "fake_quantize_per_tensor_affine", "linalg_cond", "linalg_matrix_rank", "linalg_solve",
+    "linalg_cholesky", "linalg_cholesky_ex", "linalg_svdvals", "linalg_eigvals",
+    "linalg_eigvalsh", "linalg_eig", "linalg_eigh", "linalg_inv", "linalg_inv_ex",
+    "linalg_householder_product", "linalg_tensorinv", "linalg_tensorsolve", "linalg_qr",
+    "linalg_svd", "linalg_lstsq",
+})
+
+
+def float32_kinds(device_kind: str) -> frozenset[str]:
+    """The kinds autocast runs in float32 on a `device_kind` device: a CPU's own list, else
+    CUDA's (`FLOAT32_KINDS`)."""
+    return CPU_FLOAT32_KINDS if device_kind == "cpu" else FLOAT32_KINDS
+
 
 AUTOCAST_DTYPE: dict[str, str] = {"bf16-mixed": "bfloat16"}
 
@@ -128,10 +165,12 @@ def _widest(dtypes: list[str]) -> str | None:
     return max(floats, key=lambda d: (dtype_bytes(d), d != "float16"))
 
 
-def autocast_dtypes(graph: OpGraph, precision: Precision) -> AutocastDtypes:
-    """Replay autocast's rules (module docstring) over `graph` for `precision`. Under fp32 every
-    tensor keeps its captured dtype and every node's scale is 1."""
+def autocast_dtypes(graph: OpGraph, precision: Precision, device_kind: str) -> AutocastDtypes:
+    """Replay autocast's rules (module docstring) over `graph` for `precision` on a
+    `device_kind` device (its float32 list, `float32_kinds`). Under fp32 every tensor keeps its
+    captured dtype and every node's scale is 1."""
     low = AUTOCAST_DTYPE.get(precision)
+    to_float32 = float32_kinds(device_kind)
     dtypes: dict[str, str] = {t.name: t.dtype for t in graph.inputs}
     for p in graph.params:
         dtypes[p.name] = p.dtype
@@ -151,7 +190,7 @@ def autocast_dtypes(graph: OpGraph, precision: Precision) -> AutocastDtypes:
         target: str | None
         if node.kind in LOWER_PRECISION_KINDS:
             target = low
-        elif node.kind in FLOAT32_KINDS:
+        elif node.kind in to_float32:
             target = "float32"
         else:
             target = None  # promotion: no casts, the widest floating input wins

@@ -124,7 +124,7 @@ def analytic_cost_table(graph: OpGraph, device: DeviceSpec,
     ratios = {**DEFAULT_BACKWARD_RATIOS, **(backward_ratios or {})}
     differentiable = needs_backward(graph)
     requires = requires_grad_tensors(graph)
-    casts = autocast_dtypes(graph, precision).nodes
+    casts = autocast_dtypes(graph, precision, device.kind).nodes
     b1 = graph.batch_size
     nodes: dict[str, NodeCost] = {}
     for node in graph.nodes:

@@ -281,7 +281,8 @@ class CostTable:
         """autocast's rules replayed over the graph for `precision`: every tensor's dtype and
         every node's compute dtype (partc.cost.autocast.autocast_dtypes), computed once."""
         if precision not in self._autocast:
-            self._autocast[precision] = autocast_dtypes(self.graph, precision)
+            self._autocast[precision] = autocast_dtypes(self.graph, precision,
+                                                        self.source.device_kind)
         return self._autocast[precision]
 
     def runtime_bytes(self, tensor: str, m: float, precision: Precision) -> float:

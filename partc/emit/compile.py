@@ -541,7 +541,7 @@ def _emit(result: CaptureResult, partition: Partition, cluster: ClusterSpec, out
     # statistics): the files must hold the buffers as build_model() made them.
     pristine = [{n: b.detach().clone() for n, b in sg.module.named_buffers()}
                 for sg in split.stages]
-    runtime = autocast_dtypes(graph, partition.training.precision).tensors
+    runtime = autocast_dtypes(graph, partition.training.precision, cluster.device.kind).tensors
     for sg, st, timing in zip(split.stages, partition.stages, partition.pipeline.stages,
                               strict=True):
         with progress.step(f"tracing stage {sg.index} ({len(sg.nodes)} operators) to TorchScript"):

@@ -233,9 +233,10 @@ def _kept_as_is(table: CostTable, tensor: str, saver: str, bf16: bool) -> bool:
 
     - under bf16-mixed, a tensor of another floating dtype than the one `saver` computes in:
       autocast casts it and the node keeps the cast copy. Measured: GPT-2's `params` stage 1
-      receives the MLP activation in float32 (1 MiB; its GELU's `pow` runs in float32) and the
-      projection keeps a 512 KiB bfloat16 copy; taking the buffer for the saved tensor put the
-      stage's peak 1 MiB below the measured one;
+      received the MLP activation in float32 (1 MiB, the wire dtype of a plan that priced the
+      GELU's `pow` in float32 as CUDA's autocast runs it) and the projection kept a 512 KiB
+      bfloat16 copy; taking the buffer for the saved tensor put the stage's peak 1 MiB below
+      the measured one (a residual stream, float32 + bfloat16, is such a tensor everywhere);
     - an attention input whose kernel keeps a copy (`_attention_keeps_inputs`). Measured: BERT
       cut between its query and key projections, stage 1 receives the query; the CPU's math
       path keeps its scaled copy, and the stage peaked 256 KiB above a model that took the

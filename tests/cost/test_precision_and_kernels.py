@@ -15,7 +15,12 @@ from partc.cost.activations import (
     saved_activation_bytes,
     saved_activations,
 )
-from partc.cost.autocast import autocast_dtypes
+from partc.cost.autocast import (
+    CPU_FLOAT32_KINDS,
+    FLOAT32_KINDS,
+    LOWER_PRECISION_KINDS,
+    autocast_dtypes,
+)
 from partc.cost.roofline import analytic_cost_table
 from partc.cost.table import Linear
 from partc.cost.torch_profiler import program_module
@@ -38,9 +43,10 @@ def _device_with_bf16(name: str, over_fp32: float):  # type: ignore[no-untyped-d
     return dataclasses.replace(device, peak_flops=peaks)
 
 
-def test_autocast_dtypes_follow_torch_autocast_rules(capture_example) -> None:
+@pytest.mark.parametrize("device_kind", ["cuda", "cpu"])
+def test_autocast_dtypes_follow_torch_autocast_rules(capture_example, device_kind: str) -> None:
     graph = capture_example("bert").graph
-    dtypes = autocast_dtypes(graph, "bf16-mixed")
+    dtypes = autocast_dtypes(graph, "bf16-mixed", device_kind)
     kinds = {n.kind: n for n in graph.nodes}
     linear, norm = kinds["linear"], kinds["layer_norm"]
     assert dtypes.tensors[linear.outputs[0].name] == "bfloat16"
@@ -55,8 +61,43 @@ def test_autocast_dtypes_follow_torch_autocast_rules(capture_example) -> None:
     # integer tensors (token ids, masks) never change
     ints = [t for t in graph.inputs if t.dtype == "int64"]
     assert ints and all(dtypes.tensors[t.name] == "int64" for t in ints)
-    plain = autocast_dtypes(graph, "fp32")
+    plain = autocast_dtypes(graph, "fp32", device_kind)
     assert all(c.scale == 1.0 and c.cast_bytes == 0 for c in plain.nodes.values())
+
+
+def test_cpu_float32_kinds_are_torchs(capture_example) -> None:
+    """The CPU's float32 list is the ops torch's AutocastCPU key casts up, read from the
+    dispatcher (every op with an AutocastCPU kernel that is neither a lower-precision op nor one
+    that promotes); on a CPU a pow, a norm or a softmax of a bfloat16 tensor stays bfloat16,
+    where CUDA's autocast computes it in float32. HF GPT-2's GELU (x ** 3 of a bfloat16
+    projection) priced in float32 on a CPU put its stage 3 MiB above the measured peak."""
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    cast = {name.split(".")[0].removeprefix("aten::")
+            for name in torch._C._dispatch_get_all_op_names()
+            if name.startswith("aten::") and has(name, "AutocastCPU")}
+    promoting = {"cat", "stack", "index_copy"}
+    lower = LOWER_PRECISION_KINDS | {"_addmm_activation", "mkldnn_rnn_layer"}
+    assert cast - lower - promoting <= CPU_FLOAT32_KINDS
+    # composites whose inner op is cast (cross_entropy -> cross_entropy_loss) and the forms
+    # export decomposes losses into are listed besides
+    assert CPU_FLOAT32_KINDS - cast <= {"cross_entropy", "nll_loss_forward",
+                                        "nll_loss2d_forward"}
+    x = torch.rand(4, 8, dtype=torch.bfloat16) + 0.5
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        kept = {"pow": torch.pow(x, 3.0), "layer_norm": F.layer_norm(x, (8,)),
+                "softmax": torch.softmax(x, -1), "exp": torch.exp(x), "sum": x.sum(-1)}
+        raised = {"mse_loss": F.mse_loss(x, x), "prod": x.prod(-1)}
+    assert {k: str(v.dtype) for k, v in kept.items()} == dict.fromkeys(kept, "torch.bfloat16")
+    assert {k: str(v.dtype) for k, v in raised.items()} == dict.fromkeys(raised, "torch.float32")
+    assert set(kept) <= FLOAT32_KINDS and not set(kept) & CPU_FLOAT32_KINDS
+    assert set(raised) <= CPU_FLOAT32_KINDS
+
+    graph = capture_example("gpt2").graph
+    pow_node = next(n for n in graph.nodes if n.kind == "pow")
+    on_cpu = autocast_dtypes(graph, "bf16-mixed", "cpu")
+    on_cuda = autocast_dtypes(graph, "bf16-mixed", "cuda")
+    assert on_cpu.tensors[pow_node.outputs[0].name] == "bfloat16"
+    assert on_cuda.tensors[pow_node.outputs[0].name] == "float32"
 
 
 @pytest.mark.parametrize("device_name", ["h100-80gb", "cpu"])
