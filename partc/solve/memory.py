@@ -823,9 +823,8 @@ def _cpu_math_attention_forward(table: CostTable, node: OpNode, m: float, bf16: 
     query, key and value, its float32 result before the cast back, and the probabilities cast to
     bfloat16 for the product with the value; the mask it converts in bfloat16 (a float mask too,
     as autocast casts it), and autocast's bfloat16 copies of float32 inputs. Measured with
-    torch.profiler against saved_tensors_hooks
-    (tests/solve/test_memory.py), exact over query/key lengths, head sizes, masks and both
-    precisions."""
+    torch.profiler against saved_tensors_hooks (tests/solve/test_memory.py), exact over
+    query/key lengths, head sizes, masks and both precisions."""
     graph = table.graph
     # the node's distinct tensor inputs in argument order: query, key and value where they
     # differ, then the mask (boolean, or a fourth floating input)
