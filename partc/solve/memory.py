@@ -209,6 +209,19 @@ def _graph_cache(graph: OpGraph) -> dict[str, object]:
     return cache
 
 
+def _positions(graph: OpGraph) -> dict[str, int]:
+    """Each node's index in the graph's execution order (cached on the graph)."""
+    cache = _graph_cache(graph)
+    if "position" not in cache:
+        cache["position"] = {n.name: i for i, n in enumerate(graph.nodes)}
+    return cache["position"]  # type: ignore[return-value]
+
+
+def _in_order(graph: OpGraph, nodes: Collection[str]) -> list[str]:
+    """`nodes` in the graph's execution order."""
+    return sorted(nodes, key=_positions(graph).__getitem__)
+
+
 def differentiable_tensors(graph: OpGraph) -> frozenset[str]:
     """Names of the floating tensors autograd tracks (outputs of nodes that have a backward): the
     ones whose gradient crosses a stage boundary backwards."""
@@ -309,7 +322,6 @@ def _first_saver(table: CostTable, tensor: str) -> str | None:
             for t in dict.fromkeys(n.inputs):
                 consumers.setdefault(t, []).append(n.name)
         cache["consumers"] = consumers
-        cache["position"] = {n.name: i for i, n in enumerate(graph.nodes)}
         cache["savers"] = {}
     savers: dict[tuple[str, frozenset[str] | None], str | None] = \
         cache["savers"]  # type: ignore[assignment]
@@ -317,7 +329,7 @@ def _first_saver(table: CostTable, tensor: str) -> str | None:
     if key in savers:
         return savers[key]
     consumers = cache["consumers"]  # type: ignore[assignment]
-    position: dict[str, int] = cache["position"]  # type: ignore[assignment]
+    position = _positions(graph)
     differentiable: frozenset[str] = cache["differentiable"]  # type: ignore[assignment]
     found: list[str] = []
     root = _storage_root(graph, tensor)
@@ -646,8 +658,7 @@ def _backward_transient(table: CostTable, nodes: list[str], m: float, bf16: bool
     so it counts from there on, not before.
     """
     graph = table.graph
-    position = {n.name: i for i, n in enumerate(graph.nodes)}
-    ordered = sorted(nodes, key=position.__getitem__)
+    ordered = _in_order(graph, nodes)
     # Fresh parameter gradients per node, and each parameter's first and last use in the stage.
     own: list[float] = []
     first: dict[str, int] = {}
@@ -739,6 +750,22 @@ def _backward_transient(table: CostTable, nodes: list[str], m: float, bf16: bool
 CPU_CONV_CHANNEL_BLOCK = 16
 
 
+def _attention_operands(graph: OpGraph, node: OpNode) -> tuple[str, str, str, str | None] | None:
+    """(query, key, value, mask) of a scaled_dot_product_attention node, from its distinct tensor
+    inputs in argument order: query, key and value where they differ (the key is the second
+    distinct floating input, the query itself when all three are one), then the mask (boolean,
+    or a fourth floating input); None without a floating input."""
+    floating = [t for t in node.inputs if graph.tensor(t).dtype in FLOATING_DTYPES]
+    if not floating:
+        return None
+    booleans = [t for t in node.inputs if graph.tensor(t).dtype == "bool"]
+    query = floating[0]
+    key = floating[1] if len(floating) > 1 else query
+    value = floating[2] if len(floating) > 2 else key
+    mask = booleans[0] if booleans else floating[3] if len(floating) > 3 else None
+    return query, key, value, mask
+
+
 def _cpu_attention_scratch(table: CostTable, node: OpNode, bf16: bool, threads: int) -> float:
     """What torch's CPU flash-attention backward (FlashAttentionKernel.cpp) allocates besides
     the gradients it returns. It works through the sequence in blocks of qSplit queries x kvSplit
@@ -754,11 +781,11 @@ def _cpu_attention_scratch(table: CostTable, node: OpNode, bf16: bool, threads: 
     length is the output's; the key length that of the key, the node's second distinct floating
     input (its first when query, key and value are one)."""
     graph = table.graph
-    floating = [t for t in node.inputs if graph.tensor(t).dtype in FLOATING_DTYPES]
-    if not floating or not node.outputs:
+    operands = _attention_operands(graph, node)
+    if operands is None or not node.outputs:
         return 0.0
     q_shape = node.outputs[0].shape
-    kv_shape = graph.tensor(floating[1] if len(floating) > 1 else floating[0]).shape
+    kv_shape = graph.tensor(operands[1]).shape
     if len(q_shape) < 2 or len(kv_shape) < 2:
         return 0.0
     q_len, kv_len = q_shape[-2], kv_shape[-2]
@@ -826,16 +853,10 @@ def _cpu_math_attention_forward(table: CostTable, node: OpNode, m: float, bf16: 
     torch.profiler against saved_tensors_hooks (tests/solve/test_memory.py), exact over
     query/key lengths, head sizes, masks and both precisions."""
     graph = table.graph
-    # the node's distinct tensor inputs in argument order: query, key and value where they
-    # differ, then the mask (boolean, or a fourth floating input)
-    floating = [t for t in node.inputs if graph.tensor(t).dtype in FLOATING_DTYPES]
-    booleans = [t for t in node.inputs if graph.tensor(t).dtype == "bool"]
-    if not floating or not node.outputs:
+    operands = _attention_operands(graph, node)
+    if operands is None or not node.outputs:
         return 0.0
-    query = floating[0]
-    key = floating[1] if len(floating) > 1 else query
-    value = floating[2] if len(floating) > 2 else key
-    mask = booleans[0] if booleans else floating[3] if len(floating) > 3 else None
+    query, key, value, mask = operands
     out = node.outputs[0].name
     q_shape, k_shape = graph.tensor(query).shape, graph.tensor(key).shape
     if len(q_shape) < 2 or len(k_shape) < 2:
@@ -888,8 +909,7 @@ def _forward_transient(table: CostTable, nodes: list[str], m: float, bf16: bool,
     n's forward scratch (`forward_scratch`). A tensor a node keeps as it is counts among that
     node's saved bytes from there on; a received tensor is a receive buffer (communication)."""
     graph = table.graph
-    position = {n.name: i for i, n in enumerate(graph.nodes)}
-    ordered = sorted(nodes, key=position.__getitem__)
+    ordered = _in_order(graph, nodes)
     index = {name: i for i, name in enumerate(ordered)}
     last_use: dict[str, int] = {}
     for i, name in enumerate(ordered):
