@@ -37,8 +37,10 @@ lint: install
 # -n auto: one pytest worker per core (xdist); the workers share one profile cache for the run
 # (tests/conftest.py), each entry measured once under its lock. --dist loadfile: each test file
 # on one worker, so a module's fixtures (compiled plans, trained checkpoints) are built once, not
-# once per worker (measured on 2 cores: 665 s against 803 s with xdist's default
-# distribution, the same 1028 tests). --durations: the slowest tests,
+# once per worker (on 2 cores: 15 fixture builds of 2 s or more, 118 s, against 18 and 160 s
+# with xdist's default distribution; the wall times, 665 and 803 s, were taken 15 minutes
+# apart on a VM whose speed moved, and a fresh-clone run later read 803 s with it too).
+# --durations: the slowest tests,
 # for keeping the default run under 15 minutes (move a test to the slow set only where the
 # default run covers its ground more cheaply, and say where)
 test: lint
