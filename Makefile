@@ -28,8 +28,8 @@ demo: install
 	$(PARTC) launch plans/bert/plan.yaml --steps 3
 
 # Lint and types: ruff (with import sorting, and a banned-api rule that keeps torch out of
-# partc/solve) over the package, the CLI, the benchmarks and the tests, and mypy over the package
-# and the CLI (configuration in pyproject.toml).
+# partc/solve) over the package, the CLI, the benchmarks and the tests, and mypy over the package,
+# the CLI and the benchmarks (configuration in pyproject.toml).
 lint: install
 	$(PY) -m ruff check partc cli bench tests
 	$(PY) -m mypy

@@ -17,6 +17,7 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import yaml
 from process_stats import run_measured
@@ -37,7 +38,7 @@ QUICK = CASES[:2] + CASES[-1:]
 
 
 
-def run_case(model: str, batch: int, stages: int, cluster: str) -> dict[str, float]:
+def run_case(model: str, batch: int, stages: int, cluster: str) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "plan"
         run = run_measured([PARTC, "compile", model, "-b", str(batch), "--stages", str(stages),

@@ -54,13 +54,14 @@ def worker(model: str, microbatch: int, microbatches: int, steps: int, setting: 
     loaded = load_model_file(ROOT / "examples" / f"{model}.py")
     module = loaded.build_model()
     assert loaded.batches is not None and loaded.loss_fn is not None
+    loss_fn = loaded.loss_fn
     data = iter(loaded.batches(microbatch))
     batches = [next(data) for _ in range(microbatches)]
 
     def loss(batch: Any) -> torch.Tensor:
         inputs, target = batch
         out = module(**inputs) if isinstance(inputs, dict) else module(*inputs)
-        return loaded.loss_fn(out, target)
+        return loss_fn(out, target)
 
     def gpipe() -> None:
         losses = [loss(b) for b in batches]

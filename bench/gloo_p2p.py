@@ -32,6 +32,7 @@ import socket
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -75,7 +76,8 @@ def _worker(rank: int, port: int, repeats: int, late_s: float, out: str) -> None
     rows: dict[str, Any] = {"compute_alone_ms": compute_s * 1e3, "sizes": {}}
     for nbytes in SIZES:
         tensor = torch.zeros(nbytes, dtype=torch.uint8)
-        op = dist.isend if rank == 0 else dist.irecv
+        # torch types isend as returning Work or None and irecv as Work: one callable type
+        op: Callable[[torch.Tensor, int], Any] = dist.isend if rank == 0 else dist.irecv
         for _ in range(3):  # warm the connection
             dist.barrier()
             _wait(op(tensor, peer))

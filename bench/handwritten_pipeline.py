@@ -31,18 +31,20 @@ runs R data-parallel copies of that pipeline on 2 * R processes:
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
 import time
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+from partc.frontend.model_file import load_model_file
 
 HERE = Path(__file__).resolve().parent
 STAGES = 2
@@ -58,8 +60,8 @@ def rank_of(stage: int, replica: int, replicas: int, placement: str) -> int:
 def average_gradients(params: list[nn.Parameter], replicas: int, group: dist.ProcessGroup) -> None:
     """Mean of the stage's gradients over its replicas: one collective on a flat buffer (fewer,
     bigger gloo messages than one all_reduce per parameter)."""
-    grads = [p.grad for p in params]
-    assert all(g is not None for g in grads), "every parameter of a stage gets a gradient"
+    grads = [p.grad for p in params if p.grad is not None]
+    assert len(grads) == len(params), "every parameter of a stage gets a gradient"
     flat = _flatten_dense_tensors(grads)
     dist.all_reduce(flat, group=group)
     flat.div_(replicas)
@@ -94,9 +96,9 @@ def main() -> None:
     if args.batch % (R * args.microbatches):
         raise SystemExit(f"--batch {args.batch} is not divisible by replicas x micro-batches "
                          f"({R} x {args.microbatches})")
-    spec = importlib.util.spec_from_file_location("mlp_stack", HERE / "models" / "mlp_stack.py")
-    model_file = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(model_file)
+    model_file = load_model_file(HERE / "models" / "mlp_stack.py")
+    assert model_file.batches is not None and model_file.loss_fn is not None
+    width = int(model_file.module.WIDTH)
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -118,23 +120,23 @@ def main() -> None:
             if s == stage_index:
                 dp_group = g
 
-    model = model_file.build_model()  # same seed on every rank: replicas start equal
-    blocks = list(model.blocks)
+    model = model_file.build()  # same seed on every rank: replicas start equal
+    blocks = list(cast(nn.ModuleList, model.blocks))
     if stage_index == 0:
         part: nn.Module = nn.Sequential(*blocks[:args.split])
     else:
-        part = nn.Sequential(*blocks[args.split:], model.head)
+        part = nn.Sequential(*blocks[args.split:], cast(nn.Module, model.head))
     micro = args.batch // R // args.microbatches
     # static shapes (no inference round trip); activations crossing the cut carry gradients
-    example = torch.empty(micro, model_file.WIDTH)
+    example = torch.empty(micro, width)
     stage = PipelineStage(part, stage_index, STAGES, torch.device("cpu"),
                           input_args=(example.requires_grad_(stage_index > 0),),
-                          output_args=(torch.empty(micro, model_file.WIDTH, requires_grad=True),),
+                          output_args=(torch.empty(micro, width, requires_grad=True),),
                           group=pp_group)
     schedule = Schedule1F1B(stage, args.microbatches, loss_fn=model_file.loss_fn)
     params = list(part.parameters())
     optimizer = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, foreach=True)
-    data = model_file.batches(args.batch)
+    data = iter(model_file.batches(args.batch))
     times = []
     step_losses = torch.zeros(args.steps, dtype=torch.float64)
     for i in range(args.steps):

@@ -49,7 +49,6 @@ multiples single_s / run_s; `partc_*_vs_hand_*`: step-time ratios partc / hand-w
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
@@ -73,13 +72,14 @@ def single_process(batch: int, steps: int) -> tuple[float, Loss]:
     """Median step time of plain training in this process (run with OMP_NUM_THREADS=1)."""
     import torch
 
+    from partc.frontend.model_file import load_model_file
+
     torch.set_num_threads(1)
-    spec = importlib.util.spec_from_file_location("mlp_stack", MODEL)
-    mf = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mf)
-    model = mf.build_model().train()
+    mf = load_model_file(MODEL)
+    assert mf.batches is not None and mf.loss_fn is not None
+    model = mf.build().train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, foreach=True)
-    data = mf.batches(batch)
+    data = iter(mf.batches(batch))
     times, losses = [], []
     for _ in range(steps):
         start = time.perf_counter()

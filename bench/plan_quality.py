@@ -98,7 +98,7 @@ def cases(models: list[str], clusters: list[str]) -> list[Case]:
     return out
 
 
-def settings(case: Case, num_blocks: int) -> list[tuple[str, dict[str, int]]]:
+def settings(case: Case, num_blocks: int) -> list[tuple[str, dict[str, Any]]]:
     """(label, pinned SearchOptions fields) per setting (module docstring)."""
     out: list[tuple[str, dict[str, int]]] = [("free", {})]
     if case.devices == 2:

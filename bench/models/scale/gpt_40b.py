@@ -1,10 +1,11 @@
 """GPT family at size 40b on the meta device (shapes in scale_family.py)."""
+import torch
 from scale_family import build_gpt, gpt_inputs
 
 
-def build_model():
+def build_model() -> torch.nn.Module:
     return build_gpt("40b")
 
 
-def example_inputs(batch_size: int):
+def example_inputs(batch_size: int) -> tuple[torch.Tensor]:
     return gpt_inputs(batch_size)
