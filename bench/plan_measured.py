@@ -127,6 +127,7 @@ class Plan:
     predicted_samples_per_s: float | None = None
     same_as: str | None = None  # the strategy whose identical plan is launched instead
     profile_sha256: str | None = None  # plan.yaml's digest of the profile that priced it
+    profile_path: Path | None = None  # that profile's file (plan.yaml's costs.profile)
     steps_s: list[float] = field(default_factory=list)  # measured step time per repeat
     launch_s: list[float] = field(default_factory=list)  # wall time of each launch
     predicted_peaks: list[int] = field(default_factory=list)  # memory model, per stage
@@ -183,6 +184,8 @@ def compile_plan(model: str, processes: int, strategy: str, out: Path,
     plan.predicted_iteration_s = float(doc["predicted"]["iteration_s"])
     plan.predicted_samples_per_s = float(doc["predicted"]["samples_per_s"])
     plan.profile_sha256 = doc["costs"].get("profile_sha256")
+    if doc["costs"].get("profile"):  # relative to the plan's directory (or absolute)
+        plan.profile_path = out / doc["costs"]["profile"]
     return plan
 
 
@@ -198,19 +201,26 @@ def case_profile(model: str, processes: int, plans: dict[str, Plan], precision: 
     priced = [p for p in plans.values() if p.error is None and p.profile_sha256]
     if len({p.profile_sha256 for p in priced}) <= 1:
         return None
-    sizes = sorted({int(b) for p in priced for b in
-                    yaml.safe_load((p.directory / "profile.yaml").read_text())["batch_sizes"]})
-    cluster = load_cluster(CASES[processes][0])
-    out.parent.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run([PARTC, "profile", f"examples/{model}.py", "--batch-sizes",
-                           ",".join(map(str, sizes)), "--method", "torch", "--precision",
-                           precision, "--threads", "1", "--neighbours",
-                           str(cluster.devices_per_node - 1), "-o", str(out)],
-                          cwd=ROOT, env=ENV, capture_output=True, text=True)
+    sizes = sorted({int(b) for p in priced if p.profile_path for b in
+                    yaml.safe_load(p.profile_path.read_text())["batch_sizes"]})
+    proc = measure_profile(model, processes, sizes, precision, out)
     if proc.returncode != 0:
         raise SystemExit(f"partc profile for {model} x{processes} failed: "
                          f"{last_line(proc.stderr)}")
     return out
+
+
+def measure_profile(model: str, processes: int, sizes: list[int], precision: str,
+                    out: Path) -> subprocess.CompletedProcess[str]:
+    """`partc profile` of the model at `sizes`, measured as a compile for the case's cluster
+    measures (torch timing, one thread, the node's other devices busy), written to `out`."""
+    cluster = load_cluster(CASES[processes][0])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return subprocess.run([PARTC, "profile", f"examples/{model}.py", "--batch-sizes",
+                           ",".join(map(str, sizes)), "--method", "torch", "--precision",
+                           precision, "--threads", "1", "--neighbours",
+                           str(cluster.devices_per_node - 1), "-o", str(out)],
+                          cwd=ROOT, env=ENV, capture_output=True, text=True)
 
 
 def profile_totals(path: Path) -> dict[int, float]:
@@ -229,21 +239,15 @@ def drift_check(model: str, processes: int, plans: dict[str, Plan], precision: s
     speed it was priced at: this VM's speed moved by up to 1.5x within minutes (runs U-Y), and a
     drift far from 1 says the gap in that case is the machine's, not the model's. Timed in the
     same process and rounds as a profile's totals, so the ratio compares like with like."""
-    launched = [p for p in plans.values()
-                if p.error is None and not p.same_as and p.steps_s and p.shape]
-    before = {p.strategy: profile_totals(p.directory / "profile.yaml") for p in launched}
+    launched = [p for p in plans.values() if p.error is None and not p.same_as and p.steps_s
+                and p.shape and p.profile_path is not None]
+    before = {p.strategy: profile_totals(p.profile_path) for p in launched if p.profile_path}
     wanted = {int(p.shape["microbatch_size"]) for p in launched}
     known = sorted({b for totals in before.values() for b in totals})
     sizes = sorted(wanted | set(known[:1]))
     if not launched or len(sizes) < 2:
         return
-    cluster = load_cluster(CASES[processes][0])
-    out.parent.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run([PARTC, "profile", f"examples/{model}.py", "--batch-sizes",
-                           ",".join(map(str, sizes)), "--method", "torch", "--precision",
-                           precision, "--threads", "1", "--neighbours",
-                           str(cluster.devices_per_node - 1), "-o", str(out)],
-                          cwd=ROOT, env=ENV, capture_output=True, text=True)
+    proc = measure_profile(model, processes, sizes, precision, out)
     if proc.returncode != 0:
         print(f"drift check of {model} x{processes} failed: {last_line(proc.stderr)}",
               file=sys.stderr, flush=True)
