@@ -328,12 +328,8 @@ def time_stages(plan_dir: Path, module: ModuleType, device: torch.device, repeat
 
     sync = synchronizer(device)
     plan = load_plan(plan_dir)
-    bf16 = plan.training.config.bf16
-    last = len(plan.stages) - 1
-    stages = [StageRunner(load_stage(plan.stage_bytes(s), map_location=device).train(), device,
-                          bf16, s.activation_checkpointing, last=s.index == last,
-                          wire_dtypes=tuple(getattr(torch, ref.runtime_dtype)
-                                            for ref in s.outputs))
+    stages = [StageRunner.for_stage(plan, load_stage(plan.stage_bytes(s), map_location=device)
+                                    .train(), s.index, device)
               for s in plan.stages]
     inputs, _target = next(iter(module.batches(plan.microbatch_size)))
     # any form a model file's batches() may yield (a tensor, a tuple, a dict, a pair)
@@ -424,9 +420,8 @@ def runtime_forms(plan_dir: Path, module: ModuleType, device: torch.device, repe
 
     model = module.build_model().to(device).train()
     exported = torch.export.export(model, tuple(args), kwargs).module()
-    spec = plan.stages[0]
-    stage = StageRunner(load_stage(plan.stage_bytes(spec), map_location=device).train(), device,
-                        plan.training.config.bf16, spec.activation_checkpointing, last=True)
+    stage = StageRunner.for_stage(plan, load_stage(plan.stage_bytes(plan.stages[0]),
+                                                   map_location=device).train(), 0, device)
     weights = [*model.parameters(), *exported.parameters(), *stage.parameters()]
 
     def eager() -> list[torch.Tensor]:

@@ -164,6 +164,16 @@ class StageRunner(torch.nn.Module):
         self.last = last
         self.wire_dtypes = wire_dtypes
 
+    @classmethod
+    def for_stage(cls, plan: Plan, stage: torch.nn.Module, index: int,
+                  device: torch.device) -> "StageRunner":
+        """The runner of plan stage `index` (its loaded `stage` module) as launch runs it: the
+        plan's precision, the stage's checkpointing, plan.yaml's boundary dtypes."""
+        spec = plan.stages[index]
+        return cls(stage, device, plan.training.config.bf16, spec.activation_checkpointing,
+                   last=index == plan.num_stages - 1,
+                   wire_dtypes=tuple(getattr(torch, ref.runtime_dtype) for ref in spec.outputs))
+
     def forward(self, *args: torch.Tensor) -> Any:
         outputs = self._run(*args)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
@@ -261,12 +271,8 @@ def wrap_for_pipeline(plan: Plan, stages: list[LocalStage], device: torch.device
     bf16 = plan.training.config.bf16
     for local in stages:
         runner: torch.nn.Module = local.module
-        is_last = local.spec.index == V - 1
-        checkpointing = local.spec.activation_checkpointing
-        if bf16 or checkpointing or not is_last:
-            wire = tuple(getattr(torch, ref.runtime_dtype) for ref in local.spec.outputs)
-            runner = StageRunner(local.module, device, bf16, checkpointing, last=is_last,
-                                 wire_dtypes=wire)
+        if bf16 or local.spec.activation_checkpointing or local.spec.index < V - 1:
+            runner = StageRunner.for_stage(plan, local.module, local.spec.index, device)
         if R > 1 and isinstance(local.optimizer, ZeroRedundancyOptimizer) \
                 and local.spec.sharding == "gradients":
             # tied parameters stay whole: sum_tied_gradients adds their copies across stages
