@@ -1,0 +1,144 @@
+"""Is this machine fast or slow right now, per precision? The same matmul, window by window.
+
+On the shared VM this project measures on (docs/benchmarks.md), one kernel's time is bimodal and
+flips within seconds, whatever this machine's other core does: a 512x512 @ 512x128 bfloat16
+matmul (oneDNN's AMX kernel) ran 71-81 us or 146-208 us in alternate 2-second windows, float32
+(AVX-512) 385-420 us or 540-660 us. bf16 loses more (about 2.1x against 1.4x), so a bf16 plan
+priced in a fast minute and launched in a slow one misses its prediction by more than an fp32
+plan does, and neither is an error of the cost model. Run this beside a measured run to say
+which mode the machine was in.
+
+It runs, on one core, `--windows` rounds of: bf16 for `--seconds`, then fp32 for `--seconds`,
+each the median (p10..p90) of back-to-back calls; `--partner` keeps the other core busy with the
+same bf16 (or fp32) loop in a second process, or `--partner stopped` starts it and SIGSTOPs it
+around each window (is the other core's AMX work what slows ours?). A window's mode: `slow` when
+its median is above 1.3x the fastest window's of that precision in this run, so a run spent
+wholly in the slow mode reads all `fast`: compare the medians with another run's (2026-11-29
+07:56 every bf16 window read 187-188 us, 07:54 77-81 us).
+
+Usage: python bench/kernel_modes.py [--windows 6] [--seconds 2] [--partner none|bf16|fp32|stopped]
+           [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+PRECISIONS = ("bf16", "fp32")
+SLOW = 1.3  # a window's median above this multiple of the fastest window's is the slow mode
+SHAPE = ((512, 512), (512, 128))  # a transformer MLP's GEMM at 16 x 32 tokens, width 128/512
+
+
+def _window(precision: str, seconds: float) -> list[float]:
+    """Back-to-back calls of the matmul for `seconds`; each call's time (s)."""
+    import torch
+
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    a, b = torch.randn(*SHAPE[0], dtype=dtype), torch.randn(*SHAPE[1], dtype=dtype)
+    for _ in range(20):
+        torch.mm(a, b)
+    times = []
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        t = time.perf_counter()
+        torch.mm(a, b)
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def _loop(precision: str) -> None:
+    """The partner: the same matmul forever (killed by the parent)."""
+    while True:
+        _window(precision, 3600.0)
+
+
+@contextmanager
+def _partner(kind: str) -> Iterator[int | None]:
+    """A second process on the other core running the bf16 (`bf16`, `stopped`) or fp32 loop;
+    yields its pid (None for `none`)."""
+    if kind == "none":
+        yield None
+        return
+    precision = "fp32" if kind == "fp32" else "bf16"
+    cpus = sorted(os.sched_getaffinity(0))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, __file__, "--loop", precision], env=env)
+    try:
+        if len(cpus) > 1:
+            os.sched_setaffinity(proc.pid, {cpus[1]})
+        time.sleep(3.0)  # its torch import and warm-up
+        yield proc.pid
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _quantiles(times: list[float]) -> dict[str, float]:
+    """p10, median and p90 of `times`, in microseconds."""
+    s = sorted(times)
+    n = len(s)
+    return {"p10_us": s[n // 10] * 1e6, "median_us": s[n // 2] * 1e6,
+            "p90_us": s[9 * n // 10] * 1e6, "calls": float(n)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--windows", type=int, default=6)
+    parser.add_argument("--seconds", type=float, default=2.0)
+    parser.add_argument("--partner", choices=("none", "bf16", "fp32", "stopped"),
+                        default="none")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--loop", choices=PRECISIONS, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    import torch
+
+    torch.set_num_threads(1)
+    if args.loop:
+        _loop(args.loop)
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cpus[0]})
+    rows: list[dict[str, Any]] = []
+    with _partner(args.partner) as pid:
+        for w in range(args.windows):
+            for precision in PRECISIONS:
+                if pid is not None and args.partner == "stopped":
+                    os.kill(pid, signal.SIGSTOP)
+                at = time.strftime("%H:%M:%S", time.gmtime())
+                times = _window(precision, args.seconds)
+                if pid is not None and args.partner == "stopped":
+                    os.kill(pid, signal.SIGCONT)
+                rows.append({"window": w, "precision": precision, "utc": at, **_quantiles(times)})
+    fastest = {p: min(r["median_us"] for r in rows if r["precision"] == p) for p in PRECISIONS}
+    print(f"{torch.__version__}, one core, {args.seconds:g} s windows, partner {args.partner}; "
+          f"{SHAPE[0][0]}x{SHAPE[0][1]} @ {SHAPE[1][0]}x{SHAPE[1][1]} matmul")
+    print("window  utc       precision  median us   p10..p90 us   mode")
+    for r in rows:
+        r["mode"] = "slow" if r["median_us"] > SLOW * fastest[r["precision"]] else "fast"
+        print(f"{r['window']:6d}  {r['utc']}  {r['precision']:9s}  {r['median_us']:9.0f}  "
+              f"{r['p10_us']:5.0f}..{r['p90_us']:<6.0f}  {r['mode']}")
+    for p in PRECISIONS:
+        mine = [r for r in rows if r["precision"] == p]
+        slow = [r["median_us"] for r in mine if r["mode"] == "slow"]
+        tail = (f", slow windows {min(slow) / fastest[p]:.2f}-{max(slow) / fastest[p]:.2f}x the "
+                "fastest") if slow else ""
+        print(f"{p}: {len(slow)} of {len(mine)} windows slow{tail} (against this run's fastest,"
+              f" {fastest[p]:.0f} us)")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1, sort_keys=True) + "\n")
+
+
+if __name__ == "__main__":
+    main()
