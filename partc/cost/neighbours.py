@@ -16,7 +16,9 @@ measuring process on core 0, neighbour i on core i + 1, modulo the cores.
 
 Run as `python -m partc.cost.neighbours CPUS [MODEL BATCH [PRECISION]]` it is one such neighbour,
 pinned to the logical CPUs CPUS (a comma list, or - for none): it prints "ready" once its first
-step ran and loops until killed.
+step ran and loops until killed. Nothing else reaches the parent: whatever the model or a
+library prints (a model's own prints, ONEDNN_VERBOSE) goes to /dev/null, so it neither takes
+the place of "ready" nor fills a pipe nobody reads, which would stop the neighbour silently.
 """
 from __future__ import annotations
 
@@ -118,7 +120,8 @@ def _model_step(model: str, batch_size: int,
         return None
 
 
-def _loop(model: str | None, batch_size: int, precision: Precision) -> None:
+def _loop(model: str | None, batch_size: int, precision: Precision,
+          ready: Callable[[], None]) -> None:
     import torch
 
     from partc.cost.torch_profiler import cpu_settings
@@ -127,14 +130,14 @@ def _loop(model: str | None, batch_size: int, precision: Precision) -> None:
     with cpu_settings(torch.device("cpu")):  # as the measured process and launch compute
         step = _model_step(model, batch_size, precision) if model is not None else None
         if step is not None:
-            print(_READY, flush=True)
+            ready()
             while True:
                 step()
         a = torch.randn(384, 384)
         b = torch.randn(384, 384)
         src = torch.randn(8 << 20)  # 32 MiB: larger than the caches, as activations are
         dst = torch.empty_like(src)
-        print(_READY, flush=True)
+        ready()
         while True:
             torch.mm(a, b)
             dst.copy_(src)
@@ -146,9 +149,18 @@ if __name__ == "__main__":
     # (unpinned)
     if sys.argv[1] != "-":
         set_affinity(frozenset(int(c) for c in sys.argv[1].split(",")))
+    # the parent reads one line from our stdout: keep that pipe for it alone and send the file
+    # descriptor 1 that everything else writes to (C libraries included) to /dev/null
+    signal_to_parent = os.fdopen(os.dup(1), "w")
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+
+    def ready() -> None:
+        print(_READY, file=signal_to_parent, flush=True)
+        signal_to_parent.close()
+
     try:
         _loop(sys.argv[2] if len(sys.argv) > 3 else None,
               int(sys.argv[3]) if len(sys.argv) > 3 else 2,
-              "bf16-mixed" if sys.argv[4:5] == ["bf16-mixed"] else "fp32")
+              "bf16-mixed" if sys.argv[4:5] == ["bf16-mixed"] else "fp32", ready)
     except KeyboardInterrupt:
         pass

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from pathlib import Path
 
+import pytest
 from conftest import EXAMPLES, captured
 
 from partc.cost.measured import ProfileOptions
@@ -39,6 +41,56 @@ def test_neighbours_run_for_the_block_and_are_gone_after() -> None:
     with busy_neighbours(1, EXAMPLES / "gpt2_1p3b_meta.py", 2):
         assert len(_neighbour_pids() - before) == 1
     assert not _neighbour_pids() - before
+
+
+_TALKATIVE = """
+import torch
+import torch.nn as nn
+
+
+class Talkative(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        print("x" * 8192)  # a model that prints: 64 KiB fill a pipe in 8 steps
+        return self.linear(x)
+
+
+def build_model() -> nn.Module:
+    return Talkative()
+
+
+def example_inputs(batch_size: int) -> tuple[torch.Tensor]:
+    return (torch.randn(batch_size, 64),)
+"""
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_a_neighbour_whose_model_or_libraries_print_stays_busy(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a neighbour prints (the model's prints, oneDNN's verbose log) must neither be taken
+    for its "ready" nor fill the pipe the parent stops reading after it, which blocked the
+    neighbour: the profile then measured beside an idle core, saying it had a busy one."""
+    model = tmp_path / "talkative.py"
+    model.write_text(_TALKATIVE)
+    monkeypatch.setenv("ONEDNN_VERBOSE", "1")
+    before = _neighbour_pids()
+    with busy_neighbours(1, model, 2):
+        (pid,) = _neighbour_pids() - before
+        time.sleep(1.0)  # well past the steps that would have filled a pipe
+        start = _cpu_seconds(pid)
+        time.sleep(1.0)
+        busy = _cpu_seconds(pid) - start
+    # a blocked neighbour gains nothing; a running one most of a core (the test workers of
+    # a loaded machine share the cores, hence the low bar)
+    assert busy > 0.2, f"the neighbour ran {busy:.2f} s of the last second"
 
 
 def test_compile_measures_with_the_other_devices_of_the_node_busy(tmp_path: Path) -> None:
