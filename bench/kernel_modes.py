@@ -3,7 +3,7 @@
 On the shared VM this project measures on (docs/benchmarks.md), one kernel's time is bimodal and
 flips within seconds, whatever this machine's other core does: a 512x512 @ 512x128 bfloat16
 matmul (oneDNN's AMX kernel) ran 71-81 us or 146-208 us in alternate 2-second windows, float32
-(AVX-512) 385-420 us or 540-660 us. bf16 loses more (about 2.1x against 1.4x), so a bf16 plan
+(AVX-512) 385-420 us or 540-660 us. bf16 loses more (2.0-2.9x against 1.4-2.0x), so a bf16 plan
 priced in a fast minute and launched in a slow one misses its prediction by more than an fp32
 plan does, and neither is an error of the cost model. Run this beside a measured run to say
 which mode the machine was in.
@@ -16,8 +16,12 @@ its median is above 1.3x the fastest window's of that precision in this run, so 
 wholly in the slow mode reads all `fast`: compare the medians with another run's (2026-11-29
 07:56 every bf16 window read 187-188 us, 07:54 77-81 us).
 
+`--idle sleep,spin` adds bf16 windows whose calls come in 10 ms bursts with 3 ms gaps, slept
+(the core idles, as a pipeline rank blocked in a receive: does an idling vCPU come back in the
+slow mode more often?) or spun (the core stays busy).
+
 Usage: python bench/kernel_modes.py [--windows 6] [--seconds 2] [--partner none|bf16|fp32|stopped]
-           [--json out.json]
+           [--idle sleep,spin] [--json out.json]
 """
 from __future__ import annotations
 
@@ -41,8 +45,14 @@ SLOW = 1.3  # a window's median above this multiple of the fastest window's is t
 SHAPE = ((512, 512), (512, 128))  # a transformer MLP's GEMM at 16 x 32 tokens, width 128/512
 
 
-def _window(precision: str, seconds: float) -> list[float]:
-    """Back-to-back calls of the matmul for `seconds`; each call's time (s)."""
+IDLE = ("none", "sleep", "spin")
+BURST_S, GAP_S = 0.010, 0.003  # a pipeline rank's compute between waits, and a bubble's wait
+
+
+def _window(precision: str, seconds: float, idle: str = "none") -> list[float]:
+    """Calls of the matmul for `seconds`; each call's time (s). `idle`: back to back (`none`),
+    or bursts of BURST_S separated by GAP_S of sleeping (`sleep`: the core idles, as a rank
+    blocked in a receive) or of spinning (`spin`: the core stays busy doing nothing)."""
     import torch
 
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
@@ -51,10 +61,19 @@ def _window(precision: str, seconds: float) -> list[float]:
         torch.mm(a, b)
     times = []
     end = time.perf_counter() + seconds
+    burst_end = time.perf_counter() + BURST_S
     while time.perf_counter() < end:
         t = time.perf_counter()
         torch.mm(a, b)
         times.append(time.perf_counter() - t)
+        if idle != "none" and time.perf_counter() >= burst_end:
+            if idle == "sleep":
+                time.sleep(GAP_S)
+            else:
+                until = time.perf_counter() + GAP_S
+                while time.perf_counter() < until:
+                    pass
+            burst_end = time.perf_counter() + BURST_S
     return times
 
 
@@ -99,6 +118,10 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=2.0)
     parser.add_argument("--partner", choices=("none", "bf16", "fp32", "stopped"),
                         default="none")
+    parser.add_argument("--idle", default="none",
+                        help=f"comma list of {', '.join(IDLE)}: besides back-to-back calls, "
+                        f"bursts of {BURST_S * 1e3:g} ms with {GAP_S * 1e3:g} ms gaps slept "
+                        "(a rank blocked in a receive) or spun, bf16 only")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--loop", choices=PRECISIONS, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -110,31 +133,38 @@ def main() -> None:
         return
     cpus = sorted(os.sched_getaffinity(0))
     os.sched_setaffinity(0, {cpus[0]})
+    idles = [i for i in args.idle.split(",") if i]
+    if any(i not in IDLE for i in idles):
+        parser.error(f"--idle takes {', '.join(IDLE)}")
+    # (precision, idle) per window: both precisions back to back, then bf16 with each gap kind
+    variants = [(p, "none") for p in PRECISIONS] + [("bf16", i) for i in idles if i != "none"]
     rows: list[dict[str, Any]] = []
     with _partner(args.partner) as pid:
         for w in range(args.windows):
-            for precision in PRECISIONS:
+            for precision, idle in variants:
                 if pid is not None and args.partner == "stopped":
                     os.kill(pid, signal.SIGSTOP)
                 at = time.strftime("%H:%M:%S", time.gmtime())
-                times = _window(precision, args.seconds)
+                times = _window(precision, args.seconds, idle)
                 if pid is not None and args.partner == "stopped":
                     os.kill(pid, signal.SIGCONT)
-                rows.append({"window": w, "precision": precision, "utc": at, **_quantiles(times)})
+                rows.append({"window": w, "precision": precision, "idle": idle, "utc": at,
+                             **_quantiles(times)})
     fastest = {p: min(r["median_us"] for r in rows if r["precision"] == p) for p in PRECISIONS}
     print(f"{torch.__version__}, one core, {args.seconds:g} s windows, partner {args.partner}; "
           f"{SHAPE[0][0]}x{SHAPE[0][1]} @ {SHAPE[1][0]}x{SHAPE[1][1]} matmul")
-    print("window  utc       precision  median us   p10..p90 us   mode")
+    print("window  utc       precision  idle   median us   p10..p90 us   mode")
     for r in rows:
         r["mode"] = "slow" if r["median_us"] > SLOW * fastest[r["precision"]] else "fast"
-        print(f"{r['window']:6d}  {r['utc']}  {r['precision']:9s}  {r['median_us']:9.0f}  "
-              f"{r['p10_us']:5.0f}..{r['p90_us']:<6.0f}  {r['mode']}")
-    for p in PRECISIONS:
-        mine = [r for r in rows if r["precision"] == p]
+        print(f"{r['window']:6d}  {r['utc']}  {r['precision']:9s}  {r['idle']:5s}  "
+              f"{r['median_us']:9.0f}  {r['p10_us']:5.0f}..{r['p90_us']:<6.0f}  {r['mode']}")
+    for p, idle in variants:
+        mine = [r for r in rows if r["precision"] == p and r["idle"] == idle]
         slow = [r["median_us"] for r in mine if r["mode"] == "slow"]
         tail = (f", slow windows {min(slow) / fastest[p]:.2f}-{max(slow) / fastest[p]:.2f}x the "
                 "fastest") if slow else ""
-        print(f"{p}: {len(slow)} of {len(mine)} windows slow{tail} (against this run's fastest,"
+        print(f"{p} idle {idle}: {len(slow)} of {len(mine)} windows slow{tail} (against this "
+              "run's fastest,"
               f" {fastest[p]:.0f} us)")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1, sort_keys=True) + "\n")
