@@ -55,8 +55,7 @@ def _window(precision: str, seconds: float, idle: str = "none") -> list[float]:
     blocked in a receive) or of spinning (`spin`: the core stays busy doing nothing)."""
     import torch
 
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    a, b = torch.randn(*SHAPE[0], dtype=dtype), torch.randn(*SHAPE[1], dtype=dtype)
+    a, b = _operands(precision)
     for _ in range(20):
         torch.mm(a, b)
     times = []
@@ -78,9 +77,20 @@ def _window(precision: str, seconds: float, idle: str = "none") -> list[float]:
 
 
 def _loop(precision: str) -> None:
-    """The partner: the same matmul forever (killed by the parent)."""
+    """The partner: the same matmul forever, untimed (killed by the parent)."""
+    import torch
+
+    a, b = _operands(precision)
     while True:
-        _window(precision, 3600.0)
+        torch.mm(a, b)
+
+
+def _operands(precision: str) -> tuple[Any, Any]:
+    """The matmul's two operands in `precision`."""
+    import torch
+
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    return torch.randn(*SHAPE[0], dtype=dtype), torch.randn(*SHAPE[1], dtype=dtype)
 
 
 @contextmanager

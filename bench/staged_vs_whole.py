@@ -20,7 +20,8 @@ micro-batches' work). It reports per stage the measured forward and backward bes
 this does not run), and per round staged/whole: a cut that costs more than its parts (a boundary
 cast, a recomputation the stage files added) shows as staged/whole above 1, drift-free because
 both halves of the ratio ran in the same seconds. `--neighbours` keeps the node's other devices
-busy training the model as the profile does (`busy_neighbours`), this process pinned to core 0.
+busy training the model as the profile does (`busy_neighbours`); this process runs on core 0,
+as the profile's does.
 
 CPU only. Usage: python bench/staged_vs_whole.py PLAN_DIR [--rounds 30] [--neighbours]
            [--json out.json]
@@ -149,8 +150,7 @@ def main() -> None:
         # (the neighbours start first: a child inherits its parent's pinning)
         stack.enter_context(busy_neighbours(others, plan.existing_model_path(),
                                             plan.microbatch_size, halves.precision))
-        if args.neighbours:
-            stack.enter_context(pinned_to_core(0, 1))
+        stack.enter_context(pinned_to_core(0, 1))  # device 0's core, as the profile
         stack.enter_context(torch.jit.optimized_execution(False))
         stack.enter_context(cpu_settings(CPU))
         for i in range(WARMUP + args.rounds):

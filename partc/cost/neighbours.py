@@ -152,7 +152,9 @@ if __name__ == "__main__":
     # the parent reads one line from our stdout: keep that pipe for it alone and send the file
     # descriptor 1 that everything else writes to (C libraries included) to /dev/null
     signal_to_parent = os.fdopen(os.dup(1), "w")
-    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.close(devnull)
 
     def ready() -> None:
         print(_READY, file=signal_to_parent, flush=True)
