@@ -53,6 +53,7 @@ from partc.cost.torch_profiler import (  # noqa: E402
 )
 from partc.emit.stage_code import load_stage  # noqa: E402
 from partc.emit.stage_graph import flatten_inputs  # noqa: E402
+from partc.errors import PartcError  # noqa: E402
 from partc.frontend.capture import capture_graph  # noqa: E402
 from partc.frontend.model_file import normalize_inputs  # noqa: E402
 from partc.hardware.local import pinned_to_core  # noqa: E402
@@ -141,8 +142,11 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    plan = load_plan(args.plan)
-    halves = Halves(plan)
+    try:
+        plan = load_plan(args.plan)
+        halves = Halves(plan)
+    except PartcError as e:  # a bad plan directory or model file: one line, as the CLI says it
+        raise SystemExit(e.one_line()) from None
     others = plan.cluster.devices_per_node - 1 if args.neighbours else 0
     whole: list[tuple[float, float]] = []
     staged: list[tuple[list[float], list[float]]] = []
