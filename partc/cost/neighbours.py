@@ -9,7 +9,8 @@ backward 1.09x, three (4 processes on 2 cores) 2.2x. `busy_neighbours(n, model, 
 processes that train the same model (its eager forward and backward at the same batch size: the
 neighbours a pipeline stage has are other stages of it) for as long as the measurement inside it
 lasts; a model built on the meta device, or one that fails to run eagerly, is replaced by a
-generic train-like loop (a GEMM, then a stream over a tensor larger than the caches).
+generic train-like loop (`generic_step`: a GEMM under the profile's precision, then a stream
+over a tensor larger than the caches).
 
 Processes are pinned as launch pins its workers (partc.hardware.local.pin_to_core): the
 measuring process on core 0, neighbour i on core i + 1, modulo the cores.
@@ -27,7 +28,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, cast
 
 from partc.errors import PartcError
 from partc.hardware.local import core_cpus, set_affinity
@@ -120,6 +121,30 @@ def _model_step(model: str, batch_size: int,
         return None
 
 
+def generic_step(precision: Precision) -> Callable[[], object]:
+    """The train-like loop's step for a model that cannot run here (a meta-device one): a GEMM
+    under `precision`'s autocast, as the model's matmuls run (bf16-mixed: the bf16 kernels, on
+    this hardware AMX tiles, rather than fp32 ones), then a stream over a tensor larger than the
+    caches, as activations are. Returns the step; each call returns the GEMM's result."""
+    import torch
+
+    from partc.cost.torch_profiler import precision_autocast
+
+    a = torch.randn(384, 384)
+    b = torch.randn(384, 384)
+    src = torch.randn(8 << 20)  # 32 MiB
+    dst = torch.empty_like(src)
+
+    def step() -> torch.Tensor:
+        with precision_autocast(precision, "cpu"):
+            product = torch.mm(a, b)
+        dst.copy_(src)
+        torch.add(src, dst, out=dst)
+        return product
+
+    return step
+
+
 def _loop(model: str | None, batch_size: int, precision: Precision,
           ready: Callable[[], None]) -> None:
     import torch
@@ -128,20 +153,13 @@ def _loop(model: str | None, batch_size: int, precision: Precision,
 
     torch.set_num_threads(1)
     with cpu_settings(torch.device("cpu")):  # as the measured process and launch compute
-        step = _model_step(model, batch_size, precision) if model is not None else None
-        if step is not None:
-            ready()
-            while True:
-                step()
-        a = torch.randn(384, 384)
-        b = torch.randn(384, 384)
-        src = torch.randn(8 << 20)  # 32 MiB: larger than the caches, as activations are
-        dst = torch.empty_like(src)
+        model_step = _model_step(model, batch_size, precision) if model is not None else None
+        step: Callable[[], object] = model_step if model_step is not None \
+            else generic_step(precision)
+        step()
         ready()
         while True:
-            torch.mm(a, b)
-            dst.copy_(src)
-            torch.add(src, dst, out=dst)
+            step()
 
 
 if __name__ == "__main__":
@@ -160,9 +178,11 @@ if __name__ == "__main__":
         print(_READY, file=signal_to_parent, flush=True)
         signal_to_parent.close()
 
+    precision = sys.argv[4] if len(sys.argv) > 4 else "fp32"
+    check_choice("precision", precision, PRECISIONS, PartcError)
     try:
         _loop(sys.argv[2] if len(sys.argv) > 3 else None,
               int(sys.argv[3]) if len(sys.argv) > 3 else 2,
-              "bf16-mixed" if sys.argv[4:5] == ["bf16-mixed"] else "fp32", ready)
+              cast(Precision, precision), ready)
     except KeyboardInterrupt:
         pass

@@ -11,7 +11,7 @@ import pytest
 from conftest import EXAMPLES, captured
 
 from partc.cost.measured import ProfileOptions
-from partc.cost.neighbours import busy_neighbours
+from partc.cost.neighbours import busy_neighbours, generic_step
 from partc.cost.plan_costs import measurement
 from partc.cost.profile_cache import cached_profile
 
@@ -39,6 +39,20 @@ def test_neighbours_run_for_the_block_and_are_gone_after() -> None:
     assert not _neighbour_pids() - before
     # a model that cannot be built eagerly (meta) still gets a generic busy loop
     with busy_neighbours(1, EXAMPLES / "gpt2_1p3b_meta.py", 2):
+        assert len(_neighbour_pids() - before) == 1
+    assert not _neighbour_pids() - before
+
+
+@pytest.mark.parametrize(("precision", "dtype"), [("fp32", "float32"),
+                                                  ("bf16-mixed", "bfloat16")])
+def test_the_generic_loop_computes_in_the_profiles_precision(precision: str, dtype: str) -> None:
+    # a bf16 profile of a meta model: its neighbours load the core with the bf16 kernels the
+    # pipeline's other stages run, not fp32 ones
+    import torch
+
+    assert generic_step(precision)().dtype == getattr(torch, dtype)  # type: ignore[arg-type]
+    before = _neighbour_pids()
+    with busy_neighbours(1, EXAMPLES / "gpt2_1p3b_meta.py", 2, precision):  # type: ignore[arg-type]
         assert len(_neighbour_pids() - before) == 1
     assert not _neighbour_pids() - before
 
