@@ -73,9 +73,9 @@ bench-quality: install
 # the machine's kernel speed mode before and after (bench/kernel_modes.py): on a shared VM a
 # run that changed mode between profile and launch says nothing about the cost model
 bench-measured: install
-	$(PY) bench/kernel_modes.py --windows 4 --json $(RESULTS)/kernel_modes_before.json
+	$(PY) bench/kernel_modes.py --every-core --windows 4 --json $(RESULTS)/kernel_modes_before.json
 	$(PY) bench/plan_measured.py --processes 2 --repeats 3 --json $(RESULTS)/plan_measured.json
-	$(PY) bench/kernel_modes.py --windows 4 --json $(RESULTS)/kernel_modes_after.json
+	$(PY) bench/kernel_modes.py --every-core --windows 4 --json $(RESULTS)/kernel_modes_after.json
 
 bench-scale: install
 	$(PY) bench/compile_scale.py --json $(RESULTS)/compile_scale.json

@@ -20,8 +20,14 @@ wholly in the slow mode reads all `fast`: compare the medians with another run's
 (the core idles, as a pipeline rank blocked in a receive: does an idling vCPU come back in the
 slow mode more often?) or spun (the core stays busy).
 
+`--every-core` times every core at once instead, one process pinned to each, the windows
+aligned on the wall clock: the mode is each core's own (2026-11-29 10:06, 60 one-second fp32
+windows: core 0 slow in 41, core 1 in 26, both in 15), and a pipeline whose stages run on
+different cores is slowed whenever any of them is, so a run on several cores needs every
+core's mode, not core 0's.
+
 Usage: python bench/kernel_modes.py [--windows 6] [--seconds 2] [--partner none|bf16|fp32|stopped]
-           [--idle sleep,spin] [--json out.json]
+           [--idle sleep,spin] [--every-core] [--json out.json]
 """
 from __future__ import annotations
 
@@ -114,6 +120,71 @@ def _partner(kind: str) -> Iterator[int | None]:
         proc.wait()
 
 
+def _core_windows(core: int, start: float, windows: int, seconds: float) -> list[dict[str, Any]]:
+    """One `--every-core` child: pinned to logical CPU `core`, from wall time `start` on, a bf16
+    then an fp32 window of `seconds` each, `windows` times, each window starting on the wall
+    clock's schedule so that every core's window w covers the same seconds."""
+    os.sched_setaffinity(0, {core})
+    rows = []
+    for w in range(windows):
+        for k, precision in enumerate(PRECISIONS):
+            begin = start + (w * len(PRECISIONS) + k) * seconds
+            while time.time() < begin:
+                time.sleep(min(0.01, max(0.0, begin - time.time())))
+            # the call that runs past the window's end is the last: a window's calls cover it
+            at = time.strftime("%H:%M:%S", time.gmtime())
+            times = _window(precision, max(0.0, begin + seconds - time.time() - 0.05))
+            rows.append({"window": w, "precision": precision, "idle": "none", "utc": at,
+                         "core": core, **_quantiles(times)})
+    return rows
+
+
+def _every_core(windows: int, seconds: float) -> list[dict[str, Any]]:
+    """`_core_windows` on every core this process may run on, at once (one child per core)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    start = time.time() + 5.0  # each child's torch import
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, __file__, "--core-child", str(c), str(start),
+                               str(windows), str(seconds)], stdout=subprocess.PIPE, env=env,
+                              text=True) for c in cpus]
+    rows: list[dict[str, Any]] = []
+    for proc in procs:
+        out, _ = proc.communicate()
+        if proc.returncode != 0:
+            raise SystemExit(f"the probe on a core failed (exit {proc.returncode})")
+        rows.extend(json.loads(out))
+    return rows
+
+
+def _report_every_core(rows: list[dict[str, Any]], seconds: float) -> None:
+    """Per window, every core's median and mode; per precision, how often each core and any
+    core was slow."""
+    cores = sorted({r["core"] for r in rows})
+    fastest = {p: min(r["median_us"] for r in rows if r["precision"] == p) for p in PRECISIONS}
+    for r in rows:
+        r["mode"] = "slow" if r["median_us"] > SLOW * fastest[r["precision"]] else "fast"
+    print(f"every core at once ({len(cores)}), {seconds:g} s windows; median us per core, "
+          "* = slow")
+    print("window  utc       precision  " + "  ".join(f"core {c:<3d}" for c in cores))
+    at = {(r["window"], r["precision"], r["core"]): r for r in rows}
+    for w in sorted({r["window"] for r in rows}):
+        for p in PRECISIONS:
+            mine = [at[(w, p, c)] for c in cores]
+            print(f"{w:6d}  {mine[0]['utc']}  {p:9s}  " + "  ".join(
+                f"{r['median_us']:7.0f}{'*' if r['mode'] == 'slow' else ' '}" for r in mine))
+    for p in PRECISIONS:
+        per_window: dict[int, list[bool]] = {}
+        for r in rows:
+            if r["precision"] == p:
+                per_window.setdefault(r["window"], []).append(r["mode"] == "slow")
+        slow = [r["core"] for r in rows if r["precision"] == p and r["mode"] == "slow"]
+        each = ", ".join(f"core {c} {slow.count(c)}" for c in cores)
+        print(f"{p}: slow windows of {len(per_window)}: {each}; any core "
+              f"{sum(any(v) for v in per_window.values())}, every core "
+              f"{sum(all(v) for v in per_window.values())} (against the fastest, "
+              f"{fastest[p]:.0f} us)")
+
+
 def _quantiles(times: list[float]) -> dict[str, float]:
     """p10, median and p90 of `times`, in microseconds."""
     s = sorted(times)
@@ -132,14 +203,30 @@ def main() -> None:
                         help=f"comma list of {', '.join(IDLE)}: besides back-to-back calls, "
                         f"bursts of {BURST_S * 1e3:g} ms with {GAP_S * 1e3:g} ms gaps slept "
                         "(a rank blocked in a receive) or spun, bf16 only")
+    parser.add_argument("--every-core", action="store_true",
+                        help="time every core at once, one process on each (not with "
+                        "--partner or --idle)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--loop", choices=PRECISIONS, help=argparse.SUPPRESS)
+    parser.add_argument("--core-child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     import torch
 
     torch.set_num_threads(1)
     if args.loop:
         _loop(args.loop)
+        return
+    if args.core_child:
+        core, start, windows, seconds = args.core_child
+        print(json.dumps(_core_windows(int(core), float(start), int(windows), float(seconds))))
+        return
+    if args.every_core:
+        if args.partner != "none" or args.idle != "none":
+            parser.error("--every-core keeps every core busy itself: no --partner or --idle")
+        every = _every_core(args.windows, args.seconds)
+        _report_every_core(every, args.seconds)
+        if args.json:
+            args.json.write_text(json.dumps(every, indent=1, sort_keys=True) + "\n")
         return
     cpus = sorted(os.sched_getaffinity(0))
     os.sched_setaffinity(0, {cpus[0]})
