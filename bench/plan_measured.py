@@ -67,7 +67,10 @@ is measured again as its compiles measured it, and each plan's whole-model forwa
 its micro-batch size is compared with the profile that priced it. A prediction can only be
 tested on a machine that runs at the speed it was priced at; the time bounds are printed over
 every plan and over the plans whose case drifted by at most 5% ("steady"). Costs one profile
-per case (5-30 s here).
+per case (5-30 s here). The drift check times core 0, as a profile does; each core of this VM
+flips between a fast and a slow kernel mode on its own (bench/kernel_modes.py --every-core), so
+each launch also counts its "slow steps": timed steps in which some stage's own work ran over
+1.3x its price (fast steps read 1.0-1.15x, slow ones 1.5-1.8x, 2026-11-29).
 
 `--microbatches M` pins the micro-batch count for every strategy, to compare the cuts alone: the
 searched counts differ between strategies (e.g. the MLP: cpsat 8, uniform 4, predicted 0.5%
@@ -144,6 +147,13 @@ class Plan:
     # micro-batch size, measured again after the case's launches, over the same in the profile
     # that priced the plan (`drift_check`); None where not measured
     drift: float | None = None
+    # per repeat: (steps in which some stage's own forward + backward ran over SLOW_STEP x its
+    # price, timed steps): a launch whose cores flipped into the slow mode part of the time
+    # (bench/kernel_modes.py --every-core) shows as a few such steps, one spent in it as all
+    slow_steps: list[tuple[int, int]] = field(default_factory=list)
+
+
+SLOW_STEP = 1.3  # a stage's step work over this multiple of its price: the slow mode's range
 
 
 def last_line(text: str) -> str:
@@ -292,6 +302,16 @@ def launch(plan: Plan, steps: int) -> None:
         plan.work_ratio.append(sum(fwd + bwd for fwd, bwd, _ in work) / predicted)
         plan.stage_work.append([(fwd + bwd) / (st.forward_s + st.backward_s)
                                 for (fwd, bwd, _), st in zip(work, loaded.stages, strict=True)])
+    prices = [st.forward_s + st.backward_s for st in loaded.stages]
+    # each step's own work per stage, as StageSummary.compute_s takes it (CPU times on shared
+    # cores)
+    per_step = [[(m.forward_cpu_s, m.backward_cpu_s) if shared else (m.forward_s, m.backward_s)
+                 for m in step.stages] for step in timed]
+    if prices and all(len(w) == len(prices) and None not in sum(w, ()) for w in per_step):
+        slow = sum(any((fwd or 0.0) + (bwd or 0.0) > SLOW_STEP * price
+                       for (fwd, bwd), price in zip(w, prices, strict=True))
+                   for w in per_step)
+        plan.slow_steps.append((slow, len(per_step)))
     peaks = [st for st in run.steps if st.memory_method != MEMORY_NONE]
     if peaks:
         plan.peaks.append([int(sm.peak_memory_bytes or 0) for sm in peaks[-1].stages])
@@ -549,6 +569,7 @@ def main() -> None:
                    "replayed_steps_s": list(m.replayed_s),
                    "stage_work_ratio": list(m.work_ratio),
                    "per_stage_work_ratio": list(m.stage_work), "drift": m.drift,
+                   "slow_steps": [list(x) for x in m.slow_steps],
                    "same_plan_as": plan.same_as, "error": error,
                    "compile_s": plan.compile_s, "launch_s": list(plan.launch_s)}
             rows.append(row)
@@ -608,8 +629,8 @@ def main() -> None:
           "work over the predicted.\n")
     print("| model | processes | strategy | measured ms/iter | replayed ms/iter "
           "| measured/replayed (per repeat) | stage work measured/predicted "
-          "| per stage (median) | machine drift |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| per stage (median) | slow steps | machine drift |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for (model, n), plans in cases.items():
         for strategy, plan in plans.items():
             if plan.error or plan.same_as or not plan.replayed_s:
@@ -619,10 +640,15 @@ def main() -> None:
                     f"{max(plan.work_ratio):.3f})" if plan.work_ratio else "-")
             per_stage = " ".join(f"{statistics.median(r):.2f}"
                                  for r in zip(*plan.stage_work, strict=True)) or "-"
+            slow = " ".join(f"{k}/{n}" for k, n in plan.slow_steps) or "-"
             print(f"| {model} | {n} | {strategy} | {statistics.median(plan.steps_s) * 1e3:.1f} "
                   f"| {statistics.median(plan.replayed_s) * 1e3:.1f} "
                   f"| {statistics.median(each):.3f} ({min(each):.3f}-{max(each):.3f}) | {work} "
-                  f"| {per_stage} | {f'{plan.drift:.3f}' if plan.drift is not None else '-'} |")
+                  f"| {per_stage} | {slow} "
+                  f"| {f'{plan.drift:.3f}' if plan.drift is not None else '-'} |")
+    print(f"\nslow steps: per repeat, the timed steps in which some stage's own forward + "
+          f"backward ran over {SLOW_STEP:g}x its price, of all timed steps (this VM's slow "
+          "kernel mode, per core: bench/kernel_modes.py --every-core)")
     if args.drift_check:
         print("\nmachine drift: the whole model's forward + backward at the plan's micro-batch "
               "size, measured again after the case's launches, over the same in the profile "
