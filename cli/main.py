@@ -589,6 +589,8 @@ def show(plan: Path, png: Path | None, html: Path | None, metrics: Path | None) 
     if metrics is not None:
         run = RunMetrics.load(metrics)
         run.check_stages(loaded.num_stages, f"plan {plan}")
+        for note in run.notes:  # a line cut short by a killed run, skipped
+            click.echo(f"partc: warning: {note}", err=True)
     click.echo(format_summary(loaded, run))
     picture = None
     if png is not None:

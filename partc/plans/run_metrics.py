@@ -15,10 +15,12 @@ maximum over the stage's replicas (the slowest replica sets the pace of the step
 from __future__ import annotations
 
 import json
+import math
+import re
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import IO, Any, Iterable, Iterator
 
 from partc.errors import PartcError
 
@@ -36,6 +38,7 @@ MEMORY_METHODS = (MEMORY_CUDA, MEMORY_CPU_PROFILER, MEMORY_NONE)
 # How times were read (StepMetrics.clock).
 CLOCK_CPU = "perf_counter"
 CLOCK_CUDA = "perf_counter+cuda.synchronize"  # the device is synchronised before each reading
+CLOCKS = (CLOCK_CPU, CLOCK_CUDA)
 
 
 class RunMetricsError(PartcError):
@@ -44,6 +47,67 @@ class RunMetricsError(PartcError):
 
 def _hint(path: Path | str) -> str:
     return f"write it with `partc launch PLAN --metrics {path}`"
+
+
+# The longest line the reader takes: a line is a step with a few hundred bytes per stage, so this
+# is far beyond any run's, and a file without newlines (/dev/zero, a binary) fails here instead of
+# filling the memory.
+MAX_LINE_BYTES = 64 << 20
+_INT64 = 2**63  # steps and byte counts beyond this are not a run's
+
+
+class _BadValue(ValueError):
+    """Why one line is not a partc metrics line (the reader adds the file and line)."""
+
+
+def _value(d: dict[str, Any], key: str, where: str) -> Any:
+    if key not in d:
+        raise _BadValue(f"missing key {where}{key}")
+    return d[key]
+
+
+def _number(value: Any, what: str) -> float:
+    """A JSON number (not a boolean, not a string of digits) as a float."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _BadValue(f"{what} is {json.dumps(value)[:40]}, not a number")
+    try:
+        return float(value)
+    except OverflowError:  # an integer beyond any float
+        return math.inf
+
+
+def _seconds(value: Any, what: str) -> float:
+    """A duration: finite and not negative (a NaN or an infinity is no time a run measured)."""
+    if type(value) is float and 0.0 <= value < math.inf:  # what runs write: the fast path
+        return value
+    x = _number(value, what)
+    if not math.isfinite(x) or x < 0:
+        raise _BadValue(f"{what} is {value!r}, not a time in seconds (finite, >= 0)")
+    return x
+
+
+def _optional_seconds(value: Any, what: str) -> float | None:
+    return None if value is None else _seconds(value, what)
+
+
+def _integer(value: Any, what: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise _BadValue(f"{what} is {json.dumps(value)[:40]}, not a whole number >= {minimum}")
+    if value >= _INT64:
+        raise _BadValue(f"{what} is {str(value)[:40]}, beyond any run's (2**63 or more)")
+    return value
+
+
+def _choice(value: Any, what: str, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise _BadValue(f"{what} is {json.dumps(value)[:40]}, not one of {', '.join(allowed)}")
+    return str(value)
+
+
+def _optional_text(value: Any, what: str) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise _BadValue(f"{what} is {json.dumps(value)[:40]}, not a string")
+    return value
 
 
 @dataclass(frozen=True)
@@ -86,17 +150,30 @@ class StageMetrics:
                 "optimizer_cpu_s": self.optimizer_cpu_s}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> StageMetrics:
-        peak = d["peak_memory_bytes"]
-        return cls(index=int(d["index"]), pipeline_rank=int(d["pipeline_rank"]),
-                   forward_s=float(d["forward_s"]), backward_s=float(d["backward_s"]),
-                   p2p_s=float(d["p2p_s"]), optimizer_s=float(d["optimizer_s"]),
-                   ddp_allreduce_s=float(d["ddp_allreduce_s"]),
-                   tied_sync_s=float(d["tied_sync_s"]),
-                   peak_memory_bytes=None if peak is None else int(peak),
-                   forward_cpu_s=_optional(d.get("forward_cpu_s")),
-                   backward_cpu_s=_optional(d.get("backward_cpu_s")),
-                   optimizer_cpu_s=_optional(d.get("optimizer_cpu_s")))
+    def from_dict(cls, d: dict[str, Any], where: str = "") -> StageMetrics:
+        """A stage of a metrics line, checked: ValueError naming the key (prefixed by `where`,
+        e.g. "stages[1]."), and why, for a value no run writes (a time that is negative, NaN or
+        not a number, a fractional byte count)."""
+        if not isinstance(d, dict):
+            raise _BadValue(f"{where.rstrip('.') or 'a stage'} is not a JSON object")
+
+        def time(key: str) -> float:
+            return _seconds(_value(d, key, where), where + key)
+
+        def cpu(key: str) -> float | None:  # absent in earlier partc versions' lines, and CUDA's
+            return _optional_seconds(d.get(key), where + key)
+
+        peak = _value(d, "peak_memory_bytes", where)
+        return cls(index=_integer(_value(d, "index", where), where + "index", 0),
+                   pipeline_rank=_integer(_value(d, "pipeline_rank", where),
+                                          where + "pipeline_rank", 0),
+                   forward_s=time("forward_s"), backward_s=time("backward_s"),
+                   p2p_s=time("p2p_s"), optimizer_s=time("optimizer_s"),
+                   ddp_allreduce_s=time("ddp_allreduce_s"), tied_sync_s=time("tied_sync_s"),
+                   peak_memory_bytes=None if peak is None else _integer(
+                       peak, where + "peak_memory_bytes", 0),
+                   forward_cpu_s=cpu("forward_cpu_s"), backward_cpu_s=cpu("backward_cpu_s"),
+                   optimizer_cpu_s=cpu("optimizer_cpu_s"))
 
 
 @dataclass(frozen=True)
@@ -145,21 +222,60 @@ class StepMetrics:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> StepMetrics:
-        return cls(version=int(d["version"]), step=int(d["step"]), loss=float(d["loss"]),
-                   step_s=float(d["step_s"]), samples_per_s=float(d["samples_per_s"]),
-                   stage_forward_s=tuple(float(x) for x in d["stage_forward_s"]),
-                   stage_backward_s=tuple(float(x) for x in d["stage_backward_s"]),
-                   stages=tuple(StageMetrics.from_dict(s) for s in d["stages"]),
-                   num_microbatches=int(d["num_microbatches"]), replicas=int(d["replicas"]),
-                   clock=str(d["clock"]), memory_method=str(d["memory_method"]),
-                   plan=_optional_str(d.get("plan")),
-                   plan_sha256=_optional_str(d.get("plan_sha256")),
-                   traced=d.get("traced") is True)
+        """A metrics line, checked: ValueError naming the key and why for a value no run writes
+        (StageMetrics.from_dict; a step that is not a whole number >= 1, a step time that is not
+        above 0, stages whose indices are not 0, 1, ..., an unknown clock or memory method).
+        The loss may be anything numeric: a diverging run's NaN is what it measured."""
+        if not isinstance(d, dict):
+            raise _BadValue("not a JSON object")
+        for key in _LINE_KEYS:  # every missing key first: the most likely corruption
+            _value(d, key, "")
+
+        def times(key: str) -> tuple[float, ...]:
+            values = _value(d, key, "")
+            if not isinstance(values, list):
+                raise _BadValue(f"{key} is not a list")
+            return tuple(_seconds(x, f"{key}[{k}]") for k, x in enumerate(values))
+
+        rows = _value(d, "stages", "")
+        if not isinstance(rows, list) or not rows:
+            raise _BadValue("stages is not a non-empty list")
+        stages = tuple(StageMetrics.from_dict(row, f"stages[{k}].") for k, row in enumerate(rows))
+        for k, stage in enumerate(stages):
+            if stage.index != k:  # the readers take stage k from position k
+                raise _BadValue(f"stages[{k}].index is {stage.index}, not {k}")
+        traced = d.get("traced", False)
+        if not isinstance(traced, bool):
+            raise _BadValue(f"traced is {json.dumps(traced)[:40]}, not true or false")
+        step_s = _seconds(_value(d, "step_s", ""), "step_s")
+        if step_s <= 0:
+            raise _BadValue("step_s is 0: no step takes no time")
+        return cls(version=_integer(_value(d, "version", ""), "version", 1),
+                   step=_integer(_value(d, "step", ""), "step", 1),
+                   loss=_number(_value(d, "loss", ""), "loss"), step_s=step_s,
+                   samples_per_s=_seconds(_value(d, "samples_per_s", ""), "samples_per_s"),
+                   stage_forward_s=times("stage_forward_s"),
+                   stage_backward_s=times("stage_backward_s"), stages=stages,
+                   num_microbatches=_integer(_value(d, "num_microbatches", ""),
+                                             "num_microbatches", 1),
+                   replicas=_integer(_value(d, "replicas", ""), "replicas", 1),
+                   clock=_choice(_value(d, "clock", ""), "clock", CLOCKS),
+                   memory_method=_choice(_value(d, "memory_method", ""), "memory_method",
+                                         MEMORY_METHODS),
+                   plan=_optional_text(d.get("plan"), "plan"),
+                   plan_sha256=_optional_text(d.get("plan_sha256"), "plan_sha256"),
+                   traced=traced)
 
     @property
     def profiled(self) -> bool:
         """Did a profiler watch this step (its times are slowed by it)?"""
         return self.memory_method == MEMORY_CPU_PROFILER or self.traced
+
+
+# the keys every metrics line has (StepMetrics.to_dict)
+_LINE_KEYS = ("version", "step", "loss", "step_s", "samples_per_s", "stage_forward_s",
+              "stage_backward_s", "stages", "num_microbatches", "replicas", "clock",
+              "memory_method")
 
 
 @dataclass(frozen=True)
@@ -200,49 +316,48 @@ class RunMetrics:
 
     steps: tuple[StepMetrics, ...]
     source: str = ""  # where it was read from, for messages
+    # what the reader skipped and why (a line cut short by a run that stopped while writing
+    # it), for the commands to warn about: the steps are the complete lines
+    notes: tuple[str, ...] = ()
 
     @classmethod
     def load(cls, path: str | Path) -> RunMetrics:
-        """Read a metrics file; RunMetricsError if it is missing, empty or not partc metrics."""
+        """Read a metrics file; RunMetricsError if it is missing or unreadable, has no steps, is
+        not partc metrics, holds a value no run writes (StepMetrics.from_dict), or mixes runs
+        of different shapes or plans.
+
+        A run killed while it wrote a line leaves that line cut short: as the last line, or,
+        when a resumed run appended to the file, glued in front of the resumed run's first line.
+        Either way the cut-short part is skipped and `notes` says so; every complete line is
+        used. Any other line that is not JSON is an error: it is not a run's."""
         p = Path(path)
+        notes: list[str] = []
+        by_step: dict[int, StepMetrics] = {}
         try:
-            text = p.read_text()
+            with open(p, "rb") as f:  # line by line: a long run's file need not fit twice
+                for n, text, complete in _lines(f, p):
+                    row = _parse(text, n, complete, p, notes)
+                    if row is not _SKIP:
+                        step = _step(row, n, p)
+                        by_step[step.step] = step
         except FileNotFoundError:
             raise RunMetricsError(f"metrics file {p} not found", hint=_hint(p)) from None
-        except (OSError, UnicodeDecodeError) as exc:
-            raise RunMetricsError(f"cannot read metrics file {p}: {exc}",
+        except IsADirectoryError:
+            raise RunMetricsError(f"metrics file {p} is a directory",
+                                  hint="pass the metrics file itself") from None
+        except PermissionError:
+            raise RunMetricsError(f"cannot read metrics file {p}: permission denied",
+                                  hint=f"make it readable (chmod u+r {p})") from None
+        except OSError as exc:
+            raise RunMetricsError(f"cannot read metrics file {p}: {exc.strerror or exc}",
                                   hint=_hint(p)) from None
-        by_step: dict[int, StepMetrics] = {}
-        for n, line in enumerate(text.splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                if not isinstance(row, dict):
-                    raise TypeError("not a JSON object")
-                if "stages" not in row:
-                    raise RunMetricsError(
-                        f"{p}:{n} has no per-stage metrics (`stages`): written by an older "
-                        "partc", hint=f"re-run `partc launch PLAN --metrics {p}` with this one")
-                step = StepMetrics.from_dict(row)
-            except RunMetricsError:
-                raise
-            except (ValueError, TypeError, KeyError) as exc:
-                what = f"missing key {exc}" if isinstance(exc, KeyError) else str(exc)
-                raise RunMetricsError(f"{p}:{n} is not a partc metrics line ({what})",
-                                      hint=_hint(p)) from None
-            if step.version > METRICS_VERSION:
-                raise RunMetricsError(f"{p}:{n} has metrics version {step.version}, this partc "
-                                      f"reads {METRICS_VERSION}", hint="upgrade partc")
-            by_step[step.step] = step
         if not by_step:
-            raise RunMetricsError(f"metrics file {p} has no steps", hint=_hint(p))
+            cut = ": its only step is cut short (the run stopped while writing it)" if notes \
+                else ""
+            raise RunMetricsError(f"metrics file {p} has no steps{cut}", hint=_hint(p))
         steps = tuple(by_step[s] for s in sorted(by_step))
-        counts = {len(s.stages) for s in steps}
-        if len(counts) > 1:
-            raise RunMetricsError(f"metrics file {p} mixes runs of {sorted(counts)} stages",
-                                  hint="write each run to its own --metrics file")
-        return cls(steps=steps, source=str(p))
+        _check_one_run(steps, p)
+        return cls(steps=steps, source=str(p), notes=tuple(notes))
 
     @property
     def num_stages(self) -> int:
@@ -324,8 +439,121 @@ class RunMetrics:
         return methods[-1] if methods else MEMORY_NONE
 
 
-def _optional_str(value: Any) -> str | None:
-    return None if value is None else str(value)
+def _lines(f: IO[bytes], path: Path) -> Iterator[tuple[int, str, bool]]:
+    """(line number, text, whether it ends in a newline) of each line of `f`; RunMetricsError
+    for a line longer than MAX_LINE_BYTES or not UTF-8 (partc writes ASCII)."""
+    n = 0
+    while raw := f.readline(MAX_LINE_BYTES + 1):
+        n += 1
+        complete = raw.endswith(b"\n")
+        if not complete and len(raw) > MAX_LINE_BYTES:
+            raise RunMetricsError(f"{path}:{n} is longer than {MAX_LINE_BYTES >> 20} MiB: not a "
+                                  "partc metrics file", hint=_hint(path))
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise RunMetricsError(f"{path}:{n} is not text (bytes that are not UTF-8): not a "
+                                  "partc metrics file", hint=_hint(path)) from None
+        yield n, text, complete
+
+
+_SKIP = object()  # _parse's value for a line that holds no step
+
+
+def _parse(text: str, n: int, complete: bool, path: Path, notes: list[str]) -> Any:
+    """The JSON value of line `n` (_SKIP for a blank line, or a cut-short one, with a note;
+    RunMetrics.load)."""
+    text = text.strip()  # JSON's error positions are then the line's
+    if not text:
+        return _SKIP
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        glued = _record_after_cut(text)
+        if glued is not None:
+            notes.append(f"{path}:{n} starts with a line cut short (a run stopped while writing "
+                         "it, and a resumed run appended after it): that part is skipped")
+            return glued
+        if not complete and text.startswith("{"):
+            notes.append(f"{path}:{n}, the last line, is cut short (the run stopped while "
+                         f"writing it): skipped; the {n - 1} line(s) before it are used")
+            return _SKIP
+        why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        raise RunMetricsError(f"{path}:{n} is not a partc metrics line (not JSON: {why})",
+                              hint=_hint(path)) from None
+
+
+# A metrics line is a JSON object whose first key is one of these (json.dumps sorts the keys);
+# a stage's object starts with a StageMetrics key, none of which is one of these.
+_LINE_START = re.compile(r'\{\s*"([a-z_0-9]+)"\s*:')
+_STEP_KEYS = frozenset(
+    f.name for f in StepMetrics.__dataclass_fields__.values()) - frozenset(
+    f.name for f in StageMetrics.__dataclass_fields__.values())
+_MAX_GLUE_TRIES = 64
+
+
+def _record_after_cut(text: str) -> dict[str, Any] | None:
+    """The complete metrics line at the end of `text` when `text` is a cut-short line with a
+    complete one appended to it (`RunMetrics.load`), else None. Only openings of a line's
+    object are tried, so a long line of garbage costs one scan."""
+    body = text.strip()
+    decoder = json.JSONDecoder()
+    tries = 0
+    for match in _LINE_START.finditer(body, 1):
+        if match.group(1) not in _STEP_KEYS:
+            continue
+        tries += 1
+        if tries > _MAX_GLUE_TRIES:
+            break
+        try:
+            value, end = decoder.raw_decode(body, match.start())
+        except (ValueError, RecursionError):
+            continue
+        if end == len(body) and isinstance(value, dict) and "stages" in value:
+            return value
+    return None
+
+
+def _step(row: Any, n: int, path: Path) -> StepMetrics:
+    """Line `n`'s JSON value as a StepMetrics, or RunMetricsError saying why it is not one."""
+    if not isinstance(row, dict):
+        raise RunMetricsError(f"{path}:{n} is not a partc metrics line (not a JSON object)",
+                              hint=_hint(path))
+    version = row.get("version")
+    if isinstance(version, int) and not isinstance(version, bool) and version > METRICS_VERSION:
+        # before the keys: a newer version's lines may have other ones
+        raise RunMetricsError(f"{path}:{n} has metrics version {version}, this partc reads "
+                              f"{METRICS_VERSION}", hint="upgrade partc")
+    if "stages" not in row:
+        raise RunMetricsError(
+            f"{path}:{n} has no per-stage metrics (`stages`): written by an older partc",
+            hint=f"re-run `partc launch PLAN --metrics {path}` with this one")
+    try:
+        return StepMetrics.from_dict(row)
+    except (ValueError, TypeError) as exc:
+        raise RunMetricsError(f"{path}:{n} is not a partc metrics line ({exc})",
+                              hint=_hint(path)) from None
+
+
+def _check_one_run(steps: tuple[StepMetrics, ...], path: Path) -> None:
+    """RunMetricsError unless `steps` (a file's, a line per step) are of one run's shape and
+    plan: medians over steps of different runs would describe none of them."""
+    hint = "write each run to its own --metrics file"
+    for what, of in (("stages", lambda s: len(s.stages)),
+                     ("micro-batches per step", lambda s: s.num_microbatches),
+                     ("replicas", lambda s: s.replicas),
+                     ("clocks (CPU and CUDA)", lambda s: s.clock)):
+        values = {of(s) for s in steps}
+        if len(values) > 1:
+            raise RunMetricsError(f"metrics file {path} mixes runs of {sorted(values)} {what}",
+                                  hint=hint)
+    if len({tuple(st.pipeline_rank for st in s.stages) for s in steps}) > 1:
+        raise RunMetricsError(f"metrics file {path} mixes runs that placed the stages on other "
+                              "pipeline ranks", hint=hint)
+    named = {(s.plan, s.plan_sha256) for s in steps if s.plan is not None}
+    if len(named) > 1:
+        raise RunMetricsError(f"metrics file {path} mixes runs of {len(named)} plans (or of a "
+                              "plan that changed between runs)", hint=hint)
 
 
 def _median(values: Iterable[float]) -> float:
@@ -338,6 +566,3 @@ def _median_of_measured(values: list[float | None]) -> float | None:
         return None
     return float(statistics.median(v for v in values if v is not None))
 
-
-def _optional(value: Any) -> float | None:
-    return None if value is None else float(value)

@@ -5,9 +5,12 @@ runtime writes them with (tests/run/test_launch.py writes them with a real run).
 from __future__ import annotations
 
 import json
+import math
+import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import ROOT
@@ -179,3 +182,130 @@ def test_replay_with_the_runs_stage_times() -> None:
     assert heavier is not None and heavier.iteration_s > cpu.iteration_s
     with pytest.raises(RunMetricsError):
         replay_measured(plan, RunMetrics(steps=tuple(step(n, stages=3) for n in (1, 2))))
+
+
+# ---- hostile and mistaken metrics files -------------------------------------------------------
+
+def _line(n: int = 2, **changes: Any) -> str:
+    """step(n)'s line with top-level keys replaced, or a stage's (key "k.name")."""
+    row = json.loads(step(n).to_json())
+    for key, value in changes.items():
+        if "." in key:
+            k, name = key.split(".")
+            row["stages"][int(k)][name] = value
+        else:
+            row[key] = value
+    return json.dumps(row)
+
+
+# Values no run writes: each was read as a number (or ignored) and drawn, or crashed the report
+# (exit 3), or, for --calibrate-from, scaled the costs into a plan (a NaN forward time did).
+BAD_VALUES = {
+    "nan-time": (_line(**{"0.forward_s": math.nan}), "stages[0].forward_s is nan"),
+    "infinite-time": (_line(**{"1.backward_s": math.inf}), "stages[1].backward_s is inf"),
+    "negative-time": (_line(**{"0.p2p_s": -0.001}), "stages[0].p2p_s is -0.001"),
+    "nan-cpu-time": (_line(**{"1.backward_cpu_s": math.nan}), "stages[1].backward_cpu_s is nan"),
+    "boolean-time": (_line(**{"0.forward_s": True}), "stages[0].forward_s is true, not a number"),
+    "string-time": (_line(**{"0.forward_s": "0.001"}), 'forward_s is "0.001", not a number'),
+    "zero-step-time": (_line(step_s=0.0), "step_s is 0"),
+    "negative-step-time": (_line(step_s=-1.0), "step_s is -1.0"),
+    "step-overflowing-to-infinity": (_line().replace('"step": 2', '"step": 1e400'),
+                                     "step is Infinity"),
+    "fractional-step": (_line(step=2.5), "step is 2.5"),
+    "fractional-peak": (_line(**{"0.peak_memory_bytes": 1.5e9}),
+                        "peak_memory_bytes is 1500000000.0"),
+    "negative-peak": (_line(**{"0.peak_memory_bytes": -5}), "peak_memory_bytes is -5"),
+    "absurd-peak": (_line(**{"0.peak_memory_bytes": 10**30}), "beyond any run's"),
+    "stage-index-out-of-range": (_line(**{"1.index": 7}), "stages[1].index is 7, not 1"),
+    "negative-rank": (_line(**{"1.pipeline_rank": -1}), "stages[1].pipeline_rank is -1"),
+    "unknown-clock": (_line(clock="sundial"), 'clock is "sundial"'),
+    "unknown-memory-method": (_line(memory_method="guess"), 'memory_method is "guess"'),
+    "non-boolean-traced": (_line(traced="yes"), 'traced is "yes"'),
+    "no-stages": (_line(stages=[]), "stages is not a non-empty list"),
+    "stage-not-an-object": (_line(stages=[5, 6]), "stages[0] is not a JSON object"),
+    "version-0": (_line(version=0), "version is 0"),
+    "null-line": ("null", "not a JSON object"),
+    "deeply-nested": ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_VALUES)
+def test_values_no_run_writes_are_refused(case: str, tmp_path: Path) -> None:
+    text, needle = BAD_VALUES[case]
+    path = tmp_path / "m.jsonl"
+    path.write_text(step(1).to_json() + "\n" + text + "\n")
+    with pytest.raises(RunMetricsError, match=re.escape(needle)) as info:
+        RunMetrics.load(path)
+    assert info.value.hint and "\n" not in info.value.one_line()
+
+
+def test_loss_of_a_diverged_run_is_read() -> None:
+    """A NaN loss is what a diverging run measured: read, not refused."""
+    row = json.loads(_line(loss=math.nan))
+    assert math.isnan(StepMetrics.from_dict(row).loss)
+
+
+def _one_error_line(proc: subprocess.CompletedProcess[str], needle: str) -> None:
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("partc: error: "), proc.stderr
+    assert needle in lines[0] and "(hint: " in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("case", ["nan-time", "zero-step-time", "step-overflowing-to-infinity",
+                                  "deeply-nested"])
+def test_show_refuses_bad_values_in_one_line(case: str, tmp_path: Path) -> None:
+    """These crashed `partc show --metrics` with an internal error (exit 3)."""
+    text, needle = BAD_VALUES[case]
+    path = tmp_path / "m.jsonl"
+    path.write_text(step(1).to_json() + "\n" + text + "\n")
+    _one_error_line(run("show", str(MLP), "--metrics", str(path)), needle)
+
+
+def test_a_line_cut_short_by_a_killed_run_is_skipped_with_a_warning(tmp_path: Path) -> None:
+    """A run killed while writing a line leaves it cut short: last in the file, or, when a
+    resumed run appended to the same file, glued in front of the resumed run's first line.
+    The complete lines are used and a note says what was skipped; a cut-short line with nothing
+    complete is no run, and garbage is still an error."""
+    lines = [step(n).to_json() for n in (1, 2, 3, 4)]
+    last = tmp_path / "last.jsonl"
+    last.write_text("\n".join(lines[:3]) + "\n" + lines[3][:100])
+    got = RunMetrics.load(last)
+    assert [s.step for s in got.steps] == [1, 2, 3]
+    assert len(got.notes) == 1 and f"{last}:4, the last line, is cut short" in got.notes[0]
+    # killed while writing step 3, resumed from step 2's checkpoint: step 3 again, then 4
+    glued = tmp_path / "glued.jsonl"
+    glued.write_text("\n".join(lines[:2]) + "\n" + lines[2][:150] + "\n".join(lines[2:]) + "\n")
+    got = RunMetrics.load(glued)
+    assert got.steps == tuple(step(n) for n in (1, 2, 3, 4))
+    assert len(got.notes) == 1 and f"{glued}:3 starts with a line cut short" in got.notes[0]
+    only = tmp_path / "only.jsonl"
+    only.write_text(lines[0][:80])
+    with pytest.raises(RunMetricsError, match="has no steps: its only step is cut short"):
+        RunMetrics.load(only)
+    for name, text in {"middle": "\n".join([lines[0], lines[1][:90], *lines[2:]]) + "\n",
+                       "garbage-at-the-end": "\n".join(lines) + "\nhello"}.items():
+        bad = tmp_path / f"{name}.jsonl"
+        bad.write_text(text)
+        with pytest.raises(RunMetricsError, match="is not a partc metrics line"):
+            RunMetrics.load(bad)
+    proc = run("show", str(MLP), "--metrics", str(last))
+    assert proc.returncode == 0, proc.stderr
+    warnings = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(warnings) == 1 and warnings[0].startswith("partc: warning: ")
+    assert "is cut short" in warnings[0]
+    assert "measured (3 step(s)" in proc.stdout
+
+
+def test_a_file_without_newlines_is_refused_without_reading_it_whole() -> None:
+    """/dev/zero (or a binary) as the metrics file: one line after MAX_LINE_BYTES, not the whole
+    memory (the process is capped at 1 GiB to show it)."""
+    import resource
+
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+
+    proc = subprocess.run([PARTC, "show", str(MLP), "--metrics", "/dev/zero"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120, preexec_fn=cap)
+    _one_error_line(proc, "/dev/zero:1 is longer than 64 MiB")
