@@ -588,8 +588,11 @@ def show(plan: Path, png: Path | None, html: Path | None, metrics: Path | None) 
     run = None
     if metrics is not None:
         run = RunMetrics.load(metrics)
-        run.check_stages(loaded.num_stages, f"plan {plan}")
-        for note in run.notes:  # a line cut short by a killed run, skipped
+        run.check_shape(loaded, f"plan {plan}")
+        # a run of another plan file of the same stages (a recompile, a calibrated plan), or of
+        # one that cannot be told any more, is shown with a warning; a provably other one is not
+        which = run.check_run_of(loaded, f"plan {plan}")
+        for note in (*run.notes, *((which,) if which else ())):
             click.echo(f"partc: warning: {note}", err=True)
     click.echo(format_summary(loaded, run))
     picture = None

@@ -56,8 +56,8 @@ def replay_measured(plan: Plan, metrics: RunMetrics) -> Simulation | None:
     Where ranks share a core, a stage's wall time includes its core-mates' turns, which the
     simulation shares out again: there the replay takes the computations' CPU times (the work
     itself), and is None for a run that has none (CUDA, metrics of earlier partc versions).
-    RunMetricsError if the run had another number of stages."""
-    metrics.check_stages(plan.num_stages)
+    RunMetricsError if the run cannot be one of the plan (`RunMetrics.check_shape`)."""
+    metrics.check_shape(plan)
     spec = plan.pipeline_spec()
     stages = metrics.stage_summaries()
     work = [w for m in stages if (w := m.compute_s(spec.shares_cores)) is not None]
@@ -141,8 +141,9 @@ def _tied_span_s(plan: Plan) -> list[float]:
 
 def format_measured(plan: Plan, metrics: RunMetrics) -> str:
     """Measured (a run's medians, `RunMetrics.stage_summaries`) vs predicted per stage, and the
-    iteration. RunMetricsError if the run had another number of stages than the plan."""
-    metrics.check_stages(plan.num_stages)
+    iteration. RunMetricsError if the run cannot be one of the plan (`RunMetrics.check_shape`:
+    another stage count, micro-batch count, replica count, stage placement or device kind)."""
+    metrics.check_shape(plan)
     p = plan.predicted
     timed = metrics.timed_steps()
     step = metrics.median_step_s()
@@ -154,6 +155,12 @@ def format_measured(plan: Plan, metrics: RunMetrics) -> str:
              f"iteration {step * 1e3:.1f} ms (median), {samples / step:,.1f} samples/s; "
              f"predicted {p.iteration_s * 1e3:.1f} ms, {p.samples_per_s:,.1f} samples/s "
              f"({step / p.iteration_s if p.iteration_s else 0:.2f}x)"]
+    if not metrics.strictly_timed_steps():
+        # the fallback of timed_steps: say so, or a warm-up's lazy allocations and a profiler's
+        # slowdown read as the plan's prediction being that far off
+        lines.append("NOT TIMED: every step of this run is its warm-up (step 1) or profiled, "
+                     "slower than training, and these medians include them (launch with more "
+                     "--steps to time the plan)")
     shared = plan.pipeline_spec().shares_cores
     summaries = metrics.stage_summaries()
     replayed = replay_measured(plan, metrics)
@@ -413,7 +420,7 @@ def render_png(plan: Plan, path: str | Path | None = None, dpi: int = 110,
     """The report picture (module docstring) as PNG bytes, also written to `path` if given;
     with a run's `metrics`, measured bars beside the predicted ones."""
     if metrics is not None:
-        metrics.check_stages(plan.num_stages)
+        metrics.check_shape(plan)
     import matplotlib
 
     matplotlib.use("Agg")  # no display needed; must precede pyplot

@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import IO, Any, Iterable, Iterator
 
 from partc.errors import PartcError
+from partc.files import sha256_file
+from partc.plans.plan import Plan, load_plan
 
 METRICS_VERSION = 1
 
@@ -371,6 +373,65 @@ class RunMetrics:
                 f"stage(s), {plan} has {num_stages}",
                 hint="pass the metrics of a `partc launch` of this plan")
 
+    def check_shape(self, plan: Plan, name: str = "the plan") -> None:
+        """RunMetricsError unless the run could be one of `plan` (called `name` in messages):
+        its stage count, micro-batches per step, replicas, each stage's pipeline rank and the
+        device kind its clock says (CUDA or CPU) are the plan's. What the lines record of the
+        run, nothing more: `check_run_of` compares the plan the run names."""
+        self.check_stages(plan.num_stages, name)
+        where = self.source or "(metrics)"
+        shape = plan.training.shape
+        step = self.steps[-1]  # load checked that every line agrees
+        hint = "pass the metrics of a `partc launch` of this plan"
+        for what, ran, has in (("micro-batches per step", step.num_microbatches,
+                                shape.num_microbatches),
+                               ("replicas", step.replicas, shape.replicas)):
+            if ran != has:
+                raise RunMetricsError(f"metrics file {where} is a run of {ran} {what}, {name} "
+                                      f"has {has}", hint=hint)
+        for measured, stage in zip(step.stages, plan.stages, strict=True):
+            if measured.pipeline_rank != stage.rank:
+                raise RunMetricsError(
+                    f"metrics file {where} ran stage {stage.index} on pipeline rank "
+                    f"{measured.pipeline_rank}, {name} on rank {stage.rank}", hint=hint)
+        # launch runs a plan on CUDA with NCCL and on the CPU otherwise (rank_setup)
+        clock = CLOCK_CUDA if plan.cluster.backend == "nccl" else CLOCK_CPU
+        if step.clock != clock:
+            ran_on, runs_on = (("CUDA", "CPU") if step.clock == CLOCK_CUDA else ("CPU", "CUDA"))
+            raise RunMetricsError(f"metrics file {where} is a run on {ran_on} devices, {name} "
+                                  f"runs on {runs_on} ({plan.cluster.device.name})", hint=hint)
+
+    def check_run_of(self, plan: Plan, name: str = "the plan") -> str | None:
+        """Is this a run of `plan` (loaded, so that its digest is plan.yaml's sha256)? None when
+        the lines name it (or name no plan: an older partc's) or the plan bytes it names are
+        another plan's; a note when they name another plan file that has the same model,
+        training shape, devices, precision and stages as `plan` (a recompile, a calibrated
+        plan: a stage-by-stage comparison still holds), or one that is gone or changed so
+        that it cannot be told (the caller warns); RunMetricsError when the plan it names is
+        there and differs (another model, shape, device, precision or cut)."""
+        named = {(s.plan, s.plan_sha256) for s in self.steps
+                 if s.plan is not None and s.plan_sha256 is not None}
+        mine = plan.digest.removeprefix("sha256:")
+        if not named or not mine:
+            return None
+        ran, sha = named.pop()  # load refused lines of several plans
+        assert ran is not None and sha is not None
+        if sha == mine:
+            return None
+        where = self.source or "(metrics)"
+        other = _plan_if_unchanged(Path(ran), sha)
+        if other is None:
+            return (f"{where} is a run of {ran} as it was at launch (sha256 {sha[:12]}), not "
+                    f"of {name} (sha256 {mine[:12]}), and {ran} is gone or changed since: it "
+                    "is compared as a run of a plan of this shape, which it may not have been")
+        difference = _plan_difference(other, plan)
+        if difference:
+            raise RunMetricsError(
+                f"metrics file {where} is a run of another plan, {ran}: {difference}",
+                hint=f"`partc show {ran} --metrics {where}` sets it beside its own plan")
+        return (f"{where} is a run of {ran}, another plan file with the same model, shape, "
+                f"devices and stages as {name}: compared stage by stage")
+
     def launched_plan(self) -> tuple[Path, str]:
         """The plan.yaml the run trained and the sha256 its bytes had at launch (StepMetrics.plan,
         .plan_sha256). RunMetricsError when the lines do not say (written by an older partc) or
@@ -554,6 +615,47 @@ def _check_one_run(steps: tuple[StepMetrics, ...], path: Path) -> None:
     if len(named) > 1:
         raise RunMetricsError(f"metrics file {path} mixes runs of {len(named)} plans (or of a "
                               "plan that changed between runs)", hint=hint)
+
+
+_MAX_PLAN_BYTES = 64 << 20  # a plan.yaml is kilobytes; a path to anything larger is no plan
+
+
+def _plan_if_unchanged(path: Path, sha: str) -> Plan | None:
+    """The plan at `path` if it is still the one whose bytes had `sha`, else None (gone,
+    changed, not a regular file, unreadable)."""
+    try:
+        if not path.is_file() or path.stat().st_size > _MAX_PLAN_BYTES or \
+                sha256_file(path) != sha:
+            return None
+        return load_plan(path)
+    except (OSError, PartcError):
+        return None
+
+
+def _plan_difference(ran: Plan, plan: Plan) -> str:
+    """What makes a run of plan `ran` no measure of `plan`'s stages ("" when nothing does)."""
+    if ran.model.graph_hash != plan.model.graph_hash:
+        return (f"another model ({ran.model.name}, graph {ran.model.graph_hash[:19]}.., not "
+                f"{plan.model.name}, graph {plan.model.graph_hash[:19]}..)")
+    a, b = ran.training.config.precision, plan.training.config.precision
+    if a != b:
+        return f"trained at precision {a}, not {b}"
+    if ran.cluster.device.name != plan.cluster.device.name:
+        return (f"ran on {ran.cluster.device.name} devices, not {plan.cluster.device.name}")
+    if ran.training.shape != plan.training.shape:
+        return f"another training shape ({_shape(ran)}, not {_shape(plan)})"
+    for x, y in zip(ran.stages, plan.stages, strict=True):
+        if x.modules != y.modules:
+            return f"its stage {x.index} holds other modules"
+        if (x.activation_checkpointing, x.sharding) != (y.activation_checkpointing, y.sharding):
+            return f"its stage {x.index} uses other memory levers"
+    return ""
+
+
+def _shape(plan: Plan) -> str:
+    s = plan.training.shape
+    return (f"{s.stages} stages x {s.replicas} replicas, {s.num_microbatches} micro-batches "
+            f"of {s.microbatch_size}, {s.schedule}")
 
 
 def _median(values: Iterable[float]) -> float:

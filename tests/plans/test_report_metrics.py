@@ -4,11 +4,14 @@ checked-in example plan. The metrics lines here are built with the same dataclas
 runtime writes them with (tests/run/test_launch.py writes them with a real run)."""
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
+import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +20,7 @@ from conftest import ROOT
 
 from partc.plans.run_metrics import (
     CLOCK_CPU,
+    CLOCK_CUDA,
     MEMORY_CPU_PROFILER,
     MEMORY_NONE,
     RunMetrics,
@@ -41,7 +45,7 @@ def step(n: int, stages: int = 2, step_s: float = 0.01, peak: int | None = None,
     return StepMetrics(step=n, loss=1.0 / n, step_s=step_s * n, samples_per_s=100.0 / n,
                        stage_forward_s=tuple(r.forward_s for r in rows),
                        stage_backward_s=tuple(r.backward_s for r in rows), stages=rows,
-                       num_microbatches=2, replicas=1, clock=CLOCK_CPU,
+                       num_microbatches=1, replicas=1, clock=CLOCK_CPU,
                        memory_method=MEMORY_NONE if peak is None else MEMORY_CPU_PROFILER)
 
 
@@ -263,6 +267,17 @@ def test_show_refuses_bad_values_in_one_line(case: str, tmp_path: Path) -> None:
     _one_error_line(run("show", str(MLP), "--metrics", str(path)), needle)
 
 
+def test_show_refuses_a_stage_on_a_rank_the_plan_does_not_have(tmp_path: Path) -> None:
+    """Stage 1 on pipeline rank 9 (the plan has ranks 0 and 1) was an IndexError (exit 3)."""
+    path = tmp_path / "m.jsonl"
+    path.write_text(_line(1, **{"1.pipeline_rank": 9}) + "\n" + _line(2) + "\n")
+    with pytest.raises(RunMetricsError, match="mixes runs that placed the stages"):
+        RunMetrics.load(path)
+    path.write_text("".join(_line(n, **{"1.pipeline_rank": 9}) + "\n" for n in (1, 2)))
+    _one_error_line(run("show", str(MLP), "--metrics", str(path)),
+                    "ran stage 1 on pipeline rank 9, plan")
+
+
 def test_a_line_cut_short_by_a_killed_run_is_skipped_with_a_warning(tmp_path: Path) -> None:
     """A run killed while writing a line leaves it cut short: last in the file, or, when a
     resumed run appended to the same file, glued in front of the resumed run's first line.
@@ -309,3 +324,82 @@ def test_a_file_without_newlines_is_refused_without_reading_it_whole() -> None:
     proc = subprocess.run([PARTC, "show", str(MLP), "--metrics", "/dev/zero"],
                           capture_output=True, text=True, cwd=ROOT, timeout=120, preexec_fn=cap)
     _one_error_line(proc, "/dev/zero:1 is longer than 64 MiB")
+
+
+def test_show_with_only_warm_up_and_profiled_steps_says_they_are_not_timed(
+        tmp_path: Path) -> None:
+    """Medians over the warm-up and a profiled step read as the plan's prediction being far
+    off; the summary says they are all there is."""
+    only = write(tmp_path / "w.jsonl", [step(1), step(2, peak=3 << 20)])
+    proc = run("show", str(MLP), "--metrics", str(only))
+    assert proc.returncode == 0, proc.stderr
+    assert "NOT TIMED: every step of this run is its warm-up (step 1) or profiled" in proc.stdout
+    timed = write(tmp_path / "t.jsonl", [step(1), step(2, peak=3 << 20), step(3)])
+    assert "NOT TIMED" not in run("show", str(MLP), "--metrics", str(timed)).stdout
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({"num_microbatches": 4}, "is a run of 4 micro-batches per step, plan"),
+    ({"replicas": 2}, "is a run of 2 replicas, plan"),
+    ({"clock": CLOCK_CUDA}, "is a run on CUDA devices, plan"),
+])
+def test_show_refuses_a_run_of_another_shape(change: dict[str, Any], needle: str,
+                                             tmp_path: Path) -> None:
+    """A run with the plan's stage count but other micro-batches, replicas or device kind was
+    set beside the plan's prediction as if it were a run of it."""
+    path = tmp_path / "m.jsonl"
+    path.write_text("".join(_line(n, **change) + "\n" for n in (1, 2, 3)))
+    _one_error_line(run("show", str(MLP), "--metrics", str(path)), needle)
+
+
+def _run_of(plan: Path, path: Path, steps: tuple[int, ...] = (1, 2, 3)) -> Path:
+    """Metrics lines naming `plan` (its path and its bytes' sha256), as launch writes them."""
+    sha = hashlib.sha256(plan.read_bytes()).hexdigest()
+    return write(path, [replace(step(n), plan=str(plan), plan_sha256=sha) for n in steps])
+
+
+def test_show_compares_the_plan_the_run_names(tmp_path: Path) -> None:
+    """Each line names the plan launched (path, sha256 of its bytes). Only the stage count was
+    compared, so a run of another model, precision or cut with as many stages was shown as a
+    run of this plan. Now: a run of this plan's bytes (wherever it lies) is shown; one of
+    another plan file with the same model, shape, devices and stages (a recompile, a calibrated
+    plan) with a warning; one of a plan that differs is refused, saying how; one whose plan is
+    gone or changed, so that nothing can be told, with a warning."""
+    ran = tmp_path / "ran"
+    shutil.copytree(MLP, ran)
+    metrics = _run_of(ran / "plan.yaml", tmp_path / "m.jsonl")
+    text = (ran / "plan.yaml").read_text()
+
+    def plan_with(name: str, new_text: str) -> Path:
+        shutil.copytree(ran, tmp_path / name)
+        (tmp_path / name / "plan.yaml").write_text(new_text)
+        return tmp_path / name
+
+    for same in (ran, MLP):  # the plan itself, and a copy of its bytes elsewhere
+        proc = run("show", str(same), "--metrics", str(metrics))
+        assert proc.returncode == 0 and not proc.stderr.strip(), proc.stderr
+    recompiled = plan_with("recompiled", text + "# compiled again\n")
+    proc = run("show", str(recompiled), "--metrics", str(metrics))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.startswith("partc: warning: ") and len(proc.stderr.splitlines()) == 1
+    assert "another plan file with the same model, shape, devices and stages" in proc.stderr
+    assert "measured (3 step(s)" in proc.stdout
+    for name, new_text, needle in (
+            ("model", text.replace("graph_hash: sha256:b", "graph_hash: sha256:0"),
+             "another model (mlp, graph sha256:b"),
+            ("precision", text.replace("precision: fp32", "precision: bf16-mixed"),
+             "trained at precision fp32, not bf16-mixed"),
+            ("cut", text.replace("  - layers.2\n", "  - layers.9\n", 1),
+             "its stage 0 holds other modules")):
+        other = plan_with(name, new_text)
+        _one_error_line(run("show", str(other), "--metrics", str(metrics)),
+                        f"is a run of another plan, {ran / 'plan.yaml'}: {needle}")
+    gone = _run_of(tmp_path / "model" / "plan.yaml", tmp_path / "gone.jsonl")
+    shutil.rmtree(tmp_path / "model")
+    proc = run("show", str(MLP), "--metrics", str(gone))
+    assert proc.returncode == 0, proc.stderr
+    assert "is gone or changed since" in proc.stderr and len(proc.stderr.splitlines()) == 1
+    mixed = tmp_path / "mixed.jsonl"  # two launches of two plans appended to one file
+    mixed.write_text(metrics.read_text() + _run_of(recompiled / "plan.yaml", tmp_path / "r.jsonl",
+                                                   steps=(4, 5)).read_text())
+    _one_error_line(run("show", str(MLP), "--metrics", str(mixed)), "mixes runs of 2 plans")
