@@ -420,6 +420,13 @@ def compile_command(model: Path, output: Path | None, calibrate_from: Path | Non
     the program into stages, trace each to TorchScript (stage_<k>.pt) and write plan.yaml."""
     _refuse_a_bad_model_file(model)
     cluster, training, search_options = _search_inputs(kw)  # torch-free, as in solve
+    if calibrate_from is not None:
+        # the metrics file and the plan it names, before the capture (seconds to minutes): a
+        # wrong or broken file fails at once; a cut-short line (a killed run) is a warning
+        from partc.plans.recalibrate import read_run_of_plan
+
+        for note in read_run_of_plan(calibrate_from).run.notes:
+            click.echo(f"partc: warning: {note}", err=True)
     from partc.emit.compile import CompileOptions, compile_model
     from partc.plans.plan import format_plan
     from partc.progress import TerminalProgress

@@ -37,6 +37,7 @@ layer: no torch is imported here (the capture is the caller's).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -48,7 +49,7 @@ from partc.hardware.specs import DeviceSpec
 from partc.plans.check import recorded_profile, solve_as_recorded
 from partc.plans.diff import layout_of_partition, layout_of_plan
 from partc.plans.plan import Plan, load_plan
-from partc.plans.run_metrics import RunMetrics
+from partc.plans.run_metrics import RunMetrics, StepMetrics
 from partc.progress import Progress
 from partc.solve.stage_problem import stage_fixed_s
 
@@ -109,12 +110,26 @@ class LaunchedRun:
         return self.plan.training.shape.microbatch_size
 
 
-def load_launched_run(run_path: str | Path, result: CaptureResult,
-                      progress: Progress | None = None) -> LaunchedRun:
-    """Read a metrics file and the plan it names; check both against `result` (the capture of
-    the model being compiled) and each other; find each stage's nodes (module docstring).
-    CalibrationError (or the RunMetricsError/PlanError of an unreadable file) otherwise."""
-    progress = progress or Progress()
+@dataclass(frozen=True)
+class RunOfPlan:
+    """A metrics file and the plan it names, read and checked against each other
+    (`read_run_of_plan`): what calibration needs before the model is captured."""
+
+    run: RunMetrics
+    run_path: Path  # absolute
+    plan: Plan
+    plan_path: Path  # absolute, as the metrics record it
+    plan_sha256: str
+    timed: tuple[StepMetrics, ...]  # the steps the medians are taken over
+
+
+def read_run_of_plan(run_path: str | Path) -> RunOfPlan:
+    """Read a metrics file and the plan it names, and check that they belong together: the plan
+    is there with the bytes it had at launch, the run's lines fit it (its stage count,
+    micro-batches, replicas, stage placement and device kind: RunMetrics.check_shape) and it
+    has timed steps. Torch-free and without the model, so that `partc compile
+    --calibrate-from` refuses a bad metrics file before it captures anything. CalibrationError
+    (or the RunMetricsError/PlanError of an unreadable file) otherwise."""
     run_path = Path(run_path).resolve()
     run = RunMetrics.load(run_path)
     plan_path, sha = run.launched_plan()
@@ -126,6 +141,30 @@ def load_launched_run(run_path: str | Path, result: CaptureResult,
             f"{plan_path} changed since the run {run_path.name} launched it (sha256 differs "
             "from the metrics' plan_sha256)", hint=_hint(run_path))
     plan = load_plan(plan_path)
+    if run.num_stages != plan.num_stages:
+        raise CalibrationError(f"{run_path.name} measured {run.num_stages} stage(s), its plan "
+                               f"{plan_path} has {plan.num_stages}", hint=_hint(run_path))
+    # the lines of a run of that plan fit it; a hand-edited or stitched file may not
+    run.check_shape(plan, f"its plan {plan_path}")
+    timed = run.strictly_timed_steps()
+    if not timed:
+        raise CalibrationError(
+            f"{run_path.name} has no timed steps (the first step is warm-up and profiled steps "
+            "are slowed by the profiler)", hint=_hint(run_path))
+    return RunOfPlan(run=run, run_path=run_path, plan=plan, plan_path=plan_path,
+                     plan_sha256=sha, timed=timed)
+
+
+def load_launched_run(run_path: str | Path, result: CaptureResult,
+                      progress: Progress | None = None) -> LaunchedRun:
+    """Read a metrics file and the plan it names; check both against `result` (the capture of
+    the model being compiled) and each other (`read_run_of_plan`); find each stage's nodes
+    (module docstring). CalibrationError (or the RunMetricsError/PlanError of an unreadable
+    file) otherwise."""
+    progress = progress or Progress()
+    read = read_run_of_plan(run_path)
+    run, run_path, plan, plan_path, sha = (read.run, read.run_path, read.plan, read.plan_path,
+                                           read.plan_sha256)
     graph = result.graph
     if plan.costs.capture_batch_size != graph.batch_size:
         raise CalibrationError(
@@ -137,14 +176,6 @@ def load_launched_run(run_path: str | Path, result: CaptureResult,
             f"{run_path.name} is a run of another model: its plan {plan_path} has graph "
             f"{plan.model.graph_hash[:19]}.., this model {graph.content_hash()[:19]}..",
             hint="calibrate from a run of a plan of this model (recompile and launch it first)")
-    if run.num_stages != plan.num_stages:
-        raise CalibrationError(f"{run_path.name} measured {run.num_stages} stage(s), its plan "
-                               f"{plan_path} has {plan.num_stages}", hint=_hint(run_path))
-    timed = run.strictly_timed_steps()
-    if not timed:
-        raise CalibrationError(
-            f"{run_path.name} has no timed steps (the first step is warm-up and profiled steps "
-            "are slowed by the profiler)", hint=_hint(run_path))
     profile = recorded_profile(plan, plan_path)
     if profile is not None and plan.costs.profile_sha256 is not None and \
             sha256_file(profile) != plan.costs.profile_sha256:
@@ -153,13 +184,17 @@ def load_launched_run(run_path: str | Path, result: CaptureResult,
                                hint=f"`partc check {plan_path}`, recompile and launch again")
     with progress.step(f"re-solving {plan_path} to find its stages' operators"):
         _, partition = solve_as_recorded(plan, result, profile, progress)
-    if layout_of_partition(partition, graph.module_fingerprints()) != layout_of_plan(plan):
+    # the model's name is its file's stem: a model file renamed since the launch re-solves to
+    # the same stages under another name (the graph hash, checked above, is the model's identity)
+    resolved = replace(layout_of_partition(partition, graph.module_fingerprints()),
+                       model=plan.model.name)
+    if resolved != layout_of_plan(plan):
         raise CalibrationError(
             f"{plan_path} no longer re-solves to itself, so which operators its stages held "
             "is unknown", hint=f"`partc check {plan_path}` says why; recompile and launch again")
     return LaunchedRun(run=run, run_path=run_path, plan=plan, plan_path=plan_path,
                        plan_sha256=sha, stage_nodes=tuple(st.nodes for st in partition.stages),
-                       steps=tuple(s.step for s in timed))
+                       steps=tuple(s.step for s in read.timed))
 
 
 def stage_calibrations(table: CostTable, launched: LaunchedRun,
@@ -171,6 +206,14 @@ def stage_calibrations(table: CostTable, launched: LaunchedRun,
         raise CalibrationError(
             f"{launched.run_path.name} ran on {plan.cluster.device.name} devices, this compile "
             f"plans for {device.name}", hint="calibrate from a run on the cluster compiled for")
+    # the costs are per precision (bf16 kernels are not fp32's): factors that make one
+    # precision's table predict a run at another would price neither
+    ran_at, priced_at = plan.training.config.precision, table.source.precision
+    if ran_at != priced_at:
+        raise CalibrationError(
+            f"{launched.run_path.name} trained at precision {ran_at}, this compile prices "
+            f"{priced_at}", hint=f"compile with --precision {ran_at}, or calibrate from a run of "
+                                 f"a {priced_at} plan")
     m = launched.microbatch_size
     # what every stage pays besides its operators: the runtime's overhead, the loss on the last
     fixed = stage_fixed_s(table, replace(plan.cluster, device=device), plan.training.shape)
@@ -211,6 +254,10 @@ def _factor(measured_work: float, predicted_work: float, stage: int, what: str,
             launched: LaunchedRun) -> float:
     if predicted_work <= 0:
         return 1.0  # nothing to scale (views only): keep the costs as they are
+    if not math.isfinite(measured_work) or not math.isfinite(predicted_work):
+        # RunMetrics.load refuses such times; a table's costs are finite by construction
+        raise CalibrationError(f"stage {stage}'s {what} in {launched.run_path.name} is not a "
+                               "finite time", hint=_hint(launched.run_path))
     if measured_work <= 0:
         raise CalibrationError(
             f"stage {stage}'s measured {what} in {launched.run_path.name} is not above the "

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any, Callable
 
 import pytest
 import yaml
@@ -21,10 +23,11 @@ from partc.emit.compile import CompileOptions, compile_model
 from partc.files import sha256_file
 from partc.frontend.capture import CaptureResult, capture_graph
 from partc.hardware.configs import load_cluster
-from partc.options import SearchOptions
+from partc.options import SearchOptions, TrainingConfig
 from partc.plans.plan import load_plan
-from partc.plans.recalibrate import CalibrationError, load_launched_run
+from partc.plans.recalibrate import CalibrationError, load_launched_run, read_run_of_plan
 from partc.plans.run_metrics import (
+    CLOCK_CUDA,
     MEMORY_CPU_PROFILER,
     RunMetrics,
     RunMetricsError,
@@ -242,3 +245,80 @@ def test_calibrating_from_a_run_on_shared_cores_that_shards_gradients(tmp_path: 
     with pytest.raises(CalibrationError, match="no CPU times per stage") as info:
         compile_sharded(tmp_path / "c", calibrate_from=older)
     assert info.value.hint and "\n" not in info.value.one_line()
+
+
+def test_a_run_at_another_precision_is_refused(launched: Launched, tmp_path: Path) -> None:
+    """An fp32 run calibrating a bf16-mixed compile scaled the bf16 costs to the fp32 times and
+    wrote the plan (exit 0): the costs are per precision."""
+    bf16 = CompileOptions(batch_size=16, search=SHAPE, costs="analytic",
+                          training=TrainingConfig(precision="bf16-mixed"),
+                          calibrate_from=launched.run)
+    with pytest.raises(CalibrationError, match="trained at precision fp32, this compile prices "
+                                               "bf16-mixed") as info:
+        compile_model(MLP, CPU4, tmp_path / "bf16", bf16)
+    assert "--precision fp32" in info.value.hint
+    assert not (tmp_path / "bf16").exists()
+
+
+def test_values_and_shapes_no_run_of_the_plan_has_are_refused(launched: Launched,
+                                                               tmp_path: Path) -> None:
+    """A NaN stage time was taken as measured: the factor was NaN and the compile wrote a plan
+    from NaN-scaled costs (exit 0). Lines whose shape is not their plan's (edited, or stitched
+    from another run) were used as its measurements."""
+    rows = [json.loads(x) for x in launched.run.read_text().splitlines()]
+
+    def edited(name: str, edit: Callable[[dict[str, Any]], None]) -> Path:
+        changed = [json.loads(json.dumps(r)) for r in rows]
+        for r in changed:
+            edit(r)
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in changed))
+        return path
+
+    nan = edited("nan", lambda r: r["stages"][0].update(forward_s=math.nan,
+                                                        forward_cpu_s=math.nan))
+    with pytest.raises(RunMetricsError, match=r"stages\[0\]\.forward_s is nan"):
+        compile_mlp(tmp_path / "nan-plan", calibrate_from=nan)
+    assert not (tmp_path / "nan-plan").exists()
+    for name, edit, needle in (
+            ("microbatches", lambda r: r.update(num_microbatches=3),
+             "is a run of 3 micro-batches per step, its plan"),
+            ("cuda", lambda r: r.update(clock=CLOCK_CUDA), "is a run on CUDA devices, its plan")):
+        with pytest.raises(RunMetricsError, match=needle) as info:
+            read_run_of_plan(edited(name, edit))
+        assert info.value.hint and "\n" not in info.value.one_line()
+
+
+def test_compile_checks_the_run_before_capturing_and_warns_of_a_cut_short_line(
+        launched: Launched, tmp_path: Path) -> None:
+    """A broken metrics file failed only after the model was captured (imported and run); now
+    before. A run whose last line was cut short (killed mid-write) calibrates from its complete
+    lines, with a warning. The model file here is a renamed copy of the launched plan's (the
+    same graph): that was refused as a plan that "no longer re-solves to itself", the model's
+    name (its file's stem) being compared with the plan's."""
+    marker = tmp_path / "imported"
+    model = tmp_path / "marked.py"
+    model.write_text(MLP.read_text() + f"\nopen({str(marker)!r}, 'w').close()\n")
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text("{not json\n")
+    out = tmp_path / "plan"
+    proc = subprocess.run([PARTC, "compile", str(model), "-b", "16", "--cluster", "cpu-4",
+                           "--costs", "analytic", "--calibrate-from", str(broken), "-o",
+                           str(out)], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [x for x in proc.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and "broken.jsonl:1 is not a partc metrics line" in lines[0]
+    assert not marker.exists() and not out.exists()
+
+    cut = tmp_path / "cut.jsonl"
+    text = launched.run.read_text()
+    cut.write_text(text + text.splitlines()[-1][:120])  # a step 5 the run never finished
+    proc = subprocess.run([PARTC, "compile", str(model), "-b", "16", "--cluster", "cpu-4",
+                           "--costs", "analytic", "--stages", "2", "--microbatches", "4",
+                           "--strategy", "uniform", "--calibrate-from", str(cut), "-o", str(out)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]  # the same graph as the launched plan's
+    warnings = [x for x in proc.stderr.splitlines() if x.startswith("partc: warning: ")]
+    assert len(warnings) == 1 and f"{cut}:{STEPS + 1}, the last line, is cut short" in \
+        warnings[0], proc.stderr[-2000:]
+    assert marker.exists()  # captured after the check passed
