@@ -329,9 +329,11 @@ class RunMetrics:
         of different shapes or plans.
 
         A run killed while it wrote a line leaves that line cut short: as the last line, or,
-        when a resumed run appended to the file, glued in front of the resumed run's first line.
-        Either way the cut-short part is skipped and `notes` says so; every complete line is
-        used. Any other line that is not JSON is an error: it is not a run's."""
+        when a resumed run appended to the file, on a line of its own before the resumed run's
+        (launch ends a cut-short line before appending) or, in files of partc before
+        2026-11-29, glued in front of the resumed run's first line. Either way the cut-short
+        part is skipped and `notes` says so; every complete line is used. Any other line that
+        is not JSON is an error: it is not a run's."""
         p = Path(path)
         notes: list[str] = []
         by_step: dict[int, StepMetrics] = {}
@@ -538,6 +540,12 @@ def _parse(text: str, n: int, complete: bool, path: Path, notes: list[str]) -> A
         if not complete and text.startswith("{"):
             notes.append(f"{path}:{n}, the last line, is cut short (the run stopped while "
                          f"writing it): skipped; the {n - 1} line(s) before it are used")
+            return _SKIP
+        if (start := _LINE_START.match(text)) is not None and start.group(1) in _STEP_KEYS:
+            # a metrics line's opening that does not parse: a run stopped while writing it
+            # and a resumed run, which ends such a line first (partc.run.reporting), appended
+            notes.append(f"{path}:{n} is cut short (a run stopped while writing it, and a "
+                         "resumed run appended after it): skipped")
             return _SKIP
         why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
         raise RunMetricsError(f"{path}:{n} is not a partc metrics line (not JSON: {why})",

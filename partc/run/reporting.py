@@ -3,6 +3,7 @@ metrics as JSON lines (`StepMetrics.to_json`, read back by partc.plans.run_metri
 summary with measured vs predicted times on stdout (the table `partc show --metrics` prints)."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TextIO
@@ -51,7 +52,10 @@ class Reporter:
         self.metrics = None
         if options.metrics is not None:
             options.metrics.parent.mkdir(parents=True, exist_ok=True)
+            cut_short = _ends_unfinished(options.metrics)
             self.metrics = open(options.metrics, "a")
+            if cut_short:  # a run killed mid-write: end its line, so this run's first stays whole
+                self.metrics.write("\n")
 
     def begin(self, layout: RankLayout, resume: Checkpoint | None, data_source: str) -> None:
         s = self.plan.training.shape
@@ -111,3 +115,16 @@ class Reporter:
                  format_measured(self.plan, RunMetrics(steps=tuple(summary.metrics)))]
         self.out.write("\n".join(lines) + "\n")
         self.out.flush()
+
+
+def _ends_unfinished(path: Path) -> bool:
+    """Whether the file at `path` exists, is not empty and does not end with a newline: the last
+    line of a run killed while writing it (readers skip it, partc.plans.run_metrics)."""
+    try:
+        with open(path, "rb") as f:
+            if f.seek(0, os.SEEK_END) == 0:
+                return False
+            f.seek(-1, os.SEEK_END)
+            return f.read(1) != b"\n"
+    except OSError:  # missing (the run creates it) or unreadable (opening it says so)
+        return False

@@ -299,7 +299,13 @@ def test_a_line_cut_short_by_a_killed_run_is_skipped_with_a_warning(tmp_path: Pa
     only.write_text(lines[0][:80])
     with pytest.raises(RunMetricsError, match="has no steps: its only step is cut short"):
         RunMetrics.load(only)
-    for name, text in {"middle": "\n".join([lines[0], lines[1][:90], *lines[2:]]) + "\n",
+    # killed while writing step 2, resumed from step 1: launch ends the cut line first
+    middle = tmp_path / "middle.jsonl"
+    middle.write_text("\n".join([lines[0], lines[1][:90], *lines[1:]]) + "\n")
+    got = RunMetrics.load(middle)
+    assert got.steps == tuple(step(n) for n in (1, 2, 3, 4))
+    assert len(got.notes) == 1 and f"{middle}:2 is cut short" in got.notes[0]
+    for name, text in {"garbage-in-the-middle": "\n".join([lines[0], "hello", *lines[1:]]),
                        "garbage-at-the-end": "\n".join(lines) + "\nhello"}.items():
         bad = tmp_path / f"{name}.jsonl"
         bad.write_text(text)
@@ -403,3 +409,31 @@ def test_show_compares_the_plan_the_run_names(tmp_path: Path) -> None:
     mixed.write_text(metrics.read_text() + _run_of(recompiled / "plan.yaml", tmp_path / "r.jsonl",
                                                    steps=(4, 5)).read_text())
     _one_error_line(run("show", str(MLP), "--metrics", str(mixed)), "mixes runs of 2 plans")
+
+
+def test_launch_ends_a_line_a_killed_run_cut_short_before_appending(tmp_path: Path) -> None:
+    """The metrics file a killed run left with its last line unfinished: a resumed run's first
+    line goes on a line of its own, so only the cut-short part is lost."""
+    import io
+
+    from partc.options import TrainOptions
+    from partc.plans.plan import load_plan
+    from partc.run.reporting import Reporter
+
+    lines = [step(n).to_json() for n in (1, 2)]
+    path = tmp_path / "m.jsonl"
+    path.write_text(lines[0] + "\n" + lines[1][:100])
+    reporter = Reporter(load_plan(MLP), TrainOptions(steps=3, metrics=path), 1,
+                        io.StringIO(), io.StringIO())
+    for n in (2, 3):
+        reporter.step(step(n))
+    reporter.close()
+    got = RunMetrics.load(path)
+    assert got.steps == tuple(step(n) for n in (1, 2, 3))
+    assert len(got.notes) == 1 and f"{path}:2 is cut short" in got.notes[0]
+    # a file that ends its last line, or an empty one, gets nothing added
+    for text in (lines[0] + "\n", ""):
+        path.write_text(text)
+        Reporter(load_plan(MLP), TrainOptions(steps=3, metrics=path), 1, io.StringIO(),
+                 io.StringIO()).close()
+        assert path.read_text() == text
