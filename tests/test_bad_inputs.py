@@ -243,6 +243,19 @@ def test_bad_config_or_flags(case: str, tmp_path: Path) -> None:
     assert not (tmp_path / "out" / "plan.yaml").exists() and not (tmp_path / "p.yaml").exists()
 
 
+def test_pinned_options_no_shape_fits_fail_before_the_model_is_priced(tmp_path: Path) -> None:
+    # a batch the pinned micro-batches cannot split: the error comes before a profile is
+    # measured (seconds to minutes), with nothing written to the profile cache
+    cache = tmp_path / "cache"
+    proc = subprocess.run([PARTC, "compile", MLP, "-b", "10", "--microbatches", "4",
+                           "--cluster", "cpu-4", "-o", str(tmp_path / "out")],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300,
+                          env={**os.environ, "PARTC_CACHE_DIR": str(cache)})
+    assert_one_line_error(proc, "global batch 10", "--microbatches 4")
+    assert not cache.exists() or not any(cache.iterdir())
+    assert "measur" not in proc.stderr.lower()
+
+
 def test_unreadable_cluster_file(tmp_path: Path) -> None:
     cluster = tmp_path / "cluster.yaml"
     prefix = unreadable_copy(ROOT / "configs" / "clusters" / "cpu-4.yaml", cluster)

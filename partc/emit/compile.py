@@ -70,7 +70,7 @@ from partc.plans.recalibrate import corrected_costs, load_launched_run
 from partc.progress import Progress
 from partc.solve.coarsen import coarsen
 from partc.solve.partition import Partition
-from partc.solve.search import search
+from partc.solve.search import require_shapes, search
 from partc.version import __version__, build_id
 
 
@@ -140,6 +140,10 @@ def _compile(model_path: str | Path, cluster: ClusterSpec, output_dir: Path, sta
     start = time.perf_counter()
     result = capture_graph(model_path, options.capture_batch, onnx=False, progress=progress)
     timings["capture_s"] = time.perf_counter() - start
+    # pinned options no shape can satisfy fail before the model is priced (a profile: seconds
+    # to minutes)
+    require_shapes(cluster, options.batch_size,
+                   min(len(result.graph.nodes), options.search.max_blocks), options.search)
     t = time.perf_counter()
     if options.calibrate_from is None:
         # costs, cuts, and more measuring where the plan runs (partc.plans.priced_search)

@@ -204,6 +204,16 @@ def enumerate_shapes(cluster: ClusterSpec, global_batch: int, num_blocks: int,
     return shapes
 
 
+def require_shapes(cluster: ClusterSpec, global_batch: int, max_blocks: int,
+                   options: SearchOptions) -> None:
+    """SearchError when no shape the options allow can fit, whatever blocks the model's costs
+    coarsen to: `enumerate_shapes` with `max_blocks`, the most there can be (more blocks only
+    allow more shapes). Called before pricing, so that a batch the pinned micro-batches cannot
+    split fails in seconds, not after a profile is measured; the search checks again with the
+    real block count."""
+    enumerate_shapes(cluster, global_batch, max_blocks, options)
+
+
 def _shardings(replicas: int, chunks: int, options: SearchOptions) -> tuple[Sharding, ...]:
     """What a shape of `replicas` replicas and `chunks` virtual stages per rank may shard:
     nothing without replicas or with virtual stages (PipelineShape); else the pinned choice, or
