@@ -70,7 +70,9 @@ every plan and over the plans whose case drifted by at most 5% ("steady"). Costs
 per case (5-30 s here). The drift check times core 0, as a profile does; each core of this VM
 flips between a fast and a slow kernel mode on its own (bench/kernel_modes.py --every-core), so
 each launch also counts its "slow steps": timed steps in which some stage's own work ran over
-1.3x its price (fast steps read 1.0-1.15x, slow ones 1.5-1.8x, 2026-11-29).
+1.3x its price (fast steps read 1.0-1.15x, slow ones 1.5-1.8x, 2026-11-29). Against the
+price: a case profiled in the slow mode and launched in the fast one shows none (its drift
+reads below 1 instead).
 
 `--microbatches M` pins the micro-batch count for every strategy, to compare the cuts alone: the
 searched counts differ between strategies (e.g. the MLP: cpsat 8, uniform 4, predicted 0.5%
