@@ -118,7 +118,9 @@ def test_profile_writes_a_profile_for_the_model(tmp_path: Path) -> None:
     graph = capture_graph(EXAMPLES / "mlp.py", 4, onnx=False).graph
     table = CostTable.load(out, graph)  # same model, another batch: accepted
     assert table.source.batch_sizes == (2, 3)
-    assert table.total_forward_s(4) > table.total_forward_s(2) > 0
+    # measured costs never fall with the batch (Curve.measured); whether they rise between two
+    # sizes of a tiny model is timing noise on a loaded machine (CI, 2026-11-29: equal)
+    assert table.total_forward_s(4) >= table.total_forward_s(3) >= table.total_forward_s(2) > 0
 
 
 def test_profile_analytic_and_its_errors(tmp_path: Path) -> None:
