@@ -420,12 +420,14 @@ def compile_command(model: Path, output: Path | None, calibrate_from: Path | Non
     the program into stages, trace each to TorchScript (stage_<k>.pt) and write plan.yaml."""
     _refuse_a_bad_model_file(model)
     cluster, training, search_options = _search_inputs(kw)  # torch-free, as in solve
+    run_of_plan = None
     if calibrate_from is not None:
         # the metrics file and the plan it names, before the capture (seconds to minutes): a
         # wrong or broken file fails at once; a cut-short line (a killed run) is a warning
         from partc.plans.recalibrate import read_run_of_plan
 
-        for note in read_run_of_plan(calibrate_from).run.notes:
+        run_of_plan = read_run_of_plan(calibrate_from)
+        for note in run_of_plan.run.notes:
             click.echo(f"partc: warning: {note}", err=True)
     from partc.emit.compile import CompileOptions, compile_model
     from partc.plans.plan import format_plan
@@ -436,7 +438,7 @@ def compile_command(model: Path, output: Path | None, calibrate_from: Path | Non
     options = CompileOptions(batch_size=kw["batch_size"], search=search_options,
                              training=training, profile=kw["profile_path"],
                              capture_batch=kw["capture_batch"], costs=kw["costs"],
-                             calibrate_from=calibrate_from)
+                             calibrate_from=run_of_plan)
     result = compile_model(model, cluster, output, options, progress)
     click.echo(format_plan(result.plan, solver_wall_s=result.partition.solver.wall_s))
     click.echo(f"plan digest: {result.plan.content_digest()}")

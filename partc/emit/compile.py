@@ -66,7 +66,7 @@ from partc.plans.plan import (
     write_timings,
 )
 from partc.plans.priced_search import priced_search
-from partc.plans.recalibrate import corrected_costs, load_launched_run
+from partc.plans.recalibrate import RunOfPlan, corrected_costs, load_launched_run
 from partc.progress import Progress
 from partc.solve.coarsen import coarsen
 from partc.solve.partition import Partition
@@ -88,9 +88,10 @@ class CompileOptions:
     profile: Path | None = None
     capture_batch: int = DEFAULT_CAPTURE_BATCH
     costs: CostsMode = "auto"  # without --profile: measured here, analytic, or auto
-    # a `partc launch --metrics` file: correct the costs by what that run measured
-    # (partc.plans.recalibrate); the corrected table is written as the plan's PROFILE_FILE
-    calibrate_from: Path | None = None
+    # a `partc launch --metrics` run and its plan (`read_run_of_plan`, before the capture):
+    # correct the costs by what that run measured (partc.plans.recalibrate); the corrected
+    # table is written as the plan's PROFILE_FILE
+    calibrate_from: RunOfPlan | None = None
 
 
 @dataclass
@@ -178,12 +179,12 @@ def _compile(model_path: str | Path, cluster: ClusterSpec, output_dir: Path, sta
 
 
 def calibrated_costs(result: CaptureResult, table: CostTable, cluster: ClusterSpec,
-                     options: CompileOptions, run: Path,
+                     options: CompileOptions, run: RunOfPlan,
                      progress: Progress) -> tuple[CostTable, bytes]:
-    """`table` corrected by the run `run` measured (partc.plans.recalibrate), and the profile
+    """`table` corrected by what the run `run` measured (partc.plans.recalibrate), and the profile
     bytes the plan directory gets. The table returned is the one read back from those bytes:
     the solve must use exactly the (rounded) costs `partc check` will load from the profile."""
-    with progress.step(f"calibrating costs from {run}"):
+    with progress.step(f"calibrating costs from {run.run_path}"):
         launched = load_launched_run(run, result, progress)
         data = corrected_costs(table, launched, cluster.device).dumps().encode()
     with tempfile.TemporaryDirectory(prefix="partc-calibrated-") as tmp:

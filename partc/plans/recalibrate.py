@@ -141,9 +141,6 @@ def read_run_of_plan(run_path: str | Path) -> RunOfPlan:
             f"{plan_path} changed since the run {run_path.name} launched it (sha256 differs "
             "from the metrics' plan_sha256)", hint=_hint(run_path))
     plan = load_plan(plan_path)
-    if run.num_stages != plan.num_stages:
-        raise CalibrationError(f"{run_path.name} measured {run.num_stages} stage(s), its plan "
-                               f"{plan_path} has {plan.num_stages}", hint=_hint(run_path))
     # the lines of a run of that plan fit it; a hand-edited or stitched file may not
     run.check_shape(plan, f"its plan {plan_path}")
     timed = run.strictly_timed_steps()
@@ -155,14 +152,12 @@ def read_run_of_plan(run_path: str | Path) -> RunOfPlan:
                      plan_sha256=sha, timed=timed)
 
 
-def load_launched_run(run_path: str | Path, result: CaptureResult,
+def load_launched_run(read: RunOfPlan, result: CaptureResult,
                       progress: Progress | None = None) -> LaunchedRun:
-    """Read a metrics file and the plan it names; check both against `result` (the capture of
-    the model being compiled) and each other (`read_run_of_plan`); find each stage's nodes
-    (module docstring). CalibrationError (or the RunMetricsError/PlanError of an unreadable
-    file) otherwise."""
+    """Check a run and its plan (read and checked against each other by `read_run_of_plan`)
+    against `result`, the capture of the model being compiled; find each stage's nodes (module
+    docstring). CalibrationError otherwise."""
     progress = progress or Progress()
-    read = read_run_of_plan(run_path)
     run, run_path, plan, plan_path, sha = (read.run, read.run_path, read.plan, read.plan_path,
                                            read.plan_sha256)
     graph = result.graph

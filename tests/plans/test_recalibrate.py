@@ -25,7 +25,12 @@ from partc.frontend.capture import CaptureResult, capture_graph
 from partc.hardware.configs import load_cluster
 from partc.options import SearchOptions, TrainingConfig
 from partc.plans.plan import load_plan
-from partc.plans.recalibrate import CalibrationError, load_launched_run, read_run_of_plan
+from partc.plans.recalibrate import (
+    CalibrationError,
+    RunOfPlan,
+    load_launched_run,
+    read_run_of_plan,
+)
 from partc.plans.run_metrics import (
     CLOCK_CUDA,
     MEMORY_CPU_PROFILER,
@@ -43,9 +48,14 @@ STEPS = 4  # step 1 is warm-up and one is profiled (CPU peak memory): the other 
 SHAPE = SearchOptions(stages=2, replicas=1, num_microbatches=4, strategy="uniform")
 
 
+def run_of(metrics: Path | None) -> RunOfPlan | None:
+    """A metrics file as compile takes it (the CLI reads it before capturing)."""
+    return None if metrics is None else read_run_of_plan(metrics)
+
+
 def compile_mlp(out: Path, calibrate_from: Path | None = None, model: Path = MLP) -> Path:
     compile_model(model, CPU4, out, CompileOptions(batch_size=16, search=SHAPE, costs="analytic",
-                                                   calibrate_from=calibrate_from))
+                                                   calibrate_from=run_of(calibrate_from)))
     return out / "plan.yaml"
 
 
@@ -172,10 +182,10 @@ def test_refusals(launched: Launched, mlp_capture: CaptureResult, tmp_path: Path
     one_stage.write_text("".join(dataclasses.replace(
         s, stages=s.stages[:1], stage_forward_s=s.stage_forward_s[:1],
         stage_backward_s=s.stage_backward_s[:1]).to_json() + "\n" for s in first))
-    cases["measured 1 stage"] = one_stage
+    cases["is a run of 1 stage"] = one_stage
     for needle, path in cases.items():
         with pytest.raises((CalibrationError, RunMetricsError), match=needle) as info:
-            load_launched_run(path, mlp_capture)
+            load_launched_run(read_run_of_plan(path), mlp_capture)
         assert info.value.hint and "\n" not in info.value.one_line()
 
     # another model's compile, through the CLI: one line, exit 2, no plan written
@@ -204,7 +214,7 @@ def test_calibrating_from_a_run_on_shared_cores_that_shards_gradients(tmp_path: 
                         search: SearchOptions = shape) -> Path:
         compile_model(MLP, CPU4, out, CompileOptions(batch_size=16, search=search,
                                                      costs="analytic",
-                                                     calibrate_from=calibrate_from))
+                                                     calibrate_from=run_of(calibrate_from)))
         return out / "plan.yaml"
 
     sharded = compile_sharded(tmp_path / "a")
@@ -252,7 +262,7 @@ def test_a_run_at_another_precision_is_refused(launched: Launched, tmp_path: Pat
     wrote the plan (exit 0): the costs are per precision."""
     bf16 = CompileOptions(batch_size=16, search=SHAPE, costs="analytic",
                           training=TrainingConfig(precision="bf16-mixed"),
-                          calibrate_from=launched.run)
+                          calibrate_from=read_run_of_plan(launched.run))
     with pytest.raises(CalibrationError, match="trained at precision fp32, this compile prices "
                                                "bf16-mixed") as info:
         compile_model(MLP, CPU4, tmp_path / "bf16", bf16)
