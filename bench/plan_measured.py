@@ -305,13 +305,11 @@ def launch(plan: Plan, steps: int) -> None:
         plan.stage_work.append([(fwd + bwd) / (st.forward_s + st.backward_s)
                                 for (fwd, bwd, _), st in zip(work, loaded.stages, strict=True)])
     prices = [st.forward_s + st.backward_s for st in loaded.stages]
-    # each step's own work per stage, as StageSummary.compute_s takes it (CPU times on shared
-    # cores)
-    per_step = [[(m.forward_cpu_s, m.backward_cpu_s) if shared else (m.forward_s, m.backward_s)
-                 for m in step.stages] for step in timed]
-    if prices and all(len(w) == len(prices) and None not in sum(w, ()) for w in per_step):
-        slow = sum(any((fwd or 0.0) + (bwd or 0.0) > SLOW_STEP * price
-                       for (fwd, bwd), price in zip(w, prices, strict=True))
+    # each step's own work per stage (CPU times on shared cores)
+    per_step = [[m.compute_s(shared) for m in step.stages] for step in timed]
+    if prices and all(len(w) == len(prices) and None not in w for w in per_step):
+        slow = sum(any(own is not None and own[0] + own[1] > SLOW_STEP * price
+                       for own, price in zip(w, prices, strict=True))
                    for w in per_step)
         plan.slow_steps.append((slow, len(per_step)))
     peaks = [st for st in run.steps if st.memory_method != MEMORY_NONE]

@@ -142,6 +142,10 @@ class StageMetrics:
     backward_cpu_s: float | None = None
     optimizer_cpu_s: float | None = None
 
+    def compute_s(self, shared_core: bool) -> tuple[float, float, float] | None:
+        """The stage's own work in this step (`own_work_s`)."""
+        return own_work_s(self, shared_core)
+
     def to_dict(self) -> dict[str, Any]:
         return {"index": self.index, "pipeline_rank": self.pipeline_rank,
                 "forward_s": self.forward_s, "backward_s": self.backward_s,
@@ -300,15 +304,21 @@ class StageSummary:
     optimizer_cpu_s: float | None = None
 
     def compute_s(self, shared_core: bool) -> tuple[float, float, float] | None:
-        """(forward, backward, optimizer) seconds of the stage's own work: the wall times, or
-        where processes share a core the CPU times (the wall times there include the
-        core-mates' turns); None where those were not measured."""
-        if not shared_core:
-            return self.forward_s, self.backward_s, self.optimizer_s
-        if self.forward_cpu_s is None or self.backward_cpu_s is None or \
-                self.optimizer_cpu_s is None:
-            return None
-        return self.forward_cpu_s, self.backward_cpu_s, self.optimizer_cpu_s
+        """The median of the stage's own work (`own_work_s`)."""
+        return own_work_s(self, shared_core)
+
+
+def own_work_s(stage: StageMetrics | StageSummary,
+               shared_core: bool) -> tuple[float, float, float] | None:
+    """(forward, backward, optimizer) seconds of a stage's own work, in one step or over a run:
+    the wall times, or where processes share a core the CPU times (the wall times there include
+    the core-mates' turns); None where those were not measured."""
+    if not shared_core:
+        return stage.forward_s, stage.backward_s, stage.optimizer_s
+    if stage.forward_cpu_s is None or stage.backward_cpu_s is None or \
+            stage.optimizer_cpu_s is None:
+        return None
+    return stage.forward_cpu_s, stage.backward_cpu_s, stage.optimizer_cpu_s
 
 
 @dataclass(frozen=True)
