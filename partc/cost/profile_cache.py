@@ -24,6 +24,7 @@ import glob
 import hashlib
 import os
 import re
+import tempfile
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Iterator
@@ -131,6 +132,23 @@ def _entry_lock(path: Path, progress: Progress) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
+def _unwritable(path: Path, exc: OSError) -> ProfileError:
+    return ProfileError(f"cannot write the profile cache {path}: {exc.strerror or exc}",
+                        hint="set PARTC_CACHE_DIR to a writable directory")
+
+
+def _check_writable(directory: Path, path: Path) -> None:
+    """ProfileError unless a file can be made in `directory` (created if missing): the cache
+    entry `path` will be written there."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".partc-writable-", dir=directory)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise _unwritable(path, exc) from exc
+
+
 def cached_profile(result: CaptureResult, options: ProfileOptions,
                    cache_dir: Path | None = None,
                    progress: Progress | None = None) -> tuple[CostTable, Path]:
@@ -174,6 +192,9 @@ def cached_profile(result: CaptureResult, options: ProfileOptions,
                 if matches(table) and table.source.batch_sizes == sizes:
                     return table, path
                 progress.warn(f"re-measuring: cached profile {path.name} does not match its key")
+        # the entry will be written: a cache that cannot take it fails now, not after minutes
+        # of measuring
+        _check_writable(directory, path)
         # an entry at some of the sizes (a compile measuring one more micro-batch size than
         # before): measure only the others, the entry's totals timed again with theirs
         part = _largest_subset(directory, graph, options.precision, sizes, matches) \
@@ -185,11 +206,9 @@ def cached_profile(result: CaptureResult, options: ProfileOptions,
                 table = extend_profile(part, result, device, replace(options, batch_sizes=sizes),
                                        progress)
         try:
-            directory.mkdir(parents=True, exist_ok=True)
             with progress.step(f"caching the profile in {path}"):
                 table.save(path)
-        except OSError as exc:
-            raise ProfileError(f"cannot write the profile cache {path}: {exc.strerror or exc}",
-                               hint="set PARTC_CACHE_DIR to a writable directory") from exc
+        except OSError as exc:  # the disk filled while measuring
+            raise _unwritable(path, exc) from exc
         # the costs as the file holds them (rounded): what a plan's check will load from its copy
         return CostTable.load(path, graph, precision=options.precision), path

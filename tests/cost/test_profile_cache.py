@@ -12,6 +12,7 @@ import pytest
 from conftest import EXAMPLES, TEST_MODELS, captured
 
 from partc.cost.measured import ProfileOptions
+from partc.cost.ort_profiler import ProfileError
 from partc.cost.profile_cache import cached_profile, profile_cache_dir
 from partc.cost.table import CostTable
 from partc.progress import Progress
@@ -112,6 +113,20 @@ def test_second_call_is_a_hit(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -
     assert not steps2.measured() and not steps2.warnings
     assert again.source == CostTable.load(path, first.graph).source
     assert again.total_forward_s(3) == pytest.approx(first.total_forward_s(3), rel=1e-9)
+
+
+def test_a_cache_that_cannot_be_written_fails_before_measuring(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A cache directory that cannot be made (here under a file, which even root cannot write
+    into) failed only after the profile was measured (minutes for a large model): now before,
+    in one line with a hint. A read-only cache that holds the entry is still read."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("PARTC_CACHE_DIR", str(blocker / "cache"))
+    steps = Steps()
+    with pytest.raises(ProfileError, match="cannot write the profile cache") as info:
+        cached_profile(captured(EXAMPLES / "mlp.py"), FAST, progress=steps)
+    assert "PARTC_CACHE_DIR" in (info.value.hint or "") and not steps.measured()
 
 
 def test_corrupt_entries_are_measured_again(monkeypatch: pytest.MonkeyPatch,
