@@ -228,9 +228,9 @@ CONFIG_CASES: dict[str, tuple[Callable[[Path], list[str]], tuple[str | tuple[str
     "batch-not-divisible": (
         _compile("-b", "10", "--microbatches", "4", "--cluster", "cpu-4"),
         ("global batch 10", "--microbatches 4")),
-    "infeasible-memory": (
+    "infeasible-memory": (  # priced by the roofline: the refusal is the solve's, not a profile's
         _with_cluster(lambda tmp: _cluster_yaml(
-            tmp, lambda d: d.update(device_memory_bytes="1MiB"))),
+            tmp, lambda d: d.update(device_memory_bytes="1MiB")), "--costs", "analytic"),
         ("does not fit", ("usable", "margin"))),
 }
 

@@ -416,6 +416,7 @@ def test_two_stage_pipeline_peaks_match_torch(tmp_path: Path) -> None:
     _check_pipeline(run_pipeline(tmp_path), world=2)
 
 
+@pytest.mark.slow  # default run under 15 min; `make test-slow` runs it
 def test_three_stage_pipeline_peaks_match_torch(tmp_path: Path) -> None:
     """Every rank of real 3-stage pipelines: the middle stage receives activations and sends
     them, and receives gradients and sends them (its communication term's every part), at M = 4
