@@ -56,6 +56,7 @@ def _hint(path: Path | str) -> str:
 # filling the memory.
 MAX_LINE_BYTES = 64 << 20
 _INT64 = 2**63  # steps and byte counts beyond this are not a run's
+_MAX_SECONDS = 1e6  # 11.6 days: no step, micro-batch or optimizer step a run times is so long
 
 
 class _BadValue(ValueError):
@@ -78,13 +79,22 @@ def _number(value: Any, what: str) -> float:
         return math.inf
 
 
-def _seconds(value: Any, what: str) -> float:
-    """A duration: finite and not negative (a NaN or an infinity is no time a run measured)."""
+def _finite(value: Any, what: str, unit: str) -> float:
+    """A finite number >= 0 (a NaN or an infinity is nothing a run measured)."""
     if type(value) is float and 0.0 <= value < math.inf:  # what runs write: the fast path
         return value
     x = _number(value, what)
     if not math.isfinite(x) or x < 0:
-        raise _BadValue(f"{what} is {value!r}, not a time in seconds (finite, >= 0)")
+        raise _BadValue(f"{what} is {value!r}, not {unit} (finite, >= 0)")
+    return x
+
+
+def _seconds(value: Any, what: str) -> float:
+    """A duration a run measured: finite, not negative, and under _MAX_SECONDS (a larger one
+    is a damaged file, which --calibrate-from would scale a compile's costs by)."""
+    x = _finite(value, what, "a time in seconds")
+    if x >= _MAX_SECONDS:
+        raise _BadValue(f"{what} is {value!r}, beyond any run's ({_MAX_SECONDS:.0e} s or more)")
     return x
 
 
@@ -259,7 +269,8 @@ class StepMetrics:
         return cls(version=_integer(_value(d, "version", ""), "version", 1),
                    step=_integer(_value(d, "step", ""), "step", 1),
                    loss=_number(_value(d, "loss", ""), "loss"), step_s=step_s,
-                   samples_per_s=_seconds(_value(d, "samples_per_s", ""), "samples_per_s"),
+                   samples_per_s=_finite(_value(d, "samples_per_s", ""), "samples_per_s",
+                                         "a rate"),
                    stage_forward_s=times("stage_forward_s"),
                    stage_backward_s=times("stage_backward_s"), stages=stages,
                    num_microbatches=_integer(_value(d, "num_microbatches", ""),

@@ -208,6 +208,7 @@ BAD_VALUES = {
     "nan-time": (_line(**{"0.forward_s": math.nan}), "stages[0].forward_s is nan"),
     "infinite-time": (_line(**{"1.backward_s": math.inf}), "stages[1].backward_s is inf"),
     "negative-time": (_line(**{"0.p2p_s": -0.001}), "stages[0].p2p_s is -0.001"),
+    "absurd-time": (_line(**{"0.forward_s": 1e300}), "stages[0].forward_s is 1e+300, beyond"),
     "nan-cpu-time": (_line(**{"1.backward_cpu_s": math.nan}), "stages[1].backward_cpu_s is nan"),
     "boolean-time": (_line(**{"0.forward_s": True}), "stages[0].forward_s is true, not a number"),
     "string-time": (_line(**{"0.forward_s": "0.001"}), 'forward_s is "0.001", not a number'),
