@@ -110,6 +110,9 @@ def test_two_by_two_hf_gpt2_tied(tmp_path: Path) -> None:
     train_and_compare(plan, tmp_path)
 
 
+# slow set: keyword inputs and a tied head spanning the stages are launched in the default run
+# by test_a_model_that_computes_its_own_loss (HF GPT-2); this adds BERT's pair of targets
+@pytest.mark.slow
 def test_two_stages_hf_bert_keyword_inputs_pair_target(tmp_path: Path) -> None:
     """HF BERT: keyword inputs, a (masked-LM, next-sentence) target pair, tied decoder."""
     plan = compile_plan(tmp_path, TEST_MODELS / "bert_no_dropout.py", 2, 1)
