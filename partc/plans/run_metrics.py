@@ -551,7 +551,10 @@ def _parse(text: str, n: int, complete: bool, path: Path, notes: list[str]) -> A
     if not text:
         return _SKIP
     try:
-        return json.loads(text)
+        return json.loads(text, parse_int=_json_int)
+    except _HugeInteger as exc:
+        raise RunMetricsError(f"{path}:{n} holds an integer of {exc.args[0]} digits, beyond any "
+                              "run's", hint=_hint(path)) from None
     except (ValueError, RecursionError) as exc:
         glued = _record_after_cut(text)
         if glued is not None:
@@ -571,6 +574,19 @@ def _parse(text: str, n: int, complete: bool, path: Path, notes: list[str]) -> A
         why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
         raise RunMetricsError(f"{path}:{n} is not a partc metrics line (not JSON: {why})",
                               hint=_hint(path)) from None
+
+
+class _HugeInteger(Exception):
+    """A JSON integer of more digits than any metrics value (not a ValueError: those are JSON
+    that does not parse, which _parse may take for a line cut short)."""
+
+
+def _json_int(digits: str) -> int:
+    """A JSON integer; one of over 100 digits is refused (2**63 has 19): int() of over 4300
+    raised Python's conversion-limit ValueError, which skipped the line as cut short."""
+    if len(digits) > 100:
+        raise _HugeInteger(len(digits))
+    return int(digits)
 
 
 # A metrics line is a JSON object whose first key is one of these (json.dumps sorts the keys);
