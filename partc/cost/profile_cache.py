@@ -24,7 +24,6 @@ import glob
 import hashlib
 import os
 import re
-import tempfile
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Iterator
@@ -44,6 +43,7 @@ from partc.cost.measured import (
 from partc.cost.ort_profiler import ProfileError
 from partc.cost.table import PROFILE_VERSION, CostTable, ProfileFileError
 from partc.cost.torch_profiler import CPU_CLOCK_NAME
+from partc.files import probe_writable
 from partc.frontend.capture import CaptureResult
 from partc.graph.opgraph import OpGraph
 from partc.progress import Progress
@@ -142,9 +142,7 @@ def _check_writable(directory: Path, path: Path) -> None:
     entry `path` will be written there."""
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".partc-writable-", dir=directory)
-        os.close(fd)
-        os.unlink(probe)
+        probe_writable(directory)
     except OSError as exc:
         raise _unwritable(path, exc) from exc
 
