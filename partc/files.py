@@ -1,8 +1,10 @@
-"""Files partc writes and checks: one atomic write, one content hash.
+"""Files partc writes and checks: one atomic write, one content hash, one YAML reader.
 
 Every file partc writes (plan.yaml, stage files, checkpoints, profiles, OpGraph files, reports)
 goes through `write_atomic`: a reader, a concurrent `partc check` or a process killed half-way
-sees the old file or the new one, never half of one.
+sees the old file or the new one, never half of one. Every YAML file partc reads (plans,
+profiles, device and cluster configs) goes through `load_yaml`, whose only error is a
+yaml.YAMLError.
 """
 from __future__ import annotations
 
@@ -10,7 +12,9 @@ import hashlib
 import os
 import secrets
 from pathlib import Path
-from typing import BinaryIO, Callable, Union
+from typing import Any, BinaryIO, Callable, Union
+
+import yaml
 
 Content = Union[str, bytes, Callable[[BinaryIO], object]]
 
@@ -68,6 +72,21 @@ def probe_writable(directory: str | Path) -> None:
     fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     os.close(fd)
     probe.unlink()
+
+
+def load_yaml(text: str, loader: type | None = None) -> Any:
+    """YAML text as data (`loader`: yaml.SafeLoader unless given; the profile reader passes the
+    C one). A document no partc file is fails as a yaml.YAMLError like any malformed one, so the
+    callers' one-line errors cover it: an integer of more digits than Python converts, or a
+    date that is no date (ValueError), or nesting deeper than the pure-Python parser recurses
+    (RecursionError). Both were internal errors (exit 3) of `partc check` on such a plan.yaml."""
+    try:
+        return yaml.load(text, Loader=loader or yaml.SafeLoader)
+    except RecursionError:
+        raise yaml.YAMLError("nested too deeply") from None
+    except ValueError as exc:
+        # int()'s digit-limit message ends in advice for Python programmers: cut it there
+        raise yaml.YAMLError(f"a value that cannot be read: {str(exc).split(';')[0]}") from None
 
 
 def sha256_file(path: str | Path) -> str:

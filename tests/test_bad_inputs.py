@@ -25,7 +25,7 @@ from typing import Callable, Sequence
 
 import pytest
 import yaml
-from conftest import EXAMPLES, ROOT, TEST_MODELS
+from conftest import EXAMPLES, ROOT, TEST_MODELS, captured
 
 BIN = Path(sys.executable).parent
 PARTC = str(BIN / "partc")
@@ -287,6 +287,13 @@ def _schema_99(plan_dir: Path) -> None:
     path.write_text(text.replace("schema_version: 1\n", "schema_version: 99\n"))
 
 
+def _huge_number(plan_dir: Path) -> None:
+    path = plan_dir / "plan.yaml"
+    text, n = re.subn(r"num_nodes: \d+", "num_nodes: " + "9" * 5000, path.read_text(), count=1)
+    assert n == 1
+    path.write_text(text)
+
+
 PLAN_DAMAGE: dict[str, tuple[Callable[[Path], None] | None, tuple[str | tuple[str, ...], ...]]] = {
     "missing": (None, ("no-such-plan", "not found")),
     # cut in half: not YAML, or YAML that lacks half the plan, depending on where the cut falls
@@ -294,6 +301,8 @@ PLAN_DAMAGE: dict[str, tuple[Callable[[Path], None] | None, tuple[str | tuple[st
     "binary": (_binary, ("plan.yaml", "not valid YAML")),
     "not-a-mapping": (_a_list, ("plan.yaml", "not a valid plan")),
     "schema-99": (_schema_99, ("schema_version 99",)),
+    # int() refuses 4300+ digits with a ValueError the YAML reader let through: exit 3
+    "huge-number": (_huge_number, ("plan.yaml", "not valid YAML", "5000 digits")),
 }
 PLAN_COMMANDS = {
     "verify": lambda plan, good: ["verify", plan],
@@ -315,6 +324,46 @@ def test_bad_plan(damage: str, command: str, mlp_plan: Path, tmp_path: Path) -> 
         edit(plan_dir)
     proc = run(*PLAN_COMMANDS[command](str(plan_dir), str(mlp_plan)))
     assert_one_line_error(proc, *fragments)
+
+
+# Documents no partc file is, which the YAML and JSON readers raised as ValueError (an integer
+# of 4300+ digits, a date that is no date) or RecursionError (deep nesting): internal errors
+HOSTILE_YAML = {
+    "huge-integer": ("version: " + "9" * 5000 + "\n", "5000 digits"),
+    "no-such-date": ("when: 2026-13-45\n", r"month must be in 1\.\.12"),
+    # (the profile reader's C parser stops at its own depth limit, "while increasing flow level")
+    "nested-too-deeply": ("a: " + "[" * 50_000 + "]" * 50_000 + "\n",
+                          "nested too deeply|flow level"),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE_YAML))
+def test_hostile_yaml_and_json_files_are_one_line_errors(case: str, tmp_path: Path) -> None:
+    """Every YAML file partc reads (plan, cluster and device configs, profile) and the OpGraph
+    JSON: a PartcError naming the file, in process (the CLI prints those as one line)."""
+    from partc.cost.table import CostTable
+    from partc.errors import PartcError
+    from partc.graph.opgraph import OpGraph
+    from partc.hardware.configs import load_cluster, load_device
+    from partc.plans.plan import load_plan
+
+    text, needle = HOSTILE_YAML[case]
+    path = tmp_path / "file.yaml"
+    path.write_text(text)
+    graph = captured(EXAMPLES / "mlp.py").graph
+    for read in (lambda: load_plan(path), lambda: load_cluster(path), lambda: load_device(path),
+                 lambda: CostTable.load(path, graph)):
+        with pytest.raises(PartcError, match=needle) as info:
+            read()
+        assert str(path) in info.value.one_line() and "\n" not in info.value.one_line()
+    json_text = {"huge-integer": '{"version": ' + "9" * 5000 + "}",
+                 "nested-too-deeply": "[" * 100_000 + "]" * 100_000}.get(case)
+    if json_text is not None:
+        graph_file = tmp_path / "graph.json"
+        graph_file.write_text(json_text)
+        with pytest.raises(PartcError, match=needle) as info:
+            OpGraph.load(graph_file)
+        assert "\n" not in info.value.one_line()
 
 
 @pytest.mark.parametrize("as_file", [

@@ -31,7 +31,7 @@ import yaml
 
 from partc.cost.autocast import AutocastDtypes, autocast_dtypes
 from partc.errors import PartcError
-from partc.files import write_atomic
+from partc.files import load_yaml, write_atomic
 from partc.graph.opgraph import INTEGER_DTYPES, OpGraph, dtype_bytes
 from partc.options import Precision
 
@@ -437,7 +437,7 @@ class CostTable:
         when `precision` is given, one priced at another precision."""
         path = Path(path)
         try:
-            d = yaml.load(path.read_text(), Loader=_yaml_loader())
+            d = load_yaml(path.read_text(), _yaml_loader())
         except FileNotFoundError:
             raise ProfileFileError(
                 f"profile not found: {path}",

@@ -316,8 +316,12 @@ class OpGraph:
         except FileNotFoundError:
             raise GraphFileError(f"OpGraph file not found: {path}",
                                  hint="create one with partc inspect MODEL --save DIR") from None
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, EOFError) as exc:
-            raise GraphFileError(f"cannot read OpGraph file {path}: {exc}",
+        except RecursionError:
+            raise GraphFileError(f"cannot read OpGraph file {path}: nested too deeply",
+                                 hint="re-create it with partc inspect --save") from None
+        except (OSError, UnicodeDecodeError, ValueError, EOFError) as exc:
+            # ValueError: JSONDecodeError, and int()'s digit limit on a number of 4300+ digits
+            raise GraphFileError(f"cannot read OpGraph file {path}: {str(exc).split(';')[0]}",
                                  hint="re-create it with partc inspect --save") from exc
         if not isinstance(d, dict):
             raise GraphFileError(f"{path} is not an OpGraph file", hint="pass a graph.json")

@@ -16,6 +16,7 @@ from typing import Any, Mapping, NoReturn, Sequence
 import yaml
 
 from partc.errors import PartcError
+from partc.files import load_yaml
 from partc.hardware.specs import (
     BACKENDS,
     DEVICE_KINDS,
@@ -329,7 +330,7 @@ def _read_yaml(path: Path) -> Any:
     except OSError as exc:
         raise ConfigError(f"cannot read {path}: {exc.strerror or exc}", "check the path") from None
     try:
-        data = yaml.safe_load(text)
+        data = load_yaml(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""

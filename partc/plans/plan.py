@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import yaml
 
 from partc.errors import PartcError
-from partc.files import write_atomic
+from partc.files import load_yaml, write_atomic
 from partc.hardware.configs import cluster_from_dict
 from partc.hardware.specs import ClusterSpec
 from partc.hardware.units import format_quantity
@@ -537,7 +537,7 @@ def load_plan(path: str | Path) -> Plan:
                              f"{path}` wrote")
     raw = _read(path, "plan file")
     try:
-        data = yaml.safe_load(raw.decode())
+        data = load_yaml(raw.decode())
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
         raise PlanError(f"plan file {path} is not valid YAML: {' '.join(str(exc).split())[:200]}",
                         hint="re-run partc compile to regenerate it") from exc

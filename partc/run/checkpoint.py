@@ -375,7 +375,7 @@ def _read(directory: Path, step: int) -> Checkpoint | str:
         files = manifest.get("files")
         ok = (manifest.get("format") == FORMAT and manifest.get("step") == step
               and version in READABLE_VERSIONS and isinstance(files, dict) and files)
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):
         ok = False
     if not ok:
         return f"{MANIFEST} is not a partc checkpoint manifest of step {step}"
