@@ -764,6 +764,19 @@ def test_inconsistent_plan_is_refused(damage: str, command: str, mlp_plan: Path,
     assert_one_line_error(proc, fragment)
 
 
+def test_a_number_no_plan_holds_is_refused(mlp_plan: Path, tmp_path: Path) -> None:
+    """A hand-edited backward_s of 1e308 passed the schema and the finite check, and `show
+    --html` summed it to inf and failed with an internal error (exit 3)."""
+    plan_dir = copy_plan(mlp_plan, tmp_path)
+
+    def edit(d: dict) -> None:
+        d["stages"][1]["predicted"]["backward_s"] = 1e308
+    _set_in_plan(plan_dir, edit)
+    proc = run("show", str(plan_dir), "--html", str(tmp_path / "plan.html"))
+    assert_one_line_error(proc, "stages/1/predicted/backward_s is 1e+308, beyond any value")
+    assert not (tmp_path / "plan.html").exists()
+
+
 @pytest.mark.parametrize("target", ["plan.yaml", "stage_0.pt"])
 @pytest.mark.parametrize("flag", ["--png", "--html"])
 def test_outputs_never_overwrite_a_plan(flag: str, target: str, mlp_plan: Path,

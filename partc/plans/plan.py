@@ -601,10 +601,18 @@ def resolve_in_plan_tree(plan_dir: Path, recorded: str, what: str) -> Path:
     return path
 
 
+# No number partc writes comes near this (FLOP/s 1e18, bytes 1e16, seconds 1e6), and sums and
+# products of a few below it stay finite: a hand-edited 1e308 made `show --html` overflow to inf
+# and fail with an internal error.
+_MAX_MAGNITUDE = 1e100
+
+
 def _check_finite(data: Any, at: str = "") -> None:
-    """ValueError at the first NaN or infinite number (YAML's .nan and .inf pass the schema)."""
-    if isinstance(data, float) and not math.isfinite(data):
-        raise ValueError(f"{at.lstrip('/') or 'a number'} is {data}")
+    """ValueError at the first NaN, infinite or absurd (_MAX_MAGNITUDE) number (YAML's .nan and
+    .inf pass the schema)."""
+    if isinstance(data, float) and not abs(data) < _MAX_MAGNITUDE:
+        what = "beyond any value partc writes" if math.isfinite(data) else "not finite"
+        raise ValueError(f"{at.lstrip('/') or 'a number'} is {data}, {what}")
     if isinstance(data, dict):
         for key, value in data.items():
             _check_finite(value, f"{at}/{key}")
