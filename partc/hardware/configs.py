@@ -128,7 +128,23 @@ def _checked_quantity(value: Any, unit: str, where: str, key: str, positive: boo
     if at_most is not None and number > at_most:
         _fail(where, key, f"must be at most {at_most:g}, got {value!r}",
               hint="efficiencies are fractions of the peak, in (0, 1]")
+    low, high = _PLAUSIBLE[unit]
+    if number != 0 and not low <= number <= high:
+        _fail(where, key, f"{value!r} is outside what any device or link has ({low:g} to {high:g} "
+                          f"{unit or '(a fraction)'})", hint=f"write {UNIT_EXAMPLES[unit]}")
     return number
+
+
+# What a device or link can have, per unit (a nonzero value outside is a typo or a hostile
+# file): an overhead of 1e300 s made compile overflow converting costs to the solver's integers
+# (exit 3), and a bandwidth of 1e-300 B/s wrote a plan predicting 6e306 s per iteration.
+_PLAUSIBLE: dict[str, tuple[float, float]] = {
+    "B": (1.0, float(2**60)),  # up to 1 EiB
+    "B/s": (1.0, 1e18),
+    "FLOP/s": (1.0, 1e21),
+    "s": (1e-12, 3600.0),  # an overhead or latency: a picosecond to an hour
+    "": (1e-6, 1e6),  # fractions (efficiencies) and plain factors
+}
 
 
 def _suggest(word: str, choices: Sequence[str]) -> str:

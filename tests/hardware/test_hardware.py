@@ -317,6 +317,11 @@ DELETE = object()
     ({"peak_flops__fp32": "1TFLOP/s"}, "peak_flops.fp32", "unknown dtype"),
     ({"bandwith_efficiency": 0.8}, "bandwith_efficiency", "unknown key"),
     ({"peak_flops": "lots"}, "peak_flops", "must be a mapping"),
+    # values no device has: compile crashed (exit 3) or wrote a plan of 6e306 s per iteration
+    ({"microbatch_overhead_s": "1e300s"}, "microbatch_overhead_s", "outside what any device"),
+    ({"memory_bandwidth": "1e-300B/s"}, "memory_bandwidth", "outside what any device"),
+    ({"efficiency__matmul": 1e-300}, "efficiency.matmul", "outside what any device"),
+    ({"peak_flops__float32": "1e30FLOP/s"}, "peak_flops.float32", "outside what any device"),
 ])
 def test_device_errors_name_file_and_key(tmp_path: Path, changes: dict[str, Any], key: str,
                                          expected: str) -> None:
