@@ -508,18 +508,27 @@ def _row(c: NodeCost, sizes: Sequence[int]) -> list[Any]:
                                                                    c.saved))]
 
 
+# Per column (forward s, backward s, saved bytes), what no operator's cost reaches: far above
+# what a device config partc accepts can price (1 B/s moving 1 EiB: 1e18 s), far below where a
+# plan's sums overflow. A profile pricing a node at 1e300 s compiled a plan predicting 1e300 s
+# per iteration, which every command then refused to load.
+_MOST = (1e30, 1e30, 1e30)
+
+
 def _cost(row: Any, sizes: Sequence[int]) -> NodeCost:
     """A profile file's row as a cost (TypeError/ValueError for a malformed one)."""
     method, *columns = row
     if len(columns) != 3:
         raise ValueError(f"a row holds a method and 3 lists, got {row!r}")
     curves = []
-    for values in columns:
+    for values, most in zip(columns, _MOST, strict=True):
         if not isinstance(values, list) or len(values) != len(sizes):
             raise ValueError(f"expected {len(sizes)} values (one per batch size) in {row!r}")
         floats = [float(x) for x in values]
         if not all(math.isfinite(x) and x >= 0 for x in floats):
             raise ValueError(f"negative or non-finite cost in {row!r}")
+        if max(floats, default=0.0) >= most:
+            raise ValueError(f"a cost beyond any measurement's ({most:g} or more) in {row!r}")
         curves.append(Curve.through(list(zip(sizes, floats, strict=True))))
     return NodeCost(curves[0], curves[1], curves[2], str(method))
 

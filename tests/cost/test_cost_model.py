@@ -1,6 +1,7 @@
 """CostTable: measured (real onnxruntime + torch profiling on this CPU) and analytic costs."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -160,6 +161,16 @@ def test_profile_of_another_model_is_refused(mlp_profile: CostTable, tmp_path: P
     (tmp_path / "broken.yaml").write_text(path.read_text()[:200] + "\n  : [\n")
     with pytest.raises(ProfileFileError):
         CostTable.load(tmp_path / "broken.yaml", mlp_profile.graph)
+    # a node priced at 1e300 s (finite): compile wrote a plan predicting 1e300 s per
+    # iteration, which every command then refused to load
+    text = path.read_text()
+    first = next(line for line in text.splitlines() if line.startswith('  "'))
+    name, row = first.split(": ", 1)
+    absurd = yaml.safe_load(row)
+    absurd[1] = [1e300] * len(absurd[1])
+    (tmp_path / "absurd.yaml").write_text(text.replace(first, f"{name}: {json.dumps(absurd)}"))
+    with pytest.raises(ProfileFileError, match="beyond any measurement's"):
+        CostTable.load(tmp_path / "absurd.yaml", mlp_profile.graph)
 
 
 def test_model_without_onnx_is_priced_in_torch() -> None:
