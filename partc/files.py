@@ -74,14 +74,15 @@ def probe_writable(directory: str | Path) -> None:
     probe.unlink()
 
 
-def load_yaml(text: str, loader: type | None = None) -> Any:
-    """YAML text as data (`loader`: yaml.SafeLoader unless given; the profile reader passes the
-    C one). A document no partc file is fails as a yaml.YAMLError like any malformed one, so the
+def load_yaml(text: str, fast: bool = False) -> Any:
+    """YAML text as data (yaml.SafeLoader; `fast`: libyaml's C one where built, for profiles).
+    A document no partc file is fails as a yaml.YAMLError like any malformed one, so the
     callers' one-line errors cover it: an integer of more digits than Python converts, or a
     date that is no date (ValueError), or nesting deeper than the pure-Python parser recurses
     (RecursionError). Both were internal errors (exit 3) of `partc check` on such a plan.yaml."""
     try:
-        return yaml.load(text, Loader=loader or yaml.SafeLoader)
+        loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader) if fast else yaml.SafeLoader
+        return yaml.load(text, Loader=loader)
     except RecursionError:
         raise yaml.YAMLError("nested too deeply") from None
     except ValueError as exc:

@@ -437,7 +437,7 @@ class CostTable:
         when `precision` is given, one priced at another precision."""
         path = Path(path)
         try:
-            d = load_yaml(path.read_text(), _yaml_loader())
+            d = load_yaml(path.read_text(), fast=True)
         except FileNotFoundError:
             raise ProfileFileError(
                 f"profile not found: {path}",
@@ -545,8 +545,6 @@ def _round(x: float) -> float:
     return float(f"{x:.12g}")
 
 
-def _yaml_loader() -> type:
-    return getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 

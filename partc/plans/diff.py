@@ -85,7 +85,7 @@ def costs_of_plan(plan: Plan) -> CostsInfo:
         path = resolve_in_plan_tree(plan.directory or Path("."), costs.profile, "profile")
         if not path.is_file() or path.stat().st_size > _MAX_PROFILE_BYTES:
             raise OSError("not a profile file")
-        d = load_yaml(path.read_text(), getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+        d = load_yaml(path.read_text(), fast=True)
     except (OSError, UnicodeDecodeError, yaml.YAMLError, PlanError):
         d = None  # diff describes what it can; `partc check` reports a broken profile
     if isinstance(d, dict):
