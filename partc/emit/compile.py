@@ -42,6 +42,7 @@ from partc.files import sha256_file, write_atomic
 from partc.frontend.capture import CaptureResult, capture_graph
 from partc.frontend.export import export_program
 from partc.frontend.model_file import inputs_to_meta
+from partc.hardware.local import foreign_calibration
 from partc.hardware.specs import ClusterSpec
 from partc.options import DEFAULT_CAPTURE_BATCH, CostsMode, SearchOptions, TrainingConfig
 from partc.plans.plan import (
@@ -139,6 +140,9 @@ def _compile(model_path: str | Path, cluster: ClusterSpec, output_dir: Path, sta
     """Every pass; the plan is written into `staging`, with paths relative to `output_dir`."""
     timings: dict[str, float] = {}
     start = time.perf_counter()
+    foreign = foreign_calibration(cluster)
+    if foreign is not None:
+        progress.warn(foreign.message())
     result = capture_graph(model_path, options.capture_batch, onnx=False, progress=progress)
     timings["capture_s"] = time.perf_counter() - start
     # pinned options no shape can satisfy fail before the model is priced (a profile: seconds

@@ -429,6 +429,7 @@ def measure_cpu(threads: int = 1, seconds: float = 20.0) -> CpuCalibration:
         source=f"calibrated by bench/calibrate_cpu.py on {model}",
         cache=(cache_bytes, cache_bw),
     )
+    spec = replace(spec, calibrated_on=model)
     return CpuCalibration(spec=spec, cpu_model=model, physical_cores=cores, ram_bytes=ram,
                           threads=threads, measurements=found)
 
@@ -670,6 +671,7 @@ def measure_cuda(device: str = "cuda", seconds: float = 20.0,
         description=(f"{gpu} (compute capability {capability[0]}.{capability[1]}, "
                      f"{total / 2**30:.1f} GiB), eager PyTorch {torch.__version__}"),
         source=f"calibrated by partc calibrate on {gpu}")
+    spec = replace(spec, calibrated_on=gpu)
     return CudaCalibration(spec=spec, gpu_name=gpu, device_index=dev.index or 0,
                            device_count=count, capability=capability, measurements=found)
 
@@ -896,6 +898,9 @@ def _device_lines(spec: DeviceSpec, comments: dict[str, list[str]]) -> list[str]
 
     lines = [f"name: {spec.name}", f"kind: {spec.kind}",
              f"description: {_quote(spec.description)}", f"source: {_quote(spec.source)}"]
+    if spec.calibrated_on:
+        # the machine these numbers are of: compile warns when it prices another with them
+        lines.append(f"calibrated_on: {_quote(spec.calibrated_on)}")
     lines += block("memory_bytes", f"memory_bytes: {spec.memory_bytes}")
     lines += block("peak_flops", "peak_flops:",
                    *(f"  {k}: {_quantity_text(v, 'FLOP/s')}" for k, v in spec.peak_flops.items()))

@@ -210,6 +210,7 @@ def _device_from(m: _Mapping) -> DeviceSpec:
         description=m.string("description", required=False),
         source=m.string("source", required=False),
         allow_tf32=m.boolean("allow_tf32", False),
+        calibrated_on=m.string("calibrated_on", required=False),
     )
     m.finish()
     return spec

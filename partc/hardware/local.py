@@ -6,7 +6,7 @@ import contextlib
 import functools
 import os
 import socket
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -58,6 +58,45 @@ def measurable_device(cluster: ClusterSpec) -> str | None:
     if cluster.device.kind == "cpu" and cluster.num_nodes == 1:
         return "cpu"
     return None
+
+
+@dataclass(frozen=True)
+class ForeignCalibration:
+    """A cluster that is this machine, priced with a device config calibrated on another one:
+    its per-operator, runtime, optimizer and link costs are that machine's, which a measured
+    profile does not replace (docs/hardware.md#the-cpu-device: the runtime's overhead per stage
+    pass read 57 us on one VM and 111 us on another)."""
+
+    config: str  # the device config's name
+    calibrated_on: str  # the machine its numbers were measured on
+    this_machine: str
+
+    def message(self) -> str:
+        """One line for a warning, with the way out."""
+        return (f"the {self.config} device config was calibrated on {self.calibrated_on}, and "
+                f"this machine is {self.this_machine}: its overheads, optimizer and link costs "
+                f"are that machine's (hint: run `partc calibrate -o DIR` here and compile with "
+                f"--cluster DIR/clusters/{self.config}.yaml)")
+
+
+def foreign_calibration(cluster: ClusterSpec) -> ForeignCalibration | None:
+    """When `cluster` is this machine (`measurable_device`) and its device config says it was
+    calibrated on another machine (`DeviceSpec.calibrated_on`: a CPU model, or a GPU name), what
+    tells them apart; None otherwise, and for configs that name no machine (datasheets)."""
+    device = measurable_device(cluster)
+    calibrated_on = cluster.device.calibrated_on
+    if device is None or not calibrated_on:
+        return None
+    if device == "cpu":
+        here = cpu_model()
+    else:
+        import torch
+
+        here = str(torch.cuda.get_device_name(torch.device(device)))
+    if " ".join(calibrated_on.split()) == " ".join(here.split()):
+        return None
+    return ForeignCalibration(config=cluster.device.name, calibrated_on=calibrated_on,
+                              this_machine=here)
 
 
 def _local_gpus(count: int, props: Any) -> ClusterSpec:

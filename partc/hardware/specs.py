@@ -70,6 +70,10 @@ class DeviceSpec:
     # before the next, so a parameter whose step working set fits steps at this rate.
     cache_bytes: int = 0
     cache_bandwidth: float = 0.0
+    # The machine a calibrated config was measured on (`partc calibrate` writes its CPU model or
+    # GPU name); "" for a datasheet config. A config used to price this machine says, through
+    # it, when its overheads and link are another machine's (partc.hardware.local).
+    calibrated_on: str = ""
 
     def __post_init__(self) -> None:
         problems = _device_problems(self)
@@ -130,6 +134,8 @@ class DeviceSpec:
         if self.cache_bytes or self.cache_bandwidth:
             extra["cache_bytes"] = self.cache_bytes
             extra["cache_bandwidth"] = self.cache_bandwidth
+        if self.calibrated_on:
+            extra["calibrated_on"] = self.calibrated_on
         return {
             "name": self.name,
             "kind": self.kind,

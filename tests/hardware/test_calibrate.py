@@ -32,6 +32,7 @@ from partc.hardware.calibration import (
     shipped_cuda_link,
 )
 from partc.hardware.configs import device_from_dict, load_cluster, load_device
+from partc.hardware.local import cpu_model
 from partc.hardware.specs import DeviceSpec, LinkSpec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -274,6 +275,22 @@ def test_calibrate_command_writes_configs_that_compile(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert (plan / "plan.yaml").is_file()
     assert f"source: {spec.source}" in (plan / "plan.yaml").read_text()  # the calibrated device
+    # calibrated here: compile prices this machine with it and says nothing of another machine
+    assert spec.calibrated_on == cpu_model() and "was calibrated on" not in proc.stderr
+
+    # the same config said to be another machine's: compile warns, in one line, and goes on
+    text = device_path.read_text().replace(f'calibrated_on: "{cpu_model()}"',
+                                           'calibrated_on: "Imaginary CPU 9000"')
+    assert "Imaginary CPU 9000" in text
+    device_path.write_text(text)
+    proc = run("compile", str(ROOT / "examples" / "mlp.py"), "--cluster", str(cluster_path),
+               "-b", "8", "--costs", "analytic", "-o", str(plan))
+    assert proc.returncode == 0, proc.stderr
+    warnings = [line for line in proc.stderr.splitlines() if "was calibrated on" in line]
+    assert warnings == [f"warning: the cpu device config was calibrated on Imaginary CPU 9000, "
+                        f"and this machine is {cpu_model()}: its overheads, optimizer and link "
+                        f"costs are that machine's (hint: run `partc calibrate -o DIR` here and "
+                        f"compile with --cluster DIR/clusters/cpu.yaml)"]
 
 
 @pytest.mark.parametrize(("args", "message"), [

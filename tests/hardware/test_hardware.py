@@ -452,3 +452,42 @@ def test_devices_sharing_cores(tmp_path: Path) -> None:
     assert cluster_from_dict(cluster.to_dict(), "test") == cluster
     with pytest.raises(ConfigError, match="cores_per_node"):
         cluster_from_dict({**cluster.to_dict(), "cores_per_node": 0}, "test")
+
+
+def test_a_config_calibrated_on_another_machine_is_told_apart() -> None:
+    """`foreign_calibration`: a cluster that is this machine (a one-node CPU config, `local`),
+    priced with a device config whose `calibrated_on` names another CPU, is told apart; the same
+    config calibrated here, a datasheet config (no `calibrated_on`) and a cluster that is not
+    this machine are not. The key round-trips through the device's dict and is left out when
+    empty (plans of datasheet devices keep their bytes)."""
+    from dataclasses import replace
+
+    from partc.hardware.local import cpu_model, foreign_calibration, local_cluster
+
+    cpu = load_cluster("cpu")
+    here = replace(cpu, device=replace(cpu.device, calibrated_on=cpu_model()))
+    assert foreign_calibration(here) is None
+    # whitespace in /proc/cpuinfo's model name is not a different machine
+    spaced = replace(cpu, device=replace(cpu.device,
+                                         calibrated_on="  " + cpu_model().replace(" ", "  ")))
+    assert foreign_calibration(spaced) is None
+    elsewhere = replace(cpu, device=replace(cpu.device, calibrated_on="Imaginary CPU 9000"))
+    found = foreign_calibration(elsewhere)
+    assert found is not None
+    assert (found.config, found.calibrated_on, found.this_machine) == \
+        ("cpu", "Imaginary CPU 9000", cpu_model())
+    message = found.message()
+    assert "calibrated on Imaginary CPU 9000" in message and cpu_model() in message
+    assert "partc calibrate -o DIR" in message and "\n" not in message
+    # `local` is this machine whatever its device config says
+    local = replace(local_cluster(), device=replace(local_cluster().device,
+                                                    calibrated_on="Imaginary CPU 9000"))
+    assert foreign_calibration(local) is not None
+    datasheet = replace(cpu, device=replace(cpu.device, calibrated_on=""))
+    assert foreign_calibration(datasheet) is None
+    assert "calibrated_on" not in datasheet.device.to_dict()
+    gpus = load_cluster("4x8xh100-80gb")
+    remote = replace(gpus, device=replace(gpus.device, calibrated_on="NVIDIA H100 80GB HBM3"))
+    assert foreign_calibration(remote) is None  # planned for, not measured here
+    assert device_from_dict(elsewhere.device.to_dict(), "test") == elsewhere.device
+    assert load_device("cpu").calibrated_on  # the shipped one says which machine it is of
