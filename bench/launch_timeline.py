@@ -1,0 +1,200 @@
+"""Where a launched step's time goes, pass by pass, beside the schedule the simulator replays.
+
+`partc show --metrics` says by how much a run missed its replay (the schedule re-simulated with
+the run's own stage times); this says where. It launches a plan with a per-pass timeline hook in
+every worker (bench/timeline_hook/sitecustomize.py, from outside partc: every stage forward and
+backward with its CPU time, every p2p post and wait, the tied-gradient sum, the step), then, for
+the timed steps after warm-up, measures:
+
+- hop lag: how long a stage's forward (backward) of a micro-batch started after the later of its
+  input's producer finishing (the previous stage's forward, the next stage's backward) and its
+  own rank's previous pass ending: the time the bytes took to arrive, which the simulator
+  prices as the link's latency plus its copy, shared with the cores' other work;
+- tail: from rank 0's last pass to the step's end (the tied-gradient sum, the optimizer step
+  and launch's per-step metrics gather, which the prediction does not have);
+- the step's span (first rank's start to the last rank's end) against the replayed iteration.
+
+It prints one step's per-rank timeline beside the replay's events, then the lags' medians over
+the timed steps, by pass kind. One stage per rank and one replica (GPipe or 1F1B plans).
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/launch_timeline.py PLAN_DIR [--steps 14]
+        [--show-step K] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from partc.plans.plan import Plan, load_plan  # noqa: E402
+from partc.plans.report import replay_measured  # noqa: E402
+from partc.plans.run_metrics import RunMetrics  # noqa: E402
+from partc.solve.simulator import Simulation  # noqa: E402
+
+PARTC = str(Path(sys.executable).parent / "partc")
+HOOK = ROOT / "bench" / "timeline_hook"
+WARMUP = 3  # steps left out: the first builds the schedule, the next warm the allocator
+
+
+@dataclass(frozen=True)
+class Pass:
+    kind: str  # "F" or "B"
+    microbatch: int
+    start_s: float
+    end_s: float
+    cpu_s: float
+
+
+@dataclass(frozen=True)
+class RankStep:
+    start_s: float
+    end_s: float  # after the metrics gather
+    passes: tuple[Pass, ...]
+    tied: tuple[float, float] | None
+    rows: tuple[tuple[str, float, float, Any], ...]  # every event of the step, for the listing
+
+
+def launch(plan_dir: Path, steps: int, out: Path) -> Path:
+    """Launch the plan with the hook; returns its metrics file."""
+    metrics = out / "metrics.jsonl"
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+           "PARTC_TIMELINE_DIR": str(out),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(HOOK),
+                                                        os.environ.get("PYTHONPATH")]))}
+    subprocess.run([PARTC, "launch", str(plan_dir), "--steps", str(steps), "--metrics",
+                    str(metrics)], check=True, env=env, stdout=subprocess.DEVNULL)
+    return metrics
+
+
+def rank_steps(path: Path) -> dict[int, RankStep]:
+    """A rank's timeline file, cut into its steps."""
+    steps: dict[int, RankStep] = {}
+    current: list[tuple[str, float, float, Any]] = []
+    start = 0.0
+    for kind, begin, end, detail in json.loads(path.read_text()):
+        if kind == "step":
+            current, start = [], begin
+        elif kind == "step_end":
+            passes = tuple(Pass(k, int(d[0]), b, e, float(d[1])) for k, b, e, d in current
+                           if k in ("F", "B"))
+            tied = next(((b, e) for k, b, e, _ in current if k == "tied"), None)
+            steps[int(detail)] = RankStep(start, end, passes, tied, tuple(current))
+        else:
+            current.append((kind, begin, end, detail))
+    return steps
+
+
+def hop_lags(plan: Plan, by_rank: dict[int, RankStep]) -> dict[str, list[float]]:
+    """Each pass's wait for its input beyond its producer's end and its own rank's last pass."""
+    S = plan.num_stages
+    rank_of = [plan.stages[k].devices[0] for k in range(S)]
+    found: dict[tuple[int, str, int], Pass] = {}
+    previous: dict[tuple[int, str, int], float] = {}
+    for k in range(S):
+        last = by_rank[rank_of[k]].start_s
+        for p in by_rank[rank_of[k]].passes:
+            found[(k, p.kind, p.microbatch)] = p
+            previous[(k, p.kind, p.microbatch)] = last
+            last = p.end_s
+    lags: dict[str, list[float]] = {"F": [], "B": []}
+    for (k, kind, mb), p in found.items():
+        producer = found.get((k - 1, "F", mb)) if kind == "F" else found.get((k + 1, "B", mb))
+        if producer is None:  # the first stage's forwards, the last stage's backwards
+            continue
+        lags[kind].append(p.start_s - max(producer.end_s, previous[(k, kind, mb)]))
+    return lags
+
+
+def show_step(plan: Plan, by_rank: dict[int, RankStep], replay: Simulation) -> None:
+    base = min(s.start_s for s in by_rank.values())
+    for r in sorted(by_rank):
+        step = by_rank[r]
+        print(f"rank {r} (step starts at +{(step.start_s - base) * 1e3:.1f} ms): replayed | "
+              "launched (ms from the first rank's start)")
+        simulated = [f"{e.kind[0].upper()}{e.microbatch if e.microbatch >= 0 else ''} "
+                     f"{e.start_s * 1e3:6.1f}-{e.end_s * 1e3:6.1f}"
+                     for e in replay.events if e.rank == r]
+        launched = []
+        for kind, begin, end, detail in step.rows:
+            span = f"{(begin - base) * 1e3:6.1f}-{(end - base) * 1e3:6.1f}"
+            if kind in ("F", "B"):
+                launched.append(f"{kind}{detail[0]} {span} (cpu {detail[1] * 1e3:.1f})")
+            elif kind == "tied" or end - begin > 5e-4:  # waits and posts under 0.5 ms: noise
+                launched.append(f"  {kind} {span}")
+        launched.append(f"  step end {(step.end_s - base) * 1e3:6.1f}")
+        for i in range(max(len(simulated), len(launched))):
+            left = simulated[i] if i < len(simulated) else ""
+            right = launched[i] if i < len(launched) else ""
+            print(f"  {left:26s} | {right}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("plan", type=Path)
+    parser.add_argument("--steps", type=int, default=14)
+    parser.add_argument("--show-step", type=int, default=None,
+                        help="the step (0-based) whose timeline is printed; default the last")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    plan_path = args.plan / "plan.yaml" if args.plan.is_dir() else args.plan
+    plan = load_plan(plan_path)
+    if any(s.replicas != 1 for s in plan.stages) or len({s.rank for s in plan.stages}) != \
+            plan.num_stages:
+        raise SystemExit("launch_timeline: one stage per rank and one replica only")
+    if args.steps <= WARMUP:
+        raise SystemExit(f"launch_timeline: --steps must be over {WARMUP}")
+    with tempfile.TemporaryDirectory(prefix="partc-timeline-") as tmp:
+        out = Path(tmp)
+        metrics = launch(plan_path, args.steps, out)
+        replay = replay_measured(plan, RunMetrics.load(metrics))
+        timelines = {r: rank_steps(out / f"rank{r}.json") for r in range(plan.num_stages)}
+    if replay is None:
+        raise SystemExit("launch_timeline: the run has no CPU times to replay")
+    timed = range(WARMUP, args.steps)
+    show = args.steps - 1 if args.show_step is None else args.show_step
+    show_step(plan, {r: t[show] for r, t in timelines.items()}, replay)
+    lags: dict[str, list[float]] = {"F": [], "B": []}
+    spans, tails = [], []
+    for i in timed:
+        by_rank = {r: t[i] for r, t in timelines.items()}
+        for kind, values in hop_lags(plan, by_rank).items():
+            lags[kind] += values
+        spans.append(max(s.end_s for s in by_rank.values()) -
+                     min(s.start_s for s in by_rank.values()))
+        first = by_rank[plan.stages[0].devices[0]]
+        tails.append(first.end_s - max(p.end_s for p in first.passes))
+    shape = plan.training.shape
+    print(f"\n{plan_path}: {plan.num_stages} stages, {shape.schedule}, "
+          f"{shape.num_microbatches} micro-batches; steps {timed.start}..{timed.stop - 1}")
+    print(f"step span median {statistics.median(spans) * 1e3:.1f} ms "
+          f"({min(spans) * 1e3:.1f}-{max(spans) * 1e3:.1f}); replayed "
+          f"{replay.iteration_s * 1e3:.1f} ms; rank 0's tail after its last pass (tied sum, "
+          f"optimizer, metrics gather) median {statistics.median(tails) * 1e3:.1f} ms")
+    summary: dict[str, Any] = {"plan": str(plan_path), "schedule": shape.schedule,
+                               "span_s": spans, "replayed_s": replay.iteration_s,
+                               "tail_s": tails}
+    for kind, values in lags.items():
+        if values:
+            late = sum(v > 1e-3 for v in values)
+            per_step = sum(values) / len(timed)
+            print(f"hop lag, {'forward' if kind == 'F' else 'backward'} inputs: median "
+                  f"{statistics.median(values) * 1e3:.2f} ms, mean "
+                  f"{statistics.mean(values) * 1e3:.2f}, max {max(values) * 1e3:.2f}; "
+                  f"{late} of {len(values)} over 1 ms; per step {per_step * 1e3:.1f} ms")
+        summary[f"lag_{kind}_s"] = values
+    if args.json is not None:
+        args.json.write_text(json.dumps(summary, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""A launch worker's per-pass timeline, for bench/launch_timeline.py (not part of partc).
+
+Python imports `sitecustomize` at start-up from PYTHONPATH; bench/launch_timeline.py puts this
+folder there and sets PARTC_TIMELINE_DIR for a `partc launch`, and in each worker (LOCAL_RANK
+set) this wraps, from outside partc, what a step is made of: every stage forward and backward
+(`TimedStage`, with its thread's CPU time), every p2p post and wait of torch's schedules, the
+tied-gradient sum, and the step itself (`partc.run.runtime._step`, the per-step metrics gather
+included). Times are CLOCK_MONOTONIC, one clock for every process of the machine, so the ranks'
+timelines line up. After each step the rank's events so far are written to
+PARTC_TIMELINE_DIR/rank<R>.json as [kind, start_s, end_s, detail] rows.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any, Callable
+
+
+def _now() -> float:
+    return time.clock_gettime(time.CLOCK_MONOTONIC)
+
+
+def _install(out: str, rank: str) -> None:
+    import torch.distributed.pipelining.schedules as schedules
+
+    import partc.run.runtime as runtime
+    import partc.run.stage_runner as stage_runner
+
+    log: list[tuple[str, float, float, Any]] = []
+    post, wait = schedules._batch_p2p, schedules._wait_batch_p2p
+
+    def timed_post(ops: list[Any], desc: str | None = None) -> Any:
+        start = _now()
+        works = post(ops, desc)
+        log.append(("post", start, _now(), [op.op.__name__ for op in ops]))
+        return works
+
+    def timed_wait(*args: Any, **kwargs: Any) -> Any:
+        start = _now()
+        result = wait(*args, **kwargs)
+        log.append(("wait", start, _now(), None))
+        return result
+
+    schedules._batch_p2p = timed_post  # type: ignore[assignment]  # P2PTimer wraps these in turn
+    schedules._wait_batch_p2p = timed_wait
+
+    def timed_pass(kind: str, method: Callable[..., Any]) -> Callable[..., Any]:
+        def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+            start, cpu = _now(), time.thread_time()
+            result = method(self, *args, **kwargs)
+            chunk = args[0] if args else kwargs.get("fwd_chunk_id", kwargs.get("bwd_chunk_id"))
+            log.append((kind, start, _now(), [chunk, time.thread_time() - cpu]))
+            return result
+        return run
+
+    stage = stage_runner.TimedStage
+    stage.forward_one_chunk = timed_pass("F", stage.forward_one_chunk)  # type: ignore[method-assign]
+    stage.backward_one_chunk = timed_pass("B", stage.backward_one_chunk)  # type: ignore[method-assign]
+    tied = runtime.sum_tied_gradients
+
+    def timed_tied(*args: Any, **kwargs: Any) -> Any:
+        start = _now()
+        result = tied(*args, **kwargs)
+        log.append(("tied", start, _now(), None))
+        return result
+
+    runtime.sum_tied_gradients = timed_tied
+    step = runtime._step
+
+    def timed_step(run: Any, index: int, *args: Any, **kwargs: Any) -> Any:
+        start = _now()
+        log.append(("step", start, start, index))
+        result = step(run, index, *args, **kwargs)
+        log.append(("step_end", start, _now(), index))
+        path = os.path.join(out, f"rank{rank}.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump(log, f)
+        os.replace(path + ".tmp", path)
+        return result
+
+    runtime._step = timed_step  # type: ignore[assignment]
+
+
+if os.environ.get("PARTC_TIMELINE_DIR") and os.environ.get("LOCAL_RANK") is not None:
+    _install(os.environ["PARTC_TIMELINE_DIR"], os.environ.get("RANK", "0"))
