@@ -11,7 +11,8 @@ the timed steps after warm-up, measures:
   own rank's previous pass ending: the time the bytes took to arrive, which the simulator
   prices as the link's latency plus its copy, shared with the cores' other work;
 - tail: from rank 0's last pass to the step's end (the tied-gradient sum, the optimizer step
-  and launch's per-step metrics gather, which the prediction does not have);
+  and launch's per-step metrics gather, which the prediction does not have), and the gather
+  alone (rank 0's wait in it, for the last rank's row included);
 - the step's span (first rank's start to the last rank's end) against the replayed iteration.
 
 It prints one step's per-rank timeline beside the replay's events, then the lags' medians over
@@ -61,6 +62,7 @@ class RankStep:
     end_s: float  # after the metrics gather
     passes: tuple[Pass, ...]
     tied: tuple[float, float] | None
+    gather_s: float  # the per-step metrics gather, waiting for the last rank's row included
     rows: tuple[tuple[str, float, float, Any], ...]  # every event of the step, for the listing
 
 
@@ -88,7 +90,8 @@ def rank_steps(path: Path) -> dict[int, RankStep]:
             passes = tuple(Pass(k, int(d[0]), b, e, float(d[1])) for k, b, e, d in current
                            if k in ("F", "B"))
             tied = next(((b, e) for k, b, e, _ in current if k == "tied"), None)
-            steps[int(detail)] = RankStep(start, end, passes, tied, tuple(current))
+            gather = sum(e - b for k, b, e, _ in current if k == "gather")
+            steps[int(detail)] = RankStep(start, end, passes, tied, gather, tuple(current))
         else:
             current.append((kind, begin, end, detail))
     return steps
@@ -129,7 +132,7 @@ def show_step(plan: Plan, by_rank: dict[int, RankStep], replay: Simulation) -> N
             span = f"{(begin - base) * 1e3:6.1f}-{(end - base) * 1e3:6.1f}"
             if kind in ("F", "B"):
                 launched.append(f"{kind}{detail[0]} {span} (cpu {detail[1] * 1e3:.1f})")
-            elif kind == "tied" or end - begin > 5e-4:  # waits and posts under 0.5 ms: noise
+            elif kind in ("tied", "gather") or end - begin > 5e-4:  # shorter waits: noise
                 launched.append(f"  {kind} {span}")
         launched.append(f"  step end {(step.end_s - base) * 1e3:6.1f}")
         for i in range(max(len(simulated), len(launched))):
@@ -164,7 +167,7 @@ def main() -> None:
     show = args.steps - 1 if args.show_step is None else args.show_step
     show_step(plan, {r: t[show] for r, t in timelines.items()}, replay)
     lags: dict[str, list[float]] = {"F": [], "B": []}
-    spans, tails = [], []
+    spans, tails, gathers = [], [], []
     for i in timed:
         by_rank = {r: t[i] for r, t in timelines.items()}
         for kind, values in hop_lags(plan, by_rank).items():
@@ -173,16 +176,18 @@ def main() -> None:
                      min(s.start_s for s in by_rank.values()))
         first = by_rank[plan.stages[0].devices[0]]
         tails.append(first.end_s - max(p.end_s for p in first.passes))
+        gathers.append(first.gather_s)
     shape = plan.training.shape
     print(f"\n{plan_path}: {plan.num_stages} stages, {shape.schedule}, "
           f"{shape.num_microbatches} micro-batches; steps {timed.start}..{timed.stop - 1}")
     print(f"step span median {statistics.median(spans) * 1e3:.1f} ms "
           f"({min(spans) * 1e3:.1f}-{max(spans) * 1e3:.1f}); replayed "
           f"{replay.iteration_s * 1e3:.1f} ms; rank 0's tail after its last pass (tied sum, "
-          f"optimizer, metrics gather) median {statistics.median(tails) * 1e3:.1f} ms")
+          f"optimizer, metrics gather) median {statistics.median(tails) * 1e3:.1f} ms, the "
+          f"gather {statistics.median(gathers) * 1e3:.1f} ms")
     summary: dict[str, Any] = {"plan": str(plan_path), "schedule": shape.schedule,
                                "span_s": spans, "replayed_s": replay.iteration_s,
-                               "tail_s": tails}
+                               "tail_s": tails, "gather_s": gathers}
     for kind, values in lags.items():
         if values:
             late = sum(v > 1e-3 for v in values)

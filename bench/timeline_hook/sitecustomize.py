@@ -4,10 +4,11 @@ Python imports `sitecustomize` at start-up from PYTHONPATH; bench/launch_timelin
 folder there and sets PARTC_TIMELINE_DIR for a `partc launch`, and in each worker (LOCAL_RANK
 set) this wraps, from outside partc, what a step is made of: every stage forward and backward
 (`TimedStage`, with its thread's CPU time), every p2p post and wait of torch's schedules, the
-tied-gradient sum, and the step itself (`partc.run.runtime._step`, the per-step metrics gather
-included). Times are CLOCK_MONOTONIC, one clock for every process of the machine, so the ranks'
-timelines line up. After each step the rank's events so far are written to
-PARTC_TIMELINE_DIR/rank<R>.json as [kind, start_s, end_s, detail] rows.
+tied-gradient sum, launch's per-step metrics gather, and the step itself
+(`partc.run.runtime._step`, the gather included). Times are CLOCK_MONOTONIC, one clock for
+every process of the machine, so the ranks' timelines line up. After each step the rank's
+events so far are written to PARTC_TIMELINE_DIR/rank<R>.json as [kind, start_s, end_s, detail]
+rows.
 """
 from __future__ import annotations
 
@@ -66,6 +67,15 @@ def _install(out: str, rank: str) -> None:
         return result
 
     runtime.sum_tied_gradients = timed_tied
+    gather = runtime.dist.gather
+
+    def timed_gather(*args: Any, **kwargs: Any) -> Any:
+        start = _now()
+        result = gather(*args, **kwargs)
+        log.append(("gather", start, _now(), None))
+        return result
+
+    runtime.dist.gather = timed_gather  # the per-step metrics gather (this process only)
     step = runtime._step
 
     def timed_step(run: Any, index: int, *args: Any, **kwargs: Any) -> Any:
