@@ -42,7 +42,6 @@ from partc.files import sha256_file, write_atomic
 from partc.frontend.capture import CaptureResult, capture_graph
 from partc.frontend.export import export_program
 from partc.frontend.model_file import inputs_to_meta
-from partc.hardware.local import foreign_calibration
 from partc.hardware.specs import ClusterSpec
 from partc.options import DEFAULT_CAPTURE_BATCH, CostsMode, SearchOptions, TrainingConfig
 from partc.plans.plan import (
@@ -66,7 +65,7 @@ from partc.plans.plan import (
     validate_plan_dict,
     write_timings,
 )
-from partc.plans.priced_search import priced_search
+from partc.plans.priced_search import priced_search, warn_of_foreign_calibration
 from partc.plans.recalibrate import RunOfPlan, corrected_costs, load_launched_run
 from partc.progress import Progress
 from partc.solve.coarsen import coarsen
@@ -140,9 +139,6 @@ def _compile(model_path: str | Path, cluster: ClusterSpec, output_dir: Path, sta
     """Every pass; the plan is written into `staging`, with paths relative to `output_dir`."""
     timings: dict[str, float] = {}
     start = time.perf_counter()
-    foreign = foreign_calibration(cluster)
-    if foreign is not None:
-        progress.warn(foreign.message())
     result = capture_graph(model_path, options.capture_batch, onnx=False, progress=progress)
     timings["capture_s"] = time.perf_counter() - start
     # pinned options no shape can satisfy fail before the model is priced (a profile: seconds
@@ -160,6 +156,7 @@ def _compile(model_path: str | Path, cluster: ClusterSpec, output_dir: Path, sta
         timings["costs_s"] = priced.costs_s
         timings["solve_s"] = priced.search_s
     else:
+        warn_of_foreign_calibration(cluster, progress)  # priced_search says it for the rest
         table, cached = solve_costs(result, cluster, options.batch_size,
                                     profile=options.profile, costs=options.costs,
                                     precision=options.training.precision, progress=progress)

@@ -20,6 +20,7 @@ from pathlib import Path
 from partc.cost.plan_costs import solve_costs
 from partc.cost.table import CostTable
 from partc.frontend.capture import CaptureResult
+from partc.hardware.local import foreign_calibration
 from partc.hardware.specs import ClusterSpec
 from partc.options import CostsMode, SearchOptions, TrainingConfig
 from partc.progress import Progress
@@ -45,6 +46,15 @@ class PricedSearch:
     search_s: float  # wall time coarsening and searching, every round
 
 
+def warn_of_foreign_calibration(cluster: ClusterSpec, progress: Progress) -> None:
+    """Say once, before pricing, when `cluster` is this machine priced with a device config
+    calibrated on another one (partc.hardware.local.foreign_calibration): a measured profile
+    times the operators here, the config's overheads and link stay the other machine's."""
+    foreign = foreign_calibration(cluster)
+    if foreign is not None:
+        progress.warn(foreign.message())
+
+
 def priced_search(result: CaptureResult, cluster: ClusterSpec, global_batch: int,
                   training: TrainingConfig, options: SearchOptions, *,
                   profile: str | Path | None = None, costs: CostsMode = "auto",
@@ -53,6 +63,7 @@ def priced_search(result: CaptureResult, cluster: ClusterSpec, global_batch: int
     measure the plan's micro-batch size too and search again until it is a measured size (module
     docstring)."""
     progress = progress or Progress()
+    warn_of_foreign_calibration(cluster, progress)
     extra: tuple[int, ...] = ()
     costs_s = search_s = 0.0
     for round_ in range(MEASURE_ROUNDS + 1):
