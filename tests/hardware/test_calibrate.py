@@ -291,6 +291,11 @@ def test_calibrate_command_writes_configs_that_compile(tmp_path: Path) -> None:
                         f"and this machine is {cpu_model()}: its overheads, optimizer and link "
                         f"costs are that machine's (hint: run `partc calibrate -o DIR` here and "
                         f"compile with --cluster DIR/clusters/cpu.yaml)"]
+    # solve prices with the same search, and says the same once
+    proc = run("solve", str(ROOT / "examples" / "mlp.py"), "--cluster", str(cluster_path),
+               "-b", "8", "--costs", "analytic")
+    assert proc.returncode == 0, proc.stderr
+    assert [line for line in proc.stderr.splitlines() if "was calibrated on" in line] == warnings
 
 
 @pytest.mark.parametrize(("args", "message"), [
