@@ -12,7 +12,8 @@ the timed steps after warm-up, measures:
   prices as the link's latency plus its copy, shared with the cores' other work;
 - tail: from rank 0's last pass to the step's end (the tied-gradient sum, the optimizer step
   and launch's per-step metrics gather, which the prediction does not have), and the gather
-  alone (rank 0's wait in it, for the last rank's row included);
+  alone (rank 0's time in it: posting the step's rows and waiting for the last step's, which
+  have arrived while the step ran unless some rank lags);
 - the step's span (first rank's start to the last rank's end) against the replayed iteration.
 
 It prints one step's per-rank timeline beside the replay's events, then the lags' medians over
@@ -59,10 +60,10 @@ class Pass:
 @dataclass(frozen=True)
 class RankStep:
     start_s: float
-    end_s: float  # after the metrics gather
+    end_s: float  # after the metrics gather's post
     passes: tuple[Pass, ...]
     tied: tuple[float, float] | None
-    gather_s: float  # the per-step metrics gather, waiting for the last rank's row included
+    gather_s: float  # the per-step metrics gather: its post, and the wait for the last step's
     rows: tuple[tuple[str, float, float, Any], ...]  # every event of the step, for the listing
 
 

@@ -4,11 +4,11 @@ Python imports `sitecustomize` at start-up from PYTHONPATH; bench/launch_timelin
 folder there and sets PARTC_TIMELINE_DIR for a `partc launch`, and in each worker (LOCAL_RANK
 set) this wraps, from outside partc, what a step is made of: every stage forward and backward
 (`TimedStage`, with its thread's CPU time), every p2p post and wait of torch's schedules, the
-tied-gradient sum, launch's per-step metrics gather, and the step itself
-(`partc.run.runtime._step`, the gather included). Times are CLOCK_MONOTONIC, one clock for
-every process of the machine, so the ranks' timelines line up. After each step the rank's
-events so far are written to PARTC_TIMELINE_DIR/rank<R>.json as [kind, start_s, end_s, detail]
-rows.
+tied-gradient sum, launch's per-step metrics gather (its post at a step's end and its wait
+a step later), and the step itself (`partc.run.runtime._step`). Times are CLOCK_MONOTONIC,
+one clock for every process of the machine, so the ranks' timelines line up. After each step
+the rank's events so far are written to PARTC_TIMELINE_DIR/rank<R>.json as [kind, start_s,
+end_s, detail] rows.
 """
 from __future__ import annotations
 
@@ -67,15 +67,19 @@ def _install(out: str, rank: str) -> None:
         return result
 
     runtime.sum_tied_gradients = timed_tied
-    gather = runtime.dist.gather
+    rows = runtime._MetricsRows
 
-    def timed_gather(*args: Any, **kwargs: Any) -> Any:
-        start = _now()
-        result = gather(*args, **kwargs)
-        log.append(("gather", start, _now(), None))
-        return result
+    def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            start = _now()
+            result = fn(*args, **kwargs)
+            log.append(("gather", start, _now(), name))
+            return result
+        return wrapper
 
-    runtime.dist.gather = timed_gather  # the per-step metrics gather (this process only)
+    # the per-step metrics gather: posted at a step's end, waited in the next step
+    rows.post = timed("post", rows.post)  # type: ignore[method-assign]
+    rows.collect = timed("wait", rows.collect)  # type: ignore[method-assign]
     step = runtime._step
 
     def timed_step(run: Any, index: int, *args: Any, **kwargs: Any) -> Any:

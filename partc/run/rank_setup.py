@@ -139,3 +139,11 @@ def tied_groups(plan: Plan, layout: RankLayout, rank: int) -> list[TiedGroup]:
     return mine
 
 
+
+
+def metrics_group() -> Any:
+    """A gloo group of all the run's processes for launch's per-step metrics gather (collective:
+    every rank creates it, after the others). Its own sockets and socket loop keep the gather,
+    which runs while the next step trains, off the pipeline's connections, and gloo gathers
+    host rows on a CUDA run without a device copy or a collective on NCCL's stream."""
+    return dist.new_group(backend="gloo")

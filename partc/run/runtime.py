@@ -20,8 +20,10 @@ Per rank, in order:
    gradient scaling and over replicas by DDP (partc.run.schedule);
 6. gradients of tied parameters are summed over the stages holding them, then each stage's
    optimizer (the plan's) steps;
-7. rank 0 gathers loss, per-stage times and peak memory (one small gather per step; times read
-   after synchronising a CUDA device), shows progress, writes the metrics file
+7. rank 0 gathers loss, per-stage times and peak memory (one small gather per step over a gloo
+   group of its own, posted at the step's end and waited at the next one's, so no rank waits for
+   another to report; times read after synchronising a CUDA device), shows progress one step
+   behind, writes the metrics file
    (partc.plans.run_metrics) and prints a summary (partc.run.reporting); every
    --checkpoint-every steps each stage's replica 0 writes its checkpoint (partc.run.checkpoint).
 """
@@ -32,7 +34,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, TextIO
+from typing import Any, Callable, Iterable, TextIO
 
 import torch
 import torch.distributed as dist
@@ -59,6 +61,7 @@ from partc.run.rank_layout import RankLayout, rank_layout
 from partc.run.rank_setup import (
     RankEnv,
     init_process_group,
+    metrics_group,
     pipeline_groups,
     rank_env,
     resume_point,
@@ -151,6 +154,7 @@ def _set_up(plan: Plan, layout: RankLayout, env: RankEnv, device: torch.device,
     rank = env.rank
     pp_group, dp_group = pipeline_groups(layout, device, rank)
     tied = tied_groups(plan, layout, rank)  # collective: every rank creates every group
+    metrics = metrics_group()  # collective too
     model_file = plan.load_model_file()
     resume = resume_point(plan, options, env, device)
     stages = _loaded_everywhere(lambda: load_local_stages(plan, layout.stages_of(rank), device,
@@ -186,7 +190,7 @@ def _set_up(plan: Plan, layout: RankLayout, env: RankEnv, device: torch.device,
     return RankRun(plan=plan, options=options, device=device, rank=rank, replica=replica,
                    replicas=layout.replicas, stages=stages, tied=tied, loss_fn=loss_fn,
                    data=data, pending=pending, in_spec=in_spec, batched=batched, resume=resume,
-                   schedule=schedule, model_file=model_file,
+                   schedule=schedule, model_file=model_file, metrics_group=metrics,
                    p2p=P2PTimer(device, early_receives=_early_receives(plan)))
 
 
@@ -206,33 +210,59 @@ def _data_source(model_file: ModelFile) -> str:
 
 
 def _train(run: RankRun, reporter: Reporter | None) -> RunSummary | None:
-    """The step loop: steps from the resume point to --steps, checkpoints on the way."""
+    """The step loop: steps from the resume point to --steps, checkpoints on the way. Each
+    step's metrics reach rank 0 during the next step (`_MetricsRows`), so rank 0 reports a
+    step once the next one has run, and the last after the loop."""
     options = run.options
     summary = RunSummary(resumed_from=run.start if run.resume is not None else None)
     run.p2p.install()
     metrics = _MetricsRows.allocate(run)
+    reported: _Reported | None = None  # the step whose rows are in flight
+
+    def report(rows: list[list[float]] | None) -> None:
+        nonlocal reported
+        if reporter is not None and reported is not None:
+            assert rows is not None
+            _record(summary, reporter, _step_metrics(run, rows, reported))
+            if reported.traced:
+                reporter.note(f"trace of step {reported.step + 1} -> {options.trace}")
+        reported = None
+
     for step in range(run.start, options.steps):
         method = _memory_method(run, step)
         traced = options.trace is not None and step == _watched_step(run)
+        if method == MEMORY_CPU_PROFILER or traced:
+            # nothing of the last step's gather may run inside the probe: gloo allocates the
+            # root's flat copy of the rows on its own thread
+            report(metrics.collect())
         began = synced_clock(run.device)
-        rows = _step(run, step, method, metrics, traced)
+        previous = _step(run, step, method, metrics, traced)
         step_s = synced_clock(run.device) - began
-        if reporter is not None:
-            assert rows is not None
-            _record(summary, reporter, _step_metrics(run, step, step_s, rows, method, traced))
-            if traced:
-                reporter.note(f"trace of step {step + 1} -> {options.trace}")
+        report(previous)
+        reported = _Reported(step, step_s, method, traced)
         done = step + 1
         if options.checkpoint_dir is not None and (
                 done == options.steps
                 or (options.checkpoint_every and done % options.checkpoint_every == 0)):
+            report(metrics.collect())  # the step's line before its checkpoint's
             save_checkpoint(run.plan, options, done, run.stages, run.replica, run.rank)
             if reporter is not None:
                 reporter.note(f"checkpoint step {done} -> {options.checkpoint_dir}")
+    report(metrics.collect())
     if reporter is not None:
         reporter.finish(summary)
         return summary
     return None
+
+
+@dataclass(frozen=True)
+class _Reported:
+    """A step whose metrics rank 0 has yet to receive: what its report needs besides them."""
+
+    step: int
+    step_s: float
+    memory_method: str
+    traced: bool
 
 
 def _watched_step(run: RankRun) -> int:
@@ -305,29 +335,51 @@ _FORWARD_CPU, _BACKWARD_CPU, _OPTIMIZER_CPU = range(5, _STAGE_FIELDS)
 
 @dataclass
 class _MetricsRows:
-    """The step's metrics buffers, allocated once before the first step and reused: allocated
-    per step, the previous step's were sometimes still referenced by gloo's worker thread when
-    the next step's memory probe started (it runs once the main thread yields), adding 168 B to
-    1.5 KiB to a measured peak at random. `row` is filled on the host; `device_row` is what the
-    gather sends (the same tensor on CPU); `gathered`: rank 0's one row per process."""
+    """The step's metrics buffers and their gather onto rank 0, over a gloo group of the run's
+    processes (`group`, its own sockets and socket loop, on CUDA too: the row is the host's).
+
+    Allocated once before the first step and reused: allocated per step, the previous step's
+    were sometimes still referenced by gloo's worker thread when the next step's memory probe
+    started (it runs once the main thread yields), adding 168 B to 1.5 KiB to a measured peak at
+    random. The gather is asynchronous (`post`), waited (`collect`) before the row is filled
+    again: waited at once, it made every process wait at every step's end for the slowest to
+    report, a synchronisation of all ranks that no schedule has (3.0-3.2 ms a step on 4 gloo
+    processes sharing 2 cores, docs/benchmarks.md). `row` is filled on the host; `gathered`:
+    rank 0's one row per process."""
 
     row: torch.Tensor
-    device_row: torch.Tensor
     gathered: list[torch.Tensor] | None
+    group: Any
+    pending: dist.Work | None = None
 
     @classmethod
     def allocate(cls, run: RankRun) -> _MetricsRows:
         row = torch.zeros(_RANK_FIELDS + _STAGE_FIELDS * run.num_stages, dtype=torch.float64)
-        device_row = row if run.device.type == "cpu" else torch.zeros_like(row, device=run.device)
-        gathered = ([torch.zeros_like(device_row) for _ in range(dist.get_world_size())]
+        gathered = ([torch.zeros_like(row) for _ in range(dist.get_world_size())]
                     if run.rank == 0 else None)
-        return cls(row=row, device_row=device_row, gathered=gathered)
+        return cls(row=row, gathered=gathered, group=run.metrics_group)
+
+    def post(self) -> None:
+        """Start gathering `row` onto rank 0; returns at once."""
+        assert self.pending is None, "a metrics gather is already in flight"
+        self.pending = dist.gather(self.row, gather_list=self.gathered, dst=0, group=self.group,
+                                   async_op=True)
+
+    def collect(self) -> list[list[float]] | None:
+        """Wait for the gather in flight, if any; on rank 0 every process's row (None
+        elsewhere, or when none was in flight)."""
+        if self.pending is None:
+            return None
+        self.pending.wait()
+        self.pending = None
+        return [r.tolist() for r in self.gathered] if self.gathered is not None else None
 
 
 def _step(run: RankRun, step: int, memory_method: str, metrics: _MetricsRows,
-          traced: bool = False) -> list[torch.Tensor] | None:
-    """One training step on this rank (steps 5-6); returns every rank's measurements of it on
-    rank 0 (one gather per step, see `_step_metrics`), None elsewhere."""
+          traced: bool = False) -> list[list[float]] | None:
+    """One training step on this rank (steps 5-6), its measurements posted to rank 0 at its
+    end; returns, on rank 0, every rank's measurements of the step before (the gather in
+    flight, waited before the row is filled again), None elsewhere or when there was none."""
     torch.manual_seed(step_seed(run.options.seed, step, run.rank))
     run.p2p.seconds = 0.0
     for local in run.stages:
@@ -367,6 +419,7 @@ def _step(run: RankRun, step: int, memory_method: str, metrics: _MetricsRows,
                 local.optimizer_s = synced_clock(run.device) - began
                 local.optimizer_cpu_s = CPU_CLOCK() - cpu
     V, M = run.num_stages, run.plan.training.shape.num_microbatches
+    previous = metrics.collect()  # long arrived: every rank posted it a step ago
     row = metrics.row
     row.zero_()
     if losses:
@@ -396,18 +449,15 @@ def _step(run: RankRun, step: int, memory_method: str, metrics: _MetricsRows,
             row[at + _OPTIMIZER_CPU] = local.optimizer_cpu_s
         row[at + _ALLREDUCE] = (local.grad_sync.seconds() if local.grad_sync is not None
                                 else 0.0)
-    if metrics.device_row is not row:
-        metrics.device_row.copy_(row)
-    dist.gather(metrics.device_row, gather_list=metrics.gathered, dst=0)
-    return metrics.gathered
+    metrics.post()
+    return previous
 
 
-def _step_metrics(run: RankRun, step: int, step_s: float, gathered: list[torch.Tensor],
-                  memory_method: str, traced: bool = False) -> StepMetrics:
+def _step_metrics(run: RankRun, rows: list[list[float]], reported: _Reported) -> StepMetrics:
     """Rank 0: the step's metrics from every rank's row. Per stage, each value is the maximum
     over the ranks running it (its replicas: the slowest sets the step's pace); the legacy
     per-stage lists and the loss are means over replicas."""
-    rows = [r.cpu().tolist() for r in gathered]
+    step, step_s = reported.step, reported.step_s
     V = run.num_stages
     shape = run.plan.training.shape
     with_loss = [r[_LOSS] for r in rows if r[_HAS_LOSS]]
@@ -437,7 +487,7 @@ def _step_metrics(run: RankRun, step: int, step_s: float, gathered: list[torch.T
         stage_forward_s=tuple(mean_fwd), stage_backward_s=tuple(mean_bwd),
         stages=tuple(stages), num_microbatches=shape.num_microbatches, replicas=run.replicas,
         clock=CLOCK_CUDA if run.device.type == "cuda" else CLOCK_CPU,
-        memory_method=memory_method, traced=traced)
+        memory_method=reported.memory_method, traced=reported.traced)
 
 
 def _cpu(values: Iterable[float]) -> float | None:

@@ -198,6 +198,7 @@ class RankRun:
     schedule: Any  # the torch.distributed.pipelining schedule over this rank's stages
     model_file: ModelFile
     p2p: P2PTimer  # this rank's time in p2p sends and receives
+    metrics_group: Any  # the gloo group of launch's per-step metrics gather (rank_setup)
 
     @property
     def start(self) -> int:

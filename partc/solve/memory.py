@@ -1175,7 +1175,10 @@ def stage_memory(table: CostTable, nodes: Collection[str], *, microbatch_size: i
 
 # launch's per-step metrics (partc.run.runtime): every process fills a float64 row of
 # METRICS_RANK_FIELDS values and METRICS_STAGE_FIELDS per stage of the plan, allocated once for
-# the run; the first process also holds the gather's copy of every process's row.
+# the run; the first process also holds the gather's copy of every process's row. The gather of
+# a step runs during the next one and is waited before the row is filled again, so one set of
+# buffers serves (gloo's flat copy of the rows on the first process, during the gather, is
+# never alive inside a measured step: launch waits for it before one).
 METRICS_RANK_FIELDS = 5
 METRICS_STAGE_FIELDS = 8
 _FP64 = 8

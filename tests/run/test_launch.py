@@ -188,10 +188,12 @@ def test_sharded_gradients_train_and_resume_as_the_unsharded_plan(tmp_path: Path
 
     # step 3 is the step whose memory both runs measured: the sharded run's own (of 3 steps),
     # the unsharded plan's only step after resuming
-    from partc.plans.run_metrics import RunMetrics
+    from partc.plans.run_metrics import StepMetrics
 
     def peaks(path: Path, step: int) -> list[int]:
-        found = [s for s in RunMetrics.load(path).steps if s.step == step]
+        # line by line: the resumed file holds both plans' runs, which RunMetrics.load refuses
+        found = [s for s in (StepMetrics.from_dict(json.loads(line))
+                             for line in path.read_text().splitlines()) if s.step == step]
         assert found[-1].memory_method != "none"
         return [int(st.peak_memory_bytes or 0) for st in found[-1].stages]
 
@@ -508,6 +510,10 @@ def test_metrics_per_stage_and_show_beside_the_prediction(tmp_path: Path) -> Non
     # one definition of the keys: the file's lines are the dataclasses' JSON
     assert [s.to_json() for s in run.steps] == metrics.read_text().splitlines()
     assert "p2p ms" in result.stdout and "peak" in result.stdout
+    # each step's metrics reach rank 0 during the next step: every step is still reported once,
+    # in order, the last one too
+    assert re.findall(r"^step (\d+)/4 ", result.stderr, re.M) == ["1", "2", "3", "4"], \
+        result.stderr
 
     shown = subprocess.run([PARTC, "show", str(plan), "--metrics", str(metrics)],
                            capture_output=True, text=True, cwd=ROOT, timeout=120)
