@@ -78,8 +78,18 @@ reads below 1 instead).
 searched counts differ between strategies (e.g. the MLP: cpsat 8, uniform 4, predicted 0.5%
 apart) and the per-micro-batch cost the model misses can outweigh a better cut on this machine.
 
+`--calibrate DIR` prices this machine rather than the one the shipped `cpu` configs were
+calibrated on: it runs `partc calibrate --seconds 20 -o DIR` first (the devices' compute,
+memory, dispatch and pipelining-runtime overheads and the gloo link), writes DIR/clusters/cpu-4.yaml
+from the calibrated cpu cluster as configs/clusters/cpu-4.yaml is written from the shipped one
+(4 devices on the node's cores, its memory shared 4 ways), and compiles every case for
+DIR/clusters/cpu.yaml or DIR/clusters/cpu-4.yaml. The shipped configs describe an Intel Xeon
+VM; this project's machines are not always one (2026-12-01: an AMD EPYC whose stage-pass
+overhead measured 111 us against the shipped 57 us).
+
     .venv/bin/python bench/plan_measured.py [--quick] [--models mlp,bert] [--processes 2,4]
-        [--repeats 3] [--steps 10] [--microbatches M] [--order case|round] [--json rows.json]
+        [--repeats 3] [--steps 10] [--microbatches M] [--order case|round] [--calibrate DIR]
+        [--json rows.json]
 """
 from __future__ import annotations
 
@@ -156,6 +166,32 @@ class Plan:
 
 
 SLOW_STEP = 1.3  # a stage's step work over this multiple of its price: the slow mode's range
+
+
+def calibrated_clusters(out: Path) -> dict[int, str]:
+    """`partc calibrate --seconds 20 -o out`, then out/clusters/cpu-4.yaml derived from the
+    calibrated cpu cluster (as the shipped cpu-4 is from the shipped cpu): process count ->
+    cluster file."""
+    proc = subprocess.run([PARTC, "calibrate", "--seconds", "20", "-o", str(out)], cwd=ROOT,
+                          env=ENV, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"partc calibrate failed: {last_line(proc.stderr)}")
+    print(proc.stdout.rstrip(), flush=True)
+    two = out / "clusters" / "cpu.yaml"
+    cluster = load_cluster(two)
+    doc = yaml.safe_load(two.read_text())
+    cores = cluster.devices_per_node  # one device per core (--threads 1)
+    memory = cluster.device.memory_bytes * cores
+    doc.update(name="cpu-4", devices_per_node=4, cores_per_node=cores,
+               device_memory_bytes=memory // 4,
+               description=f"This machine: 4 device(s) of 1 core(s) (oversubscribed on {cores} "
+                           f"cores), gloo over loopback",
+               source=f"the calibrated cpu cluster ({two}) with 4 devices; RAM shared 4 ways")
+    four = out / "clusters" / "cpu-4.yaml"
+    four.write_text("# Written by bench/plan_measured.py --calibrate from clusters/cpu.yaml.\n"
+                    + yaml.safe_dump(doc, sort_keys=False))
+    load_cluster(four)  # a valid config, or stop here
+    return {2: str(two), 4: str(four)}
 
 
 def last_line(text: str) -> str:
@@ -472,6 +508,9 @@ def main() -> None:
                         help="skip measuring each case's model again after its launches "
                              "(default: measure, and report the machine's drift beside each "
                              "prediction, `drift_check`)")
+    parser.add_argument("--calibrate", type=Path, metavar="DIR",
+                        help="run partc calibrate into DIR first and price every case with its "
+                             "configs (default: the shipped cpu and cpu-4)")
     parser.add_argument("--json", type=Path, help="write the raw rows here")
     args = parser.parse_args()
     models = ["mlp", "bert"] if args.quick else MODELS
@@ -486,6 +525,10 @@ def main() -> None:
         raise SystemExit(f"unknown models/processes: {', '.join(unknown)}")
     if steps <= WARMUP:
         raise SystemExit(f"--steps must be more than the {WARMUP} warm-up steps")
+
+    if args.calibrate is not None:
+        for n, cluster in calibrated_clusters(args.calibrate).items():
+            CASES[n] = (cluster, CASES[n][1])
 
     machine = {"processor": platform.processor() or platform.machine(),
                "cpu_model": cpu_model(), "cpu_count": os.cpu_count(),
