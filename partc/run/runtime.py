@@ -211,8 +211,9 @@ def _data_source(model_file: ModelFile) -> str:
 
 def _train(run: RankRun, reporter: Reporter | None) -> RunSummary | None:
     """The step loop: steps from the resume point to --steps, checkpoints on the way. Each
-    step's metrics reach rank 0 during the next step (`_MetricsRows`), so rank 0 reports a
-    step once the next one has run, and the last after the loop."""
+    step's metrics reach rank 0 while the next step runs (`_MetricsRows`): rank 0 reports a
+    step at the next one's start where its rows are there by then, else once the next one has
+    run, and the last after the loop."""
     options = run.options
     summary = RunSummary(resumed_from=run.start if run.resume is not None else None)
     run.p2p.install()
@@ -234,6 +235,9 @@ def _train(run: RankRun, reporter: Reporter | None) -> RunSummary | None:
         if method == MEMORY_CPU_PROFILER or traced:
             # nothing of the last step's gather may run inside the probe: gloo allocates the
             # root's flat copy of the rows on its own thread
+            report(metrics.collect())
+        elif metrics.arrived():
+            # written now rather than after this step: a step that then fails loses no line
             report(metrics.collect())
         began = synced_clock(run.device)
         previous = _step(run, step, method, metrics, traced)
@@ -364,6 +368,10 @@ class _MetricsRows:
         assert self.pending is None, "a metrics gather is already in flight"
         self.pending = dist.gather(self.row, gather_list=self.gathered, dst=0, group=self.group,
                                    async_op=True)
+
+    def arrived(self) -> bool:
+        """Whether a gather is in flight and done (`collect` would not wait)."""
+        return self.pending is not None and self.pending.is_completed()
 
     def collect(self) -> list[list[float]] | None:
         """Wait for the gather in flight, if any; on rank 0 every process's row (None
