@@ -37,14 +37,16 @@ def _install(out: str, rank: str) -> None:
         log.append(("post", start, _now(), [op.op.__name__ for op in ops]))
         return works
 
-    def timed_wait(*args: Any, **kwargs: Any) -> Any:
-        start = _now()
-        result = wait(*args, **kwargs)
-        log.append(("wait", start, _now(), None))
-        return result
+    def timed(kind: str, fn: Callable[..., Any], detail: Any = None) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            start = _now()
+            result = fn(*args, **kwargs)
+            log.append((kind, start, _now(), detail))
+            return result
+        return wrapper
 
     schedules._batch_p2p = timed_post  # type: ignore[assignment]  # P2PTimer wraps these in turn
-    schedules._wait_batch_p2p = timed_wait
+    schedules._wait_batch_p2p = timed("wait", wait)
 
     def timed_pass(kind: str, method: Callable[..., Any]) -> Callable[..., Any]:
         def run(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -58,28 +60,11 @@ def _install(out: str, rank: str) -> None:
     stage = stage_runner.TimedStage
     stage.forward_one_chunk = timed_pass("F", stage.forward_one_chunk)  # type: ignore[method-assign]
     stage.backward_one_chunk = timed_pass("B", stage.backward_one_chunk)  # type: ignore[method-assign]
-    tied = runtime.sum_tied_gradients
-
-    def timed_tied(*args: Any, **kwargs: Any) -> Any:
-        start = _now()
-        result = tied(*args, **kwargs)
-        log.append(("tied", start, _now(), None))
-        return result
-
-    runtime.sum_tied_gradients = timed_tied
+    runtime.sum_tied_gradients = timed("tied", runtime.sum_tied_gradients)
     rows = runtime._MetricsRows
-
-    def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            start = _now()
-            result = fn(*args, **kwargs)
-            log.append(("gather", start, _now(), name))
-            return result
-        return wrapper
-
     # the per-step metrics gather: posted at a step's end, waited in the next step
-    rows.post = timed("post", rows.post)  # type: ignore[method-assign]
-    rows.collect = timed("wait", rows.collect)  # type: ignore[method-assign]
+    rows.post = timed("gather", rows.post, "post")  # type: ignore[method-assign]
+    rows.collect = timed("gather", rows.collect, "wait")  # type: ignore[method-assign]
     step = runtime._step
 
     def timed_step(run: Any, index: int, *args: Any, **kwargs: Any) -> Any:

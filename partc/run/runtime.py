@@ -427,7 +427,9 @@ def _step(run: RankRun, step: int, memory_method: str, metrics: _MetricsRows,
                 local.optimizer_s = synced_clock(run.device) - began
                 local.optimizer_cpu_s = CPU_CLOCK() - cpu
     V, M = run.num_stages, run.plan.training.shape.num_microbatches
-    previous = metrics.collect()  # long arrived: every rank posted it a step ago
+    # long arrived: every rank posted it a step ago; returned, not reported here, so that
+    # writing the line stays out of this step's time
+    previous = metrics.collect()
     row = metrics.row
     row.zero_()
     if losses:
