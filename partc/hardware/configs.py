@@ -265,6 +265,8 @@ def cluster_from_dict(d: dict[str, Any], where: str) -> ClusterSpec:
         description=m.string("description", required=False),
         source=m.string("source", required=False),
         cores_per_node=m.integer("cores_per_node") if m.has("cores_per_node") else None,
+        wake_credit_s=m.quantity("wake_credit_s", "s", positive=False, required=False,
+                                 default=0.0),
     )
     m.finish()
     return spec

@@ -8,6 +8,7 @@ configs/ by partc.hardware.configs (format: docs/hardware.md).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -229,12 +230,20 @@ class ClusterSpec:
     # CPU processes of a node share this many physical cores, device i pinned to core
     # i % cores_per_node (partc.hardware.local.pin_to_core); None: a core (or GPU) per device
     cores_per_node: int | None = None
+    # Where processes share a core: the CPU seconds one that wakes from a gloo wait runs ahead
+    # of a core-mate that kept computing before the two share the core equally (Linux's fair
+    # scheduler; measured by partc calibrate, partc.hardware.wake_credit; the simulator's use:
+    # partc.solve.shared_cores). 0: processor sharing at every instant.
+    wake_credit_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.devices_per_node < 1 or self.num_nodes < 1:
             raise ValueError("devices_per_node and num_nodes must be >= 1")
         if self.cores_per_node is not None and not 1 <= self.cores_per_node:
             raise ValueError("cores_per_node must be >= 1")
+        if not 0 <= self.wake_credit_s < math.inf:
+            raise ValueError(f"wake_credit_s must be a finite number >= 0, got "
+                             f"{self.wake_credit_s!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend {self.backend!r} is not one of {BACKENDS}")
 
@@ -345,5 +354,6 @@ class ClusterSpec:
             "inter_node": self.inter_node.to_dict(),
             **({"cores_per_node": self.cores_per_node} if self.cores_per_node is not None
                else {}),
+            **({"wake_credit_s": self.wake_credit_s} if self.wake_credit_s else {}),
         }
 

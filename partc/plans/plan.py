@@ -389,7 +389,8 @@ class Plan:
                                      activation_bytes=float(s.activation_bytes),
                                      static_bytes=float(s.static_bytes)) for s in self.stages),
             allreduce_s=p.allreduce_s, optimizer_s=p.optimizer_s, tied=p.tied_sync,
-            host_sends=self.cluster.host_sends, core_sharing=shape.core_sharing(self.cluster))
+            host_sends=self.cluster.host_sends, core_sharing=shape.core_sharing(self.cluster),
+            wake_credit_s=self.cluster.wake_credit_s)
 
     def check_stage_files(self) -> None:
         """Raise PlanError unless every stage file exists and has the recorded SHA-256 (a check

@@ -27,6 +27,7 @@ import math
 from typing import Sequence
 
 from partc.options import Schedule
+from partc.solve.shared_cores import SharedCores
 
 Item = tuple[int, object]
 """One step of a rank's program: (COMPUTE, action), (POST, keys) or (WAIT, keys)."""
@@ -241,7 +242,7 @@ def _runtime_programs(slots: Sequence[Sequence[tuple[str, int, int] | None]], s:
 def run(progs: list[list[Item]], forward_s: Sequence[float], backward_s: Sequence[float],
         send_forward_s: Sequence[float], send_backward_s: Sequence[float],
         forward_latency_s: Sequence[float], backward_latency_s: Sequence[float],
-        sharing: Sequence[Sequence[int]], m: int
+        sharing: Sequence[Sequence[int]], m: int, wake_credit_s: float = 0.0
         ) -> tuple[list[float], list[float], list[int], list[float]]:
     """Run the programs: (start, finish) per computation (NaN if it never ran), how far each rank
     got (in program steps), and when each rank's program ended (NaN if it did not).
@@ -267,6 +268,8 @@ def run(progs: list[list[Item]], forward_s: Sequence[float], backward_s: Sequenc
     arrived: set[int] = set()
     waiting_until: dict[int, float] = {}  # transfer in its latency -> when that ends
     peers: dict[int, tuple[int, int]] = {}  # transfer -> (sender, receiver) ranks
+    cores = SharedCores(sharing, wake_credit_s)
+    free_since = [0.0] * s  # when the rank's last computation ended
     now = 0.0
 
     def start_transfer(k: int) -> None:
@@ -312,6 +315,7 @@ def run(progs: list[list[Item]], forward_s: Sequence[float], backward_s: Sequenc
                 computing[rank] = action
                 left[rank] = forward_s[stage] if action < vm else backward_s[stage]
                 start_of[action] = now
+                cores.start(rank, now > free_since[rank], busy)
                 busy.add(rank)
             position[rank] += 1
         if computing[rank] < 0 and position[rank] == len(program) and ended[rank] != ended[rank]:
@@ -333,19 +337,25 @@ def run(progs: list[list[Item]], forward_s: Sequence[float], backward_s: Sequenc
             threads[b] += 1
         load = [sum(threads[other] for other in sharing[rank]) for rank in range(s)]
         rate = {k: 1.0 / max(load[peers[k][0]], load[peers[k][1]]) for k in copying}
-        step = math.inf
+        slow = cores.slowdowns(busy, load)
+        step = cores.catch_up_s(busy, slow)
         for rank in busy:
-            step = min(step, left[rank] * load[rank])
+            if slow[rank] != math.inf:
+                step = min(step, left[rank] * slow[rank])
         for k in copying:
             step = min(step, moving[k] / rate[k])
         for until in waiting_until.values():
             step = min(step, until - now)
         now += step
+        cores.advance(busy, slow, step)
         for rank in list(busy):
-            left[rank] -= step / load[rank]
+            if slow[rank] == math.inf:
+                continue
+            left[rank] -= step / slow[rank]
             if left[rank] <= _DONE:
                 finish[computing[rank]] = now
                 computing[rank] = -1
+                free_since[rank] = now
                 busy.discard(rank)
                 dirty.add(rank)
         for k in list(copying):

@@ -808,7 +808,8 @@ def build_partition(problem: StageProblem, assignment: Sequence[int], global_bat
                             num_microbatches=shape.num_microbatches, stages=tuple(timings),
                             allreduce_s=tuple(allreduce), optimizer_s=tuple(step),
                             tied=_tied_syncs(problem, assignment), host_sends=cluster.host_sends,
-                            core_sharing=shape.core_sharing(cluster))
+                            core_sharing=shape.core_sharing(cluster),
+                            wake_credit_s=cluster.wake_credit_s)
     simulation = simulate(pipeline)
     return Partition(model=graph.model_name, graph_hash=graph.content_hash(), cluster=cluster.name,
                      num_devices=cluster.num_devices, global_batch_size=global_batch,

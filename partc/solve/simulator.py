@@ -23,7 +23,9 @@ custom `order` keeps the delay model, with the send on its sender's action). Whe
 devices share a core (`core_sharing`: a
 CPU node with more gloo processes than cores, each pinned to core local_rank % cores), a rank's
 action progresses at 1/k of its speed while k of the core's ranks are busy (processor sharing:
-`_run_shared`); the rest of the model is unchanged. After its
+`_run_shared`), except that a rank which starts computing after a wait runs ahead of its
+core-mates by `wake_credit_s` of work first, as Linux's fair scheduler lets it
+(partc.solve.shared_cores); the rest of the model is unchanged. After its
 last backward a rank runs its data-parallel gradient all-reduce, then the gradient sums of the
 parameters it shares with other ranks (tied weights, `TiedSync`, in order: each one starts when
 the last of its ranks gets there, a synchronisation point), then its optimizer step. The
@@ -41,6 +43,7 @@ from typing import Any, Literal, Sequence
 
 from partc.options import SCHEDULES, Schedule
 from partc.solve import host_p2p
+from partc.solve.shared_cores import SharedCores
 
 Action = tuple[str, int, int]
 """One compute action: ("F" or "B", virtual stage, micro-batch)."""
@@ -138,6 +141,10 @@ class PipelineSpec:
     # per rank, the pipeline ranks whose devices share its core, itself included (a rank appears
     # once per replica on that core: replicas run in lockstep); empty: every rank has its own
     core_sharing: tuple[tuple[int, ...], ...] = ()
+    # where ranks share cores: the CPU seconds a rank that starts computing after a wait runs
+    # ahead of its core-mates before they share the core again (ClusterSpec.wake_credit_s;
+    # partc.solve.shared_cores); 0 is processor sharing
+    wake_credit_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.stages, tuple) or not all(
@@ -156,6 +163,7 @@ class PipelineSpec:
                                  f"or empty, got {values!r}")
             for rank, value in enumerate(values):
                 _check_time(f"{name}[{rank}]", value)
+        _check_time("wake_credit_s", self.wake_credit_s)
         if not isinstance(self.tied, tuple) or not all(isinstance(t, TiedSync)
                                                        for t in self.tied):
             raise ValueError("tied must be a tuple of TiedSync")
@@ -455,7 +463,7 @@ def _simulate_host_p2p(spec: PipelineSpec, orders: list[list[Action]],
         [st.send_forward_s if k < v - 1 else 0.0 for k, st in enumerate(stages)],
         [st.send_backward_s if k > 0 else 0.0 for k, st in enumerate(stages)],
         [st.send_forward_latency_s for st in stages], [st.send_backward_latency_s for st in stages],
-        spec.core_sharing or tuple((rank,) for rank in range(s)), m)
+        spec.core_sharing or tuple((rank,) for rank in range(s)), m, spec.wake_credit_s)
     stuck = [rank for rank in range(s) if position[rank] < len(progs[rank])]
     if stuck:
         done = [sum(1 for what, _ in progs[rank][:position[rank]] if what == host_p2p.COMPUTE)
@@ -546,6 +554,8 @@ def _run_shared(spec: PipelineSpec, programs: list[list[int]]
     running = [False] * s
     left = [0.0] * s  # seconds of its own (unshared) work the running action still needs
     sharing = spec.core_sharing
+    cores = SharedCores(sharing, spec.wake_credit_s)
+    free_since = [0.0] * s  # when the rank's last action ended
 
     def ready_at(rank: int) -> float | None:
         """When the rank's next action may start: None while a dependency has not run or when
@@ -576,6 +586,8 @@ def _run_shared(spec: PipelineSpec, programs: list[list[int]]
                 if at is not None and at <= now:
                     action = programs[rank][position[rank]]
                     start_of[action] = now
+                    cores.start(rank, now > free_since[rank],
+                                [other for other in range(s) if running[other]])
                     running[rank] = True
                     left[rank] = forward_s[action // m] if action < vm else \
                         backward_s[(action - vm) // m]
@@ -587,18 +599,22 @@ def _run_shared(spec: PipelineSpec, programs: list[list[int]]
                 return start_of, finish, position
             now = min(waiting)
             continue
-        rate = {rank: 1.0 / sum(1 for other in sharing[rank] if running[other])
-                for rank in busy}
-        step = min(left[rank] / rate[rank] for rank in busy)
+        slow = cores.slowdowns(busy, [sum(1 for other in sharing[rank] if running[other])
+                                      for rank in range(s)])
+        step = min(min(left[rank] * slow[rank] for rank in busy), cores.catch_up_s(busy, slow))
         later = [at - now for at in waiting if at > now]
         if later and min(later) < step:
             step = min(later)
         now += step
+        cores.advance(busy, slow, step)
         for rank in busy:
-            left[rank] -= step * rate[rank]
+            if slow[rank] == math.inf:
+                continue
+            left[rank] -= step / slow[rank]
             if left[rank] <= 1e-12:
                 action = programs[rank][position[rank]]
                 finish[action] = now
+                free_since[rank] = now
                 position[rank] += 1
                 running[rank] = False
 

@@ -530,6 +530,55 @@ def test_ranks_sharing_a_core_share_its_time() -> None:
         uniform("1f1b", 2, 4, core_sharing=((1,), (0,)))
 
 
+@pytest.mark.parametrize("host_sends", [False, True])
+def test_a_woken_rank_runs_ahead_of_its_core_mate_by_the_wake_credit(host_sends: bool) -> None:
+    # Two ranks on one core, GPipe, no transfers. Rank 1 waits for F(0, 0) and wakes at f while
+    # rank 0 goes straight on to F(0, 1). Processor sharing: both forwards run at half speed
+    # and end together at 3f. With a credit W < f: rank 1 runs alone for W, then they share;
+    # its forward ends at f + W + 2 (f - W) = 3f - W, rank 0's (f - W of it done by then) at 3f.
+    f, b, w = 1.0, 2.0, 0.4
+    shared = ((0, 1), (0, 1))
+
+    def first_forwards(credit: float) -> tuple[float, float]:
+        sim = simulate(uniform("gpipe", 2, 2, tf=f, tb=b, host_sends=host_sends,
+                               core_sharing=shared, wake_credit_s=credit))
+        at = {(e.kind, e.stage, e.microbatch): e for e in sim.events if e.microbatch >= 0}
+        return at["forward", 1, 0].end_s, at["forward", 0, 1].end_s
+
+    assert first_forwards(0.0) == pytest.approx((3 * f, 3 * f))
+    assert first_forwards(w) == pytest.approx((3 * f - w, 3 * f))
+    # a credit over the whole forward: it runs alone, then rank 0 finishes alone
+    assert first_forwards(5 * f) == pytest.approx((2 * f, 3 * f))
+    # the work is the same whatever the order: one core does all of it
+    for credit in (0.0, w, 5 * f):
+        sim = simulate(uniform("gpipe", 2, 2, tf=f, tb=b, host_sends=host_sends,
+                               core_sharing=shared, wake_credit_s=credit))
+        assert sim.iteration_s == pytest.approx(2 * 2 * (f + b))
+        assert sim.busy_s == pytest.approx([2 * (f + b)] * 2)
+
+
+def test_the_wake_credit_only_acts_where_cores_are_shared() -> None:
+    for host_sends in (False, True):
+        alone = uniform("1f1b", 4, 8, tf=1.0, tb=2.5, comm=0.3, host_sends=host_sends)
+        assert simulate(alone).events == simulate(
+            uniform("1f1b", 4, 8, tf=1.0, tb=2.5, comm=0.3, host_sends=host_sends,
+                    wake_credit_s=0.5)).events
+    # on shared cores it moves events, and keeps every schedule complete and no faster than
+    # the work allows
+    sharing = ((0, 2), (1, 3), (0, 2), (1, 3))
+    for schedule in ("gpipe", "1f1b"):
+        plain = simulate(uniform(schedule, 4, 8, comm=0.3, host_sends=True,
+                                 core_sharing=sharing))
+        credited = simulate(uniform(schedule, 4, 8, comm=0.3, host_sends=True,
+                                    core_sharing=sharing, wake_credit_s=0.5))
+        assert plain.events != credited.events
+        assert credited.busy_s == plain.busy_s
+        assert credited.iteration_s >= 8 * 2 * 3.0  # each core's two ranks' work, at least
+    for bad in (-1e-3, math.inf, math.nan):
+        with pytest.raises(ValueError, match="wake_credit_s"):
+            uniform("1f1b", 2, 4, core_sharing=((0, 1), (0, 1)), wake_credit_s=bad)
+
+
 # -- memory ----------------------------------------------------------------------------------------
 
 def test_1f1b_holds_min_s_minus_rank_m_microbatches() -> None:
