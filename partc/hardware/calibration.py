@@ -36,6 +36,7 @@ from partc.hardware.local import (
 )
 from partc.hardware.specs import OP_CLASSES, ClusterSpec, DeviceSpec, LinkSpec
 from partc.hardware.units import format_quantity, parse_quantity
+from partc.hardware.wake_credit import WakeCredit, measure_wake_credit
 
 if TYPE_CHECKING:
     import torch
@@ -104,6 +105,9 @@ class CalibrationResult:
     # CPU time other processes used meanwhile, in cores (nan where /proc/stat is unavailable):
     # they compete for cores and memory bandwidth, so every number comes out low above ~0.1.
     other_processes_cores: float
+    # the OS scheduler's credit for a process woken from a gloo wait (CPU calibrations with the
+    # link measured; the cluster's wake_credit_s), None where it was not measured
+    wake: WakeCredit | None = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -1017,11 +1021,11 @@ def device_yaml(cal: DeviceCalibration, command: str = "partc calibrate") -> str
 
 
 def cluster_yaml(cal: DeviceCalibration, link: LinkCalibration, name: str | None = None,
-                 command: str = "partc calibrate") -> str:
+                 command: str = "partc calibrate", wake: WakeCredit | None = None) -> str:
     """The cluster config of a calibration: one node of this machine's devices (`cores / threads`
     CPU devices over gloo, or every visible GPU over NCCL), its device named `cal.spec.name`
     (found in the `devices/` folder beside the cluster file's folder) and `link` as the
-    intra-node link, its raw measurements as comments."""
+    intra-node link, its raw measurements as comments; `wake` the scheduler's wake credit."""
     name = name or cal.spec.name
     if isinstance(cal, CpuCalibration):
         devices = max(1, cal.physical_cores // cal.threads)
@@ -1051,7 +1055,21 @@ def cluster_yaml(cal: DeviceCalibration, link: LinkCalibration, name: str | None
         "intra_node:",
         f"  bandwidth: {_quantity_text(link.link.bandwidth, 'B/s')}",
         f"  latency_s: {_quantity_text(link.link.latency_s, 's')}",
+        *([] if wake is None else _wake_lines(wake)),
     ]) + "\n"
+
+
+def _wake_lines(wake: WakeCredit) -> list[str]:
+    m = wake.measurements()
+    return [
+        "# Where a cluster of this node runs more processes than it has cores: the CPU time a",
+        "# process woken by a gloo receive runs ahead of a core-mate that kept computing before",
+        "# they share the core (partc.hardware.wake_credit; median of "
+        f"{len(wake.credits_s)} wakes, each computing {_q(m['wake_credit_compute_s'], 's')},",
+        f"# {_q(m['wake_credit_min_s'], 's')}..{_q(m['wake_credit_max_s'], 's')}). This node's "
+        "cores are not shared, so only a cluster derived from it uses it.",
+        f"wake_credit_s: {_quantity_text(_snap(wake.wake_credit_s, 's', 3), 's')}",
+    ]
 
 
 # --------------------------------------------------------------------------------------------
@@ -1137,12 +1155,13 @@ def calibrate(out_dir: str | Path, device: str = "cpu", *, name: str | None = No
     NAME defaults to `cpu`, or the GPU's name made a file name (`nvidia-h100-80gb-hbm3`). On the
     CPU one device is `threads` cores and the link is gloo between two local processes; on a GPU
     the cluster is one node of every visible GPU, its link NCCL between GPUs 0 and 1 (with one GPU:
-    the shipped configs' link for that GPU, marked not measured). `measure_link=False` skips the
-    link measurement (the CPU link is then a placeholder). `runtime` is the pipelining
-    runtime's measured overhead per stage pass and its raw measurements (partc.run.overhead, a
-    layer above this one), written as the device's `microbatch_overhead_s`. Raises
-    CalibrationError (a PartcError) for a bad device or name, a missing GPU or an unwritable
-    `out_dir`.
+    the shipped configs' link for that GPU, marked not measured); on the CPU also the
+    scheduler's wake credit (partc.hardware.wake_credit). `measure_link=False` skips the
+    link and wake credit measurements (the CPU link is then a placeholder). `runtime` is the
+    pipelining runtime's measured overhead per stage pass and its raw measurements
+    (partc.run.overhead, a layer above this one), written as the device's
+    `microbatch_overhead_s`. Raises CalibrationError (a PartcError) for a bad device or name, a
+    missing GPU or an unwritable `out_dir`.
     """
     kind, name, device_path, cluster_path = check_calibration_inputs(
         out_dir, device, name=name, threads=threads, seconds=seconds)
@@ -1153,6 +1172,7 @@ def calibrate(out_dir: str | Path, device: str = "cpu", *, name: str | None = No
     t0 = time.perf_counter()
     cal: DeviceCalibration
     link: LinkCalibration
+    wake: WakeCredit | None = None
     quick = seconds < 5
     if kind == "cpu":
         cpu_cal = measure_cpu(threads, seconds)
@@ -1163,6 +1183,7 @@ def calibrate(out_dir: str | Path, device: str = "cpu", *, name: str | None = No
             link = measure_gloo_link(threads, small_reps=50 if quick else 500,
                                      big_reps=3 if quick else 20,
                                      nbytes=(8 << 20) if quick else LINK_BYTES)
+            wake = measure_wake_credit()
         else:
             link = LinkCalibration(link=LinkSpec(bandwidth=1e9, latency_s=100e-6), measured=False,
                                    source="placeholder: the link was not measured")
@@ -1183,7 +1204,7 @@ def calibrate(out_dir: str | Path, device: str = "cpu", *, name: str | None = No
 
     try:
         write_atomic(device_path, device_yaml(cal, command))
-        write_atomic(cluster_path, cluster_yaml(cal, link, name, command))
+        write_atomic(cluster_path, cluster_yaml(cal, link, name, command, wake))
     except OSError as exc:
         raise CalibrationError(f"cannot write {device_path.parent.parent}: "
                                f"{exc.strerror or exc}", "pass -o a folder you can write to") \
@@ -1193,7 +1214,7 @@ def calibrate(out_dir: str | Path, device: str = "cpu", *, name: str | None = No
     cluster = load_cluster(cluster_path)
     return CalibrationResult(device=cal, link=link, cluster=cluster, device_path=device_path,
                              cluster_path=cluster_path, wall_s=wall,
-                             other_processes_cores=others)
+                             other_processes_cores=others, wake=wake)
 
 
 def format_calibration(result: CalibrationResult) -> str:
@@ -1216,6 +1237,9 @@ def format_calibration(result: CalibrationResult) -> str:
         f"  {result.cluster.num_devices} device(s), {result.cluster.backend}, intra_node "
         f"{_q(link.bandwidth, 'B/s')}, {_q(link.latency_s, 's')}"
         + ("" if result.link.measured else " (not measured)"),
+        *([] if result.wake is None else [
+            f"  a process woken by a gloo receive runs {_q(result.cluster.wake_credit_s, 's')} "
+            "ahead of a busy core-mate (where processes share cores)"]),
         f"took {result.wall_s:.1f} s",
     ]
     if not math.isnan(result.other_processes_cores):

@@ -262,6 +262,12 @@ def test_calibrate_command_writes_configs_that_compile(tmp_path: Path) -> None:
     assert cluster.backend == "gloo" and cluster.intra_node.bandwidth > 0
     # the pipelining runtime's own cost per pass, measured on two pinned gloo processes
     assert 0 < spec.microbatch_overhead_s < 0.01
+    # the scheduler's credit for a process woken by a gloo receive, measured on one CPU: at
+    # most the work each wake computed (partc.hardware.wake_credit)
+    assert 0 <= cluster.wake_credit_s <= 0.25
+    assert "# Where a cluster of this node runs more processes than it has cores" in \
+        cluster_path.read_text()
+    assert "ahead of a busy core-mate" in proc.stdout
     text = device_path.read_text()
     assert "# Eager forward of torch.add" in text and "# Backward through a chain" in text
     assert "# The pipelining runtime's time per stage forward and backward" in text

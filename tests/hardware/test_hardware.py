@@ -452,6 +452,18 @@ def test_devices_sharing_cores(tmp_path: Path) -> None:
     assert cluster_from_dict(cluster.to_dict(), "test") == cluster
     with pytest.raises(ConfigError, match="cores_per_node"):
         cluster_from_dict({**cluster.to_dict(), "cores_per_node": 0}, "test")
+    # the scheduler's wake credit where cores are shared (partc.solve.shared_cores): cpu-4
+    # records one measured, it reads back with a unit, and it is never negative
+    assert 0 < cluster.wake_credit_s < 0.05
+    assert cluster.to_dict()["wake_credit_s"] == cluster.wake_credit_s
+    assert cluster_from_dict({**cluster.to_dict(), "wake_credit_s": "2.5ms"},
+                             "test").wake_credit_s == pytest.approx(2.5e-3)
+    with pytest.raises(ConfigError, match="wake_credit_s"):
+        cluster_from_dict({**cluster.to_dict(), "wake_credit_s": "-1ms"}, "test")
+    # absent: processor sharing, and nothing written for it
+    plain = cluster_from_dict({k: v for k, v in cluster.to_dict().items()
+                               if k != "wake_credit_s"}, "test")
+    assert plain.wake_credit_s == 0.0 and "wake_credit_s" not in plain.to_dict()
 
 
 def test_a_config_calibrated_on_another_machine_is_told_apart() -> None:
