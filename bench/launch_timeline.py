@@ -20,13 +20,14 @@ It prints one step's per-rank timeline beside the replay's events, then the lags
 the timed steps, by pass kind. One stage per rank and one replica (GPipe or 1F1B plans).
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/launch_timeline.py PLAN_DIR [--steps 14]
-        [--show-step K] [--json out.json]
+        [--show-step K] [--json out.json] [--keep DIR]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -149,6 +150,8 @@ def main() -> None:
     parser.add_argument("--show-step", type=int, default=None,
                         help="the step (0-based) whose timeline is printed; default the last")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--keep", type=Path, default=None,
+                        help="a folder to copy the run's metrics and per-rank timelines into")
     args = parser.parse_args()
     plan_path = args.plan / "plan.yaml" if args.plan.is_dir() else args.plan
     plan = load_plan(plan_path)
@@ -162,6 +165,10 @@ def main() -> None:
         metrics = launch(plan_path, args.steps, out)
         replay = replay_measured(plan, RunMetrics.load(metrics))
         timelines = {r: rank_steps(out / f"rank{r}.json") for r in range(plan.num_stages)}
+        if args.keep is not None:
+            args.keep.mkdir(parents=True, exist_ok=True)
+            for name in ["metrics.jsonl"] + [f"rank{r}.json" for r in range(plan.num_stages)]:
+                shutil.copyfile(out / name, args.keep / name)
     if replay is None:
         raise SystemExit("launch_timeline: the run has no CPU times to replay")
     timed = range(WARMUP, args.steps)

@@ -5,10 +5,13 @@ folder there and sets PARTC_TIMELINE_DIR for a `partc launch`, and in each worke
 set) this wraps, from outside partc, what a step is made of: every stage forward and backward
 (`TimedStage`, with its thread's CPU time), every p2p post and wait of torch's schedules, the
 tied-gradient sum, launch's per-step metrics gather (its post at a step's end and its wait
-a step later), and the step itself (`partc.run.runtime._step`). Times are CLOCK_MONOTONIC,
-one clock for every process of the machine, so the ranks' timelines line up. After each step
-the rank's events so far are written to PARTC_TIMELINE_DIR/rank<R>.json as [kind, start_s,
-end_s, detail] rows.
+a step later), the step's other parts (its inputs, the early receives, the schedule's step), and
+the step itself (`partc.run.runtime._step`, with the CPU time the process and its main thread
+spent in it). Each pass also records its thread's time runnable but waiting for the core and
+its count of times scheduled in (/proc schedstat), and each timed call its main-thread CPU time.
+Times are CLOCK_MONOTONIC, one clock for every process of the machine, so the ranks' timelines
+line up. After each step the rank's events so far are written to PARTC_TIMELINE_DIR/rank<R>.json
+as [kind, start_s, end_s, detail] rows.
 """
 from __future__ import annotations
 
@@ -22,6 +25,17 @@ def _now() -> float:
     return time.clock_gettime(time.CLOCK_MONOTONIC)
 
 
+def _schedstat() -> tuple[float, int]:
+    """This thread's time runnable but not running (s) and its count of times scheduled in
+    (/proc/thread-self/schedstat; zeros where the kernel has none)."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            _, delay, slices = f.read().split()
+    except (OSError, ValueError):
+        return 0.0, 0
+    return int(delay) / 1e9, int(slices)
+
+
 def _install(out: str, rank: str) -> None:
     import torch.distributed.pipelining.schedules as schedules
 
@@ -31,17 +45,23 @@ def _install(out: str, rank: str) -> None:
     log: list[tuple[str, float, float, Any]] = []
     post, wait = schedules._batch_p2p, schedules._wait_batch_p2p
 
+    # each timed call also logs its main-thread CPU time as a zero-length "cpu:<kind>" row, so
+    # the step's main-thread CPU outside the passes splits into its parts
     def timed_post(ops: list[Any], desc: str | None = None) -> Any:
-        start = _now()
+        start, cpu = _now(), time.thread_time()
         works = post(ops, desc)
-        log.append(("post", start, _now(), [op.op.__name__ for op in ops]))
+        end = _now()
+        log.append(("post", start, end, [op.op.__name__ for op in ops]))
+        log.append(("cpu:post", end, end, time.thread_time() - cpu))
         return works
 
     def timed(kind: str, fn: Callable[..., Any], detail: Any = None) -> Callable[..., Any]:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            start = _now()
+            start, cpu = _now(), time.thread_time()
             result = fn(*args, **kwargs)
-            log.append((kind, start, _now(), detail))
+            end = _now()
+            log.append((kind, start, end, detail))
+            log.append((f"cpu:{kind}", end, end, time.thread_time() - cpu))
             return result
         return wrapper
 
@@ -50,10 +70,14 @@ def _install(out: str, rank: str) -> None:
 
     def timed_pass(kind: str, method: Callable[..., Any]) -> Callable[..., Any]:
         def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+            queued, slices = _schedstat()
             start, cpu = _now(), time.thread_time()
             result = method(self, *args, **kwargs)
+            end, cpu = _now(), time.thread_time() - cpu
             chunk = args[0] if args else kwargs.get("fwd_chunk_id", kwargs.get("bwd_chunk_id"))
-            log.append((kind, start, _now(), [chunk, time.thread_time() - cpu]))
+            queued_end, slices_end = _schedstat()
+            # [micro-batch, CPU s, s runnable but waiting for the core, times scheduled in]
+            log.append((kind, start, end, [chunk, cpu, queued_end - queued, slices_end - slices]))
             return result
         return run
 
@@ -61,6 +85,14 @@ def _install(out: str, rank: str) -> None:
     stage.forward_one_chunk = timed_pass("F", stage.forward_one_chunk)  # type: ignore[method-assign]
     stage.backward_one_chunk = timed_pass("B", stage.backward_one_chunk)  # type: ignore[method-assign]
     runtime.sum_tied_gradients = timed("tied", runtime.sum_tied_gradients)
+    # the step's other parts, for the CPU they take outside the passes
+    import partc.run.schedule as run_schedule
+    run_schedule.RankRun.next_inputs = timed(  # type: ignore[method-assign]
+        "inputs", run_schedule.RankRun.next_inputs)
+    run_schedule.P2PTimer.post_receives = timed(  # type: ignore[method-assign]
+        "receives", run_schedule.P2PTimer.post_receives)
+    for cls in (schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti):
+        cls.step = timed("schedule", cls.step)  # type: ignore[method-assign]
     rows = runtime._MetricsRows
     # the per-step metrics gather: posted at a step's end, waited in the next step
     rows.post = timed("gather", rows.post, "post")  # type: ignore[method-assign]
@@ -68,10 +100,13 @@ def _install(out: str, rank: str) -> None:
     step = runtime._step
 
     def timed_step(run: Any, index: int, *args: Any, **kwargs: Any) -> Any:
-        start = _now()
+        start, process, thread = _now(), time.process_time(), time.thread_time()
         log.append(("step", start, start, index))
         result = step(run, index, *args, **kwargs)
-        log.append(("step_end", start, _now(), index))
+        end = _now()
+        # the step's CPU time, the whole process's (gloo's threads too) and the main thread's
+        log.append(("cpu", end, end, [time.process_time() - process, time.thread_time() - thread]))
+        log.append(("step_end", start, end, index))
         path = os.path.join(out, f"rank{rank}.json")
         with open(path + ".tmp", "w") as f:
             json.dump(log, f)
