@@ -103,7 +103,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -150,6 +150,9 @@ class Plan:
     # per repeat: the schedule simulated with that run's own stage times (partc show's replay;
     # on shared cores from the stages' CPU times)
     replayed_s: list[float] = field(default_factory=list)
+    # per repeat, where the plan's cluster gives a wake credit: the same replay under processor
+    # sharing (no credit), so one run shows what the shared-core model changes
+    replayed_ps_s: list[float] = field(default_factory=list)
     # per repeat: the stages' measured forward + backward work over the predicted (wall times;
     # CPU times where processes share cores): the stage-cost model's part of the gap
     work_ratio: list[float] = field(default_factory=list)
@@ -332,6 +335,11 @@ def launch(plan: Plan, steps: int) -> None:
     replayed = replay_measured(loaded, run)
     if replayed is not None:
         plan.replayed_s.append(replayed.iteration_s)
+        if loaded.cluster.wake_credit_s and loaded.pipeline_spec().shares_cores:
+            sharing = replace(loaded, cluster=replace(loaded.cluster, wake_credit_s=0.0))
+            plain = replay_measured(sharing, run)
+            if plain is not None:
+                plan.replayed_ps_s.append(plain.iteration_s)
     shared = loaded.pipeline_spec().shares_cores
     stages = run.stage_summaries()
     work = [w for m in stages if (w := m.compute_s(shared)) is not None]
@@ -610,6 +618,7 @@ def main() -> None:
                    "predicted_peak_bytes": plan.predicted_peaks,
                    "measured_peak_bytes": m.peaks,
                    "replayed_steps_s": list(m.replayed_s),
+                   "replayed_processor_sharing_steps_s": list(m.replayed_ps_s),
                    "stage_work_ratio": list(m.work_ratio),
                    "per_stage_work_ratio": list(m.stage_work), "drift": m.drift,
                    "slow_steps": [list(x) for x in m.slow_steps],
@@ -667,13 +676,14 @@ def main() -> None:
 
     print("\nThe schedule alone: each run replayed by the simulator with its own per-stage "
           "forward, backward and optimizer times (`partc show --metrics`; where processes "
-          "share cores, their CPU times, which the simulator shares out), so the stage-cost "
+          "share cores, their CPU times, which the simulator shares out with the cluster's "
+          "wake credit, and beside it without: processor sharing), so the stage-cost "
           "model's errors drop out; and those errors: the stages' measured forward + backward "
           "work over the predicted.\n")
     print("| model | processes | strategy | measured ms/iter | replayed ms/iter "
-          "| measured/replayed (per repeat) | stage work measured/predicted "
-          "| per stage (median) | slow steps | machine drift |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| measured/replayed (per repeat) | the same under processor sharing "
+          "| stage work measured/predicted | per stage (median) | slow steps | machine drift |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for (model, n), plans in cases.items():
         for strategy, plan in plans.items():
             if plan.error or plan.same_as or not plan.replayed_s:
@@ -684,9 +694,14 @@ def main() -> None:
             per_stage = " ".join(f"{statistics.median(r):.2f}"
                                  for r in zip(*plan.stage_work, strict=True)) or "-"
             slow = " ".join(f"{k}/{n}" for k, n in plan.slow_steps) or "-"
+            plain = [a / b for a, b in zip(plan.steps_s, plan.replayed_ps_s, strict=True)] \
+                if plan.replayed_ps_s else []
+            ps = (f"{statistics.median(plain):.3f} ({min(plain):.3f}-{max(plain):.3f})"
+                  if plain else "-")
             print(f"| {model} | {n} | {strategy} | {statistics.median(plan.steps_s) * 1e3:.1f} "
                   f"| {statistics.median(plan.replayed_s) * 1e3:.1f} "
-                  f"| {statistics.median(each):.3f} ({min(each):.3f}-{max(each):.3f}) | {work} "
+                  f"| {statistics.median(each):.3f} ({min(each):.3f}-{max(each):.3f}) | {ps} "
+                  f"| {work} "
                   f"| {per_stage} | {slow} "
                   f"| {f'{plan.drift:.3f}' if plan.drift is not None else '-'} |")
     print(f"\nslow steps: per repeat, the timed steps in which some stage's own forward + "
