@@ -36,7 +36,7 @@ from partc.hardware.local import (
 )
 from partc.hardware.specs import OP_CLASSES, ClusterSpec, DeviceSpec, LinkSpec
 from partc.hardware.units import format_quantity, parse_quantity
-from partc.hardware.wake_credit import WakeCredit, measure_wake_credit
+from partc.hardware.wake_credit import WakeCredit, WakeCreditError, measure_wake_credit
 
 if TYPE_CHECKING:
     import torch
@@ -106,8 +106,10 @@ class CalibrationResult:
     # they compete for cores and memory bandwidth, so every number comes out low above ~0.1.
     other_processes_cores: float
     # the OS scheduler's credit for a process woken from a gloo wait (CPU calibrations with the
-    # link measured; the cluster's wake_credit_s), None where it was not measured
+    # link measured; the cluster's wake_credit_s), None where it was not measured, and why not
+    # where it was tried and failed (`wake_note`)
     wake: WakeCredit | None = None
+    wake_note: str = ""
 
 
 # --------------------------------------------------------------------------------------------
@@ -1173,6 +1175,7 @@ def calibrate(out_dir: str | Path, device: str = "cpu", *, name: str | None = No
     cal: DeviceCalibration
     link: LinkCalibration
     wake: WakeCredit | None = None
+    wake_note = ""
     quick = seconds < 5
     if kind == "cpu":
         cpu_cal = measure_cpu(threads, seconds)
@@ -1183,7 +1186,10 @@ def calibrate(out_dir: str | Path, device: str = "cpu", *, name: str | None = No
             link = measure_gloo_link(threads, small_reps=50 if quick else 500,
                                      big_reps=3 if quick else 20,
                                      nbytes=(8 << 20) if quick else LINK_BYTES)
-            wake = measure_wake_credit()
+            try:
+                wake = measure_wake_credit()
+            except WakeCreditError as exc:  # the rest of the calibration still holds
+                wake_note = exc.one_line()
         else:
             link = LinkCalibration(link=LinkSpec(bandwidth=1e9, latency_s=100e-6), measured=False,
                                    source="placeholder: the link was not measured")
@@ -1214,7 +1220,7 @@ def calibrate(out_dir: str | Path, device: str = "cpu", *, name: str | None = No
     cluster = load_cluster(cluster_path)
     return CalibrationResult(device=cal, link=link, cluster=cluster, device_path=device_path,
                              cluster_path=cluster_path, wall_s=wall,
-                             other_processes_cores=others, wake=wake)
+                             other_processes_cores=others, wake=wake, wake_note=wake_note)
 
 
 def format_calibration(result: CalibrationResult) -> str:
@@ -1240,6 +1246,7 @@ def format_calibration(result: CalibrationResult) -> str:
         *([] if result.wake is None else [
             f"  a process woken by a gloo receive runs {_q(result.cluster.wake_credit_s, 's')} "
             "ahead of a busy core-mate (where processes share cores)"]),
+        *([f"  wake credit not measured: {result.wake_note}"] if result.wake_note else []),
         f"took {result.wall_s:.1f} s",
     ]
     if not math.isnan(result.other_processes_cores):

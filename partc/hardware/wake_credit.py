@@ -111,14 +111,16 @@ def _worker(index: int, port: int, shared: int, sender: int, compute_s: float, p
     torch.set_num_threads(1)
     x = torch.randn(128, 128)
     wakes = WARMUP + repeats
+    # unpinned, the hog and the sleeper could run side by side and the credit would read as
+    # the whole of the work: refuse instead
+    if not set_affinity(frozenset({shared if index < 2 else sender})):
+        raise RuntimeError(f"worker {index} cannot pin itself to a CPU")
     if index == 0:  # the hog: computes on the shared CPU until the others are done
-        set_affinity(frozenset({shared}))
         done = Path(out + ".done")
         deadline = time.perf_counter() + 60.0
         while not done.exists() and time.perf_counter() < deadline:
             x = _work(0.005, x)
         return
-    set_affinity(frozenset({shared if index == 1 else sender}))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=index - 1, world_size=2)
     batch_schedule_gloo_io()  # as launch's workers run gloo's socket loops

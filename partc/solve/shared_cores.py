@@ -14,7 +14,8 @@ plans 10-17% faster than they ran (docs/benchmarks.md).
 
 The model here: each rank has a served time (the CPU seconds it has had, its virtual runtime).
 A rank that starts a computation after waiting is placed `wake_credit_s` behind its core's
-level (the least served of the ranks computing there, never decreasing); on each core the
+level (the least served of the ranks computing there, never decreasing), or keeps its own
+served time where that is later (it ran more recently than the others); on each core the
 least-served computing ranks share the core's computing share equally and the others wait
 until they catch up. With `wake_credit_s` 0 every waker joins at the level and this is
 processor sharing exactly. The credit is a property of the node's scheduler, measured by
@@ -32,7 +33,7 @@ class SharedCores:
     """The served times of the ranks sharing cores and what they imply for their rates.
 
     `sharing`: per rank, the ranks on its core, itself included (`PipelineSpec.core_sharing`;
-    a rank appears once per replica, and the group is the same for every member)."""
+    a rank appears once per replica on that core)."""
 
     def __init__(self, sharing: Sequence[Sequence[int]], wake_credit_s: float) -> None:
         if not wake_credit_s >= 0 or not math.isfinite(wake_credit_s):

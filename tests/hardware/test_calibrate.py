@@ -331,3 +331,23 @@ def test_calibrate_cuda_without_a_gpu_is_a_one_line_error(tmp_path: Path) -> Non
     assert proc.returncode == 2
     assert proc.stderr.startswith("partc: error: cannot calibrate cuda:1: "), proc.stderr
     assert "(hint: " in proc.stderr and proc.stderr.count("\n") == 1
+
+
+def test_a_wake_credit_that_cannot_be_measured_leaves_the_rest_of_the_calibration(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where processes cannot be pinned to one CPU (a container that forbids affinity), the hog
+    and the sleeper would run side by side and the credit would read as the whole of the work:
+    the measurement refuses, and calibrate writes its configs without a wake credit and says
+    why in its summary."""
+    import partc.hardware.wake_credit as wake_credit
+    from partc.hardware.calibration import calibrate, format_calibration
+
+    monkeypatch.setattr(wake_credit, "core_cpus", lambda: [])
+    with pytest.raises(wake_credit.WakeCreditError, match="CPU affinity") as err:
+        wake_credit.measure_wake_credit()
+    assert err.value.hint
+    result = calibrate(tmp_path, "cpu", seconds=0.5)
+    assert result.wake is None and result.cluster.wake_credit_s == 0.0
+    assert "wake_credit_s" not in result.cluster_path.read_text()
+    summary = format_calibration(result)
+    assert "wake credit not measured: measuring the wake credit needs processes pinned" in summary
