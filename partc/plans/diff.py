@@ -118,6 +118,10 @@ class Layout:
     # The files a plan pins (plans only): model file and stage files -> sha256. diff shows which
     # differ (a stage file re-traced or edited with an unchanged layout); equality ignores them
     files: dict[str, str] | None = field(default=None, compare=False)
+    # The cluster config a plan records, flattened to dotted keys (plans only): diff shows the
+    # keys that differ (a recalibrated link, device or scheduler under the same cluster name);
+    # equality ignores them, as it does the costs' source
+    cluster_config: dict[str, Any] | None = field(default=None, compare=False)
 
     @property
     def devices_used(self) -> int:
@@ -147,7 +151,19 @@ def layout_of_plan(plan: Plan) -> Layout:
                   module_fingerprints=dict(plan.model.module_fingerprints),
                   costs=costs_of_plan(plan),
                   files={f"model file {plan.model.file}": plan.model.sha256,
-                         **{s.file: s.sha256 for s in plan.stages}})
+                         **{s.file: s.sha256 for s in plan.stages}},
+                  cluster_config=_flattened(plan.cluster.to_dict()))
+
+
+def _flattened(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested mapping as {"a.b.c": leaf}; lists and other values are leaves."""
+    out: dict[str, Any] = {}
+    for key, value in d.items():
+        if isinstance(value, dict):
+            out.update(_flattened(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 def layout_of_partition(partition: Partition, module_fingerprints: dict[str, str]) -> Layout:
@@ -248,10 +264,13 @@ class LayoutDiff:
     solver_changed: bool
     costs: tuple[CostsInfo, CostsInfo] | None = None  # (old, new) when both known and different
     files: tuple[str, ...] = ()  # pinned files whose sha256 differs (both sides plans)
+    # the recorded cluster config's keys whose values differ (both sides plans)
+    cluster_config: tuple[str, ...] = ()
 
     @property
     def same(self) -> bool:
-        return self.old == self.new and self.costs is None and not self.files
+        return self.old == self.new and self.costs is None and not self.files and \
+            not self.cluster_config
 
 
 _SHAPE_KEYS = (("stages", "pipeline stages"), ("replicas", "replicas"),
@@ -289,7 +308,17 @@ def diff_layouts(old: Layout, new: Layout) -> LayoutDiff:
                       solver_changed=old.solver != new.solver,
                       costs=(old.costs, new.costs) if old.costs is not None and
                       new.costs is not None and old.costs != new.costs else None,
-                      files=_files_that_differ(old, new))
+                      files=_files_that_differ(old, new),
+                      cluster_config=_cluster_keys_that_differ(old, new))
+
+
+def _cluster_keys_that_differ(old: Layout, new: Layout) -> tuple[str, ...]:
+    if old.cluster_config is None or new.cluster_config is None:
+        return ()
+    was, now = old.cluster_config, new.cluster_config
+    # the description and source texts follow the numbers; the name is shown as the cluster
+    return tuple(sorted(k for k in set(was) | set(now) if was.get(k) != now.get(k)
+                        and k.rsplit(".", 1)[-1] not in ("description", "source", "name")))
 
 
 def _files_that_differ(old: Layout, new: Layout) -> tuple[str, ...]:
@@ -348,6 +377,13 @@ def format_diff(diff: LayoutDiff, old_name: str = "a", new_name: str = "b",
         lines.append(f"{what}: {a} -> {b}")
     if diff.costs is not None:
         lines.append(f"costs: {diff.costs[0].describe()} -> {diff.costs[1].describe()}")
+    if diff.cluster_config:
+        was, now = old.cluster_config or {}, new.cluster_config or {}
+        lines.append(f"cluster config {new.cluster} ({len(diff.cluster_config)} key(s) differ):")
+        keys = diff.cluster_config[:_MAX_LINES]
+        lines += [f"  {k}: {was.get(k, '-')} -> {now.get(k, '-')}" for k in keys]
+        if len(diff.cluster_config) > len(keys):
+            lines.append(f"  ... and {len(diff.cluster_config) - len(keys)} more")
     if diff.files:
         was, now = old.files or {}, new.files or {}
         lines.append(f"files that differ ({len(diff.files)}):")

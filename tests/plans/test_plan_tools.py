@@ -226,6 +226,30 @@ def test_diff_of_two_plans(bert2: Path, tmp_path: Path) -> None:
     assert same.returncode == 0 and same.stdout.rstrip().endswith("no differences")
 
 
+def test_diff_shows_a_changed_cluster_config_under_the_same_name() -> None:
+    """A recalibrated cluster (here the scheduler's wake credit, then a link) keeps its name;
+    diff names the recorded keys that differ, and a plan against itself has none."""
+    from dataclasses import replace
+
+    from partc.plans.diff import diff_layouts, format_diff, layout_of_plan
+    from partc.plans.plan import load_plan
+
+    plan = load_plan(ROOT / "examples" / "plans" / "mlp" / "plan.yaml")
+    assert plan.cluster.wake_credit_s > 0
+    same = diff_layouts(layout_of_plan(plan), layout_of_plan(plan))
+    assert same.same and same.cluster_config == ()
+    other = replace(plan, cluster=replace(
+        plan.cluster, wake_credit_s=0.0,
+        intra_node=replace(plan.cluster.intra_node, bandwidth=2e9)))
+    diff = diff_layouts(layout_of_plan(plan), layout_of_plan(other))
+    assert not diff.same
+    assert diff.cluster_config == ("intra_node.bandwidth", "wake_credit_s")
+    text = format_diff(diff)
+    assert "cluster config cpu-4 (2 key(s) differ):" in text
+    assert f"  wake_credit_s: {plan.cluster.wake_credit_s} -> -" in text
+    assert "  intra_node.bandwidth: " in text and "-> 2000000000.0" in text
+
+
 # ---- show --------------------------------------------------------------------------------------
 
 def test_show_summary_png_and_html(bert2: Path, tmp_path: Path) -> None:
