@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
 import socket
+import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
+from partc.errors import PartcError
 from partc.hardware.configs import (
     ConfigError,
     config_dir,
@@ -296,6 +299,23 @@ def batch_schedule_gloo_io() -> int:
         except OSError:  # a thread that ended meanwhile, or a system that forbids it
             continue
     return moved
+
+
+def spawn_measurement(worker: Callable[..., None], args: tuple[Any, ...], nprocs: int,
+                      what: str, error: type[PartcError], prefix: str) -> Any:
+    """Run `worker(index, *args, out)` in `nprocs` processes (torch.multiprocessing.spawn) and
+    return the JSON one of them wrote to the file `out` (in a temporary folder); a worker's
+    failure raises `error` as one line naming `what` (a calibration measurement's contract)."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        out = os.path.join(tmp, "result.json")
+        try:
+            mp.spawn(worker, args=(*args, out), nprocs=nprocs, join=True)
+        except Exception as exc:  # a worker's failure: one line
+            raise error(f"the {what} measurement failed: {str(exc).strip().splitlines()[-1]}",
+                        hint="rerun partc calibrate with --debug") from exc
+        return json.loads(Path(out).read_text())
 
 
 def free_port() -> int:

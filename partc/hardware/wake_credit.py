@@ -20,14 +20,19 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from partc.errors import PartcError
-from partc.hardware.local import batch_schedule_gloo_io, core_cpus, free_port, set_affinity
+from partc.hardware.local import (
+    batch_schedule_gloo_io,
+    core_cpus,
+    free_port,
+    set_affinity,
+    spawn_measurement,
+)
 
 COMPUTE_S = 0.03  # CPU seconds the sleeper computes per wake: over the credits seen (5 ms)
 PERIOD_S = 0.08  # between the sender's messages: the sleeper's 2 C of wall time and a wait
@@ -67,8 +72,6 @@ def measure_wake_credit(repeats: int = REPEATS) -> WakeCredit:
 
 
 def _measure(compute_s: float, period_s: float, repeats: int) -> list[float]:
-    import torch.multiprocessing as mp
-
     cpus = [min(core) for core in core_cpus()] if hasattr(os, "sched_setaffinity") else []
     if not cpus:
         raise WakeCreditError("measuring the wake credit needs processes pinned to a CPU, and "
@@ -78,16 +81,9 @@ def _measure(compute_s: float, period_s: float, repeats: int) -> list[float]:
     # the hog and the sleeper on one logical CPU (an SMT sibling would run them side by side),
     # the sender on another core where there is one
     shared, sender = cpus[0], cpus[1 % len(cpus)]
-    with tempfile.TemporaryDirectory(prefix="partc-wake-") as tmp:
-        out = os.path.join(tmp, "wake.json")
-        try:
-            mp.spawn(_worker, args=(free_port(), shared, sender, compute_s, period_s, repeats,
-                                    out), nprocs=3, join=True)
-        except Exception as exc:  # a worker's failure: one line
-            raise WakeCreditError(f"the wake credit measurement failed: "
-                                  f"{str(exc).strip().splitlines()[-1]}",
-                                  hint="rerun partc calibrate with --debug") from exc
-        timed: list[list[float]] = json.loads(Path(out).read_text())
+    timed: list[list[float]] = spawn_measurement(
+        _worker, (free_port(), shared, sender, compute_s, period_s, repeats), 3, "wake credit",
+        WakeCreditError, "partc-wake-")
     return [min(max(2 * cpu - wall, 0.0), cpu) for wall, cpu in timed]
 
 

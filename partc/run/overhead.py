@@ -18,9 +18,7 @@ and the two stages: the solver adds it to every stage's forward and backward.
 from __future__ import annotations
 
 import json
-import os
 import statistics
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +27,7 @@ import torch
 from partc.cost.torch_profiler import cpu_settings
 from partc.errors import PartcError
 from partc.hardware.calibration import CalibrationResult
-from partc.hardware.local import free_port
+from partc.hardware.local import free_port, spawn_measurement
 
 WIDTH = 64  # features of the small stage's layers
 MICROBATCH = 32  # samples per micro-batch
@@ -58,21 +56,12 @@ class PipelineOverhead:
 def measure_microbatch_overhead(device: str = "cpu") -> PipelineOverhead:
     """Measure the runtime's overhead per pass on `device` ("cpu" or "cuda[:N]", which needs two
     GPUs); see the module docstring. Takes a few seconds."""
-    import torch.multiprocessing as mp
-
     kind = "cuda" if device.startswith("cuda") else "cpu"
     if kind == "cuda" and torch.cuda.device_count() < 2:
         raise OverheadError("measuring the pipeline runtime on CUDA needs two GPUs",
                             hint="run partc calibrate on a machine with 2+ GPUs")
-    with tempfile.TemporaryDirectory(prefix="partc-overhead-") as tmp:
-        out = os.path.join(tmp, "overhead.json")
-        try:
-            mp.spawn(_worker, args=(kind, free_port(), out), nprocs=2, join=True)
-        except Exception as exc:  # a worker's failure: one line
-            raise OverheadError(f"the pipeline overhead measurement failed: "
-                                f"{str(exc).strip().splitlines()[-1]}",
-                                hint="rerun partc calibrate with --debug") from exc
-        found = json.loads(Path(out).read_text())
+    found = spawn_measurement(_worker, (kind, free_port()), 2, "pipeline overhead",
+                              OverheadError, "partc-overhead-")
     fwd = (found["0"]["forward_s"], found["1"]["forward_s"])
     bwd = (found["0"]["backward_s"], found["1"]["backward_s"])
     return PipelineOverhead(microbatch_overhead_s=statistics.mean([*fwd, *bwd]),

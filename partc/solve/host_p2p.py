@@ -269,7 +269,6 @@ def run(progs: list[list[Item]], forward_s: Sequence[float], backward_s: Sequenc
     waiting_until: dict[int, float] = {}  # transfer in its latency -> when that ends
     peers: dict[int, tuple[int, int]] = {}  # transfer -> (sender, receiver) ranks
     cores = SharedCores(sharing, wake_credit_s)
-    free_since = [0.0] * s  # when the rank's last computation ended
     now = 0.0
 
     def start_transfer(k: int) -> None:
@@ -315,7 +314,7 @@ def run(progs: list[list[Item]], forward_s: Sequence[float], backward_s: Sequenc
                 computing[rank] = action
                 left[rank] = forward_s[stage] if action < vm else backward_s[stage]
                 start_of[action] = now
-                cores.start(rank, now > free_since[rank], busy)
+                cores.start(rank, now, busy)
                 busy.add(rank)
             position[rank] += 1
         if computing[rank] < 0 and position[rank] == len(program) and ended[rank] != ended[rank]:
@@ -355,7 +354,7 @@ def run(progs: list[list[Item]], forward_s: Sequence[float], backward_s: Sequenc
             if left[rank] <= _DONE:
                 finish[computing[rank]] = now
                 computing[rank] = -1
-                free_since[rank] = now
+                cores.finish(rank, now)
                 busy.discard(rank)
                 dirty.add(rank)
         for k in list(copying):

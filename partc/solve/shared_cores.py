@@ -47,17 +47,23 @@ class SharedCores:
         self.copies = [max(1, list(group).count(rank)) for rank, group in enumerate(sharing)]
         self.served = [0.0] * len(sharing)
         self.level = dict.fromkeys(self.core, 0.0)
+        self.free_since = [0.0] * len(sharing)  # when each rank's last computation ended
 
-    def start(self, rank: int, waited: bool, computing: Collection[int]) -> None:
-        """`rank` starts a computation (`computing`: the ranks computing now, `rank` among them
-        or not). After a wait it joins its core behind the level by the credit, or at it when
-        no core-mate is computing; straight after its last computation it keeps its place."""
-        if not waited:
+    def start(self, rank: int, now: float, computing: Collection[int]) -> None:
+        """`rank` starts a computation at `now` (`computing`: the ranks computing now, `rank`
+        among them or not). After a wait it joins its core behind the level by the credit, or
+        at it when no core-mate is computing; straight after its last computation it keeps its
+        place."""
+        if now <= self.free_since[rank]:
             return
         core = self.core[rank]
         mates = any(other != rank and self.core[other] == core for other in computing)
         self.served[rank] = max(self.served[rank],
                                 self.level[core] - (self.credit if mates else 0.0))
+
+    def finish(self, rank: int, now: float) -> None:
+        """`rank`'s computation ended at `now`."""
+        self.free_since[rank] = now
 
     def slowdowns(self, computing: Collection[int], load: Sequence[int]) -> dict[int, float]:
         """Per computing rank, the wall seconds a second of its own work takes: under processor

@@ -555,7 +555,6 @@ def _run_shared(spec: PipelineSpec, programs: list[list[int]]
     left = [0.0] * s  # seconds of its own (unshared) work the running action still needs
     sharing = spec.core_sharing
     cores = SharedCores(sharing, spec.wake_credit_s)
-    free_since = [0.0] * s  # when the rank's last action ended
 
     def ready_at(rank: int) -> float | None:
         """When the rank's next action may start: None while a dependency has not run or when
@@ -586,8 +585,7 @@ def _run_shared(spec: PipelineSpec, programs: list[list[int]]
                 if at is not None and at <= now:
                     action = programs[rank][position[rank]]
                     start_of[action] = now
-                    cores.start(rank, now > free_since[rank],
-                                [other for other in range(s) if running[other]])
+                    cores.start(rank, now, [other for other in range(s) if running[other]])
                     running[rank] = True
                     left[rank] = forward_s[action // m] if action < vm else \
                         backward_s[(action - vm) // m]
@@ -614,7 +612,7 @@ def _run_shared(spec: PipelineSpec, programs: list[list[int]]
             if left[rank] <= 1e-12:
                 action = programs[rank][position[rank]]
                 finish[action] = now
-                free_since[rank] = now
+                cores.finish(rank, now)
                 position[rank] += 1
                 running[rank] = False
 
