@@ -46,26 +46,21 @@ def _install(out: str, rank: str) -> None:
     post, wait = schedules._batch_p2p, schedules._wait_batch_p2p
 
     # each timed call also logs its main-thread CPU time as a zero-length "cpu:<kind>" row, so
-    # the step's main-thread CPU outside the passes splits into its parts
-    def timed_post(ops: list[Any], desc: str | None = None) -> Any:
-        start, cpu = _now(), time.thread_time()
-        works = post(ops, desc)
-        end = _now()
-        log.append(("post", start, end, [op.op.__name__ for op in ops]))
-        log.append(("cpu:post", end, end, time.thread_time() - cpu))
-        return works
-
+    # the step's main-thread CPU outside the passes splits into its parts; `detail` is the
+    # row's detail, or a function of the call's arguments that gives it
     def timed(kind: str, fn: Callable[..., Any], detail: Any = None) -> Callable[..., Any]:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             start, cpu = _now(), time.thread_time()
             result = fn(*args, **kwargs)
             end = _now()
-            log.append((kind, start, end, detail))
+            log.append((kind, start, end, detail(*args) if callable(detail) else detail))
             log.append((f"cpu:{kind}", end, end, time.thread_time() - cpu))
             return result
         return wrapper
 
-    schedules._batch_p2p = timed_post  # type: ignore[assignment]  # P2PTimer wraps these in turn
+    # P2PTimer wraps these in turn
+    schedules._batch_p2p = timed(
+        "post", post, lambda ops, *_: [op.op.__name__ for op in ops])
     schedules._wait_batch_p2p = timed("wait", wait)
 
     def timed_pass(kind: str, method: Callable[..., Any]) -> Callable[..., Any]:
