@@ -742,6 +742,21 @@ def _short_rank_list(plan_dir: Path) -> None:
     _set_in_plan(plan_dir, edit)
 
 
+def _wire_order_not_a_permutation(plan_dir: Path) -> None:
+    def edit(d: dict) -> None:
+        for ref in (d["stages"][0]["outputs"][0], d["stages"][1]["inputs"][0]):
+            ref["wire_order"] = [0] * len(ref["shape"])
+    _set_in_plan(plan_dir, edit)
+
+
+def _received_in_another_order(plan_dir: Path) -> None:
+    # same bytes, another meaning: received transposed, it would train on scrambled values
+    def edit(d: dict) -> None:
+        ref = d["stages"][1]["inputs"][0]
+        ref["wire_order"] = list(reversed(range(len(ref["shape"]))))
+    _set_in_plan(plan_dir, edit)
+
+
 INCONSISTENT = {
     "nan-time": (_nan_time, "forward_s is nan"),
     "short-rank-list": (_short_rank_list, "predicted.optimizer_s has 1 entries"),
@@ -750,6 +765,8 @@ INCONSISTENT = {
     "stage-device": (_stage_on_wrong_device, "stage 1 is"),
     "input-from-later-stage": (_input_from_the_future, "not an earlier stage"),
     "stage-file-path": (_stage_file_elsewhere, "stages/1/file"),
+    "wire-order": (_wire_order_not_a_permutation, "not an order of its 2 dims"),
+    "received-other-than-sent": (_received_in_another_order, "stage 0 sends"),
 }
 
 

@@ -636,7 +636,8 @@ def _ref(split: SplitProgram, name: str, stage: int, side: str, runtime: dict[st
     between = peer != (MODEL_INPUT,) and peer != (LOSS,)
     wire = runtime.get(name, t.dtype) if between else t.dtype
     return TensorRef(name=name, shape=t.shape, dtype=t.dtype, peer=peer, relay=relay,
-                     wire_dtype=wire if wire != t.dtype else "")
+                     wire_dtype=wire if wire != t.dtype else "",
+                     wire_order=t.memory_order if between else ())
 
 
 def _remove_stale_stages(directory: Path, num_stages: int) -> None:

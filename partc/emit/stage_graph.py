@@ -52,6 +52,9 @@ class StageTensor:
     dtype: str
     source: int  # stage that produces it; MODEL_INPUT for the model's inputs
     consumers: tuple[int, ...]  # stages that read it; num_stages stands for the loss (model output)
+    # its dims in memory order, outermost first, where that is not the logical order (a
+    # transposed query); () = contiguous (`memory_order`)
+    memory_order: tuple[int, ...] = ()
 
 
 @dataclass
@@ -146,14 +149,33 @@ def _stage_of_nodes(gm: torch.fx.GraphModule, stage_of: Mapping[str, int],
     return stages
 
 
-def _tensor_meta(node: torch.fx.Node) -> tuple[tuple[int, ...], str]:
+def _tensor_meta(node: torch.fx.Node) -> tuple[tuple[int, ...], str, tuple[int, ...]]:
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor):
         raise SplitError(f"value {node.name} crosses a stage boundary but is a "
                          f"{type(val).__name__}, not a tensor",
                          hint="only tensors can pass between pipeline stages; move the cut "
                               "(pin --stages differently) or report the model")
-    return tuple(int(d) for d in val.shape), dtype_name(val.dtype)
+    return tuple(int(d) for d in val.shape), dtype_name(val.dtype), memory_order(val)
+
+
+def memory_order(t: torch.Tensor) -> tuple[int, ...]:
+    """`t`'s dims in the order its strides lay them out in memory, outermost first (ties in
+    logical order; a size-1 dim, which takes no room, right after its logical predecessor);
+    () when that is the logical order. The pipeline runtime sends a boundary tensor in this
+    order, so the next stage receives the layout the unsplit model had (docs/launch.md,
+    "Boundary layouts")."""
+    if t.is_contiguous():
+        return ()
+
+    def key(d: int) -> tuple[int, ...]:
+        if t.shape[d] > 1:
+            return (-int(t.stride(d)), d)
+        before = [e for e in range(d) if t.shape[e] > 1]
+        return (-int(t.stride(before[-1])), before[-1], d) if before else (-(1 << 62), -1, d)
+
+    order = tuple(sorted(range(t.dim()), key=key))
+    return () if order == tuple(range(t.dim())) else order
 
 
 def split_program(exported: ExportedProgram, stage_of: Mapping[str, int],
@@ -205,9 +227,10 @@ def split_program(exported: ExportedProgram, stage_of: Mapping[str, int],
                                           dtype=dtype_name(value.dtype), source=num_stages - 1,
                                           consumers=(num_stages,))
             continue
-        shape, dtype = _tensor_meta(v)
+        shape, dtype, in_memory = _tensor_meta(v)
         tensors[v.name] = StageTensor(name=v.name, shape=shape, dtype=dtype, source=source[v],
-                                      consumers=tuple(sorted(consumers.get(v, ()))))
+                                      consumers=tuple(sorted(consumers.get(v, ()))),
+                                      memory_order=in_memory)
 
     stages = []
     for k in range(num_stages):

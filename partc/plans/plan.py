@@ -69,16 +69,28 @@ class TensorRef:
     # precision when that is not `dtype` (bf16-mixed: a projection's output is bfloat16, a
     # residual stream stays float32); "" = `dtype`
     wire_dtype: str = ""
+    # a boundary tensor between stages laid out in memory in another order than its dims (a
+    # transposed query, a view of a [batch, seq, heads, dim] buffer): its dims in memory order,
+    # outermost first, in which it is sent, so the receiver gets the strides the unsplit model
+    # had; () = as it is (docs/launch.md, "Boundary layouts")
+    wire_order: tuple[int, ...] = ()
 
     @property
     def runtime_dtype(self) -> str:
         """The dtype the tensor crosses a stage boundary in."""
         return self.wire_dtype or self.dtype
 
+    @property
+    def wire_shape(self) -> tuple[int, ...]:
+        """The shape it crosses a stage boundary in: `shape` in `wire_order`."""
+        return tuple(self.shape[d] for d in self.wire_order) if self.wire_order else self.shape
+
     def to_dict(self, peer_key: str | None) -> dict[str, Any]:
         d: dict[str, Any] = {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
         if self.wire_dtype:
             d["wire_dtype"] = self.wire_dtype
+        if self.wire_order:
+            d["wire_order"] = list(self.wire_order)
         if peer_key == "from":
             d["from"] = self.peer[0]
         elif peer_key == "to":
@@ -98,7 +110,8 @@ class TensorRef:
             peer = tuple(d["to"])
         return cls(name=d["name"], shape=tuple(d["shape"]), dtype=d["dtype"], peer=peer,
                    path=d.get("path", ""), relay=bool(d.get("relay", False)),
-                   wire_dtype=d.get("wire_dtype", ""))
+                   wire_dtype=d.get("wire_dtype", ""),
+                   wire_order=tuple(d.get("wire_order", ())))
 
 
 @dataclass(frozen=True)
@@ -664,11 +677,30 @@ def _check_consistency(plan: Plan) -> None:
                 (first.activation_checkpointing, first.sharding):
             raise ValueError(f"stage {k} has other levers than stage {first.index} of the same "
                              f"pipeline rank {st.rank}")
+        for t in (*st.inputs, *st.outputs):
+            if t.wire_order and sorted(t.wire_order) != list(range(len(t.shape))):
+                raise ValueError(f"stage {k} tensor {t.name} has wire_order "
+                                 f"{list(t.wire_order)}, not an order of its {len(t.shape)} "
+                                 "dims")
         for t in st.inputs:
             src = t.peer[0] if t.peer else None
             if not (src == MODEL_INPUT or (isinstance(src, int) and 0 <= src < k)):
                 raise ValueError(f"stage {k} input {t.name} comes from {src!r}, not an earlier "
                                  f"stage or {MODEL_INPUT!r}")
+            if isinstance(src, int):
+                # stages talk to their neighbours only (a tensor from further back is relayed):
+                # what crosses must be received as stage k - 1 sends it, same bytes in the same
+                # order
+                sent = next((o for o in plan.stages[k - 1].outputs if o.name == t.name), None)
+                if sent is None:
+                    raise ValueError(f"stage {k} input {t.name} is not among stage {k - 1}'s "
+                                     "outputs")
+                if (sent.shape, sent.runtime_dtype, sent.wire_order) != \
+                        (t.shape, t.runtime_dtype, t.wire_order):
+                    raise ValueError(f"stage {k} input {t.name} is received as {list(t.shape)} "
+                                     f"{t.runtime_dtype} in order {list(t.wire_order)}; stage "
+                                     f"{k - 1} sends {list(sent.shape)} {sent.runtime_dtype} in "
+                                     f"order {list(sent.wire_order)}")
         for t in st.outputs:
             if any(not (p == LOSS or (isinstance(p, int) and k < p < last)) for p in t.peer):
                 raise ValueError(f"stage {k} output {t.name} goes to {list(t.peer)}, not later "

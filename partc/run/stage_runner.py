@@ -151,11 +151,21 @@ class StageRunner(torch.nn.Module):
     model (a residual stream stays float32: casting it to bfloat16 at a boundary would change
     the numerics and slow the next stage's elementwise work), which are the dtypes plan.yaml
     records for the boundary (`wire_dtypes`, casts only where autocast disagreed with the
-    compile's replay of it); the last stage's go to the loss in float32."""
+    compile's replay of it); the last stage's go to the loss in float32.
+
+    Between stages a tensor travels contiguous (a p2p send needs it so) in the memory order of
+    its dims in the unsplit model (`TensorRef.wire_order`): a stage sends `t.permute(order)`
+    made contiguous, and the next one views what it received back in the logical order. So a
+    transposed query cut from its projection arrives laid out as it was, the kernels after it
+    make the layouts they made unsplit (no copy where a reshape was a view), and its gradient
+    flows back into the view chain in that layout (no copy in the backward's reshapes either).
+    A contiguous tensor's order is the identity: nothing is permuted."""
 
     def __init__(self, stage: torch.nn.Module, device: torch.device, bf16: bool,
                  checkpointing: bool, last: bool,
-                 wire_dtypes: tuple[torch.dtype, ...] = ()) -> None:
+                 wire_dtypes: tuple[torch.dtype, ...] = (),
+                 input_orders: tuple[tuple[int, ...], ...] = (),
+                 output_orders: tuple[tuple[int, ...], ...] = ()) -> None:
         super().__init__()
         self.stage = stage
         self.device_type = device.type
@@ -163,18 +173,26 @@ class StageRunner(torch.nn.Module):
         self.checkpointing = checkpointing
         self.last = last
         self.wire_dtypes = wire_dtypes
+        # per input: the permutation that views a received tensor back in logical order
+        self.input_views = tuple(_inverse(order) if order else () for order in input_orders)
+        self.output_orders = output_orders
 
     @classmethod
     def for_stage(cls, plan: Plan, stage: torch.nn.Module, index: int,
                   device: torch.device) -> "StageRunner":
         """The runner of plan stage `index` (its loaded `stage` module) as launch runs it: the
-        plan's precision, the stage's checkpointing, plan.yaml's boundary dtypes."""
+        plan's precision, the stage's checkpointing, plan.yaml's boundary dtypes and layouts."""
         spec = plan.stages[index]
         return cls(stage, device, plan.training.config.bf16, spec.activation_checkpointing,
                    last=index == plan.num_stages - 1,
-                   wire_dtypes=tuple(getattr(torch, ref.runtime_dtype) for ref in spec.outputs))
+                   wire_dtypes=tuple(getattr(torch, ref.runtime_dtype) for ref in spec.outputs),
+                   input_orders=tuple(ref.wire_order for ref in spec.inputs),
+                   output_orders=tuple(ref.wire_order for ref in spec.outputs))
 
     def forward(self, *args: torch.Tensor) -> Any:
+        if self.input_views:
+            args = tuple(a.permute(view) if view else a
+                         for a, view in zip(args, self.input_views, strict=True))
         outputs = self._run(*args)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         if self.bf16 and self.last:
@@ -182,7 +200,10 @@ class StageRunner(torch.nn.Module):
         elif self.bf16:
             outputs = tuple(o.to(dtype) if o.is_floating_point() and o.dtype != dtype else o
                             for o, dtype in zip(outputs, self.wire_dtypes, strict=True))
-        if not self.last:  # p2p sends need contiguous tensors (a cut after a transpose)
+        if not self.last:  # p2p sends need contiguous tensors
+            if self.output_orders:
+                outputs = tuple(o.permute(order) if order else o
+                                for o, order in zip(outputs, self.output_orders, strict=True))
             outputs = tuple(o.contiguous() for o in outputs)
         return outputs
 
@@ -310,14 +331,22 @@ def wrap_for_pipeline(plan: Plan, stages: list[LocalStage], device: torch.device
 def boundary_tensors(refs: tuple[TensorRef, ...], device: torch.device,
                      grad: bool) -> tuple[torch.Tensor, ...]:
     """Tensors with the shapes and dtypes plan.yaml gives a stage boundary (static pipeline
-    metadata: the dtypes they cross in under the plan's precision, `TensorRef.runtime_dtype`;
+    metadata: the shapes and dtypes they cross in, `TensorRef.wire_shape` and `runtime_dtype`;
     what the loss gets keeps its dtype); floating ones require grad where gradients flow."""
     out = []
     for ref in refs:
         dtype = getattr(torch, ref.runtime_dtype)
-        t = torch.empty(ref.shape, dtype=dtype, device=device)
+        t = torch.empty(ref.wire_shape, dtype=dtype, device=device)
         out.append(t.requires_grad_(grad and dtype.is_floating_point))
     return tuple(out)
+
+
+def _inverse(order: tuple[int, ...]) -> tuple[int, ...]:
+    """The permutation that undoes `order` (`t.permute(order).permute(_inverse(order))` is t)."""
+    inverse = [0] * len(order)
+    for i, d in enumerate(order):
+        inverse[d] = i
+    return tuple(inverse)
 
 
 def gradient_order(module: torch.nn.Module, spec: PlanStage,
