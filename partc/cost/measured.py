@@ -85,7 +85,7 @@ from partc.frontend.export import export_program
 from partc.frontend.model_file import Inputs, ModelFile, inputs_to_meta
 from partc.frontend.onnx_export import OnnxExport, export_onnx
 from partc.graph.opgraph import OpGraph
-from partc.hardware.local import pinned_to_core
+from partc.hardware.local import cpu_vector_bytes, pinned_to_core
 from partc.options import PRECISIONS, PROFILE_METHODS, Precision, ProfileMethod
 from partc.progress import Progress
 from partc.version import __version__
@@ -579,6 +579,7 @@ def combine(graph: OpGraph, measurements: list[_Measurement], device: torch.devi
                      **({"fallback": fallback} if fallback else {})})
     return CostTable(graph=graph, source=source, nodes=nodes, loss=loss, batch_bytes=batch_bytes,
                      gemm_scratch_bytes=max(m.gemm_scratch for m in measurements),
+                     cpu_vector_bytes=cpu_vector_bytes() if device.type == "cpu" else 0,
                      keeps_result=frozenset().union(*(m.keeps_result for m in measurements)))
 
 

@@ -169,6 +169,7 @@ def analytic_cost_table(graph: OpGraph, device: DeviceSpec,
                         for t in graph.inputs)) for b in (b1, 2 * b1)]
     return CostTable(graph=graph, source=source, nodes=nodes, loss=loss,
                      keeps_result=None if saved is None else saved.keeps_result,
+                     cpu_vector_bytes=device.vector_bytes if device.kind == "cpu" else 0,
                      batch_bytes=Curve.through(list(zip((b1, 2 * b1), inputs, strict=True))))
 
 

@@ -33,6 +33,7 @@ from partc.cost.autocast import AutocastDtypes, autocast_dtypes
 from partc.errors import PartcError
 from partc.files import load_yaml, write_atomic
 from partc.graph.opgraph import INTEGER_DTYPES, OpGraph, dtype_bytes
+from partc.hardware.specs import CPU_VECTOR_BYTES
 from partc.options import Precision
 
 PROFILE_FORMAT = "partc-profile"
@@ -222,6 +223,10 @@ class CostTable:
     # CPU bf16 GEMMs pack blocks of their operands), at any measured size and one intra-op
     # thread; measured (partc.cost.activations.gemm_scratch_bytes), 0 in an analytic table
     gemm_scratch_bytes: int = 0
+    # the SIMD register width (bytes) of the CPU the table prices, which its kernels block
+    # tensors by (DeviceSpec.vector_bytes; measured: this machine's); 0: not recorded (a GPU's
+    # table, an older profile), read as DEFAULT_CPU_VECTOR_BYTES
+    cpu_vector_bytes: int = 0
     # the nodes among whose saved bytes is their own result's storage (a ReLU's output, a fused
     # attention's): a tensor's storage is counted on its producer there, not on a later node
     # that saves it too (partc.cost.activations); None in profiles from before it was recorded,
@@ -374,6 +379,7 @@ class CostTable:
                          batch_bytes=Curve.through(sorted(batch.items())),
                          gemm_scratch_bytes=max(self.gemm_scratch_bytes,
                                                 other.gemm_scratch_bytes),
+                         cpu_vector_bytes=self.cpu_vector_bytes or other.cpu_vector_bytes,
                          keeps_result=other.keeps_result if self.keeps_result is None
                          else self.keeps_result if other.keeps_result is None
                          else self.keeps_result | other.keeps_result)
@@ -389,7 +395,7 @@ class CostTable:
         written = CostTable(self.graph, self.source, {
             name: _at_sizes(c, sizes) for name, c in sorted(self.nodes.items())},  # file order
             loss=_at_sizes(self.loss, sizes), batch_bytes=self.batch_bytes,
-            gemm_scratch_bytes=self.gemm_scratch_bytes)
+            gemm_scratch_bytes=self.gemm_scratch_bytes, cpu_vector_bytes=self.cpu_vector_bytes)
         return {
             "format": PROFILE_FORMAT,
             "format_version": PROFILE_VERSION,
@@ -403,6 +409,7 @@ class CostTable:
             "loss": _row(written.loss, sizes),
             "batch_bytes": [int(round(self.batch_bytes.at(b))) for b in sizes],
             "gemm_scratch_bytes": self.gemm_scratch_bytes,
+            **({"cpu_vector_bytes": self.cpu_vector_bytes} if self.cpu_vector_bytes else {}),
             **({} if self.keeps_result is None
                else {"keeps_result": sorted(self.keeps_result)}),
             "nodes": {name: _row(c, sizes) for name, c in written.nodes.items()},
@@ -480,6 +487,10 @@ class CostTable:
             scratch = int(d.get("gemm_scratch_bytes", 0))  # absent in older profiles
             if scratch < 0:
                 raise ValueError(f"gemm_scratch_bytes must be >= 0, got {scratch}")
+            vector = d.get("cpu_vector_bytes", 0)  # absent in older profiles
+            if isinstance(vector, bool) or vector not in (0, *CPU_VECTOR_BYTES):
+                raise ValueError(f"cpu_vector_bytes must be one of {list(CPU_VECTOR_BYTES)}, "
+                                 f"got {vector!r}")
             keepers = d.get("keeps_result")  # absent in older profiles
             if keepers is not None and (not isinstance(keepers, list)
                                         or not all(isinstance(k, str) for k in keepers)):
@@ -498,7 +509,7 @@ class CostTable:
                                    f"{', '.join(unknown[:3])}",
                                    hint="re-create it with partc profile")
         return cls(graph=graph, source=source, nodes=nodes, loss=loss, batch_bytes=batch_bytes,
-                   gemm_scratch_bytes=scratch,
+                   gemm_scratch_bytes=scratch, cpu_vector_bytes=int(vector),
                    keeps_result=None if keepers is None else frozenset(keepers))
 
 

@@ -29,6 +29,7 @@ from partc.hardware.configs import list_clusters, load_cluster, load_device
 from partc.hardware.local import (
     batch_schedule_gloo_io,
     cpu_model,
+    cpu_vector_bytes,
     free_port,
     physical_cores,
     pin_to_core,
@@ -435,7 +436,7 @@ def measure_cpu(threads: int = 1, seconds: float = 20.0) -> CpuCalibration:
         source=f"calibrated by bench/calibrate_cpu.py on {model}",
         cache=(cache_bytes, cache_bw),
     )
-    spec = replace(spec, calibrated_on=model)
+    spec = replace(spec, calibrated_on=model, vector_bytes=cpu_vector_bytes())
     return CpuCalibration(spec=spec, cpu_model=model, physical_cores=cores, ram_bytes=ram,
                           threads=threads, measurements=found)
 
@@ -931,6 +932,10 @@ def _device_lines(spec: DeviceSpec, comments: dict[str, list[str]]) -> list[str]
     if spec.cache_bytes:
         lines += block("cache_bytes", f"cache_bytes: {spec.cache_bytes}",
                        f"cache_bandwidth: {_quantity_text(spec.cache_bandwidth, 'B/s')}")
+    if spec.vector_bytes:
+        # what its kernels block tensors by (the memory model's CPU convolution scratch)
+        lines += block("vector_bytes", "# SIMD register width torch's CPU kernels use here",
+                       f"vector_bytes: {spec.vector_bytes}")
     return lines
 
 

@@ -19,6 +19,7 @@ from partc.errors import PartcError
 from partc.files import load_yaml
 from partc.hardware.specs import (
     BACKENDS,
+    CPU_VECTOR_BYTES,
     DEVICE_KINDS,
     DTYPES,
     OP_CLASSES,
@@ -188,6 +189,14 @@ def _device_from(m: _Mapping) -> DeviceSpec:
             _fail(where, eff_in.key(str(op_class)), "unknown op class",
                   hint=_suggest(str(op_class), OP_CLASSES) or f"classes: {', '.join(OP_CLASSES)}")
     efficiency = {c: eff_in.quantity(c, "", at_most=1.0) for c in OP_CLASSES}
+    vector = m.raw("vector_bytes", required=False, default=0)
+    if isinstance(vector, bool) or vector not in (0, *CPU_VECTOR_BYTES) \
+            or (vector and kind != "cpu"):
+        _fail(where, m.key("vector_bytes"),
+              f"must be one of {', '.join(map(str, CPU_VECTOR_BYTES))} on a cpu device, got "
+              f"{vector!r}" + ("" if kind == "cpu" else f" on a {kind} device"),
+              hint="a CPU's SIMD register width in bytes: 64 AVX-512, 32 AVX2, 16 SSE or NEON "
+                   "(docs/hardware.md)")
     spec = DeviceSpec(
         name=name,
         kind=kind,
@@ -211,6 +220,7 @@ def _device_from(m: _Mapping) -> DeviceSpec:
         source=m.string("source", required=False),
         allow_tf32=m.boolean("allow_tf32", False),
         calibrated_on=m.string("calibrated_on", required=False),
+        vector_bytes=vector,
     )
     m.finish()
     return spec

@@ -148,6 +148,19 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown CPU"
 
 
+def cpu_vector_bytes() -> int:
+    """The SIMD register width (bytes) torch's CPU kernels use on this machine, from the
+    capability ATen dispatches to: 64 AVX-512, 32 AVX2 (or SVE-256), else 16 (SSE, NEON, VSX)."""
+    import torch
+
+    capability = torch.backends.cpu.get_cpu_capability().upper()
+    if capability.startswith("AVX512"):
+        return 64
+    if capability in ("AVX2", "SVE256"):
+        return 32
+    return 16
+
+
 def physical_cores() -> int:
     """Physical cores available to this process (hyper-threads of one core count once)."""
     return len(core_cpus()) or os.cpu_count() or 1

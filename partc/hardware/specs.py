@@ -37,6 +37,12 @@ def _dtype_key(dtype: str) -> str:
     return {"half": "float16", "float": "float32", "double": "float64"}.get(name, name)
 
 
+# SIMD register widths a CPU device may record (bytes), and the one read where none is: the
+# width the memory model's CPU kernel terms were first measured at (AVX-512)
+CPU_VECTOR_BYTES = (16, 32, 64)
+DEFAULT_CPU_VECTOR_BYTES = 64
+
+
 @dataclass(frozen=True)
 class DeviceSpec:
     """One device: compute peaks, memory bandwidth and capacity, and how much of it is reached.
@@ -75,6 +81,10 @@ class DeviceSpec:
     # GPU name); "" for a datasheet config. A config used to price this machine says, through
     # it, when its overheads and link are another machine's (partc.hardware.local).
     calibrated_on: str = ""
+    # A CPU's SIMD register width in bytes (64: AVX-512, 32: AVX2, 16: SSE, NEON); its kernels
+    # block tensors by it (oneDNN's convolutions pad channels to a register of floats,
+    # partc.solve.memory.kernel_scratch). 0: not recorded, read as DEFAULT_CPU_VECTOR_BYTES.
+    vector_bytes: int = 0
 
     def __post_init__(self) -> None:
         problems = _device_problems(self)
@@ -137,6 +147,8 @@ class DeviceSpec:
             extra["cache_bandwidth"] = self.cache_bandwidth
         if self.calibrated_on:
             extra["calibrated_on"] = self.calibrated_on
+        if self.vector_bytes:
+            extra["vector_bytes"] = self.vector_bytes
         return {
             "name": self.name,
             "kind": self.kind,
@@ -179,6 +191,9 @@ def _device_problems(d: DeviceSpec) -> list[str]:
         problems.append("microbatch_overhead_s must be >= 0")
     if d.dispatch_overhead_s is not None and not d.dispatch_overhead_s >= 0:
         problems.append("dispatch_overhead_s must be >= 0")
+    if d.vector_bytes not in (0, *CPU_VECTOR_BYTES):
+        problems.append(f"vector_bytes must be one of {list(CPU_VECTOR_BYTES)}, got "
+                        f"{d.vector_bytes}")
     if not d.cache_bytes >= 0 or not d.cache_bandwidth >= 0:
         problems.append("cache_bytes and cache_bandwidth must be >= 0")
     elif bool(d.cache_bytes) != bool(d.cache_bandwidth):

@@ -287,8 +287,8 @@ def corrected_costs(table: CostTable, launched: LaunchedRun, device: DeviceSpec)
               "stages": [st.to_dict() for st in stages]}
     source = replace(table.source, calibration={**table.source.calibration,
                                                 CALIBRATED_FROM: record})
-    return CostTable(graph=table.graph, source=source, nodes=nodes, loss=table.loss,
-                     batch_bytes=table.batch_bytes, gemm_scratch_bytes=table.gemm_scratch_bytes)
+    # everything else the table knows (saved-result nodes, kernel scratch) stays as measured
+    return replace(table, source=source, nodes=nodes)
 
 
 def calibrated_from(calibration: dict[str, Any]) -> dict[str, Any] | None:

@@ -24,6 +24,7 @@ from partc.cost.op_classes import FREE_KINDS, op_class
 from partc.cost.table import CostTable, needs_backward
 from partc.errors import MemoryConfigError
 from partc.graph.opgraph import FLOATING_DTYPES, OpGraph, OpNode, Param, dtype_bytes
+from partc.hardware.specs import DEFAULT_CPU_VECTOR_BYTES
 from partc.options import SCHEDULES, Precision, Schedule, TrainingConfig, check_choice
 
 _BF16 = 2
@@ -745,9 +746,13 @@ def _backward_transient(table: CostTable, nodes: list[str], m: float, bf16: bool
 # a blocked copy of the input and one of the output gradient (input + output bytes); when it also
 # forms the input gradient of a strided convolution, that gradient is formed at full input size
 # too (2 x input bytes, which is at least input + output); and the input's channels are padded to
-# the vector block (16 on AVX-512) when its gradient is formed. Where the weights outweigh the
-# activations (small images, small micro-batches) it is a weight-sized copy instead.
-CPU_CONV_CHANNEL_BLOCK = 16
+# the vector block, a register of floats (16 on AVX-512, 8 on AVX2: measured on both), when its
+# gradient is formed (`conv_channel_block`). Where the weights outweigh the activations (small
+# images, small micro-batches) it is a weight-sized copy instead.
+def conv_channel_block(table: CostTable) -> int:
+    """Channels oneDNN's CPU convolution blocks its input by: float32 lanes of the table's CPU
+    (`CostTable.cpu_vector_bytes`)."""
+    return (table.cpu_vector_bytes or DEFAULT_CPU_VECTOR_BYTES) // _FP32
 
 
 def _attention_operands(graph: OpGraph, node: OpNode) -> tuple[str, str, str, str | None] | None:
@@ -803,7 +808,7 @@ _POW_KINDS = frozenset({"pow"})
 def kernel_scratch(table: CostTable, node: OpNode, m: float, bf16: bool,
                    requires: Collection[str] = (), threads: int = 1) -> float:
     """Bytes a node's backward kernel allocates besides the gradients it forms, on the table's
-    device: the CPU's convolution backward (see CPU_CONV_CHANNEL_BLOCK), its flash-attention
+    device: the CPU's convolution backward (see `conv_channel_block`), its flash-attention
     backward (`_cpu_attention_scratch`) and its matrix multiplies' working buffers (measured:
     `CostTable.gemm_scratch_bytes`), per intra-op thread where the kernel keeps one per thread
     (`threads`, what launch gives each process, `ClusterSpec.threads_per_device`). `requires`:
@@ -832,8 +837,9 @@ def kernel_scratch(table: CostTable, node: OpNode, m: float, bf16: bool,
     if x not in requires:
         return max(in_bytes + out_bytes, trainable_weight_bytes(graph, node, bf16))
     channels = x_spec.shape[1] if len(x_spec.shape) > 1 else 1
-    if 0 < channels < CPU_CONV_CHANNEL_BLOCK:
-        in_bytes *= CPU_CONV_CHANNEL_BLOCK / channels
+    block = conv_channel_block(table)
+    if 0 < channels < block:
+        in_bytes *= block / channels
     out_spec = node.outputs[0] if node.outputs else None
     strided = out_spec is not None and math.prod(out_spec.shape[2:]) < math.prod(x_spec.shape[2:])
     scratch = max(in_bytes + out_bytes, 2.0 * in_bytes) if strided else in_bytes + out_bytes

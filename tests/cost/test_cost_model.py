@@ -20,6 +20,7 @@ from partc.frontend.capture import capture_graph
 from partc.frontend.export import export_program
 from partc.frontend.model_file import inputs_to_meta
 from partc.hardware.configs import load_device
+from partc.hardware.local import cpu_vector_bytes
 
 FAST = ProfileOptions(runs=3, warmup=1, totals_budget_s=0.2)  # (totals: 0.2 s, not 1 s)
 
@@ -135,6 +136,8 @@ def test_profile_prices_every_node_and_round_trips(mlp_profile: CostTable, tmp_p
     # which nodes keep their own result (the ReLUs) is measured and written with the profile
     relus = {n.name for n in table.graph.nodes if n.kind == "relu"}
     assert relus and table.keeps_result == loaded.keeps_result == relus
+    # the SIMD width of the CPU that measured it (what its kernels block tensors by)
+    assert table.cpu_vector_bytes == loaded.cpu_vector_bytes == cpu_vector_bytes()
     for name, cost in table.nodes.items():
         assert loaded.nodes[name].forward.at(3) == pytest.approx(cost.forward.at(3), rel=1e-9)
         assert loaded.nodes[name].saved.at(3) == pytest.approx(cost.saved.at(3), rel=1e-9)

@@ -32,7 +32,7 @@ from partc.hardware.calibration import (
     shipped_cuda_link,
 )
 from partc.hardware.configs import device_from_dict, load_cluster, load_device
-from partc.hardware.local import cpu_model
+from partc.hardware.local import cpu_model, cpu_vector_bytes
 from partc.hardware.specs import DeviceSpec, LinkSpec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -283,6 +283,8 @@ def test_calibrate_command_writes_configs_that_compile(tmp_path: Path) -> None:
     assert f"source: {spec.source}" in (plan / "plan.yaml").read_text()  # the calibrated device
     # calibrated here: compile prices this machine with it and says nothing of another machine
     assert spec.calibrated_on == cpu_model() and "was calibrated on" not in proc.stderr
+    # the SIMD width this machine's kernels use (what a CPU convolution's scratch is blocked by)
+    assert spec.vector_bytes == cpu_vector_bytes() and "vector_bytes: " in text
 
     # the same config said to be another machine's: compile warns, in one line, and goes on
     text = device_path.read_text().replace(f'calibrated_on: "{cpu_model()}"',

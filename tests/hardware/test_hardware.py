@@ -322,6 +322,9 @@ DELETE = object()
     ({"memory_bandwidth": "1e-300B/s"}, "memory_bandwidth", "outside what any device"),
     ({"efficiency__matmul": 1e-300}, "efficiency.matmul", "outside what any device"),
     ({"peak_flops__float32": "1e30FLOP/s"}, "peak_flops.float32", "outside what any device"),
+    ({"vector_bytes": 48}, "vector_bytes", "must be one of 16, 32, 64"),
+    ({"vector_bytes": True}, "vector_bytes", "must be one of"),
+    ({"kind": "cuda", "vector_bytes": 64}, "vector_bytes", "on a cuda device"),
 ])
 def test_device_errors_name_file_and_key(tmp_path: Path, changes: dict[str, Any], key: str,
                                          expected: str) -> None:

@@ -30,6 +30,7 @@ from partc.errors import MemoryConfigError  # noqa: E402
 from partc.frontend.capture import CaptureResult, capture_graph  # noqa: E402
 from partc.graph.opgraph import GraphOutput, OpGraph, OpNode, Param, TensorSpec  # noqa: E402
 from partc.hardware.configs import ConfigError, load_device  # noqa: E402
+from partc.hardware.local import cpu_vector_bytes  # noqa: E402
 from partc.hardware.specs import OP_CLASSES, DeviceSpec  # noqa: E402
 from partc.options import OPTIMIZERS, PRECISIONS, SCHEDULES, TrainingConfig  # noqa: E402
 from partc.run.reference import measure_training_peak, peak_above_start  # noqa: E402
@@ -59,15 +60,18 @@ _captures: dict[tuple[str, int], tuple[CaptureResult, CostTable]] = {}
 
 
 def cpu_device() -> DeviceSpec:
-    """configs/devices/cpu.yaml, or a stand-in when it is not written yet: the memory model reads
-    no device numbers, only the table's saved bytes and the graph."""
+    """configs/devices/cpu.yaml, or a stand-in when it is not written yet, with this machine's
+    SIMD width: the memory model reads no other device number, only the table's saved bytes and
+    the graph, and these tests measure this machine's kernels (an AVX2 CPU blocks a
+    convolution's channels by 8, an AVX-512 one by 16)."""
     try:
-        return load_device("cpu")
+        device = load_device("cpu")
     except ConfigError:
-        return DeviceSpec(name="cpu", kind="cpu", memory_bytes=2**34,
-                          peak_flops={"float32": 1e11}, memory_bandwidth=1e10,
-                          efficiency={c: 0.5 for c in OP_CLASSES}, bandwidth_efficiency=0.5,
-                          op_overhead_s=1e-6)
+        device = DeviceSpec(name="cpu", kind="cpu", memory_bytes=2**34,
+                            peak_flops={"float32": 1e11}, memory_bandwidth=1e10,
+                            efficiency={c: 0.5 for c in OP_CLASSES}, bandwidth_efficiency=0.5,
+                            op_overhead_s=1e-6)
+    return replace(device, vector_bytes=cpu_vector_bytes())
 
 
 def captured(name: str, batch: int | None = None) -> tuple[CaptureResult, CostTable]:
@@ -702,6 +706,20 @@ def test_conv_backward_scratch_covers_onednn(tmp_path: Path, cin: int, cout: int
     predicted = kernel_scratch(table, conv, batch, False, requires)
     assert predicted >= measured, (predicted, measured)
     assert predicted - measured <= max(x.numel() * 4, 64 * 1024), (predicted, measured)
+
+
+def test_the_conv_channel_block_is_the_priced_cpus_register_of_floats() -> None:
+    """The convolution scratch pads channels to the table's CPU's float32 lanes: a config's
+    `vector_bytes` for the roofline, the measuring machine's for a profile; unrecorded, AVX-512's
+    (what the term was first measured on), so older plans price as before."""
+    from partc.solve.memory import conv_channel_block
+
+    graph = captured("resnet")[0].graph
+    for vector, block in ((64, 16), (32, 8), (16, 4), (0, 16)):
+        table = analytic_cost_table(graph, replace(cpu_device(), vector_bytes=vector))
+        assert (table.cpu_vector_bytes, conv_channel_block(table)) == (vector, block)
+    gpu = analytic_cost_table(graph, load_device("h100-80gb"))
+    assert gpu.cpu_vector_bytes == 0
 
 
 @pytest.mark.parametrize("exponent", [3.0, 2.0, 0.5])
