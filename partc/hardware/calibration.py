@@ -1022,8 +1022,12 @@ def device_yaml(cal: DeviceCalibration, command: str = "partc calibrate") -> str
             "operators",
             "# (a two-stage pipeline of launch's own classes on two processes, partc.run.overhead):"
             f" forward {_q(m['pipeline_forward_overhead_s'], 's')},",
-            f"# backward {_q(m['pipeline_backward_overhead_s'], 's')}; the solver adds their mean "
-            "to every stage's passes."]
+            f"# backward {_q(m['pipeline_backward_overhead_s'], 's')}; between the passes, the "
+            "process's CPU per pass",
+            "# (schedule loop, p2p posts, gloo's IO threads): "
+            f"{_q(m.get('pipeline_between_passes_cpu_s', 0.0), 's')}. The solver adds the mean "
+            "of the first two plus",
+            "# the third to every stage's passes."]
     return "\n".join([*header, *_device_lines(spec, comments)]) + "\n"
 
 

@@ -11,20 +11,32 @@ stage of a few milliseconds it is a tenth of the time (measured on this reposito
 `measure_microbatch_overhead` runs the real thing on two processes of this machine (gloo on the
 CPU, each pinned to its core as launch pins its workers; NCCL on two GPUs): a two-stage
 Schedule1F1B pipeline over TimedStage (partc.run.stage_runner, what launch times) of a small
-TorchScript stage, and takes the time TimedStage measures per forward and backward minus the
-stage module's own time for the same pass run alone. The result is the mean of the two passes
-and the two stages: the solver adds it to every stage's forward and backward.
+TorchScript stage, with launch's p2p timing and early receives (partc.run.schedule.P2PTimer),
+and takes
+
+- inside each pass: the time TimedStage measures per forward and backward minus the stage
+  module's own time for the same pass run alone;
+- between the passes (on a CPU, where the runtime's host work takes the core the stages compute
+  on): the process's CPU time over each step beyond what its passes and loss took, per pass:
+  torch's schedule loop, the p2p posts, the step's setup and gloo's IO threads. A rank pays it
+  between its passes, on its own core, shared with its core-mates where processes share cores
+  (left out, 4-process launches ran 4-5% longer than the schedule replayed from their own
+  measured passes; bench/launch_timeline.py found this CPU there, docs/benchmarks.md).
+
+The result is the mean of the two passes and the two stages inside, plus the mean between: the
+solver adds it to every stage's forward and backward.
 """
 from __future__ import annotations
 
 import json
 import statistics
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from partc.cost.torch_profiler import cpu_settings
+from partc.cost.torch_profiler import CPU_CLOCK, cpu_settings
 from partc.errors import PartcError
 from partc.hardware.calibration import CalibrationResult
 from partc.hardware.local import free_port, spawn_measurement
@@ -43,14 +55,19 @@ class OverheadError(PartcError):
 class PipelineOverhead:
     """What `measure_microbatch_overhead` found (seconds)."""
 
-    microbatch_overhead_s: float  # the mean of the four below: what the device config takes
+    # the mean of forward_s and backward_s, plus the mean of between_s: what the config takes
+    microbatch_overhead_s: float
     forward_s: tuple[float, float]  # per stage: runtime time per forward beyond the module's
     backward_s: tuple[float, float]  # per stage: the same for a backward
+    # per stage: the process's CPU time per pass between its passes (0 on CUDA, where the host
+    # runs ahead of the device)
+    between_s: tuple[float, float] = (0.0, 0.0)
 
     def measurements(self) -> dict[str, float]:
         """The raw numbers, for the device config's comments."""
         return {"pipeline_forward_overhead_s": statistics.mean(self.forward_s),
-                "pipeline_backward_overhead_s": statistics.mean(self.backward_s)}
+                "pipeline_backward_overhead_s": statistics.mean(self.backward_s),
+                "pipeline_between_passes_cpu_s": statistics.mean(self.between_s)}
 
 
 def measure_microbatch_overhead(device: str = "cpu") -> PipelineOverhead:
@@ -64,8 +81,10 @@ def measure_microbatch_overhead(device: str = "cpu") -> PipelineOverhead:
                               OverheadError, "partc-overhead-")
     fwd = (found["0"]["forward_s"], found["1"]["forward_s"])
     bwd = (found["0"]["backward_s"], found["1"]["backward_s"])
-    return PipelineOverhead(microbatch_overhead_s=statistics.mean([*fwd, *bwd]),
-                            forward_s=fwd, backward_s=bwd)
+    between = (found["0"]["between_s"], found["1"]["between_s"])
+    return PipelineOverhead(
+        microbatch_overhead_s=statistics.mean([*fwd, *bwd]) + statistics.mean(between),
+        forward_s=fwd, backward_s=bwd, between_s=between)
 
 
 def _stage_module(seed: int) -> torch.jit.ScriptModule:
@@ -100,6 +119,7 @@ def _worker(rank: int, kind: str, port: int, out: str) -> None:
     from torch.distributed.pipelining import Schedule1F1B
 
     from partc.hardware.local import batch_schedule_gloo_io, pin_to_core
+    from partc.run.schedule import P2PTimer
     from partc.run.stage_runner import StageRunner, TimedStage
 
     torch.set_num_threads(1)
@@ -127,29 +147,49 @@ def _worker(rank: int, kind: str, port: int, out: str) -> None:
                                                       requires_grad=rank > 0),),
                               output_args=(torch.empty(shape, device=device,
                                                        requires_grad=True),))
-            schedule = Schedule1F1B(pipe, MICROBATCHES, loss_fn=_loss)
+            loss_cpu = [0.0]
+
+            def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+                cpu = CPU_CLOCK()
+                try:
+                    return _loss(output, target)
+                finally:
+                    loss_cpu[0] += CPU_CLOCK() - cpu
+
+            schedule = Schedule1F1B(pipe, MICROBATCHES, loss_fn=loss_fn)
+            # launch's p2p wrappers, and on gloo its early receives (partc.run.runtime)
+            p2p = P2PTimer(device, early_receives=kind == "cpu")
+            p2p.install()
             batch = torch.randn(MICROBATCH * MICROBATCHES, WIDTH, device=device)
             target = torch.zeros(MICROBATCH * MICROBATCHES, device=device)
-            fwd = bwd = 0.0
+            fwd = bwd = between = 0.0
             for step in range(STEPS + 2):
                 pipe.reset_times()
+                loss_cpu[0] = 0.0
+                began = time.process_time()  # every thread's: gloo's IO threads share the core
+                p2p.post_receives([pipe], MICROBATCHES)
                 if rank == 0:
                     schedule.step(batch)
                 else:
                     schedule.step(target=target)
+                step_cpu = time.process_time() - began
                 module.zero_grad(set_to_none=True)
                 if step >= 2:
                     fwd += pipe.forward_s
                     bwd += pipe.backward_s
+                    between += step_cpu - pipe.forward_cpu_s - pipe.backward_cpu_s - loss_cpu[0]
         passes = STEPS * MICROBATCHES
         mine = torch.tensor([max(0.0, fwd / passes - alone[0]),
-                             max(0.0, bwd / passes - alone[1])], dtype=torch.float64,
-                            device=device)
-        every = [torch.zeros(2, dtype=torch.float64, device=device) for _ in range(2)]
+                             max(0.0, bwd / passes - alone[1]),
+                             # the host runs ahead of a GPU: its time between passes is hidden
+                             max(0.0, between / (2 * passes)) if kind == "cpu" else 0.0],
+                            dtype=torch.float64, device=device)
+        every = [torch.zeros(3, dtype=torch.float64, device=device) for _ in range(2)]
         dist.all_gather(every, mine)
         if rank == 0:
             Path(out).write_text(json.dumps({
-                str(r): {"forward_s": float(t[0]), "backward_s": float(t[1])}
+                str(r): {"forward_s": float(t[0]), "backward_s": float(t[1]),
+                         "between_s": float(t[2])}
                 for r, t in enumerate(every)}))
     finally:
         dist.destroy_process_group()

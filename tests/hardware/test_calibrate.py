@@ -3,6 +3,7 @@ YAML round-trips, the device-independent parts of the CUDA path run on the CPU, 
 line."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -34,6 +35,7 @@ from partc.hardware.calibration import (
 from partc.hardware.configs import device_from_dict, load_cluster, load_device
 from partc.hardware.local import cpu_model, cpu_vector_bytes
 from partc.hardware.specs import DeviceSpec, LinkSpec
+from partc.hardware.units import parse_quantity
 
 ROOT = Path(__file__).resolve().parents[2]
 PARTC = str(Path(sys.executable).parent / "partc")
@@ -271,6 +273,11 @@ def test_calibrate_command_writes_configs_that_compile(tmp_path: Path) -> None:
     text = device_path.read_text()
     assert "# Eager forward of torch.add" in text and "# Backward through a chain" in text
     assert "# The pipelining runtime's time per stage forward and backward" in text
+    # inside the passes and, on a CPU, the process's CPU between them: both in the value
+    flat = " ".join(line.lstrip("# ") for line in text.splitlines())
+    inside, between = (parse_quantity(re.search(pattern, flat).group(1), "s")  # type: ignore
+                       for pattern in (r"forward (\S+),", r"IO threads\): (\S+)\."))
+    assert 0 < inside < spec.microbatch_overhead_s and 0 < between < spec.microbatch_overhead_s
     assert not list(out.rglob(".*.tmp"))  # atomic writes leave no temporary files
 
     # analytic: the roofline is what prices with the calibrated numbers (a measured profile
