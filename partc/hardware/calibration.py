@@ -1023,8 +1023,8 @@ def device_yaml(cal: DeviceCalibration, command: str = "partc calibrate") -> str
             "# (a two-stage pipeline of launch's own classes on two processes, partc.run.overhead):"
             f" forward {_q(m['pipeline_forward_overhead_s'], 's')},",
             f"# backward {_q(m['pipeline_backward_overhead_s'], 's')}; between the passes, the "
-            "process's CPU per pass",
-            "# (schedule loop, p2p posts, gloo's IO threads): "
+            "computing thread's CPU per",
+            "# pass (schedule loop, p2p posts, step setup): "
             f"{_q(m.get('pipeline_between_passes_cpu_s', 0.0), 's')}. The solver adds the mean "
             "of the first two plus",
             "# the third to every stage's passes."]

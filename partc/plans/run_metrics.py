@@ -151,6 +151,11 @@ class StageMetrics:
     forward_cpu_s: float | None = None
     backward_cpu_s: float | None = None
     optimizer_cpu_s: float | None = None
+    # Per pass (forward or backward) of the stage's rank: the computing thread's CPU time between
+    # its passes (torch's schedule loop, the p2p posts, the step's setup), which
+    # the device's microbatch_overhead_s prices with the rest of the runtime's time per pass.
+    # None on CUDA and in metrics files of earlier partc versions.
+    between_cpu_s: float | None = None
 
     def compute_s(self, shared_core: bool) -> tuple[float, float, float] | None:
         """The stage's own work in this step (`own_work_s`)."""
@@ -163,7 +168,8 @@ class StageMetrics:
                 "ddp_allreduce_s": self.ddp_allreduce_s, "tied_sync_s": self.tied_sync_s,
                 "peak_memory_bytes": self.peak_memory_bytes,
                 "forward_cpu_s": self.forward_cpu_s, "backward_cpu_s": self.backward_cpu_s,
-                "optimizer_cpu_s": self.optimizer_cpu_s}
+                "optimizer_cpu_s": self.optimizer_cpu_s,
+                **({} if self.between_cpu_s is None else {"between_cpu_s": self.between_cpu_s})}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], where: str = "") -> StageMetrics:
@@ -189,7 +195,7 @@ class StageMetrics:
                    peak_memory_bytes=None if peak is None else _integer(
                        peak, where + "peak_memory_bytes", 0),
                    forward_cpu_s=cpu("forward_cpu_s"), backward_cpu_s=cpu("backward_cpu_s"),
-                   optimizer_cpu_s=cpu("optimizer_cpu_s"))
+                   optimizer_cpu_s=cpu("optimizer_cpu_s"), between_cpu_s=cpu("between_cpu_s"))
 
 
 @dataclass(frozen=True)
@@ -313,6 +319,7 @@ class StageSummary:
     forward_cpu_s: float | None = None
     backward_cpu_s: float | None = None
     optimizer_cpu_s: float | None = None
+    between_cpu_s: float | None = None
 
     def compute_s(self, shared_core: bool) -> tuple[float, float, float] | None:
         """The median of the stage's own work (`own_work_s`)."""
@@ -321,15 +328,20 @@ class StageSummary:
 
 def own_work_s(stage: StageMetrics | StageSummary,
                shared_core: bool) -> tuple[float, float, float] | None:
-    """(forward, backward, optimizer) seconds of a stage's own work, in one step or over a run:
-    the wall times, or where processes share a core the CPU times (the wall times there include
-    the core-mates' turns); None where those were not measured."""
+    """(forward, backward, optimizer) seconds of a stage's own work, in one step or over a run,
+    as a prediction prices a stage's passes: the wall times, or where processes share a core
+    the CPU times (the wall times there include the core-mates' turns); each pass with the
+    computing thread's CPU between passes, per pass, where it was measured (`between_cpu_s`:
+    the device's microbatch_overhead_s prices it in every pass). None where the CPU times were
+    not measured."""
+    between = stage.between_cpu_s or 0.0
     if not shared_core:
-        return stage.forward_s, stage.backward_s, stage.optimizer_s
+        return stage.forward_s + between, stage.backward_s + between, stage.optimizer_s
     if stage.forward_cpu_s is None or stage.backward_cpu_s is None or \
             stage.optimizer_cpu_s is None:
         return None
-    return stage.forward_cpu_s, stage.backward_cpu_s, stage.optimizer_cpu_s
+    return (stage.forward_cpu_s + between, stage.backward_cpu_s + between,
+            stage.optimizer_cpu_s)
 
 
 @dataclass(frozen=True)
@@ -513,7 +525,8 @@ class RunMetrics:
                 peak_memory_bytes=int(statistics.median(measured)) if measured else None,
                 forward_cpu_s=_median_of_measured([r.forward_cpu_s for r in rows]),
                 backward_cpu_s=_median_of_measured([r.backward_cpu_s for r in rows]),
-                optimizer_cpu_s=_median_of_measured([r.optimizer_cpu_s for r in rows])))
+                optimizer_cpu_s=_median_of_measured([r.optimizer_cpu_s for r in rows]),
+                between_cpu_s=_median_of_measured([r.between_cpu_s for r in rows])))
         return tuple(out)
 
     @property

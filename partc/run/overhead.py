@@ -17,8 +17,9 @@ and takes
 - inside each pass: the time TimedStage measures per forward and backward minus the stage
   module's own time for the same pass run alone;
 - between the passes (on a CPU, where the runtime's host work takes the core the stages compute
-  on): the process's CPU time over each step beyond what its passes and loss took, per pass:
-  torch's schedule loop, the p2p posts, the step's setup and gloo's IO threads. A rank pays it
+  on): the computing thread's CPU time over each step beyond what its passes and loss took, per
+  pass: torch's schedule loop, the p2p posts, the step's setup (gloo's IO threads are left out:
+  their copies are the link's, priced with it). A rank pays it
   between its passes, on its own core, shared with its core-mates where processes share cores
   (left out, 4-process launches ran 4-5% longer than the schedule replayed from their own
   measured passes; bench/launch_timeline.py found this CPU there, docs/benchmarks.md).
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,8 +59,8 @@ class PipelineOverhead:
     microbatch_overhead_s: float
     forward_s: tuple[float, float]  # per stage: runtime time per forward beyond the module's
     backward_s: tuple[float, float]  # per stage: the same for a backward
-    # per stage: the process's CPU time per pass between its passes (0 on CUDA, where the host
-    # runs ahead of the device)
+    # per stage: the computing thread's CPU time per pass between its passes (0 on CUDA, where
+    # the host runs ahead of the device)
     between_s: tuple[float, float] = (0.0, 0.0)
 
     def measurements(self) -> dict[str, float]:
@@ -166,13 +166,13 @@ def _worker(rank: int, kind: str, port: int, out: str) -> None:
             for step in range(STEPS + 2):
                 pipe.reset_times()
                 loss_cpu[0] = 0.0
-                began = time.process_time()  # every thread's: gloo's IO threads share the core
+                began = CPU_CLOCK()  # the computing thread's, as launch's metrics take it
                 p2p.post_receives([pipe], MICROBATCHES)
                 if rank == 0:
                     schedule.step(batch)
                 else:
                     schedule.step(target=target)
-                step_cpu = time.process_time() - began
+                step_cpu = CPU_CLOCK() - began
                 module.zero_grad(set_to_none=True)
                 if step >= 2:
                     fwd += pipe.forward_s

@@ -330,7 +330,7 @@ class _MemoryProbe:
 # stage that the rank fills for the stages it runs. Its size is the memory model's
 # (partc.solve.memory.metrics_row_bytes), which prices the buffers.
 _RANK_FIELDS = METRICS_RANK_FIELDS
-_HAS_LOSS, _LOSS, _P2P, _TIED, _PEAK = range(_RANK_FIELDS)
+_HAS_LOSS, _LOSS, _P2P, _TIED, _PEAK, _BETWEEN = range(_RANK_FIELDS)
 # (CPU times: -1 on CUDA, where the host's clock does not time the device's work)
 _PRESENT, _FORWARD, _BACKWARD, _OPTIMIZER, _ALLREDUCE = range(5)
 _STAGE_FIELDS = METRICS_STAGE_FIELDS
@@ -410,9 +410,13 @@ def _step(run: RankRun, step: int, memory_method: str, metrics: _MetricsRows,
             if local.grad_sync is not None:
                 local.grad_sync.reset()
         losses: list[torch.Tensor] | None = [] if run.loss_fn is not None else None
+        # the computing thread's CPU, for what the step spends between its passes (gloo's IO
+        # threads are left out: their copies are the link's, a DDP all-reduce's its own)
+        step_cpu = CPU_CLOCK()
         run.p2p.post_receives([local.pipe for local in run.stages if local.pipe is not None],
                               run.plan.training.shape.num_microbatches)
         run.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        step_cpu = CPU_CLOCK() - step_cpu
         for local in run.stages:
             if isinstance(local.grad_sync, GradientSharder):
                 local.grad_sync.finish()
@@ -437,6 +441,14 @@ def _step(run: RankRun, step: int, memory_method: str, metrics: _MetricsRows,
         row[_LOSS] = float(torch.stack([loss.detach().float() for loss in losses]).mean())
     row[_P2P] = run.p2p.seconds
     row[_TIED] = tied_s
+    # CPU between the passes, per pass of this rank: the step's CPU beyond its passes and loss
+    # (a GPU's host runs ahead of the device: not measured there)
+    passes = 2 * run.plan.training.shape.num_microbatches * len(run.stages)
+    inside = sum(local.pipe.forward_cpu_s + local.pipe.backward_cpu_s
+                 for local in run.stages if local.pipe is not None)
+    if run.loss_fn is not None:
+        inside += run.loss_fn.forward_cpu_s
+    row[_BETWEEN] = -1.0 if run.device.type == "cuda" else max(0.0, step_cpu - inside) / passes
     peak = memory.peak_bytes()
     row[_PEAK] = -1.0 if peak is None else float(peak)
     if traced:
@@ -485,6 +497,7 @@ def _step_metrics(run: RankRun, rows: list[list[float]], reported: _Reported) ->
             forward_cpu_s=_cpu(r[at + _FORWARD_CPU] for r in mine),
             backward_cpu_s=_cpu(r[at + _BACKWARD_CPU] for r in mine),
             optimizer_cpu_s=_cpu(r[at + _OPTIMIZER_CPU] for r in mine),
+            between_cpu_s=_cpu(r[_BETWEEN] for r in mine),
             ddp_allreduce_s=max(r[at + _ALLREDUCE] for r in mine),
             tied_sync_s=max(r[_TIED] for r in mine),
             peak_memory_bytes=max(peaks) if peaks else None))

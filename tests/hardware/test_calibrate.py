@@ -276,7 +276,7 @@ def test_calibrate_command_writes_configs_that_compile(tmp_path: Path) -> None:
     # inside the passes and, on a CPU, the process's CPU between them: both in the value
     flat = " ".join(line.lstrip("# ") for line in text.splitlines())
     inside, between = (parse_quantity(re.search(pattern, flat).group(1), "s")  # type: ignore
-                       for pattern in (r"forward (\S+),", r"IO threads\): (\S+)\."))
+                       for pattern in (r"forward (\S+),", r"step setup\): (\S+)\."))
     assert 0 < inside < spec.microbatch_overhead_s and 0 < between < spec.microbatch_overhead_s
     assert not list(out.rglob(".*.tmp"))  # atomic writes leave no temporary files
 

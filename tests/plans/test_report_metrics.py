@@ -41,7 +41,8 @@ def step(n: int, stages: int = 2, step_s: float = 0.01, peak: int | None = None,
                               peak_memory_bytes=peak and peak + k,
                               forward_cpu_s=0.0009 * (k + 1) * n if cpu else None,
                               backward_cpu_s=0.0018 * (k + 1) if cpu else None,
-                              optimizer_cpu_s=0.0002 if cpu else None) for k in range(stages))
+                              optimizer_cpu_s=0.0002 if cpu else None,
+                              between_cpu_s=0.0001 if cpu else None) for k in range(stages))
     return StepMetrics(step=n, loss=1.0 / n, step_s=step_s * n, samples_per_s=100.0 / n,
                        stage_forward_s=tuple(r.forward_s for r in rows),
                        stage_backward_s=tuple(r.backward_s for r in rows), stages=rows,
@@ -65,10 +66,14 @@ def test_round_trip_and_summaries(tmp_path: Path) -> None:
     assert first.forward_s == pytest.approx(0.004) and second.forward_s == pytest.approx(0.008)
     assert first.forward_cpu_s == pytest.approx(0.0036)
     assert second.backward_cpu_s == pytest.approx(0.0036)
+    # the stage's own work as a prediction prices a pass: with the runtime's CPU between passes
+    assert first.between_cpu_s == pytest.approx(0.0001)
+    assert first.compute_s(shared_core=True) == pytest.approx((0.0037, 0.0019, 0.0002))
+    assert first.compute_s(shared_core=False) == pytest.approx((0.0041, 0.0021, 0.0003))
     # a line without CPU times (CUDA, earlier partc) reads as None, and so does the summary
     legacy = json.loads(step(6).to_json())
     for row in legacy["stages"]:
-        for key in ("forward_cpu_s", "backward_cpu_s", "optimizer_cpu_s"):
+        for key in ("forward_cpu_s", "backward_cpu_s", "optimizer_cpu_s", "between_cpu_s"):
             del row[key]
     mixed = RunMetrics.load(write(tmp_path / "l.jsonl", steps))
     mixed = RunMetrics(steps=(*mixed.steps, StepMetrics.from_dict(legacy)))
