@@ -283,16 +283,24 @@ def load_local_stages(plan: Plan, stages: Sequence[int], device: torch.device,
     return loaded
 
 
+def needs_runner(plan: Plan, spec: PlanStage) -> bool:
+    """Whether launch runs the stage in a StageRunner: under bf16-mixed or checkpointing, when it
+    sends to a later stage (contiguous, in memory order), or when it receives a tensor in
+    another memory order than its dims' (viewed back before its module runs; the last stage
+    too). Otherwise the module runs as it is."""
+    return (plan.training.config.bf16 or spec.activation_checkpointing
+            or spec.index < plan.num_stages - 1 or any(ref.wire_order for ref in spec.inputs))
+
+
 def wrap_for_pipeline(plan: Plan, stages: list[LocalStage], device: torch.device,
                       pp_group: Any, dp_group: Any) -> None:
     """Give each stage its `pipe`: the module under the plan's precision and checkpointing, in
     DDP when the plan has replicas (or, where the stage shards its gradients, with a
     GradientSharder on its parameters), in a PipelineStage with plan.yaml's boundary shapes."""
     V, R = plan.num_stages, plan.training.shape.replicas
-    bf16 = plan.training.config.bf16
     for local in stages:
         runner: torch.nn.Module = local.module
-        if bf16 or local.spec.activation_checkpointing or local.spec.index < V - 1:
+        if needs_runner(plan, local.spec):
             runner = StageRunner.for_stage(plan, local.module, local.spec.index, device)
         if R > 1 and isinstance(local.optimizer, ZeroRedundancyOptimizer) \
                 and local.spec.sharding == "gradients":

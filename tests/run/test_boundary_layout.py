@@ -11,6 +11,7 @@ real autograd, torch.profiler's allocation events."""
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,7 @@ from partc.cost.torch_profiler import allocation_events
 from partc.emit.stage_graph import memory_order, split_program
 from partc.frontend.capture import CaptureResult, capture_graph
 from partc.plans.plan import TensorRef
-from partc.run.stage_runner import StageRunner
+from partc.run.stage_runner import StageRunner, needs_runner
 from partc.solve.memory import _backward_transient, _requires_grad
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "solve"))
@@ -175,3 +176,20 @@ def test_the_receiving_attention_output_reshape_stays_a_view(cut: tuple) -> None
 
     assert copies(layouts=True) == 0
     assert copies(layouts=False) > 0
+
+
+def test_a_last_stage_receiving_a_transposed_view_runs_in_a_runner() -> None:
+    """launch wraps a stage's module in a StageRunner only where it must; a last stage that
+    receives a tensor in another memory order must be, to view it back (BERT x2 cut after two
+    of attention's projections, run AN: its fp32 last stage got the (b, s, h, d) buffers as they
+    came, and the attention failed on their shape)."""
+    from partc.plans.plan import load_plan
+
+    plan = load_plan(Path(__file__).resolve().parents[2] / "examples" / "plans" / "mlp"
+                     / "plan.yaml")
+    first, last = plan.stages
+    assert not plan.training.config.bf16 and not last.activation_checkpointing
+    assert needs_runner(plan, first) and not needs_runner(plan, last)
+    ref = last.inputs[0]
+    transposed = replace(ref, shape=(*ref.shape, 1), wire_order=(0, 2, 1))
+    assert needs_runner(plan, replace(last, inputs=(transposed, *last.inputs[1:])))
