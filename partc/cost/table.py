@@ -33,7 +33,7 @@ from partc.cost.autocast import AutocastDtypes, autocast_dtypes
 from partc.errors import PartcError
 from partc.files import load_yaml, write_atomic
 from partc.graph.opgraph import INTEGER_DTYPES, OpGraph, dtype_bytes
-from partc.hardware.specs import CPU_VECTOR_BYTES
+from partc.hardware.specs import vector_bytes_problem
 from partc.options import Precision
 
 PROFILE_FORMAT = "partc-profile"
@@ -488,9 +488,8 @@ class CostTable:
             if scratch < 0:
                 raise ValueError(f"gemm_scratch_bytes must be >= 0, got {scratch}")
             vector = d.get("cpu_vector_bytes", 0)  # absent in older profiles
-            if isinstance(vector, bool) or vector not in (0, *CPU_VECTOR_BYTES):
-                raise ValueError(f"cpu_vector_bytes must be one of {list(CPU_VECTOR_BYTES)}, "
-                                 f"got {vector!r}")
+            if (problem := vector_bytes_problem(vector)) is not None:
+                raise ValueError(f"cpu_vector_bytes {problem}")
             keepers = d.get("keeps_result")  # absent in older profiles
             if keepers is not None and (not isinstance(keepers, list)
                                         or not all(isinstance(k, str) for k in keepers)):

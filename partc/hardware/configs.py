@@ -26,6 +26,7 @@ from partc.hardware.specs import (
     ClusterSpec,
     DeviceSpec,
     LinkSpec,
+    vector_bytes_problem,
 )
 from partc.hardware.units import UNIT_EXAMPLES, parse_quantity
 
@@ -190,11 +191,11 @@ def _device_from(m: _Mapping) -> DeviceSpec:
                   hint=_suggest(str(op_class), OP_CLASSES) or f"classes: {', '.join(OP_CLASSES)}")
     efficiency = {c: eff_in.quantity(c, "", at_most=1.0) for c in OP_CLASSES}
     vector = m.raw("vector_bytes", required=False, default=0)
-    if isinstance(vector, bool) or vector not in (0, *CPU_VECTOR_BYTES) \
-            or (vector and kind != "cpu"):
-        _fail(where, m.key("vector_bytes"),
-              f"must be one of {', '.join(map(str, CPU_VECTOR_BYTES))} on a cpu device, got "
-              f"{vector!r}" + ("" if kind == "cpu" else f" on a {kind} device"),
+    problem = vector_bytes_problem(vector) or (
+        f"must be one of {', '.join(map(str, CPU_VECTOR_BYTES))} on a cpu device, got "
+        f"{vector!r} on a {kind} device" if vector and kind != "cpu" else None)
+    if problem is not None:
+        _fail(where, m.key("vector_bytes"), problem,
               hint="a CPU's SIMD register width in bytes: 64 AVX-512, 32 AVX2, 16 SSE or NEON "
                    "(docs/hardware.md)")
     spec = DeviceSpec(

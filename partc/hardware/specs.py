@@ -43,6 +43,14 @@ CPU_VECTOR_BYTES = (16, 32, 64)
 DEFAULT_CPU_VECTOR_BYTES = 64
 
 
+def vector_bytes_problem(value: object) -> str | None:
+    """Why `value` is no SIMD width a CPU device (or a profile of one) may record, or None (0:
+    not recorded). The one check of the key, wherever it is read."""
+    if isinstance(value, bool) or value not in (0, *CPU_VECTOR_BYTES):
+        return f"must be one of {', '.join(map(str, CPU_VECTOR_BYTES))}, got {value!r}"
+    return None
+
+
 @dataclass(frozen=True)
 class DeviceSpec:
     """One device: compute peaks, memory bandwidth and capacity, and how much of it is reached.
@@ -191,9 +199,8 @@ def _device_problems(d: DeviceSpec) -> list[str]:
         problems.append("microbatch_overhead_s must be >= 0")
     if d.dispatch_overhead_s is not None and not d.dispatch_overhead_s >= 0:
         problems.append("dispatch_overhead_s must be >= 0")
-    if d.vector_bytes not in (0, *CPU_VECTOR_BYTES):
-        problems.append(f"vector_bytes must be one of {list(CPU_VECTOR_BYTES)}, got "
-                        f"{d.vector_bytes}")
+    if (vector := vector_bytes_problem(d.vector_bytes)) is not None:
+        problems.append(f"vector_bytes {vector}")
     if not d.cache_bytes >= 0 or not d.cache_bandwidth >= 0:
         problems.append("cache_bytes and cache_bandwidth must be >= 0")
     elif bool(d.cache_bytes) != bool(d.cache_bandwidth):
