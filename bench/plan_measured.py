@@ -53,6 +53,8 @@ of which ~7 s is fixed (starting the elastic agent and the workers, importing to
 loading the stages) and 4-process launches are the slow ones. The default run compiles 40 plans
 (~4 min) and has 28 distinct plans to launch per repeat (~7 min): ~25 min with 3 repeats, 11 min
 with `--repeats 1`; `--quick` takes under 2 min. The end of the report gives the run's totals.
+Exit status 1 when any plan failed to compile, launch or measure (after the tables and
+`--json` are written, with what did run): a plan partc emits that does not train is a bug.
 
 One profile per case (default; `--no-one-profile` turns it off): each compile prices with the
 profile cache's entry for the micro-batch sizes its own search measured, and entries measured
@@ -749,6 +751,12 @@ def main() -> None:
                                          "ratios": ratios, "orders": order_rows,
                                          "one_profile_cases": one_profile,
                                          "total_s": total_s}, indent=1) + "\n")
+    # a plan partc emitted that does not train is a bug, not a blank row: fail the run (after
+    # the tables and the JSON, so what did run is kept)
+    failed = [f"{r['model']} x{r['processes']} {r['strategy']}" for r in rows if r["error"]]
+    if failed:
+        raise SystemExit(f"{len(failed)} of {len(rows)} plans did not launch or measure: "
+                         f"{', '.join(failed)}")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import operator
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx
@@ -26,9 +26,11 @@ from torch.export.graph_signature import InputKind, OutputKind
 from partc.frontend.export import Capture, output_paths, quiet_torch
 from partc.frontend.flop_count import flop_counter_mode
 from partc.frontend.model_file import ModelFile
-from partc.frontend.onnx_export import OnnxExport
 from partc.graph.opgraph import GraphOutput, OnnxInfo, OpGraph, OpNode, Param, TensorSpec
 from partc.progress import Progress
+
+if TYPE_CHECKING:  # the runtime imports this module (dtype_name): onnx stays out of its ranks
+    from partc.frontend.onnx_export import OnnxExport
 
 # Ops that read only the rows they return from their (parameter) table, not the whole table.
 GATHER_KINDS = frozenset({"embedding", "embedding_bag", "_embedding_bag", "index_select", "gather",

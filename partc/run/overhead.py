@@ -120,7 +120,7 @@ def _worker(rank: int, kind: str, port: int, out: str) -> None:
 
     from partc.hardware.local import batch_schedule_gloo_io, pin_to_core
     from partc.run.schedule import P2PTimer
-    from partc.run.stage_runner import StageRunner, TimedStage
+    from partc.run.stage_runner import StageRunner, TimedStage, cpu_between_passes
 
     torch.set_num_threads(1)
     if kind == "cuda":
@@ -177,12 +177,13 @@ def _worker(rank: int, kind: str, port: int, out: str) -> None:
                 if step >= 2:
                     fwd += pipe.forward_s
                     bwd += pipe.backward_s
-                    between += step_cpu - pipe.forward_cpu_s - pipe.backward_cpu_s - loss_cpu[0]
+                    between += cpu_between_passes(step_cpu, [pipe], loss_cpu[0],
+                                                  2 * MICROBATCHES)
         passes = STEPS * MICROBATCHES
         mine = torch.tensor([max(0.0, fwd / passes - alone[0]),
                              max(0.0, bwd / passes - alone[1]),
                              # the host runs ahead of a GPU: its time between passes is hidden
-                             max(0.0, between / (2 * passes)) if kind == "cpu" else 0.0],
+                             between / STEPS if kind == "cpu" else 0.0],
                             dtype=torch.float64, device=device)
         every = [torch.zeros(3, dtype=torch.float64, device=device) for _ in range(2)]
         dist.all_gather(every, mine)

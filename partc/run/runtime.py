@@ -80,6 +80,7 @@ from partc.run.schedule import (
 from partc.run.stage_runner import (
     GradSyncTimer,
     LocalStage,
+    cpu_between_passes,
     load_local_stages,
     save_checkpoint,
     sum_tied_gradients,
@@ -443,12 +444,10 @@ def _step(run: RankRun, step: int, memory_method: str, metrics: _MetricsRows,
     row[_TIED] = tied_s
     # CPU between the passes, per pass of this rank: the step's CPU beyond its passes and loss
     # (a GPU's host runs ahead of the device: not measured there)
-    passes = 2 * run.plan.training.shape.num_microbatches * len(run.stages)
-    inside = sum(local.pipe.forward_cpu_s + local.pipe.backward_cpu_s
-                 for local in run.stages if local.pipe is not None)
-    if run.loss_fn is not None:
-        inside += run.loss_fn.forward_cpu_s
-    row[_BETWEEN] = -1.0 if run.device.type == "cuda" else max(0.0, step_cpu - inside) / passes
+    row[_BETWEEN] = -1.0 if run.device.type == "cuda" else cpu_between_passes(
+        step_cpu, [local.pipe for local in run.stages if local.pipe is not None],
+        run.loss_fn.forward_cpu_s if run.loss_fn is not None else 0.0,
+        2 * run.plan.training.shape.num_microbatches * len(run.stages))
     peak = memory.peak_bytes()
     row[_PEAK] = -1.0 if peak is None else float(peak)
     if traced:

@@ -14,7 +14,7 @@ import time
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -88,6 +88,17 @@ class TimedStage(PipelineStage):
         finally:
             self.backward_s += synced_clock(self.device) - start
             self.backward_cpu_s += CPU_CLOCK() - cpu
+
+
+def cpu_between_passes(step_cpu_s: float, stages: Iterable[TimedStage], loss_cpu_s: float,
+                       passes: int) -> float:
+    """The computing thread's CPU per pass that a step spent outside its stages' passes and its
+    loss (the schedule loop, the posts, the step's setup): what the pipelining runtime costs a
+    CPU core beyond the passes. `step_cpu_s`: CPU_CLOCK over the schedule's step; `passes`: the
+    forwards and backwards the step ran on this process. The calibration (partc.run.overhead)
+    and launch's metrics take it the same way, so a replay adds what the price holds."""
+    inside = sum(s.forward_cpu_s + s.backward_cpu_s for s in stages) + loss_cpu_s
+    return max(0.0, step_cpu_s - inside) / passes
 
 
 class GradSyncTimer:

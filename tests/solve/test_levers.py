@@ -10,9 +10,8 @@ from functools import lru_cache
 from pathlib import Path
 
 import pytest
-import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch_zero_partition import torch_partition
 
 from partc.cost.roofline import analytic_cost_table
 from partc.cost.table import CostTable
@@ -43,20 +42,6 @@ def with_memory(cluster: ClusterSpec, nbytes: int) -> ClusterSpec:
 
 
 # ---- the partition ZeroRedundancyOptimizer makes -----------------------------------------------
-def _torch_partition(rank: int, world: int, port: int, sizes: list[int], out: dict) -> None:
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
-    params = [torch.nn.Parameter(torch.zeros(n)) for n in sizes]
-    opt = ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.SGD, lr=0.1)
-    ids = {id(p): i for i, p in enumerate(params)}
-    if rank == 0:
-        out["owned"] = [[ids[id(p)] for g in groups for p in g["params"]]
-                        for groups in opt._partition_parameters()]
-    dist.destroy_process_group()
-
-
 def test_optimizer_partition_is_torchs() -> None:
     rng = random.Random(7)
     sizes = [rng.choice([1, 16, 16, 256, 1000, 4096]) for _ in range(23)]
@@ -67,7 +52,7 @@ def test_optimizer_partition_is_torchs() -> None:
         port = s.getsockname()[1]
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.spawn(_torch_partition, args=(3, port, sizes, out), nprocs=3, join=True)
+        mp.spawn(torch_partition, args=(3, port, sizes, out), nprocs=3, join=True)
         expected = [sorted(x) for x in out["owned"]]
     assert [sorted(x) for x in optimizer_partition(sizes, 3)] == expected
 
