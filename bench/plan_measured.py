@@ -755,7 +755,7 @@ def main() -> None:
     # the tables and the JSON, so what did run is kept)
     failed = [f"{r['model']} x{r['processes']} {r['strategy']}" for r in rows if r["error"]]
     if failed:
-        raise SystemExit(f"{len(failed)} of {len(rows)} plans did not launch or measure: "
+        raise SystemExit(f"{len(failed)} of {len(rows)} plans did not compile, launch or measure: "
                          f"{', '.join(failed)}")
 
 
