@@ -649,8 +649,9 @@ def test_compile_refuses_a_model_outside_the_plans_repository(tmp_path: Path) ->
     (repo / ".git").mkdir(parents=True)
     proc = run("compile", MLP, "-b", "8", "--stages", "2", "--cluster", "cpu-4",
                "-o", str(repo / "plans" / "mlp"))
-    assert_one_line_error(proc, "lies outside the repository", stdout_empty=False)
-    assert not (repo / "plans" / "mlp" / "plan.yaml").exists()
+    # refused before the model is captured or priced: no progress line, no directory made
+    assert_one_line_error(proc, "lies outside the repository")
+    assert not (repo / "plans").exists()
 
 
 def test_changed_model_file_is_not_imported(own_mlp: Path, tmp_path: Path) -> None:

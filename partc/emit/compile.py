@@ -114,6 +114,7 @@ def compile_model(model_path: str | Path, cluster: ClusterSpec, output_dir: str 
     (`_carry_over`)."""
     progress = progress or Progress()
     output_dir = Path(output_dir)
+    _refuse_a_model_outside_the_tree(Path(model_path), output_dir)
     _prepare_output(output_dir)
     staging: Path | None = None
     made: list[Path] = []  # parents created for a new plan directory
@@ -132,6 +133,19 @@ def compile_model(model_path: str | Path, cluster: ClusterSpec, output_dir: str 
                     directory.rmdir()
         raise
     return result
+
+
+def _refuse_a_model_outside_the_tree(model_path: Path, output_dir: Path) -> None:
+    """A plan may only name a model file inside the tree it is reviewed in (`plan_tree_root`).
+    Checked before anything is captured or priced: the answer depends only on the two paths,
+    and a compile can take minutes. (A missing model file is capture's to report.)"""
+    root = plan_tree_root(output_dir)
+    if root is not None and model_path.is_file() and not model_path.resolve().is_relative_to(root):
+        raise CompileError(f"the model file {model_path} lies outside the repository "
+                           f"{root} that holds the plan directory {output_dir}",
+                           hint="a plan may only name a model file of its own repository: move "
+                                f"the model into it or the plan out of it (or set "
+                                f"{PLAN_ROOT_ENV})")
 
 
 def _compile(model_path: str | Path, cluster: ClusterSpec, output_dir: Path, staging: Path,
@@ -601,13 +615,6 @@ def _emit(result: CaptureResult, partition: Partition, cluster: ClusterSpec, out
         tied_weights=tuple(sorted((p.name, *p.aliases) for p in graph.params if p.aliases)),
         module_fingerprints=graph.module_fingerprints(),
         parameter_signatures=graph.parameter_signatures())
-    root = plan_tree_root(output_dir)
-    if root is not None and not cap.model_file.path.resolve().is_relative_to(root):
-        raise CompileError(f"the model file {cap.model_file.path} lies outside the repository "
-                           f"{root} that holds the plan directory {output_dir}",
-                           hint="a plan may only name a model file of its own repository: move "
-                                f"the model into it or the plan out of it (or set "
-                                f"{PLAN_ROOT_ENV})")
     return Plan(partc_version=__version__, partc_build=build_id(),
                 torch_version=torch_version(), model=model,
                 cluster=cluster,

@@ -44,11 +44,13 @@ def plan_copy(bert2: Path, tmp_path: Path) -> Path:
     return out
 
 
-def edited_model(tmp_path: Path, old: str, new: str) -> Path:
+def edited_bert(tmp_path: Path, edits: dict[str, str]) -> Path:
     text = (EXAMPLES / "bert.py").read_text()
-    assert old in text
+    for old, new in edits.items():
+        assert old in text
+        text = text.replace(old, new)
     path = tmp_path / "bert_edited.py"
-    path.write_text(text.replace(old, new))
+    path.write_text(text)
     return path
 
 
@@ -87,30 +89,29 @@ def test_example_plans_are_current() -> None:
 
 # ---- check -------------------------------------------------------------------------------------
 
-def test_check_names_changed_parameters_and_modules(plan_copy: Path, tmp_path: Path) -> None:
-    model = edited_model(tmp_path, "intermediate_size=1024", "intermediate_size=1536")
+def test_check_names_changed_added_and_moved_parameters_and_modules(plan_copy: Path,
+                                                                    tmp_path: Path) -> None:
+    """One edited model (wider layers and two more of them), one check: every kind of change
+    is named (one re-solve of a BERT is ~20 s here, so the cases share it)."""
+    model = edited_bert(tmp_path, {"intermediate_size=1024": "intermediate_size=1536",
+                                   "num_hidden_layers=4": "num_hidden_layers=6"})
     proc = run("check", str(plan_copy), "--model", str(model))
     assert proc.returncode == 1, proc.stdout + proc.stderr[-2000:]
     out = proc.stdout
     assert ": STALE (bert" in out.splitlines()[0]
     assert "the model changed since the plan was compiled" in out
+    # the four layers the plan had: three wider tensors each
     assert "parameters changed (12):" in out
     assert ("bert.encoder.layer.0.intermediate.dense.weight: float32[1024, 256] -> "
             "float32[1536, 256]") in out
     assert "modules whose operators changed" in out and "bert.encoder.layer.3.output.dense" in out
-    assert "samples/s (-" in out  # a wider model is slower: old vs new throughput
-    assert f"fix: partc compile {model}" in out and "--stages 2" in out
-
-
-def test_check_names_added_modules_and_moves(plan_copy: Path, tmp_path: Path) -> None:
-    model = edited_model(tmp_path, "num_hidden_layers=4", "num_hidden_layers=6")
-    proc = run("check", str(plan_copy), "--model", str(model))
-    assert proc.returncode == 1
-    out = proc.stdout
+    # the two new layers
     assert "modules added (2):" in out
     assert "      bert.encoder.layer.4\n" in out and "      bert.encoder.layer.5\n" in out
     assert "parameters added (32):" in out
     assert "modules that change stage" in out  # two more layers: the boundary moves
+    assert "samples/s (-" in out  # a bigger model is slower: old vs new throughput
+    assert f"fix: partc compile {model}" in out and "--stages 2" in out
 
 
 @pytest.mark.slow  # default run under 15 min; `make test-slow` runs it

@@ -83,6 +83,11 @@ def check_metrics(plan: Path, metrics: Path) -> None:
 
 # ---- equal to single-process training ----------------------------------------------------------
 
+# slow set: the default run launches tied weights across two stages in
+# test_a_model_that_computes_its_own_loss (HF GPT-2's lm_head, 2 x 1) and the killed-rank test
+# (this transformer, 2 x 2), and checks launch's summary and data line in
+# test_metrics_per_stage_and_show_beside_the_prediction
+@pytest.mark.slow
 def test_two_stages_tied_transformer(tmp_path: Path) -> None:
     """2 processes, 1F1B, an embedding tied to the output head across the two stages."""
     plan = compile_plan(tmp_path, EXAMPLES / "transformer.py", 2, 1)
@@ -339,6 +344,9 @@ def test_torchrun_runs_the_worker_module(tmp_path: Path) -> None:
     assert len(losses_of(metrics)) == 2
 
 
+# slow set: the default run starts torchrun with the wrong world size in
+# tests/test_bad_inputs.py (test_torchrun_world_size_mismatch: one worker for a 2-process plan)
+@pytest.mark.slow
 def test_torchrun_with_the_wrong_world_size_fails_in_one_line(tmp_path: Path) -> None:
     plan = compile_plan(tmp_path, EXAMPLES / "mlp.py", 2, 1)
     result = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node", "3", "-m",
@@ -474,6 +482,9 @@ def test_metrics_per_stage_and_show_beside_the_prediction(tmp_path: Path) -> Non
     metrics = tmp_path / "m.jsonl"
     result = launch(plan, "--steps", "4", "--metrics", str(metrics))
     assert result.returncode == 0, result.stderr[-3000:]
+    # the summary compares measured per-stage times with the plan's predictions
+    assert "predicted" in result.stdout and "trained steps 1..4" in result.stdout
+    assert "data: the model file's batches()" in result.stderr
     run = RunMetrics.load(metrics)
     assert [s.step for s in run.steps] == [1, 2, 3, 4] and run.num_stages == 2
     for step in run.steps:
