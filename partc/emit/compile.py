@@ -137,8 +137,9 @@ def compile_model(model_path: str | Path, cluster: ClusterSpec, output_dir: str 
 
 def _refuse_a_model_outside_the_tree(model_path: Path, output_dir: Path) -> None:
     """A plan may only name a model file inside the tree it is reviewed in (`plan_tree_root`).
-    Checked before anything is captured or priced: the answer depends only on the two paths,
-    and a compile can take minutes. (A missing model file is capture's to report.)"""
+    Checked before anything is captured or priced (the answer depends only on the two paths,
+    and a compile can take minutes), and again on the file capture read. (A missing model file
+    is capture's to report.)"""
     root = plan_tree_root(output_dir)
     if root is not None and model_path.is_file() and not model_path.resolve().is_relative_to(root):
         raise CompileError(f"the model file {model_path} lies outside the repository "
@@ -615,6 +616,8 @@ def _emit(result: CaptureResult, partition: Partition, cluster: ClusterSpec, out
         tied_weights=tuple(sorted((p.name, *p.aliases) for p in graph.params if p.aliases)),
         module_fingerprints=graph.module_fingerprints(),
         parameter_signatures=graph.parameter_signatures())
+    # again on the file capture read: compile_model's early check saw the path before it ran
+    _refuse_a_model_outside_the_tree(cap.model_file.path, output_dir)
     return Plan(partc_version=__version__, partc_build=build_id(),
                 torch_version=torch_version(), model=model,
                 cluster=cluster,

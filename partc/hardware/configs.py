@@ -19,7 +19,6 @@ from partc.errors import PartcError
 from partc.files import load_yaml
 from partc.hardware.specs import (
     BACKENDS,
-    CPU_VECTOR_BYTES,
     DEVICE_KINDS,
     DTYPES,
     OP_CLASSES,
@@ -191,10 +190,7 @@ def _device_from(m: _Mapping) -> DeviceSpec:
                   hint=_suggest(str(op_class), OP_CLASSES) or f"classes: {', '.join(OP_CLASSES)}")
     efficiency = {c: eff_in.quantity(c, "", at_most=1.0) for c in OP_CLASSES}
     vector = m.raw("vector_bytes", required=False, default=0)
-    problem = vector_bytes_problem(vector) or (
-        f"must be one of {', '.join(map(str, CPU_VECTOR_BYTES))} on a cpu device, got "
-        f"{vector!r} on a {kind} device" if vector and kind != "cpu" else None)
-    if problem is not None:
+    if (problem := vector_bytes_problem(vector, kind)) is not None:
         _fail(where, m.key("vector_bytes"), problem,
               hint="a CPU's SIMD register width in bytes: 64 AVX-512, 32 AVX2, 16 SSE or NEON "
                    "(docs/hardware.md)")

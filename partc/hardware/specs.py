@@ -43,11 +43,15 @@ CPU_VECTOR_BYTES = (16, 32, 64)
 DEFAULT_CPU_VECTOR_BYTES = 64
 
 
-def vector_bytes_problem(value: object) -> str | None:
-    """Why `value` is no SIMD width a CPU device (or a profile of one) may record, or None (0:
-    not recorded). The one check of the key, wherever it is read."""
+def vector_bytes_problem(value: object, kind: str = "cpu") -> str | None:
+    """Why `value` is no SIMD width a device of `kind` (or a profile of one) may record, or
+    None (0: not recorded; only a cpu device records one). The one check of the key, wherever
+    it is read."""
+    widths = ", ".join(map(str, CPU_VECTOR_BYTES))
     if isinstance(value, bool) or value not in (0, *CPU_VECTOR_BYTES):
-        return f"must be one of {', '.join(map(str, CPU_VECTOR_BYTES))}, got {value!r}"
+        return f"must be one of {widths}, got {value!r}"
+    if value and kind != "cpu":
+        return f"must be one of {widths} on a cpu device, got {value!r} on a {kind} device"
     return None
 
 
@@ -199,7 +203,7 @@ def _device_problems(d: DeviceSpec) -> list[str]:
         problems.append("microbatch_overhead_s must be >= 0")
     if d.dispatch_overhead_s is not None and not d.dispatch_overhead_s >= 0:
         problems.append("dispatch_overhead_s must be >= 0")
-    if (vector := vector_bytes_problem(d.vector_bytes)) is not None:
+    if (vector := vector_bytes_problem(d.vector_bytes, d.kind)) is not None:
         problems.append(f"vector_bytes {vector}")
     if not d.cache_bytes >= 0 or not d.cache_bandwidth >= 0:
         problems.append("cache_bytes and cache_bandwidth must be >= 0")

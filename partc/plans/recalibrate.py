@@ -51,7 +51,7 @@ from partc.plans.diff import layout_of_partition, layout_of_plan
 from partc.plans.plan import Plan, load_plan
 from partc.plans.run_metrics import RunMetrics, StepMetrics
 from partc.progress import Progress
-from partc.solve.stage_problem import stage_fixed_s
+from partc.solve.stage_problem import gradient_add_s, stage_fixed_s
 
 if TYPE_CHECKING:  # annotations only: the caller captures the model
     from partc.frontend.capture import CaptureResult
@@ -216,6 +216,9 @@ def stage_calibrations(table: CostTable, launched: LaunchedRun,
     # Where ranks share a core their wall times hold the core-mates' turns, which the simulator
     # adds itself: the stages' own work is their CPU time, as the profile prices it there.
     shared = plan.pipeline_spec().shares_cores
+    S = plan.training.shape.stages
+    kept_whole = frozenset(n for t in plan.tied_parameters for n in (t.name, *t.aliases)
+                           if len({k % S for k in t.stages}) > 1)
     out = []
     for summary, nodes, stage in zip(launched.run.stage_summaries(timed), launched.stage_nodes,
                                      plan.stages, strict=True):
@@ -236,7 +239,14 @@ def stage_calibrations(table: CostTable, launched: LaunchedRun,
         recompute = f * fwd_work if stage.activation_checkpointing else 0.0
         reduces = summary.ddp_allreduce_s / plan.training.shape.num_microbatches \
             if stage.sharding == "gradients" and not shared else 0.0
-        b = _factor(backward_s - bwd_fixed - recompute - reduces, bwd_work, stage.index,
+        # and adds each micro-batch's gradients into the held ones, which the prediction prices
+        # beside the operators (StageProblem's gradient_add_s), not in them
+        graph = table.graph
+        params = dict.fromkeys(p for n in nodes for p in graph.node(n).params
+                               if graph.param(p).kind == "parameter")
+        adds = gradient_add_s((graph.param(p) for p in params), plan.training.config, device,
+                              plan.training.shape, stage.sharding, kept_whole)
+        b = _factor(backward_s - bwd_fixed - recompute - reduces - adds, bwd_work, stage.index,
                     "backward", launched)
         out.append(StageCalibration(
             index=stage.index, measured_forward_s=forward_s,

@@ -72,6 +72,7 @@ from partc.solve.stage_problem import (
     PipelineShape,
     RankLevers,
     StageProblem,
+    gradient_add_s,
     stage_fixed_s,
     sync_bytes,
     wire_bytes,
@@ -781,11 +782,15 @@ def build_partition(problem: StageProblem, assignment: Sequence[int], global_bat
         ckpt = levers[rank].activation_checkpointing
         # runtime host work per pass, the loss on the last stage (StageProblem.stage_fixed)
         work = sum(blocks.blocks[b].forward.at(m) for b in members[k])
-        fwd = fixed[k][0] + work
-        bwd = fixed[k][1] + sum(blocks.blocks[b].backward.at(m) for b in members[k]) + (
-            work if ckpt else 0.0) + reduces[rank]
         params = tuple(dict.fromkeys(p for b in members[k] for p in blocks.blocks[b].params
                                      if graph.param(p).kind == "parameter"))
+        # each pass also adds its parameters' gradients into the held ones (the profile's
+        # backwards start from none)
+        adds = gradient_add_s((graph.param(p) for p in params), problem.training,
+                              cluster.device, shape, levers[rank].sharding, tied)
+        fwd = fixed[k][0] + work
+        bwd = fixed[k][1] + sum(blocks.blocks[b].backward.at(m) for b in members[k]) + (
+            work if ckpt else 0.0) + reduces[rank] + adds
         receives, sends = stage_boundary(graph, nodes)
         stages.append(StagePlan(
             index=k, rank=rank, devices=shape.rank_devices(rank),

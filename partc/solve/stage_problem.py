@@ -10,7 +10,8 @@ can be compared exactly.
 
 Objective (docs/solver.md derives it), with V = S*v virtual stages, virtual stage k on rank k % S:
 
-    t_k  = compute of its blocks (forward + backward [+ forward again under checkpointing])
+    t_k  = compute of its blocks (forward + backward [+ forward again under checkpointing]
+           + adding each backward's parameter gradients into the held ones, `gradient_add_s`)
            + its fixed work per micro-batch (stage_fixed[k]: the runtime's host work, and the
              loss function's forward and backward on the last virtual stage)
            + transfer time of what it receives: activations crossing boundary k (forward) and
@@ -35,7 +36,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Collection, Sequence, TypeVar
+from typing import Any, Callable, Collection, Iterable, Sequence, TypeVar
 
 from partc.cost.table import CostTable
 from partc.errors import PartcError
@@ -303,7 +304,11 @@ class StageProblem:
         graph = table.graph
         m, M, S = shape.microbatch_size, shape.num_microbatches, shape.stages
         ckpt = shape.activation_checkpointing
+        # each block's gradient accumulation per pass (`gradient_add_s`; a tied weight's on each
+        # block that uses it: its copies on different stages each accumulate)
         compute_s = [b.forward.at(m) * (2.0 if ckpt else 1.0) + b.backward.at(m)
+                     + gradient_add_s((graph.param(n) for n in b.params), training,
+                                      cluster.device, shape, shape.sharding)
                      for b in blocks.blocks]
         usable = usable_memory(cluster.device.memory_bytes, training)
         # ~2^20 time units for the whole model's compute: fine enough to balance, small enough
@@ -748,6 +753,47 @@ def step_seconds_of(p: Param, training: TrainingConfig, device: DeviceSpec) -> f
         return moved / memory
     first = min(weights + grads + states, moved)
     return first / memory + (moved - first) / cached
+
+
+def gradient_adds(shape: PipelineShape, sharding: Sharding, kept_whole: bool) -> float:
+    """How many times per step a stage's backward passes add one trainable parameter's fresh
+    gradient into the gradient it already holds (autograd's AccumulateGrad, in place), as
+    launch runs them: without replicas the gradients are set to None before each step, so the
+    first micro-batch's is taken over and the other M - 1 are added; under DDP they are views
+    into its buckets, zeroed in place, so all M are added; with sharded gradients
+    (partc.run.gradient_sharding) a replica keeps, and adds into, only the gradients it owns
+    (1/R of them on average) and a kept-whole (tied) parameter's."""
+    M, R = shape.num_microbatches, shape.replicas
+    if R > 1 and sharding == "gradients":
+        return (M - 1) * (1.0 if kept_whole else 1.0 / R)
+    return float(M if R > 1 else M - 1)
+
+
+def add_seconds_of(p: Param, training: TrainingConfig, device: DeviceSpec) -> float:
+    """One in-place add of a parameter's fresh gradient into its held one (0 for buffers and
+    frozen parameters): the held gradient is read from memory (the rest of the micro-batch's
+    work ran since it was last touched), the fresh one read and the sum written at the rate of
+    a working set of the two (the cache's where they fit, `DeviceSpec.stream_bytes_per_s`); on a
+    CPU the autograd engine also dispatches the add, outside autograd's recording
+    (`DeviceSpec.no_grad_overhead_s`); a GPU launches it asynchronously with the backward."""
+    grads = param_memory(p, training)[1]
+    if not grads:
+        return 0.0
+    dispatch = device.no_grad_overhead_s() if device.kind == "cpu" else 0.0
+    return grads / device.bytes_per_s() + 2 * grads / device.stream_bytes_per_s(2 * grads) \
+        + dispatch
+
+
+def gradient_add_s(params: Iterable[Param], training: TrainingConfig, device: DeviceSpec,
+                   shape: PipelineShape, sharding: Sharding,
+                   kept_whole: Collection[str] = ()) -> float:
+    """A stage's gradient accumulation per backward pass, averaged over the step's micro-batches
+    (`gradient_adds` of `add_seconds_of` for each of its parameters, over M): what a profile,
+    which times every backward with the gradients set to None, does not hold. `kept_whole`:
+    the parameters other pipeline ranks hold too."""
+    M = shape.num_microbatches
+    return sum(add_seconds_of(p, training, device)
+               * gradient_adds(shape, sharding, p.name in kept_whole) for p in params) / M
 
 
 def sync_bytes(p: Param, training: TrainingConfig) -> tuple[int, int]:

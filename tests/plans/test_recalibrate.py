@@ -38,6 +38,7 @@ from partc.plans.run_metrics import (
     RunMetricsError,
     StepMetrics,
 )
+from partc.solve.stage_problem import gradient_add_s
 
 PARTC = str(Path(sys.executable).parent / "partc")
 CPU4 = load_cluster("cpu-4")
@@ -226,11 +227,21 @@ def test_calibrating_from_a_run_on_shared_cores_that_shards_gradients(tmp_path: 
     assert result.returncode == 0, result.stderr[-3000:]
     old = load_plan(sharded)
     assert [s.sharding for s in old.stages] == ["gradients"] * 2
-    # the predicted reduces per micro-batch: what sharding adds to the same cut's backward
+    # the predicted reduces per micro-batch: what sharding adds to the same cut's backward,
+    # beside adding into fewer held gradients (a replica keeps its share only)
     plain = load_plan(compile_sharded(tmp_path / "plain", search=dataclasses.replace(
         shape, sharding="none")))
     assert [s.modules for s in plain.stages] == [s.modules for s in old.stages]
-    predicted_reduces = [a.backward_s - b.backward_s
+    graph = capture_graph(MLP, 2, onnx=False).graph
+
+    def adds(plan: Any, stage: Any) -> float:
+        return gradient_add_s([graph.param(n) for n in stage.parameter_names],
+                              plan.training.config, CPU4.device, plan.training.shape,
+                              stage.sharding)
+
+    sharded_adds = [adds(old, s) for s in old.stages]
+    assert all(0 < a < adds(plain, s) for a, s in zip(sharded_adds, plain.stages, strict=True))
+    predicted_reduces = [a.backward_s - b.backward_s - adds(old, a) + adds(plain, b)
                          for a, b in zip(old.stages, plain.stages, strict=True)]
     assert all(r > 0 for r in predicted_reduces)
 
@@ -250,6 +261,7 @@ def test_calibrating_from_a_run_on_shared_cores_that_shards_gradients(tmp_path: 
         work = got.compute_s(shared_core=True)
         assert work is not None
         assert stage.forward_s == pytest.approx(got.forward_cpu_s + got.between_cpu_s, abs=2e-9)
+        # the measured backward holds the adds: taken out to correct the operators, priced back
         assert stage.backward_s == pytest.approx(work[1] + reduce_s, abs=2e-9)
     report = check_plan(calibrated_path)
     assert report.current, report.reasons
