@@ -219,6 +219,7 @@ def stage_calibrations(table: CostTable, launched: LaunchedRun,
     S = plan.training.shape.stages
     kept_whole = frozenset(n for t in plan.tied_parameters for n in (t.name, *t.aliases)
                            if len({k % S for k in t.stages}) > 1)
+    graph = table.graph
     out = []
     for summary, nodes, stage in zip(launched.run.stage_summaries(timed), launched.stage_nodes,
                                      plan.stages, strict=True):
@@ -241,7 +242,6 @@ def stage_calibrations(table: CostTable, launched: LaunchedRun,
             if stage.sharding == "gradients" and not shared else 0.0
         # and adds each micro-batch's gradients into the held ones, which the prediction prices
         # beside the operators (StageProblem's gradient_add_s), not in them
-        graph = table.graph
         params = dict.fromkeys(p for n in nodes for p in graph.node(n).params
                                if graph.param(p).kind == "parameter")
         adds = gradient_add_s((graph.param(p) for p in params), plan.training.config, device,

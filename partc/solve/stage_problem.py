@@ -305,11 +305,19 @@ class StageProblem:
         m, M, S = shape.microbatch_size, shape.num_microbatches, shape.stages
         ckpt = shape.activation_checkpointing
         # each block's gradient accumulation per pass (`gradient_add_s`; a tied weight's on each
-        # block that uses it: its copies on different stages each accumulate)
+        # block that uses it: its copies on different stages each accumulate). The adds' seconds
+        # are the same for every shape of a search: memoised per block, scaled by the count.
+        device = cluster.device
+        per_pass = gradient_adds(shape, shape.sharding, kept_whole=False) / M
+
+        def block_adds_s(params: Sequence[str]) -> float:
+            return sum(add_seconds_of(graph.param(n), training, device) for n in params)
+
+        adds_s = [_memo(memo, ("adds", i, training.bf16, device.name),
+                        functools.partial(block_adds_s, b.params))
+                  for i, b in enumerate(blocks.blocks)]
         compute_s = [b.forward.at(m) * (2.0 if ckpt else 1.0) + b.backward.at(m)
-                     + gradient_add_s((graph.param(n) for n in b.params), training,
-                                      cluster.device, shape, shape.sharding)
-                     for b in blocks.blocks]
+                     + adds * per_pass for b, adds in zip(blocks.blocks, adds_s, strict=True)]
         usable = usable_memory(cluster.device.memory_bytes, training)
         # ~2^20 time units for the whole model's compute: fine enough to balance, small enough
         # that (M - 1) * time stays far inside int64; ~2^24 memory units in a device.
