@@ -116,24 +116,50 @@ def keeps_integers(node: OpNode, graph: OpGraph, device_kind: str) -> bool:
     return not any(graph.tensor(t).dtype in FLOATING_DTYPES for t in node.inputs)
 
 
+# Matrix ops with an additive bias operand (linear's and addmm's bias, a convolution's): the bias
+# enters the output's sum, so its backward needs no copy of it (its gradient is a reduction of
+# the output's). Told apart from the weight by rank: a 1-D parameter beside a 2-D or higher one.
+BIASED_KINDS = frozenset({
+    "linear", "addmm", "addmv", "addbmm", "baddbmm", "addr",
+    "convolution", "_convolution", "conv1d", "conv2d", "conv3d", "conv_tbc",
+    "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
+})
+
+
+def cast_params(node: OpNode, graph: OpGraph, precision: Precision) -> list[Param]:
+    """The node's distinct trainable floating parameters that `precision`'s autocast casts to
+    its low dtype when the node runs (a matrix op's operands): autocast caches each such cast of
+    a leaf that requires grad until the forward's autocast region ends, whether or not the
+    backward keeps it (`weight_copies_bytes`)."""
+    low = AUTOCAST_DTYPE.get(precision)
+    if low is None or node.kind not in LOWER_PRECISION_KINDS:
+        return []
+    params = [graph.param(name) for name in dict.fromkeys(node.params)]
+    return [p for p in params if p.kind == "parameter" and p.trainable
+            and p.dtype in FLOATING_DTYPES and p.dtype != low]
+
+
+def is_bias(node: OpNode, graph: OpGraph, param: Param) -> bool:
+    """Whether `param` is `node`'s additive bias (BIASED_KINDS: 1-D beside a weight of rank 2 or
+    more), which the node's backward does not keep."""
+    if node.kind not in BIASED_KINDS or len(param.shape) != 1:
+        return False
+    return any(len(graph.param(q).shape) >= 2 for q in node.params)
+
+
 def weight_copies_bytes(node: OpNode, graph: OpGraph, precision: Precision,
                         requires: set[str]) -> float:
     """Bytes of the low-precision copies of trainable floating weights a node saves for its
     backward under `precision`'s autocast: a matrix op casts its float32 weight and keeps the
     copy, to form its input's gradient, until the micro-batch's backward (a fresh copy per
     micro-batch: autocast's cast cache lives for one forward). None when no activation input
-    needs a gradient (`requires`: the tensors that do), as on the first layer over the data."""
+    needs a gradient (`requires`: the tensors that do), as on the first layer over the data, and
+    none of an additive bias (`is_bias`), whose cached copy is gone when the forward ends."""
     low = AUTOCAST_DTYPE.get(precision)
-    if low is None or node.kind not in LOWER_PRECISION_KINDS or \
-            not any(t in requires for t in node.inputs):
+    if low is None or not any(t in requires for t in node.inputs):
         return 0.0
-    total = 0.0
-    for name in dict.fromkeys(node.params):
-        p = graph.param(name)
-        if p.kind == "parameter" and p.trainable and p.dtype in FLOATING_DTYPES \
-                and p.dtype != low:
-            total += p.numel * dtype_bytes(low)
-    return total
+    return float(sum(p.numel * dtype_bytes(low) for p in cast_params(node, graph, precision)
+                     if not is_bias(node, graph, p)))
 
 
 @dataclass(frozen=True)
