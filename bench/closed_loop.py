@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,14 +40,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from plan_measured import (  # noqa: E402  (a sibling script, not a package)
     BATCH,
     CASES,
-    ENV,
     MODELS,
-    PARTC,
-    ROOT,
     Plan,
     calibrated_clusters,
     compile_plan,
-    last_line,
     launch,
     shape_text,
 )
@@ -59,33 +54,11 @@ from partc.options import PRECISIONS  # noqa: E402
 def compile_calibrated(a: Plan, run: Path, out: Path, precision: str) -> Plan:
     """B: A's compile again (same cluster, pinned stages, precision, strategy), its costs
     corrected by `run`, a metrics file of a launch of A."""
-    cluster, pinned = CASES[a.processes]
-    start = time.perf_counter()
-    proc = subprocess.run([PARTC, "compile", f"examples/{a.model}.py", "-b", str(BATCH[a.model]),
-                           "--cluster", cluster, *pinned, "--precision", precision,
-                           "--calibrate-from", str(run), "-o", str(out)],
-                          cwd=ROOT, env=ENV, capture_output=True, text=True)
-    if proc.returncode != 0:
-        b = Plan(a.model, a.processes, "cpsat", out, time.perf_counter() - start)
-        b.error = f"calibrated compile failed: {last_line(proc.stderr)}"
-        return b
-    return read_plan(a.model, a.processes, out, time.perf_counter() - start)
-
-
-def read_plan(model: str, processes: int, out: Path, compile_s: float) -> Plan:
-    """A compiled plan directory as a Plan row (prediction and shape from its plan.yaml)."""
-    import yaml
-
-    doc = yaml.safe_load((out / "plan.yaml").read_text())
-    t = doc["training"]
-    plan = Plan(model, processes, "cpsat", out, compile_s)
-    plan.shape = {k: t[k] for k in ("stages", "replicas", "num_microbatches", "microbatch_size",
-                                    "schedule", "virtual_stages_per_rank",
-                                    "activation_checkpointing", "placement")}
-    plan.predicted_iteration_s = float(doc["predicted"]["iteration_s"])
-    plan.predicted_samples_per_s = float(doc["predicted"]["samples_per_s"])
-    plan.key = (tuple(s["sha256"] for s in doc["stages"]), tuple(sorted(plan.shape.items())))
-    return plan
+    b = compile_plan(a.model, a.processes, a.strategy, out, precision=precision,
+                     extra=["--calibrate-from", str(run)])
+    if b.error:
+        b.error = f"calibrated {b.error}"
+    return b
 
 
 def launch_keeping(plan: Plan, steps: int, keep: Path) -> bool:

@@ -107,7 +107,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import yaml
 
@@ -206,11 +206,13 @@ def last_line(text: str) -> str:
 
 def compile_plan(model: str, processes: int, strategy: str, out: Path,
                  microbatches: int | None = None, precision: str = "fp32",
-                 profile: Path | None = None) -> Plan:
+                 profile: Path | None = None, extra: Sequence[str] = ()) -> Plan:
+    """`partc compile` of one case's strategy (`extra`: more compile options), read back from its
+    plan.yaml: shape, identity key, predictions and profile."""
     cluster, pinned = CASES[processes]
     if microbatches:
         pinned = [*pinned, "--microbatches", str(microbatches)]
-    pinned = [*pinned, "--precision", precision]
+    pinned = [*pinned, "--precision", precision, *extra]
     if profile is not None:
         pinned = [*pinned, "--profile", str(profile)]
     start = time.perf_counter()

@@ -21,6 +21,7 @@ packets, the same `OpNode.kind` the OpGraph records.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Collection
 
 from partc.graph.opgraph import FLOATING_DTYPES, OpGraph, OpNode, Param, TensorSpec, dtype_bytes
 from partc.options import Precision
@@ -147,19 +148,27 @@ def is_bias(node: OpNode, graph: OpGraph, param: Param) -> bool:
     return any(len(graph.param(q).shape) >= 2 for q in node.params)
 
 
+def kept_copies(node: OpNode, graph: OpGraph, precision: Precision,
+                requires: Collection[str]) -> list[Param]:
+    """The `cast_params` whose low-precision copies the node's backward keeps: a matrix op's
+    weights, to form its input's gradient; none when no activation input needs a gradient
+    (`requires`: the tensors that do), as on the first layer over the data, and never an
+    additive bias (`is_bias`), whose cached copy is gone when the forward ends."""
+    if not any(t in requires for t in node.inputs):
+        return []
+    return [p for p in cast_params(node, graph, precision) if not is_bias(node, graph, p)]
+
+
 def weight_copies_bytes(node: OpNode, graph: OpGraph, precision: Precision,
                         requires: set[str]) -> float:
     """Bytes of the low-precision copies of trainable floating weights a node saves for its
-    backward under `precision`'s autocast: a matrix op casts its float32 weight and keeps the
-    copy, to form its input's gradient, until the micro-batch's backward (a fresh copy per
-    micro-batch: autocast's cast cache lives for one forward). None when no activation input
-    needs a gradient (`requires`: the tensors that do), as on the first layer over the data, and
-    none of an additive bias (`is_bias`), whose cached copy is gone when the forward ends."""
+    backward under `precision`'s autocast (`kept_copies`), kept until the micro-batch's backward
+    (a fresh copy per micro-batch: autocast's cast cache lives for one forward)."""
     low = AUTOCAST_DTYPE.get(precision)
-    if low is None or not any(t in requires for t in node.inputs):
+    if low is None:
         return 0.0
-    return float(sum(p.numel * dtype_bytes(low) for p in cast_params(node, graph, precision)
-                     if not is_bias(node, graph, p)))
+    return float(sum(p.numel * dtype_bytes(low)
+                     for p in kept_copies(node, graph, precision, requires)))
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Collection, Sequence
 
-from partc.cost.autocast import cast_params, is_bias
+from partc.cost.autocast import cast_params, kept_copies
 from partc.cost.op_classes import FREE_KINDS, op_class
 from partc.cost.table import CostTable, needs_backward
 from partc.errors import MemoryConfigError
@@ -960,7 +960,7 @@ def _cast_cache_only(graph: OpGraph, ordered: list[str], bf16: bool) -> list[flo
     and that no backward keeps: under bf16-mixed each trainable float32 parameter a matrix op
     casts (`cast_params`) is cached from its first cast until the forward's autocast region ends
     (torch caches casts of leaves that require grad), and the copies the backward keeps are
-    saved bytes already (`weight_copies_bytes`); what is left, biases and the weights of nodes
+    saved bytes already (`kept_copies`); what is left, biases and the weights of nodes
     whose inputs need no gradient, is freed when the forward ends. Measured: BERT's and GPT-2's
     bf16 4-stage plans peaked 6,144 B over the model in a middle stage's forward, its eight
     256-element and one 1024-element bias copies."""
@@ -972,11 +972,9 @@ def _cast_cache_only(graph: OpGraph, ordered: list[str], bf16: bool) -> list[flo
     first: dict[str, tuple[int, Param]] = {}
     for i, name in enumerate(ordered):
         node = graph.node(name)
-        grads_in = any(t in requires for t in node.inputs)
         for p in cast_params(node, graph, "bf16-mixed"):
             first.setdefault(p.name, (i, p))
-            if grads_in and not is_bias(node, graph, p):
-                kept.add(p.name)
+        kept.update(p.name for p in kept_copies(node, graph, "bf16-mixed", requires))
     for name, (i, p) in first.items():
         if name not in kept:
             out[i] += p.numel * _BF16
