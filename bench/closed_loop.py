@@ -7,7 +7,7 @@ stages, `cpu-4` with 4 stages of 1 replica; the same global batches, fp32 or `--
 
     partc compile examples/X.py -b B --cluster C --stages S -o A          # default: cpsat
     partc launch A/plan.yaml --steps N --metrics A-r.jsonl                 # R times ("before")
-    partc compile examples/X.py ... --calibrate-from A-R.jsonl -o B        # the last of them
+    partc compile examples/X.py ... --calibrate-from A-1.jsonl ... -o B    # all R of them
     then R rounds, each launching A and B once, alternating which goes first ("after")
 
 Reported per case: A's prediction against its launches before and after the calibration, B's
@@ -19,11 +19,13 @@ wandering as A's does; one that caught a stable gap between profile and launch (
 bench/plan_measured.py reports as stage work over the machine's drift) brings B's ratio to 1
 while A's stays off.
 
-The calibration takes one launch's per-stage medians: the noise of that launch is in B's costs.
+The calibration pools the R launches' timed steps (`--calibrate-from` repeated; per stage the
+median over all of them); `--calibrate-runs last` takes the last launch alone, as this script did
+before partc could pool runs, which puts that one launch's noise into B's costs.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/closed_loop.py [--models bert,gpt2]
         [--processes 2,4] [--repeats 3] [--steps 12] [--precision fp32] [--calibrate DIR]
-        [--json rows.json]
+        [--calibrate-runs all|last] [--json rows.json]
 """
 from __future__ import annotations
 
@@ -51,11 +53,11 @@ from plan_measured import (  # noqa: E402  (a sibling script, not a package)
 from partc.options import PRECISIONS  # noqa: E402
 
 
-def compile_calibrated(a: Plan, run: Path, out: Path, precision: str) -> Plan:
+def compile_calibrated(a: Plan, runs: list[Path], out: Path, precision: str) -> Plan:
     """B: A's compile again (same cluster, pinned stages, precision, strategy), its costs
-    corrected by `run`, a metrics file of a launch of A."""
+    corrected by `runs`, metrics files of launches of A."""
     b = compile_plan(a.model, a.processes, a.strategy, out, precision=precision,
-                     extra=["--calibrate-from", str(run)])
+                     extra=[x for run in runs for x in ("--calibrate-from", str(run))])
     if b.error:
         b.error = f"calibrated {b.error}"
     return b
@@ -88,6 +90,8 @@ def main() -> None:
     parser.add_argument("--calibrate", type=Path, metavar="DIR",
                         help="run partc calibrate into DIR first and price every case with its "
                              "configs (as bench/plan_measured.py --calibrate)")
+    parser.add_argument("--calibrate-runs", choices=("all", "last"), default="all",
+                        help="calibrate B from all of A's launches before (pooled) or the last")
     parser.add_argument("--json", type=Path, help="write the raw rows here")
     args = parser.parse_args()
     models = [m for m in args.models.split(",") if m]
@@ -100,6 +104,7 @@ def main() -> None:
         for n, cluster in calibrated_clusters(args.calibrate).items():
             CASES[n] = (cluster, CASES[n][1])
     print(f"config: {args.repeats} repeats x {args.steps} steps, precision {args.precision}, "
+          f"B calibrated from {args.calibrate_runs} of A's launches before, "
           f"clusters {', '.join(f'{n}: {CASES[n][0]}' for n in processes)}\n", flush=True)
 
     began = time.perf_counter()
@@ -144,24 +149,24 @@ def main() -> None:
 
 
 def run_case(model: str, n: int, tmp: Path, args: argparse.Namespace) -> dict[str, Any]:
-    """One case: compile A, launch it R times, compile B from A's last launch, then R rounds of
-    A and B."""
+    """One case: compile A, launch it R times, compile B from those launches (or the last),
+    then R rounds of A and B."""
     row: dict[str, Any] = {"model": model, "processes": n, "error": None}
     a = compile_plan(model, n, "cpsat", tmp / f"{model}-{n}-A", precision=args.precision)
     if a.error:
         return {**row, "error": a.error}
     runs = tmp / f"{model}-{n}-runs"
     runs.mkdir()
-    last: Path | None = None
+    kept: list[Path] = []
     for r in range(args.repeats):
-        last = runs / f"A-{r}.jsonl"
-        if not launch_keeping(a, args.steps, last):
+        kept.append(runs / f"A-{r}.jsonl")
+        if not launch_keeping(a, args.steps, kept[-1]):
             return {**row, "error": a.error}
         print(f"{model} x{n} A before {r + 1}/{args.repeats}: {a.steps_s[-1] * 1e3:.1f} ms/step",
               file=sys.stderr, flush=True)
     before = list(a.steps_s)
-    assert last is not None
-    b = compile_calibrated(a, last, tmp / f"{model}-{n}-B", args.precision)
+    calibrated_from = kept if args.calibrate_runs == "all" else kept[-1:]
+    b = compile_calibrated(a, calibrated_from, tmp / f"{model}-{n}-B", args.precision)
     if b.error:
         return {**row, "error": b.error}
     print(f"{model} x{n} B: {shape_text(b.shape)}, predicted "
@@ -179,7 +184,7 @@ def run_case(model: str, n: int, tmp: Path, args: argparse.Namespace) -> dict[st
             "same_plan": a.key == b.key,
             "a_predicted_s": a.predicted_iteration_s, "b_predicted_s": b.predicted_iteration_s,
             "a_before_s": before, "a_after_s": list(a.steps_s), "b_s": list(b.steps_s),
-            "calibrated_from": str(last)}
+            "calibrated_from": [str(p) for p in calibrated_from]}
 
 
 if __name__ == "__main__":

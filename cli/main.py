@@ -13,7 +13,7 @@ import sys
 import threading
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Iterator, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterator, NoReturn, TypeVar
 
 import click
 
@@ -36,6 +36,9 @@ from partc.options import (
     from_flags,
 )
 from partc.version import __version__
+
+if TYPE_CHECKING:  # annotations only: the CLI imports partc's heavier modules when it runs them
+    from partc.plans.recalibrate import RunOfPlan
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -408,27 +411,30 @@ def solve(model: Path, output: Path | None, timeline: Path | None, **kw: Any) ->
 @plan_options(default_cluster="local")
 @click.option("--output", "-o", type=click.Path(readable=False, file_okay=False, path_type=Path),
               help="Plan directory to write (plan.yaml + stage_<k>.pt) [default: plans/<model>].")
-@click.option("--calibrate-from", "calibrate_from",
+@click.option("--calibrate-from", "calibrate_from", multiple=True,
               type=click.Path(readable=False, dir_okay=False, path_type=Path),
               help="A `partc launch --metrics` file of a plan of this model: scale each stage's "
                    "operator costs so they predict what that run measured; the corrected costs "
-                   "are written as the plan's profile.yaml.")
+                   "are written as the plan's profile.yaml. Repeat it to pool several runs of "
+                   "the same plan (medians over all their timed steps).")
 @debug_option
-def compile_command(model: Path, output: Path | None, calibrate_from: Path | None,
+def compile_command(model: Path, output: Path | None, calibrate_from: tuple[Path, ...],
                     **kw: Any) -> None:
     """Compile MODEL into a plan directory: capture, price, coarsen, solve, simulate, then split
     the program into stages, trace each to TorchScript (stage_<k>.pt) and write plan.yaml."""
     _refuse_a_bad_model_file(model)
     cluster, training, search_options = _search_inputs(kw)  # torch-free, as in solve
-    run_of_plan = None
-    if calibrate_from is not None:
-        # the metrics file and the plan it names, before the capture (seconds to minutes): a
-        # wrong or broken file fails at once; a cut-short line (a killed run) is a warning
-        from partc.plans.recalibrate import read_run_of_plan
+    runs_of_plan: tuple[RunOfPlan, ...] = ()
+    if calibrate_from:
+        # the metrics files and the plan they name, before the capture (seconds to minutes): a
+        # wrong or broken file, or runs of different plans, fail at once; a cut-short line (a
+        # killed run) is a warning
+        from partc.plans.recalibrate import read_runs_of_plan
 
-        run_of_plan = read_run_of_plan(calibrate_from)
-        for note in run_of_plan.run.notes:
-            click.echo(f"partc: warning: {note}", err=True)
+        runs_of_plan = read_runs_of_plan(calibrate_from)
+        for read in runs_of_plan:
+            for note in read.run.notes:
+                click.echo(f"partc: warning: {note}", err=True)
     from partc.emit.compile import CompileOptions, compile_model
     from partc.plans.plan import format_plan
     from partc.progress import TerminalProgress
@@ -438,7 +444,7 @@ def compile_command(model: Path, output: Path | None, calibrate_from: Path | Non
     options = CompileOptions(batch_size=kw["batch_size"], search=search_options,
                              training=training, profile=kw["profile_path"],
                              capture_batch=kw["capture_batch"], costs=kw["costs"],
-                             calibrate_from=run_of_plan)
+                             calibrate_from=runs_of_plan)
     result = compile_model(model, cluster, output, options, progress)
     click.echo(format_plan(result.plan, solver_wall_s=result.partition.solver.wall_s))
     click.echo(f"plan digest: {result.plan.content_digest()}")

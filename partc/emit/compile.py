@@ -66,7 +66,7 @@ from partc.plans.plan import (
     write_timings,
 )
 from partc.plans.priced_search import priced_search, warn_of_foreign_calibration
-from partc.plans.recalibrate import RunOfPlan, corrected_costs, load_launched_run
+from partc.plans.recalibrate import RunOfPlan, corrected_costs, load_launched_run, names_of
 from partc.progress import Progress
 from partc.solve.coarsen import coarsen
 from partc.solve.partition import Partition
@@ -88,10 +88,11 @@ class CompileOptions:
     profile: Path | None = None
     capture_batch: int = DEFAULT_CAPTURE_BATCH
     costs: CostsMode = "auto"  # without --profile: measured here, analytic, or auto
-    # a `partc launch --metrics` run and its plan (`read_run_of_plan`, before the capture):
-    # correct the costs by what that run measured (partc.plans.recalibrate); the corrected
-    # table is written as the plan's PROFILE_FILE
-    calibrate_from: RunOfPlan | None = None
+    # `partc launch --metrics` runs of one plan (`read_runs_of_plan`, before the capture):
+    # correct the costs by what those runs measured, their timed steps pooled
+    # (partc.plans.recalibrate); the corrected table is written as the plan's PROFILE_FILE.
+    # Empty: not calibrated.
+    calibrate_from: tuple[RunOfPlan, ...] = ()
 
 
 @dataclass
@@ -161,7 +162,7 @@ def _compile(model_path: str | Path, cluster: ClusterSpec, output_dir: Path, sta
     require_shapes(cluster, options.batch_size,
                    min(len(result.graph.nodes), options.search.max_blocks), options.search)
     t = time.perf_counter()
-    if options.calibrate_from is None:
+    if not options.calibrate_from:
         # costs, cuts, and more measuring where the plan runs (partc.plans.priced_search)
         priced = priced_search(result, cluster, options.batch_size, options.training,
                                options.search, profile=options.profile, costs=options.costs,
@@ -195,13 +196,15 @@ def _compile(model_path: str | Path, cluster: ClusterSpec, output_dir: Path, sta
 
 
 def calibrated_costs(result: CaptureResult, table: CostTable, cluster: ClusterSpec,
-                     options: CompileOptions, run: RunOfPlan,
+                     options: CompileOptions, runs: tuple[RunOfPlan, ...],
                      progress: Progress) -> tuple[CostTable, bytes]:
-    """`table` corrected by what the run `run` measured (partc.plans.recalibrate), and the profile
-    bytes the plan directory gets. The table returned is the one read back from those bytes:
-    the solve must use exactly the (rounded) costs `partc check` will load from the profile."""
-    with progress.step(f"calibrating costs from {run.run_path}"):
-        launched = load_launched_run(run, result, progress)
+    """`table` corrected by what the runs `runs` (of one plan) measured
+    (partc.plans.recalibrate), and the profile bytes the plan directory gets. The table returned
+    is the one read back from those bytes: the solve must use exactly the (rounded) costs
+    `partc check` will load from the profile."""
+    where = str(runs[0].run_path) if len(runs) == 1 else f"{len(runs)} runs ({names_of(runs)})"
+    with progress.step(f"calibrating costs from {where}"):
+        launched = load_launched_run(runs, result, progress)
         data = corrected_costs(table, launched, cluster.device).dumps().encode()
     with tempfile.TemporaryDirectory(prefix="partc-calibrated-") as tmp:
         path = Path(tmp) / PROFILE_FILE

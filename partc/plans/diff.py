@@ -93,10 +93,21 @@ def costs_of_plan(plan: Plan) -> CostsInfo:
         calibration = d.get("calibration")
         # the key partc.plans.recalibrate writes (CALIBRATED_FROM; diff stays below it)
         record = calibration.get("calibrated_from") if isinstance(calibration, dict) else None
-        if isinstance(record, dict) and record.get("run") is not None:
-            run = str(record["run"])
+        if isinstance(record, dict):
+            run = _calibration_runs(record)
     return CostsInfo(source=costs.source, profile=costs.profile,
                      profile_sha256=costs.profile_sha256, profile_kind=kind, calibrated_from=run)
+
+
+def _calibration_runs(record: dict[str, Any]) -> str | None:
+    """The run file(s) a calibration record names: `runs` (a list of {run, steps}), or the
+    single `run` of profiles calibrated before several runs could be pooled (2026-12-02)."""
+    runs = record.get("runs")
+    if isinstance(runs, list):
+        paths = [str(r["run"]) for r in runs if isinstance(r, dict) and r.get("run") is not None]
+        if paths:
+            return paths[0] if len(paths) == 1 else f"{len(paths)} runs ({', '.join(paths)})"
+    return str(record["run"]) if record.get("run") is not None else None
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,17 @@
 """The closed loop: costs corrected by what a launched plan measured (`partc compile
---calibrate-from RUN.jsonl`).
+--calibrate-from RUN.jsonl [--calibrate-from RUN2.jsonl ...]`).
 
 A run's metrics (partc.plans.run_metrics) name the plan they trained (plan.yaml's absolute path and
-the sha256 of its bytes at launch) and give, per stage, the median forward and backward time per
-micro-batch over the timed steps. `load_launched_run` finds that plan, refuses what cannot be
+the sha256 of its bytes at launch) and give, per stage, the forward and backward time per
+micro-batch of every step. `load_launched_run` finds that plan, refuses what cannot be
 compared (another model, a plan that changed or vanished, a run without timed steps, a stage
-count that differs) and works out which OpGraph nodes each of its stages held: plan.yaml does not
-list them, so the plan is re-solved exactly as `partc check` re-solves it
-(`partc.plans.check.solve_as_recorded`) and the re-solved layout must equal the plan's.
+count that differs, several runs of different plans) and works out which OpGraph nodes each of
+its stages held: plan.yaml does not list them, so the plan is re-solved exactly as `partc check`
+re-solves it (`partc.plans.check.solve_as_recorded`) and the re-solved layout must equal the
+plan's. The measured times are medians over the timed steps of every run given, pooled: one
+launch on a shared machine can fall in a slow minute (a 221 ms BERT plan launched at 865 ms while
+other launches shared the VM), and several launches of the plan keep one such spell from
+setting the costs.
 
 `corrected_costs` then scales, per stage, every node's forward `Curve` by one factor and its
 backward `Curve` by another, chosen so that the corrected table predicts the measured times for
@@ -40,7 +44,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 from partc.cost.table import CostTable, NodeCost
 from partc.errors import PartcError
@@ -76,7 +80,7 @@ class StageCalibration:
     factors its nodes' forward and backward costs are scaled by."""
 
     index: int
-    measured_forward_s: float  # median over the timed steps
+    measured_forward_s: float  # median over the timed steps of every run
     measured_backward_s: float
     predicted_forward_s: float  # the launched plan's prediction (plan.yaml)
     predicted_backward_s: float
@@ -94,20 +98,32 @@ class StageCalibration:
 
 @dataclass(frozen=True)
 class LaunchedRun:
-    """A run and the plan it trained, checked against each other and the model being compiled
-    (`load_launched_run`)."""
+    """One or more runs of one plan, checked against each other, the plan and the model being
+    compiled (`load_launched_run`)."""
 
-    run: RunMetrics
-    run_path: Path  # absolute
+    runs: tuple[RunOfPlan, ...]  # in the order given; at least one
     plan: Plan
     plan_path: Path  # absolute, as the metrics record it
     plan_sha256: str
     stage_nodes: tuple[tuple[str, ...], ...]  # OpGraph nodes of each (virtual) stage
-    steps: tuple[int, ...]  # the timed steps the medians are taken over
 
     @property
     def microbatch_size(self) -> int:
         return self.plan.training.shape.microbatch_size
+
+    @property
+    def timed(self) -> tuple[StepMetrics, ...]:
+        """Every run's timed steps, pooled: what the medians are taken over."""
+        return tuple(step for r in self.runs for step in r.timed)
+
+    @property
+    def name(self) -> str:
+        """The run files, for messages."""
+        return names_of(self.runs)
+
+    @property
+    def hint(self) -> str:
+        return _hint(self.runs[0].run_path)
 
 
 @dataclass(frozen=True)
@@ -152,14 +168,52 @@ def read_run_of_plan(run_path: str | Path) -> RunOfPlan:
                      plan_sha256=sha, timed=timed)
 
 
-def load_launched_run(read: RunOfPlan, result: CaptureResult,
+def read_runs_of_plan(run_paths: Sequence[str | Path]) -> tuple[RunOfPlan, ...]:
+    """`read_run_of_plan` of each metrics file, and CalibrationError unless they are runs of one
+    plan (plan.yaml's bytes, by sha256: their timed steps are pooled, and steps of another cut
+    or shape would price neither). A file given twice counts once."""
+    reads: list[RunOfPlan] = []
+    for path in run_paths:
+        read = read_run_of_plan(path)
+        if all(read.run_path != r.run_path for r in reads):
+            reads.append(read)
+    return _of_one_plan(reads)
+
+
+def _of_one_plan(reads: Sequence[RunOfPlan]) -> tuple[RunOfPlan, ...]:
+    """`reads`, or CalibrationError if they are runs of more than one plan (or none)."""
+    if not reads:
+        raise CalibrationError("no metrics file to calibrate from",
+                               hint="pass a `partc launch --metrics` file")
+    first = reads[0]
+    for read in reads[1:]:
+        # one plan is one plan.yaml's bytes (they name every stage file's sha256), wherever
+        # the directory was copied to before its launch
+        if read.plan_sha256 != first.plan_sha256:
+            raise CalibrationError(
+                f"{read.run_path.name} is a run of {read.plan_path} (sha256 "
+                f"{read.plan_sha256[:12]}..), {first.run_path.name} of {first.plan_path} "
+                f"(sha256 {first.plan_sha256[:12]}..): runs calibrated from together must be "
+                "of one plan",
+                hint="pass only runs of the plan to calibrate from (its `partc launch "
+                     "--metrics` files)")
+    return tuple(reads)
+
+
+def names_of(reads: Sequence[RunOfPlan]) -> str:
+    """The run files of `reads`, for messages: `a.jsonl`, `a.jsonl, b.jsonl`."""
+    return ", ".join(r.run_path.name for r in reads)
+
+
+def load_launched_run(reads: Sequence[RunOfPlan], result: CaptureResult,
                       progress: Progress | None = None) -> LaunchedRun:
-    """Check a run and its plan (read and checked against each other by `read_run_of_plan`)
-    against `result`, the capture of the model being compiled; find each stage's nodes (module
-    docstring). CalibrationError otherwise."""
+    """Check runs of one plan (read and checked against it and each other by
+    `read_runs_of_plan`) against `result`, the capture of the model being compiled; find each
+    stage's nodes (module docstring). CalibrationError otherwise."""
     progress = progress or Progress()
-    run, run_path, plan, plan_path, sha = (read.run, read.run_path, read.plan, read.plan_path,
-                                           read.plan_sha256)
+    reads = _of_one_plan(reads)
+    plan, plan_path, sha = reads[0].plan, reads[0].plan_path, reads[0].plan_sha256
+    run_name = names_of(reads)
     graph = result.graph
     if plan.costs.capture_batch_size != graph.batch_size:
         raise CalibrationError(
@@ -168,7 +222,7 @@ def load_launched_run(read: RunOfPlan, result: CaptureResult,
             hint=f"compile with --capture-batch {plan.costs.capture_batch_size}")
     if plan.model.graph_hash != graph.content_hash():
         raise CalibrationError(
-            f"{run_path.name} is a run of another model: its plan {plan_path} has graph "
+            f"{run_name} is a run of another model: its plan {plan_path} has graph "
             f"{plan.model.graph_hash[:19]}.., this model {graph.content_hash()[:19]}..",
             hint="calibrate from a run of a plan of this model (recompile and launch it first)")
     profile = recorded_profile(plan, plan_path)
@@ -187,9 +241,8 @@ def load_launched_run(read: RunOfPlan, result: CaptureResult,
         raise CalibrationError(
             f"{plan_path} no longer re-solves to itself, so which operators its stages held "
             "is unknown", hint=f"`partc check {plan_path}` says why; recompile and launch again")
-    return LaunchedRun(run=run, run_path=run_path, plan=plan, plan_path=plan_path,
-                       plan_sha256=sha, stage_nodes=tuple(st.nodes for st in partition.stages),
-                       steps=tuple(s.step for s in read.timed))
+    return LaunchedRun(runs=tuple(reads), plan=plan, plan_path=plan_path, plan_sha256=sha,
+                       stage_nodes=tuple(st.nodes for st in partition.stages))
 
 
 def stage_calibrations(table: CostTable, launched: LaunchedRun,
@@ -199,20 +252,22 @@ def stage_calibrations(table: CostTable, launched: LaunchedRun,
     plan = launched.plan
     if device.name != plan.cluster.device.name:
         raise CalibrationError(
-            f"{launched.run_path.name} ran on {plan.cluster.device.name} devices, this compile "
+            f"{launched.name} ran on {plan.cluster.device.name} devices, this compile "
             f"plans for {device.name}", hint="calibrate from a run on the cluster compiled for")
     # the costs are per precision (bf16 kernels are not fp32's): factors that make one
     # precision's table predict a run at another would price neither
     ran_at, priced_at = plan.training.config.precision, table.source.precision
     if ran_at != priced_at:
         raise CalibrationError(
-            f"{launched.run_path.name} trained at precision {ran_at}, this compile prices "
+            f"{launched.name} trained at precision {ran_at}, this compile prices "
             f"{priced_at}", hint=f"compile with --precision {ran_at}, or calibrate from a run of "
                                  f"a {priced_at} plan")
     m = launched.microbatch_size
     # what every stage pays besides its operators: the runtime's overhead, the loss on the last
     fixed = stage_fixed_s(table, replace(plan.cluster, device=device), plan.training.shape)
-    timed = tuple(s for s in launched.run.steps if s.step in set(launched.steps))
+    # the medians over every run's timed steps; the summaries' memory (the first run's) is not
+    # calibrated
+    summaries = launched.runs[0].run.stage_summaries(launched.timed)
     # Where ranks share a core their wall times hold the core-mates' turns, which the simulator
     # adds itself: the stages' own work is their CPU time, as the profile prices it there.
     shared = plan.pipeline_spec().shares_cores
@@ -221,14 +276,13 @@ def stage_calibrations(table: CostTable, launched: LaunchedRun,
                            if len({k % S for k in t.stages}) > 1)
     graph = table.graph
     out = []
-    for summary, nodes, stage in zip(launched.run.stage_summaries(timed), launched.stage_nodes,
-                                     plan.stages, strict=True):
+    for summary, nodes, stage in zip(summaries, launched.stage_nodes, plan.stages, strict=True):
         work = summary.compute_s(shared)
         if work is None:
             raise CalibrationError(
-                f"{launched.run_path.name} ran processes that share cores but has no CPU "
+                f"{launched.name} ran processes that share cores but has no CPU "
                 "times per stage (launched by an older partc), and its wall times hold the "
-                "core-mates' turns", hint=_hint(launched.run_path))
+                "core-mates' turns", hint=launched.hint)
         forward_s, backward_s, _ = work
         fwd_work = table.sum_forward_s(nodes, m)
         bwd_work = table.sum_backward_s(nodes, m)
@@ -261,11 +315,11 @@ def _factor(measured_work: float, predicted_work: float, stage: int, what: str,
         return 1.0  # nothing to scale (views only): keep the costs as they are
     if not math.isfinite(measured_work) or not math.isfinite(predicted_work):
         # RunMetrics.load refuses such times; a table's costs are finite by construction
-        raise CalibrationError(f"stage {stage}'s {what} in {launched.run_path.name} is not a "
-                               "finite time", hint=_hint(launched.run_path))
+        raise CalibrationError(f"stage {stage}'s {what} in {launched.name} is not a "
+                               "finite time", hint=launched.hint)
     if measured_work <= 0:
         raise CalibrationError(
-            f"stage {stage}'s measured {what} in {launched.run_path.name} is not above the "
+            f"stage {stage}'s measured {what} in {launched.name} is not above the "
             "device's microbatch_overhead_s (and the loss's): there is no work left to "
             "calibrate",
             hint="lower microbatch_overhead_s in the device config, or launch with larger "
@@ -291,8 +345,9 @@ def corrected_costs(table: CostTable, launched: LaunchedRun, device: DeviceSpec)
         nodes[name] = NodeCost(cost.forward.scaled(st.forward_factor),
                                cost.backward.scaled(st.backward_factor), cost.saved,
                                cost.method)
-    record = {"run": str(launched.run_path), "plan": str(launched.plan_path),
-              "plan_sha256": launched.plan_sha256, "steps": list(launched.steps),
+    record = {"runs": [{"run": str(r.run_path), "steps": [s.step for s in r.timed]}
+                       for r in launched.runs],
+              "plan": str(launched.plan_path), "plan_sha256": launched.plan_sha256,
               "microbatch_size": launched.microbatch_size,
               "stages": [st.to_dict() for st in stages]}
     source = replace(table.source, calibration={**table.source.calibration,

@@ -9,10 +9,11 @@ import dataclasses
 import json
 import math
 import shutil
+import statistics
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import pytest
 import yaml
@@ -30,6 +31,7 @@ from partc.plans.recalibrate import (
     RunOfPlan,
     load_launched_run,
     read_run_of_plan,
+    read_runs_of_plan,
 )
 from partc.plans.run_metrics import (
     CLOCK_CUDA,
@@ -49,12 +51,15 @@ STEPS = 4  # step 1 is warm-up and one is profiled (CPU peak memory): the other 
 SHAPE = SearchOptions(stages=2, replicas=1, num_microbatches=4, strategy="uniform")
 
 
-def run_of(metrics: Path | None) -> RunOfPlan | None:
-    """A metrics file as compile takes it (the CLI reads it before capturing)."""
-    return None if metrics is None else read_run_of_plan(metrics)
+def run_of(metrics: Path | Sequence[Path] | None) -> tuple[RunOfPlan, ...]:
+    """Metrics files as compile takes them (the CLI reads them before capturing)."""
+    if metrics is None:
+        return ()
+    return read_runs_of_plan([metrics] if isinstance(metrics, Path) else metrics)
 
 
-def compile_mlp(out: Path, calibrate_from: Path | None = None, model: Path = MLP) -> Path:
+def compile_mlp(out: Path, calibrate_from: Path | Sequence[Path] | None = None,
+                model: Path = MLP) -> Path:
     compile_model(model, CPU4, out, CompileOptions(batch_size=16, search=SHAPE, costs="analytic",
                                                    calibrate_from=run_of(calibrate_from)))
     return out / "plan.yaml"
@@ -127,11 +132,11 @@ def test_calibrated_compile_predicts_the_measured_stage_times(launched: Launched
     source = yaml.safe_load(profile.read_text())
     record = source["calibration"]["calibrated_from"]
     assert source["kind"] == "analytic"  # what distributed the time over nodes: kept
-    assert record["run"] == str(launched.run.resolve())
+    assert record["runs"] == [{"run": str(launched.run.resolve()),
+                               "steps": [s.step for s in run.strictly_timed_steps()]}]
     assert record["plan"] == str(launched.plan.resolve())
     assert record["plan_sha256"] == sha256_file(launched.plan)
-    assert record["steps"] == [s.step for s in run.strictly_timed_steps()]
-    assert len(record["steps"]) >= 1 and len(record["stages"]) == 2
+    assert len(record["runs"][0]["steps"]) >= 1 and len(record["stages"]) == 2
     assert all(s["forward_factor"] > 0 and s["backward_factor"] > 0 for s in record["stages"])
     # partc check re-solves from the calibrated profile to the same plan
     report = check_plan(plan_path)
@@ -162,6 +167,70 @@ def _rewrite(src: Path, dst: Path, **changes: object) -> Path:
     return dst
 
 
+def test_several_runs_of_one_plan_pool_their_timed_steps(launched: Launched,
+                                                        tmp_path: Path) -> None:
+    """One launch's slow minute set every stage's costs (a 221 ms BERT plan launched at 865 ms
+    on a shared machine predicted 775 ms after). `--calibrate-from` repeated pools the runs:
+    each stage's times are medians over every run's timed steps. A second run of the same plan
+    here is the first's lines with every time 1.5x (a slow launch, as the metrics would read),
+    at a copy of the plan directory: the same plan's bytes wherever it was launched from."""
+    copy = tmp_path / "copy"
+    shutil.copytree(launched.plan.parent, copy)
+    slow = tmp_path / "slow.jsonl"
+    rows = [json.loads(x) for x in launched.run.read_text().splitlines()]
+    for r in rows:
+        r["plan"] = str((copy / "plan.yaml").resolve())
+        for st in r["stages"]:
+            for key in ("forward_s", "backward_s", "forward_cpu_s", "backward_cpu_s",
+                        "between_cpu_s"):
+                if st.get(key) is not None:
+                    st[key] *= 1.5
+    slow.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    plan = load_plan(compile_mlp(tmp_path / "b", calibrate_from=[launched.run, slow]))
+    pooled = [s for p in (launched.run, slow) for s in RunMetrics.load(p).strictly_timed_steps()]
+    assert len(pooled) >= 4
+    def median(k: int, key: str) -> float:
+        return statistics.median(getattr(s.stages[k], key) for s in pooled)
+
+    for stage in plan.stages:
+        between = median(stage.index, "between_cpu_s")
+        # the pooled median, not either run's: between the fast run's and the slow one's
+        assert stage.forward_s == pytest.approx(median(stage.index, "forward_s") + between,
+                                                abs=2e-9)
+        assert stage.backward_s == pytest.approx(median(stage.index, "backward_s") + between,
+                                                 abs=2e-9)
+    record = yaml.safe_load((tmp_path / "b" / "profile.yaml").read_text())[
+        "calibration"]["calibrated_from"]
+    assert [r["run"] for r in record["runs"]] == [str(launched.run.resolve()), str(slow)]
+    # the slow run alone predicts slower stages than the pooled runs
+    alone = load_plan(compile_mlp(tmp_path / "c", calibrate_from=slow))
+    assert all(a.forward_s > p.forward_s for a, p in zip(alone.stages, plan.stages, strict=True))
+
+    # a run of another plan (its plan.yaml's bytes differ) is refused before the capture, one
+    # line, exit 2, no plan written
+    other = tmp_path / "other"
+    shutil.copytree(launched.plan.parent, other)
+    with (other / "plan.yaml").open("a") as f:
+        f.write("# reviewed\n")
+    for r in rows:
+        r["plan"] = str((other / "plan.yaml").resolve())
+        r["plan_sha256"] = sha256_file(other / "plan.yaml")
+    foreign = tmp_path / "foreign.jsonl"
+    foreign.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "mixed"
+    proc = subprocess.run([PARTC, "compile", str(MLP), "-b", "16", "--cluster", "cpu-4",
+                           "--costs", "analytic", "--calibrate-from", str(launched.run),
+                           "--calibrate-from", str(foreign), "-o", str(out)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [x for x in proc.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("partc: error:"), lines
+    assert "runs calibrated from together must be of one plan" in lines[0]
+    assert "(hint: pass only runs of the plan" in lines[0]
+    assert not out.exists()
+
+
 def test_refusals(launched: Launched, mlp_capture: CaptureResult, tmp_path: Path) -> None:
     run = launched.run
     # the plan changed since the run launched it
@@ -188,7 +257,7 @@ def test_refusals(launched: Launched, mlp_capture: CaptureResult, tmp_path: Path
     cases["is a run of 1 stage"] = one_stage
     for needle, path in cases.items():
         with pytest.raises((CalibrationError, RunMetricsError), match=needle) as info:
-            load_launched_run(read_run_of_plan(path), mlp_capture)
+            load_launched_run(read_runs_of_plan([path]), mlp_capture)
         assert info.value.hint and "\n" not in info.value.one_line()
 
     # another model's compile, through the CLI: one line, exit 2, no plan written
@@ -281,7 +350,7 @@ def test_a_run_at_another_precision_is_refused(launched: Launched, tmp_path: Pat
     wrote the plan (exit 0): the costs are per precision."""
     bf16 = CompileOptions(batch_size=16, search=SHAPE, costs="analytic",
                           training=TrainingConfig(precision="bf16-mixed"),
-                          calibrate_from=read_run_of_plan(launched.run))
+                          calibrate_from=read_runs_of_plan([launched.run]))
     with pytest.raises(CalibrationError, match="trained at precision fp32, this compile prices "
                                                "bf16-mixed") as info:
         compile_model(MLP, CPU4, tmp_path / "bf16", bf16)
