@@ -85,7 +85,8 @@ def rank_steps(path: Path) -> dict[int, RankStep]:
     steps: dict[int, RankStep] = {}
     current: list[tuple[str, float, float, Any]] = []
     start = 0.0
-    for kind, begin, end, detail in json.loads(path.read_text()):
+    rows = [row for line in path.read_text().splitlines() if line for row in json.loads(line)]
+    for kind, begin, end, detail in rows:
         if kind == "step":
             current, start = [], begin
         elif kind == "step_end":
@@ -164,10 +165,10 @@ def main() -> None:
         out = Path(tmp)
         metrics = launch(plan_path, args.steps, out)
         replay = replay_measured(plan, RunMetrics.load(metrics))
-        timelines = {r: rank_steps(out / f"rank{r}.json") for r in range(plan.num_stages)}
+        timelines = {r: rank_steps(out / f"rank{r}.jsonl") for r in range(plan.num_stages)}
         if args.keep is not None:
             args.keep.mkdir(parents=True, exist_ok=True)
-            for name in ["metrics.jsonl"] + [f"rank{r}.json" for r in range(plan.num_stages)]:
+            for name in ["metrics.jsonl"] + [f"rank{r}.jsonl" for r in range(plan.num_stages)]:
                 shutil.copyfile(out / name, args.keep / name)
     if replay is None:
         raise SystemExit("launch_timeline: the run has no CPU times to replay")

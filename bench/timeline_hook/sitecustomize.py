@@ -10,8 +10,10 @@ the step itself (`partc.run.runtime._step`, with the CPU time the process and it
 spent in it). Each pass also records its thread's time runnable but waiting for the core and
 its count of times scheduled in (/proc schedstat), and each timed call its main-thread CPU time.
 Times are CLOCK_MONOTONIC, one clock for every process of the machine, so the ranks' timelines
-line up. After each step the rank's events so far are written to PARTC_TIMELINE_DIR/rank<R>.json
-as [kind, start_s, end_s, detail] rows.
+line up. After each step the rank's events of that step are appended to
+PARTC_TIMELINE_DIR/rank<R>.jsonl as one JSON line of [kind, start_s, end_s, detail] rows: appending
+only the new rows keeps the hook's own cost per step constant (rewriting the whole log after each
+step grew the gap between steps by ~0.4 ms a step, 2.7 -> 13 ms over 26 MLP steps).
 """
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ def _install(out: str, rank: str) -> None:
     import partc.run.stage_runner as stage_runner
 
     log: list[tuple[str, float, float, Any]] = []
+    path = os.path.join(out, f"rank{rank}.jsonl")
     post, wait = schedules._batch_p2p, schedules._wait_batch_p2p
 
     # each timed call also logs its main-thread CPU time as a zero-length "cpu:<kind>" row, so
@@ -102,10 +105,9 @@ def _install(out: str, rank: str) -> None:
         # the step's CPU time, the whole process's (gloo's threads too) and the main thread's
         log.append(("cpu", end, end, [time.process_time() - process, time.thread_time() - thread]))
         log.append(("step_end", start, end, index))
-        path = os.path.join(out, f"rank{rank}.json")
-        with open(path + ".tmp", "w") as f:
-            json.dump(log, f)
-        os.replace(path + ".tmp", path)
+        with open(path, "a") as f:
+            f.write(json.dumps(log) + "\n")
+        log.clear()
         return result
 
     runtime._step = timed_step  # type: ignore[assignment]
