@@ -632,24 +632,30 @@ def show(plan: Path, png: Path | None, html: Path | None, metrics: Path | None) 
 @click.option("--name", default=None,
               help="Config name: the files' stem and the device's name [default: cpu, or the "
                    "GPU's name, e.g. nvidia-h100-80gb-hbm3].")
+@click.option("--devices", type=click.IntRange(min=1), multiple=True,
+              help="(--device cpu, repeatable) Also write clusters/NAME-N.yaml: this machine as "
+                   "N processes; more than its cores (at --threads 1) share them.")
 @click.option("--output", "-o", "out_dir", required=True,
               type=click.Path(readable=False, file_okay=False, path_type=Path),
               help="Configs folder to write devices/NAME.yaml and clusters/NAME.yaml into.")
 @debug_option
 def calibrate(device: str, threads: int, seconds: float, name: str | None,
-              out_dir: Path) -> None:
+              devices: tuple[int, ...], out_dir: Path) -> None:
     """Measure this machine's CPU or a CUDA GPU and write a device and a cluster config
     (OUT/devices/NAME.yaml, OUT/clusters/NAME.yaml) for `partc compile --cluster
     OUT/clusters/NAME.yaml`. Run it on an idle machine."""
     from partc.hardware.calibration import format_calibration
     from partc.run.overhead import calibrate_machine
 
-    result = calibrate_machine(out_dir, device, name=name, threads=threads, seconds=seconds)
+    result = calibrate_machine(out_dir, device, name=name, threads=threads, seconds=seconds,
+                               devices=devices)
     if result.other_processes_cores > 0.1:
         click.echo(f"partc: warning: other processes used {result.other_processes_cores:.0%} "
                    "of a core meanwhile; the numbers are low, rerun on an idle machine", err=True)
     click.echo(format_calibration(result))
-    click.echo(f"wrote {result.device_path} and {result.cluster_path}", err=True)
+    more = ", ".join(str(path) for _, path in result.more_clusters)
+    click.echo(f"wrote {result.device_path} and {result.cluster_path}"
+               + (f" (and {more})" if more else ""), err=True)
 
 
 def main() -> NoReturn:

@@ -111,6 +111,9 @@ class CalibrationResult:
     # where it was tried and failed (`wake_note`)
     wake: WakeCredit | None = None
     wake_note: str = ""
+    # `--devices N`: the same node as N devices (cores shared when N exceeds them), each
+    # (cluster read back, DIR/clusters/NAME-N.yaml)
+    more_clusters: tuple[tuple[ClusterSpec, Path], ...] = ()
 
 
 # --------------------------------------------------------------------------------------------
@@ -1032,17 +1035,37 @@ def device_yaml(cal: DeviceCalibration, command: str = "partc calibrate") -> str
 
 
 def cluster_yaml(cal: DeviceCalibration, link: LinkCalibration, name: str | None = None,
-                 command: str = "partc calibrate", wake: WakeCredit | None = None) -> str:
+                 command: str = "partc calibrate", wake: WakeCredit | None = None,
+                 devices: int | None = None) -> str:
     """The cluster config of a calibration: one node of this machine's devices (`cores / threads`
     CPU devices over gloo, or every visible GPU over NCCL), its device named `cal.spec.name`
     (found in the `devices/` folder beside the cluster file's folder) and `link` as the
-    intra-node link, its raw measurements as comments; `wake` the scheduler's wake credit."""
+    intra-node link, its raw measurements as comments; `wake` the scheduler's wake credit.
+
+    `devices` (CPU only, at least the default count): the node as that many gloo processes;
+    more than it has cores (with one thread each) time-share them (`cores_per_node`: launch pins
+    process i to core i % cores and the simulator shares each core, crediting a woken process
+    `wake`), and each gets an equal share of the RAM (`device_memory_bytes`)."""
     name = name or cal.spec.name
+    extra: list[str] = []
+    shared = False
     if isinstance(cal, CpuCalibration):
-        devices = max(1, cal.physical_cores // cal.threads)
+        own = max(1, cal.physical_cores // cal.threads)
+        devices = own if devices is None else devices
+        if devices < own or (devices > own and cal.threads != 1):
+            raise ValueError(f"{devices} devices of a {cal.physical_cores}-core calibration at "
+                             f"{cal.threads} thread(s) (check_calibration_inputs refuses it)")
         backend = "gloo"
-        description = (f"This machine: {devices} device(s) of {cal.threads} core(s), gloo over "
-                       "loopback")
+        shared = devices > own
+        over = f" (oversubscribed on {cal.physical_cores} cores)" if shared else ""
+        description = (f"This machine: {devices} device(s) of {cal.threads} core(s){over}, gloo "
+                       "over loopback")
+        if devices != own:
+            extra.append(f"device_memory_bytes: {cal.ram_bytes // devices}")
+        if shared:
+            extra.append(f"cores_per_node: {cal.physical_cores}")
+    elif devices is not None:
+        raise ValueError("devices is for CPU calibrations")
     else:
         devices, backend = cal.device_count, "nccl"
         description = f"This machine: {devices} x {cal.gpu_name}, NCCL"
@@ -1060,25 +1083,30 @@ def cluster_yaml(cal: DeviceCalibration, link: LinkCalibration, name: str | None
         f"source: {_quote(link.source)}",
         f"device: {cal.spec.name}",
         f"devices_per_node: {devices}",
+        *(["# RAM shared out among the devices (MemTotal / devices)"] if extra else []),
+        *extra,
         "num_nodes: 1",
         f"backend: {backend}",
         *how,
         "intra_node:",
         f"  bandwidth: {_quantity_text(link.link.bandwidth, 'B/s')}",
         f"  latency_s: {_quantity_text(link.link.latency_s, 's')}",
-        *([] if wake is None else _wake_lines(wake)),
+        *([] if wake is None else _wake_lines(wake, shared)),
     ]) + "\n"
 
 
-def _wake_lines(wake: WakeCredit) -> list[str]:
+def _wake_lines(wake: WakeCredit, shared: bool) -> list[str]:
     m = wake.measurements()
+    used = ("This node's processes share its cores, so the simulator uses it." if shared else
+            "This node's cores are not shared, so only a cluster of more devices uses it "
+            "(partc calibrate --devices N).")
     return [
         "# Where a cluster of this node runs more processes than it has cores: the CPU time a",
         "# process woken by a gloo receive runs ahead of a core-mate that kept computing before",
         "# they share the core (partc.hardware.wake_credit; median of "
         f"{len(wake.credits_s)} wakes, each computing {_q(m['wake_credit_compute_s'], 's')},",
-        f"# {_q(m['wake_credit_min_s'], 's')}..{_q(m['wake_credit_max_s'], 's')}). This node's "
-        "cores are not shared, so only a cluster derived from it uses it.",
+        f"# {_q(m['wake_credit_min_s'], 's')}..{_q(m['wake_credit_max_s'], 's')}).",
+        f"# {used}",
         f"wake_credit_s: {_quantity_text(_snap(wake.wake_credit_s, 's', 3), 's')}",
     ]
 
@@ -1132,18 +1160,44 @@ def output_paths(out_dir: str | Path, name: str) -> tuple[Path, Path]:
     return paths
 
 
+def check_devices(kind: str, threads: int, devices: Sequence[int]) -> tuple[int, ...]:
+    """`--devices` counts of a calibration, sorted and without the node's own count (its
+    default cluster): each a CPU node as that many processes of `threads` cores, at least one
+    per `threads` cores, and more than that (cores shared) only at one thread each; else a
+    CalibrationError."""
+    if not devices:
+        return ()
+    if kind != "cpu":
+        raise CalibrationError(f"--devices is for --device cpu, not {kind}",
+                               "a GPU cluster has one process per visible GPU")
+    cores = physical_cores()
+    own = max(1, cores // threads)
+    for n in devices:
+        if n < own:
+            raise CalibrationError(
+                f"--devices {n} is fewer than this machine's {own} device(s) of {threads} "
+                f"core(s)", f"give each device more cores with --threads {max(1, cores // n)}")
+        if n > own and threads != 1:
+            raise CalibrationError(
+                f"--devices {n} shares {cores} cores among more processes, which needs "
+                f"--threads 1 (got {threads})", "calibrate with --threads 1")
+    return tuple(sorted(set(devices) - {own}))
+
+
 def check_calibration_inputs(out_dir: str | Path, device: str = "cpu", *,
                              name: str | None = None, threads: int = 1,
-                             seconds: float = 20.0) -> tuple[str, str, Path, Path]:
+                             seconds: float = 20.0,
+                             devices: Sequence[int] = ()) -> tuple[str, str, Path, Path]:
     """(device kind, config name, device config path, cluster config path) of a calibration,
-    after refusing what would fail it later (a bad device, name, --threads or --seconds, a
-    missing GPU, an unwritable `out_dir`: its folders are created here, `output_paths`), so
-    nothing is measured for a run that cannot write its result."""
+    after refusing what would fail it later (a bad device, name, --threads, --seconds or
+    --devices, a missing GPU, an unwritable `out_dir`: its folders are created here,
+    `output_paths`), so nothing is measured for a run that cannot write its result."""
     kind = parse_calibration_device(device)
     if threads < 1:
         raise CalibrationError(f"--threads must be >= 1, got {threads}", "e.g. --threads 1")
     if not seconds > 0:
         raise CalibrationError(f"--seconds must be > 0, got {seconds}", "e.g. --seconds 20")
+    more = check_devices(kind, threads, devices)
     if kind != "cpu":
         _cuda_device(kind)  # fail before writing anything
     if name is None:
@@ -1153,15 +1207,20 @@ def check_calibration_inputs(out_dir: str | Path, device: str = "cpu", *,
             import torch
             name = gpu_slug(torch.cuda.get_device_name(torch.device(kind)))
     name = check_name(name)
+    for n in more:
+        check_name(f"{name}-{n}")
     return (kind, name, *output_paths(out_dir, name))
 
 
 def calibrate(out_dir: str | Path, device: str = "cpu", *, name: str | None = None,
               threads: int = 1, seconds: float = 20.0, measure_link: bool = True,
               command: str | None = None,
-              runtime: tuple[float, dict[str, float]] | None = None) -> CalibrationResult:
+              runtime: tuple[float, dict[str, float]] | None = None,
+              devices: Sequence[int] = ()) -> CalibrationResult:
     """Measure `device` (`cpu`, `cuda`, `cuda:N`) and write `out_dir/devices/NAME.yaml` and
     `out_dir/clusters/NAME.yaml` atomically; both are read back through the config loader.
+    `devices` (CPU): for each count N other than the node's own, also
+    `out_dir/clusters/NAME-N.yaml`, the node as N processes (`cluster_yaml`).
 
     NAME defaults to `cpu`, or the GPU's name made a file name (`nvidia-h100-80gb-hbm3`). On the
     CPU one device is `threads` cores and the link is gloo between two local processes; on a GPU
@@ -1175,9 +1234,11 @@ def calibrate(out_dir: str | Path, device: str = "cpu", *, name: str | None = No
     missing GPU or an unwritable `out_dir`.
     """
     kind, name, device_path, cluster_path = check_calibration_inputs(
-        out_dir, device, name=name, threads=threads, seconds=seconds)
+        out_dir, device, name=name, threads=threads, seconds=seconds, devices=devices)
+    more = check_devices(kind, threads, devices)
     command = command or (f"partc calibrate --device {device} --threads {threads} "
-                          f"--seconds {seconds:g} --name {name} -o {out_dir}")
+                          f"--seconds {seconds:g} --name {name}"
+                          + "".join(f" --devices {n}" for n in more) + f" -o {out_dir}")
 
     busy0, own0 = _cpu_clock()
     t0 = time.perf_counter()
@@ -1220,16 +1281,20 @@ def calibrate(out_dir: str | Path, device: str = "cpu", *, name: str | None = No
     try:
         write_atomic(device_path, device_yaml(cal, command))
         write_atomic(cluster_path, cluster_yaml(cal, link, name, command, wake))
+        more_paths = [(n, cluster_path.with_name(f"{name}-{n}.yaml")) for n in more]
+        for n, path in more_paths:
+            write_atomic(path, cluster_yaml(cal, link, f"{name}-{n}", command, wake, devices=n))
     except OSError as exc:
         raise CalibrationError(f"cannot write {device_path.parent.parent}: "
                                f"{exc.strerror or exc}", "pass -o a folder you can write to") \
             from None
-    # Read both back through the loader: what was written must be a valid config.
+    # Read them back through the loader: what was written must be a valid config.
     load_device(device_path)
     cluster = load_cluster(cluster_path)
     return CalibrationResult(device=cal, link=link, cluster=cluster, device_path=device_path,
                              cluster_path=cluster_path, wall_s=wall,
-                             other_processes_cores=others, wake=wake, wake_note=wake_note)
+                             other_processes_cores=others, wake=wake, wake_note=wake_note,
+                             more_clusters=tuple((load_cluster(p), p) for _, p in more_paths))
 
 
 def format_calibration(result: CalibrationResult) -> str:
@@ -1256,6 +1321,8 @@ def format_calibration(result: CalibrationResult) -> str:
             f"  a process woken by a gloo receive runs {_q(result.cluster.wake_credit_s, 's')} "
             "ahead of a busy core-mate (where processes share cores)"]),
         *([f"  wake credit not measured: {result.wake_note}"] if result.wake_note else []),
+        *(f"cluster {path}\n  {c.num_devices} device(s) on {c.busy_cores_per_node} core(s), "
+          f"{c.device.memory_bytes / 2**30:.2f} GiB each" for c, path in result.more_clusters),
         f"took {result.wall_s:.1f} s",
     ]
     if not math.isnan(result.other_processes_cores):

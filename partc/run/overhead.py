@@ -33,6 +33,7 @@ import json
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -202,7 +203,8 @@ def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 def calibrate_machine(out_dir: str | Path, device: str = "cpu", *, name: str | None = None,
                       threads: int = 1, seconds: float = 20.0, measure_link: bool = True,
-                      command: str | None = None) -> CalibrationResult:
+                      command: str | None = None,
+                      devices: Sequence[int] = ()) -> CalibrationResult:
     """`partc calibrate`: the device and link measurements (partc.hardware.calibration.calibrate)
     with the pipelining runtime's overhead measured here, where two processes (or two GPUs) can
     run a pipeline; without them (one GPU) the device config has no `microbatch_overhead_s`."""
@@ -210,13 +212,14 @@ def calibrate_machine(out_dir: str | Path, device: str = "cpu", *, name: str | N
 
     # bad options or an unwritable -o fail before anything is measured
     kind = check_calibration_inputs(out_dir, device, name=name, threads=threads,
-                                    seconds=seconds)[0]
+                                    seconds=seconds, devices=devices)[0]
     runtime = None
     if measure_link and (kind == "cpu" or torch.cuda.device_count() >= 2):
         found = measure_microbatch_overhead(kind)
         runtime = (found.microbatch_overhead_s, found.measurements())
     return calibrate(out_dir, device, name=name, threads=threads, seconds=seconds,
-                     measure_link=measure_link, command=command, runtime=runtime)
+                     measure_link=measure_link, command=command, runtime=runtime,
+                     devices=devices)
 
 
 __all__ = ["PipelineOverhead", "OverheadError", "calibrate_machine",

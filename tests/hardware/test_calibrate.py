@@ -19,6 +19,7 @@ from partc.hardware.calibration import (
     CpuCalibration,
     CudaCalibration,
     LinkCalibration,
+    check_devices,
     check_name,
     cluster_yaml,
     cuda_device_spec,
@@ -33,9 +34,10 @@ from partc.hardware.calibration import (
     shipped_cuda_link,
 )
 from partc.hardware.configs import device_from_dict, load_cluster, load_device
-from partc.hardware.local import cpu_model, cpu_vector_bytes
+from partc.hardware.local import cpu_model, cpu_vector_bytes, physical_cores
 from partc.hardware.specs import DeviceSpec, LinkSpec
 from partc.hardware.units import parse_quantity
+from partc.hardware.wake_credit import WakeCredit
 
 ROOT = Path(__file__).resolve().parents[2]
 PARTC = str(Path(sys.executable).parent / "partc")
@@ -184,6 +186,54 @@ def test_cluster_yaml_loads_with_its_sibling_device(tmp_path: Path) -> None:
     assert load_cluster(tmp_path / "one" / "clusters" / "my-h100.yaml").num_devices == 1
 
 
+def test_a_cpu_node_as_more_devices_shares_its_cores_and_ram(tmp_path: Path) -> None:
+    """`--devices N`: the node as N gloo processes; past one per core they share the cores
+    (cores_per_node, which launch pins by and the simulator shares), and the RAM N ways."""
+    cal = replace(cpu_calibration(), threads=1)  # 4 cores: 4 devices of its own
+    link = LinkCalibration(LinkSpec(bandwidth=2e9, latency_s=90e-6), measured=True,
+                           source="measured", measurements={"latency_s": 90e-6})
+    wake = WakeCredit(wake_credit_s=4.8e-3, compute_s=0.2, credits_s=(4.7e-3, 4.9e-3))
+    devices, clusters = output_paths(tmp_path, cal.spec.name)
+    devices.write_text(device_yaml(cal))
+    clusters.write_text(cluster_yaml(cal, link, wake=wake))
+    own = load_cluster(clusters)
+    assert own.num_devices == 4 and own.cores_per_node is None and own.devices_per_core == 1
+    assert own.device.memory_bytes == cal.spec.memory_bytes
+    assert "only a cluster of more devices uses it" in clusters.read_text()
+
+    shared = clusters.with_name("box-8.yaml")
+    shared.write_text(cluster_yaml(cal, link, "box-8", wake=wake, devices=8))
+    eight = load_cluster(shared)
+    assert eight.name == "box-8" and eight.num_devices == 8 and eight.cores_per_node == 4
+    assert eight.devices_per_core == 2 and eight.core_of(5) == (0, 1)
+    assert eight.device.memory_bytes == (32 << 30) // 8  # RAM shared 8 ways
+    assert eight.wake_credit_s == pytest.approx(4.8e-3) and eight.intra_node == link.link
+    assert eight.device.name == own.device.name  # the same calibrated device
+    text = shared.read_text()
+    assert "oversubscribed on 4 cores" in text and "share its cores, so the simulator" in text
+    # the node's own count is its default cluster; fewer, or sharing at 2 threads, is refused
+    assert cluster_yaml(cal, link, wake=wake, devices=4) == clusters.read_text()
+    with pytest.raises(ValueError):
+        cluster_yaml(cal, link, devices=3)
+    with pytest.raises(ValueError):
+        cluster_yaml(replace(cal, threads=2), link, devices=4)  # 2 devices of 2 cores each
+    with pytest.raises(ValueError, match="CPU"):
+        cluster_yaml(gpu_calibration(count=2), link, devices=4)
+
+
+def test_devices_counts_are_checked_before_measuring() -> None:
+    cores = physical_cores()
+    assert check_devices("cpu", 1, ()) == ()
+    assert check_devices("cpu", 1, (cores + 2, cores, cores + 2)) == (cores + 2,)
+    with pytest.raises(CalibrationError, match="needs --threads 1"):
+        check_devices("cpu", 2, (cores + 1,))
+    with pytest.raises(CalibrationError, match="is for --device cpu"):
+        check_devices("cuda:0", 1, (4,))
+    if cores > 1:
+        with pytest.raises(CalibrationError, match="fewer than this machine"):
+            check_devices("cpu", 1, (cores - 1,))
+
+
 def test_cluster_device_name_resolves_beside_the_cluster_first(tmp_path: Path) -> None:
     """A cluster file outside configs/ names a device: DIR/devices/<name>.yaml wins over the
     shipped one of that name; a name only shipped still resolves."""
@@ -252,10 +302,15 @@ def test_cuda_without_a_gpu_is_a_partc_error() -> None:
 
 def test_calibrate_command_writes_configs_that_compile(tmp_path: Path) -> None:
     out = tmp_path / "cal"
-    proc = run("calibrate", "--seconds", "1", "-o", str(out))
+    many = physical_cores() * 2
+    proc = run("calibrate", "--seconds", "1", "--devices", str(many), "-o", str(out))
     assert proc.returncode == 0, proc.stderr
     device_path, cluster_path = out / "devices" / "cpu.yaml", out / "clusters" / "cpu.yaml"
-    assert f"wrote {device_path} and {cluster_path}" in proc.stderr
+    shared_path = out / "clusters" / f"cpu-{many}.yaml"
+    assert f"wrote {device_path} and {cluster_path} (and {shared_path})" in proc.stderr
+    shared = load_cluster(shared_path)
+    assert shared.num_devices == many and shared.devices_per_core == 2
+    assert f"--devices {many}" in shared_path.read_text()  # the command that wrote it
     spec = load_device(device_path)
     cluster = load_cluster(cluster_path)
     assert cluster.device == spec and "partc calibrate" in spec.source  # not the shipped cpu
@@ -314,6 +369,9 @@ def test_calibrate_command_writes_configs_that_compile(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("args", "message"), [
     (["--device", "tpu"], "partc: error: bad --device 'tpu' (hint: use cpu, cuda or cuda:N"),
     (["--name", "../up"], "partc: error: bad --name '../up'"),
+    (["--threads", "2", "--devices", str(physical_cores() + 1)],
+     f"partc: error: --devices {physical_cores() + 1} shares"),
+    (["--device", "cuda", "--devices", "4"], "partc: error: --devices is for --device cpu"),
 ])
 def test_calibrate_bad_options_are_one_line_errors(tmp_path: Path, args: list[str],
                                                    message: str) -> None:
