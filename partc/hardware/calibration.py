@@ -1061,9 +1061,14 @@ def cluster_yaml(cal: DeviceCalibration, link: LinkCalibration, name: str | None
         description = (f"This machine: {devices} device(s) of {cal.threads} core(s){over}, gloo "
                        "over loopback")
         if devices != own:
-            extra.append(f"device_memory_bytes: {cal.ram_bytes // devices}")
-        if shared:
-            extra.append(f"cores_per_node: {cal.physical_cores}")
+            extra += ["# RAM shared out among the devices (MemTotal / devices)",
+                      f"device_memory_bytes: {cal.ram_bytes // devices}"]
+        if shared or cal.threads > 1:
+            # shared: launch pins process i to core i % cores, the simulator shares each core;
+            # threads > 1: each process gets cores / devices threads (threads_per_device), as
+            # launch gives it and the device was calibrated at
+            extra += ["# The node's physical cores, which its processes share out",
+                      f"cores_per_node: {cal.physical_cores}"]
     elif devices is not None:
         raise ValueError("devices is for CPU calibrations")
     else:
@@ -1083,7 +1088,6 @@ def cluster_yaml(cal: DeviceCalibration, link: LinkCalibration, name: str | None
         f"source: {_quote(link.source)}",
         f"device: {cal.spec.name}",
         f"devices_per_node: {devices}",
-        *(["# RAM shared out among the devices (MemTotal / devices)"] if extra else []),
         *extra,
         "num_nodes: 1",
         f"backend: {backend}",

@@ -221,6 +221,22 @@ def test_a_cpu_node_as_more_devices_shares_its_cores_and_ram(tmp_path: Path) -> 
         cluster_yaml(gpu_calibration(count=2), link, devices=4)
 
 
+def test_a_cpu_calibration_at_more_threads_gives_each_device_its_cores(tmp_path: Path) -> None:
+    """A device of 2 cores: the cluster says so (cores_per_node), so the memory model's
+    per-thread terms use the 2 threads launch gives each process and the device was timed at."""
+    cal = cpu_calibration()  # 4 cores, 2 threads a device
+    link = LinkCalibration(LinkSpec(bandwidth=2e9, latency_s=90e-6), measured=True,
+                           source="measured", measurements={"latency_s": 90e-6})
+    devices, clusters = output_paths(tmp_path, cal.spec.name)
+    devices.write_text(device_yaml(cal))
+    clusters.write_text(cluster_yaml(cal, link))
+    cluster = load_cluster(clusters)
+    assert cluster.num_devices == 2 and cluster.cores_per_node == 4
+    assert cluster.threads_per_device == 2 and cluster.devices_per_core == 1
+    assert {cluster.core_of(0), cluster.core_of(1)} == {(0, 0), (0, 1)}  # no core shared
+    assert cluster.device.memory_bytes == cal.spec.memory_bytes
+
+
 def test_devices_counts_are_checked_before_measuring() -> None:
     cores = physical_cores()
     assert check_devices("cpu", 1, ()) == ()
