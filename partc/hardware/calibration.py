@@ -1034,6 +1034,20 @@ def device_yaml(cal: DeviceCalibration, command: str = "partc calibrate") -> str
     return "\n".join([*header, *_device_lines(spec, comments)]) + "\n"
 
 
+def _device_count_problem(cores: int, threads: int, n: int) -> tuple[str, str] | None:
+    """(message, hint) where a CPU node of `cores` cores calibrated at `threads` threads cannot
+    be `n` devices: fewer than one per `threads` cores (launch would give each more threads than
+    the device was timed at), or more at more than one thread each; None where it can."""
+    own = max(1, cores // threads)
+    if n < own:
+        return (f"--devices {n} is fewer than this machine's {own} device(s) of {threads} "
+                f"core(s)", f"give each device more cores with --threads {max(1, cores // n)}")
+    if n > own and threads != 1:
+        return (f"--devices {n} shares {cores} cores among more processes, which needs "
+                f"--threads 1 (got {threads})", "calibrate with --threads 1")
+    return None
+
+
 def cluster_yaml(cal: DeviceCalibration, link: LinkCalibration, name: str | None = None,
                  command: str = "partc calibrate", wake: WakeCredit | None = None,
                  devices: int | None = None) -> str:
@@ -1052,9 +1066,9 @@ def cluster_yaml(cal: DeviceCalibration, link: LinkCalibration, name: str | None
     if isinstance(cal, CpuCalibration):
         own = max(1, cal.physical_cores // cal.threads)
         devices = own if devices is None else devices
-        if devices < own or (devices > own and cal.threads != 1):
-            raise ValueError(f"{devices} devices of a {cal.physical_cores}-core calibration at "
-                             f"{cal.threads} thread(s) (check_calibration_inputs refuses it)")
+        problem = _device_count_problem(cal.physical_cores, cal.threads, devices)
+        if problem is not None:  # check_devices refuses it before anything is measured
+            raise ValueError(problem[0])
         backend = "gloo"
         shared = devices > own
         over = f" (oversubscribed on {cal.physical_cores} cores)" if shared else ""
@@ -1175,27 +1189,23 @@ def check_devices(kind: str, threads: int, devices: Sequence[int]) -> tuple[int,
         raise CalibrationError(f"--devices is for --device cpu, not {kind}",
                                "a GPU cluster has one process per visible GPU")
     cores = physical_cores()
-    own = max(1, cores // threads)
     for n in devices:
-        if n < own:
-            raise CalibrationError(
-                f"--devices {n} is fewer than this machine's {own} device(s) of {threads} "
-                f"core(s)", f"give each device more cores with --threads {max(1, cores // n)}")
-        if n > own and threads != 1:
-            raise CalibrationError(
-                f"--devices {n} shares {cores} cores among more processes, which needs "
-                f"--threads 1 (got {threads})", "calibrate with --threads 1")
-    return tuple(sorted(set(devices) - {own}))
+        problem = _device_count_problem(cores, threads, n)
+        if problem is not None:
+            raise CalibrationError(*problem)
+    return tuple(sorted(set(devices) - {max(1, cores // threads)}))
 
 
 def check_calibration_inputs(out_dir: str | Path, device: str = "cpu", *,
                              name: str | None = None, threads: int = 1,
                              seconds: float = 20.0,
-                             devices: Sequence[int] = ()) -> tuple[str, str, Path, Path]:
-    """(device kind, config name, device config path, cluster config path) of a calibration,
-    after refusing what would fail it later (a bad device, name, --threads, --seconds or
-    --devices, a missing GPU, an unwritable `out_dir`: its folders are created here,
-    `output_paths`), so nothing is measured for a run that cannot write its result."""
+                             devices: Sequence[int] = ()
+                             ) -> tuple[str, str, Path, Path, tuple[int, ...]]:
+    """(device kind, config name, device config path, cluster config path, the `--devices`
+    counts that get a cluster of their own: `check_devices`) of a calibration, after refusing
+    what would fail it later (a bad device, name, --threads, --seconds or --devices, a missing
+    GPU, an unwritable `out_dir`: its folders are created here, `output_paths`), so nothing is
+    measured for a run that cannot write its result."""
     kind = parse_calibration_device(device)
     if threads < 1:
         raise CalibrationError(f"--threads must be >= 1, got {threads}", "e.g. --threads 1")
@@ -1213,7 +1223,7 @@ def check_calibration_inputs(out_dir: str | Path, device: str = "cpu", *,
     name = check_name(name)
     for n in more:
         check_name(f"{name}-{n}")
-    return (kind, name, *output_paths(out_dir, name))
+    return (kind, name, *output_paths(out_dir, name), more)
 
 
 def calibrate(out_dir: str | Path, device: str = "cpu", *, name: str | None = None,
@@ -1237,9 +1247,8 @@ def calibrate(out_dir: str | Path, device: str = "cpu", *, name: str | None = No
     `microbatch_overhead_s`. Raises CalibrationError (a PartcError) for a bad device or name, a
     missing GPU or an unwritable `out_dir`.
     """
-    kind, name, device_path, cluster_path = check_calibration_inputs(
+    kind, name, device_path, cluster_path, more = check_calibration_inputs(
         out_dir, device, name=name, threads=threads, seconds=seconds, devices=devices)
-    more = check_devices(kind, threads, devices)
     command = command or (f"partc calibrate --device {device} --threads {threads} "
                           f"--seconds {seconds:g} --name {name}"
                           + "".join(f" --devices {n}" for n in more) + f" -o {out_dir}")
@@ -1285,8 +1294,8 @@ def calibrate(out_dir: str | Path, device: str = "cpu", *, name: str | None = No
     try:
         write_atomic(device_path, device_yaml(cal, command))
         write_atomic(cluster_path, cluster_yaml(cal, link, name, command, wake))
-        more_paths = [(n, cluster_path.with_name(f"{name}-{n}.yaml")) for n in more]
-        for n, path in more_paths:
+        more_paths = [cluster_path.with_name(f"{name}-{n}.yaml") for n in more]
+        for n, path in zip(more, more_paths, strict=True):
             write_atomic(path, cluster_yaml(cal, link, f"{name}-{n}", command, wake, devices=n))
     except OSError as exc:
         raise CalibrationError(f"cannot write {device_path.parent.parent}: "
@@ -1298,7 +1307,7 @@ def calibrate(out_dir: str | Path, device: str = "cpu", *, name: str | None = No
     return CalibrationResult(device=cal, link=link, cluster=cluster, device_path=device_path,
                              cluster_path=cluster_path, wall_s=wall,
                              other_processes_cores=others, wake=wake, wake_note=wake_note,
-                             more_clusters=tuple((load_cluster(p), p) for _, p in more_paths))
+                             more_clusters=tuple((load_cluster(p), p) for p in more_paths))
 
 
 def format_calibration(result: CalibrationResult) -> str:
