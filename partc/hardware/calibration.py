@@ -780,11 +780,14 @@ def _pingpong(backend: str, threads: int, small_reps: int, big_reps: int, nbytes
     return found
 
 
-def measure_gloo_link(threads: int = 1, small_reps: int = 500, big_reps: int = 20,
+def measure_gloo_link(threads: int = 1, small_reps: int = 1500, big_reps: int = 60,
                       nbytes: int = LINK_BYTES) -> LinkCalibration:
     """Point-to-point gloo link between two processes of this machine (TCP over loopback), as
     a pipeline uses it (`_pingpong_worker`): latency = the mean exchange of 1 B, bandwidth =
-    `nbytes` / (its mean exchange - latency)."""
+    `nbytes` / (its mean exchange - latency). Means of many: about one 1 B exchange in a
+    hundred waits a 4 ms scheduler tick and one 64 MiB exchange in twenty runs 3-4x the others
+    (measured on this repository's 2-core VM), so 500 and 20 exchanges moved the latency by
+    40 us and the bandwidth by 15-30% between back-to-back calibrations."""
     found = _pingpong("gloo", threads, small_reps, big_reps, nbytes, allreduce=False)
     found["message_bytes"] = float(nbytes)
     link = link_from_pingpong(found["latency_s"], found["big_s"], nbytes)
@@ -1266,8 +1269,8 @@ def calibrate(out_dir: str | Path, device: str = "cpu", *, name: str | None = No
         cal = replace(cpu_cal, spec=replace(cpu_cal.spec, name=name, source=(
             f"calibrated by {tool} on {cpu_cal.cpu_model}")))
         if measure_link:
-            link = measure_gloo_link(threads, small_reps=50 if quick else 500,
-                                     big_reps=3 if quick else 20,
+            link = measure_gloo_link(threads, small_reps=50 if quick else 1500,
+                                     big_reps=3 if quick else 60,
                                      nbytes=(8 << 20) if quick else LINK_BYTES)
             try:
                 wake = measure_wake_credit()

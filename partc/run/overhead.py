@@ -24,8 +24,13 @@ and takes
   (left out, 4-process launches ran 4-5% longer than the schedule replayed from their own
   measured passes; bench/launch_timeline.py found this CPU there, docs/benchmarks.md).
 
-The result is the mean of the two passes and the two stages inside, plus the mean between: the
-solver adds it to every stage's forward and backward.
+Each of the three is taken per timed step (the step's mean over its passes) and the median over
+the steps is kept, the stage module's own time re-measured before and after the pipeline: a
+step pays its passes' mean, while a slower second of this shared machine falling on a few steps
+is the machine's, not the runtime's (12 steps of one mean moved the value by 40-70% between
+two calibrations of an idle VM, 91-181 us on five back-to-back runs). The result is the mean of
+the two passes and the two stages inside, plus the mean between: the solver adds it to every
+stage's forward and backward.
 """
 from __future__ import annotations
 
@@ -45,7 +50,7 @@ from partc.hardware.local import free_port, spawn_measurement
 WIDTH = 64  # features of the small stage's layers
 MICROBATCH = 32  # samples per micro-batch
 MICROBATCHES = 16  # per step
-STEPS = 12  # timed steps, after two warm-up steps
+STEPS = 60  # timed steps, after two warm-up steps (each some 10 ms here)
 
 
 class OverheadError(PartcError):
@@ -95,8 +100,9 @@ def _stage_module(seed: int) -> torch.jit.ScriptModule:
     return torch.jit.trace(module, (torch.randn(MICROBATCH, WIDTH),))
 
 
-def _alone_s(module: torch.nn.Module, device: torch.device, first: bool) -> tuple[float, float]:
-    """The module's own forward and backward time for one micro-batch, medians."""
+def _alone_s(module: torch.nn.Module, device: torch.device, first: bool
+             ) -> tuple[list[float], list[float]]:
+    """The module's own forward and backward times for one micro-batch, one per run."""
     from partc.run.stage_runner import synced_clock
 
     x = torch.randn(MICROBATCH, WIDTH, device=device, requires_grad=not first)
@@ -111,7 +117,7 @@ def _alone_s(module: torch.nn.Module, device: torch.device, first: bool) -> tupl
             fwd.append(mid - start)
             bwd.append(end - mid)
     module.zero_grad(set_to_none=True)
-    return statistics.median(fwd), statistics.median(bwd)
+    return fwd, bwd
 
 
 def _worker(rank: int, kind: str, port: int, out: str) -> None:
@@ -138,7 +144,7 @@ def _worker(rank: int, kind: str, port: int, out: str) -> None:
     try:
         with torch.jit.optimized_execution(False), cpu_settings(device):
             module = _stage_module(rank).to(device).train()
-            alone = _alone_s(module, device, first=rank == 0)
+            alone_before = _alone_s(module, device, first=rank == 0)
             last = rank == 1
             runner: torch.nn.Module = module if last else StageRunner(
                 module, device, bf16=False, checkpointing=False, last=False)
@@ -163,7 +169,7 @@ def _worker(rank: int, kind: str, port: int, out: str) -> None:
             p2p.install()
             batch = torch.randn(MICROBATCH * MICROBATCHES, WIDTH, device=device)
             target = torch.zeros(MICROBATCH * MICROBATCHES, device=device)
-            fwd = bwd = between = 0.0
+            per_step: list[tuple[float, float, float]] = []  # per pass: forward, backward, between
             for step in range(STEPS + 2):
                 pipe.reset_times()
                 loss_cpu[0] = 0.0
@@ -176,15 +182,19 @@ def _worker(rank: int, kind: str, port: int, out: str) -> None:
                 step_cpu = CPU_CLOCK() - began
                 module.zero_grad(set_to_none=True)
                 if step >= 2:
-                    fwd += pipe.forward_s
-                    bwd += pipe.backward_s
-                    between += cpu_between_passes(step_cpu, [pipe], loss_cpu[0],
-                                                  2 * MICROBATCHES)
-        passes = STEPS * MICROBATCHES
-        mine = torch.tensor([max(0.0, fwd / passes - alone[0]),
-                             max(0.0, bwd / passes - alone[1]),
+                    per_step.append((pipe.forward_s / MICROBATCHES,
+                                     pipe.backward_s / MICROBATCHES,
+                                     cpu_between_passes(step_cpu, [pipe], loss_cpu[0],
+                                                        2 * MICROBATCHES)))
+            alone_after = _alone_s(module, device, first=rank == 0)
+        # the module alone before and after the steps: a slower moment on one side would
+        # otherwise be read as the runtime's
+        alone = [statistics.median(alone_before[i] + alone_after[i]) for i in (0, 1)]
+        med = statistics.median
+        mine = torch.tensor([max(0.0, med(f for f, _, _ in per_step) - alone[0]),
+                             max(0.0, med(b for _, b, _ in per_step) - alone[1]),
                              # the host runs ahead of a GPU: its time between passes is hidden
-                             between / STEPS if kind == "cpu" else 0.0],
+                             med(w for _, _, w in per_step) if kind == "cpu" else 0.0],
                             dtype=torch.float64, device=device)
         every = [torch.zeros(3, dtype=torch.float64, device=device) for _ in range(2)]
         dist.all_gather(every, mine)
