@@ -15,16 +15,17 @@ process, the two things a prediction rests on:
   reverse, each stage's input gradients passed to the one before;
 
 each pass from a cold cache (`flush_cpu_caches`, as a pipeline stage starts after other
-micro-batches' work). It reports per stage the measured forward and backward beside the plan's
-(which also hold the runtime's per-micro-batch overhead and, on the last stage, the loss, which
-this does not run), and per round staged/whole: a cut that costs more than its parts (a boundary
-cast, a recomputation the stage files added) shows as staged/whole above 1, drift-free because
-both halves of the ratio ran in the same seconds. `--neighbours` keeps the node's other devices
-busy training the model as the profile does (`busy_neighbours`); this process runs on core 0,
-as the profile's does.
+micro-batches' work; `--cold once`: the staged passes from one flush at the round's start, as the
+whole program's, so what a stage boundary costs beyond its cold start shows apart from it). It
+reports per stage the measured forward and backward beside the plan's (which also hold the
+runtime's per-micro-batch overhead and, on the last stage, the loss, which this does not run), and
+per round staged/whole: a cut that costs more than its parts (a boundary cast, a recomputation the
+stage files added) shows as staged/whole above 1, drift-free because both halves of the ratio ran
+in the same seconds. `--neighbours` keeps the node's other devices busy training the model as the
+profile does (`busy_neighbours`); this process runs on core 0, as the profile's does.
 
 CPU only. Usage: python bench/staged_vs_whole.py PLAN_DIR [--rounds 30] [--neighbours]
-           [--json out.json]
+           [--cold stage|once] [--json out.json]
 """
 from __future__ import annotations
 
@@ -74,8 +75,9 @@ def _grad_outputs(outputs: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]
 class Halves:
     """The whole program and the plan's stage runners, each timed one pass at a time."""
 
-    def __init__(self, plan: Plan) -> None:
+    def __init__(self, plan: Plan, cold_stages: bool = True) -> None:
         self.plan = plan
+        self.cold_stages = cold_stages  # a flush before every stage pass, else once a round
         self.precision = plan.training.config.precision
         size = plan.microbatch_size
         captured = capture_graph(plan.existing_model_path(), size, onnx=False)
@@ -108,10 +110,12 @@ class Halves:
         forward, backward = [], []
         current: list[torch.Tensor] = list(self.flat)
         kept = []
+        flush_cpu_caches()
         for k, stage in enumerate(self.stages):
             taken = [t.detach().requires_grad_(t.is_floating_point() and k > 0)
                      for t in current]
-            flush_cpu_caches()
+            if self.cold_stages:
+                flush_cpu_caches()
             t0 = time.perf_counter()
             outputs = stage(*taken)
             forward.append(time.perf_counter() - t0)
@@ -121,7 +125,8 @@ class Halves:
         for taken, outputs in reversed(kept):
             outs, ones = _grad_outputs(outputs)
             grads = ones if grads_in is None else grads_in
-            flush_cpu_caches()
+            if self.cold_stages:
+                flush_cpu_caches()
             t0 = time.perf_counter()
             torch.autograd.backward(outs, grads)
             backward.append(time.perf_counter() - t0)
@@ -139,12 +144,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--neighbours", action="store_true",
                         help="the node's other devices busy training the model, as the profile")
+    parser.add_argument("--cold", choices=("stage", "once"), default="stage",
+                        help="flush the caches before every stage pass (default) or once a "
+                             "round, as before the whole program")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(1)
     try:
         plan = load_plan(args.plan)
-        halves = Halves(plan)
+        halves = Halves(plan, cold_stages=args.cold == "stage")
     except PartcError as e:  # a bad plan directory or model file: one line, as the CLI says it
         raise SystemExit(e.one_line()) from None
     others = plan.cluster.devices_per_node - 1 if args.neighbours else 0
@@ -167,7 +175,8 @@ def main() -> None:
                                                                          strict=True)]
     rows: list[dict[str, Any]] = []
     print(f"{args.plan}: {plan.num_stages} stages, micro-batch {plan.microbatch_size}, "
-          f"{halves.precision}, {args.rounds} rounds, neighbours {others}; ms, median")
+          f"{halves.precision}, {args.rounds} rounds, neighbours {others}, cold {args.cold}; "
+          "ms, median")
     print(f"whole   forward {med(w[0] for w in whole) * 1e3:8.2f}  backward "
           f"{med(w[1] for w in whole) * 1e3:8.2f}")
     for k, spec in enumerate(plan.stages):
