@@ -286,6 +286,17 @@ def stage_calibrations(table: CostTable, launched: LaunchedRun,
         forward_s, backward_s, _ = work
         fwd_work = table.sum_forward_s(nodes, m)
         bwd_work = table.sum_backward_s(nodes, m)
+        # a pass that did priced work cannot time 0 s (the CPU between passes, added to each
+        # pass, would otherwise hide an edited line and calibrate to a near-zero factor)
+        passes = (summary.forward_cpu_s or 0.0, summary.backward_cpu_s or 0.0) if shared \
+            else (summary.forward_s, summary.backward_s)
+        for what, measured, priced in zip(("forward", "backward"), passes, (fwd_work, bwd_work),
+                                          strict=True):
+            if priced > 0 and measured <= 0:
+                raise CalibrationError(
+                    f"stage {stage.index}'s {what} in {launched.name} measured 0 s for work "
+                    f"priced at {priced * 1e3:.3g} ms: no run of that stage times it so",
+                    hint=launched.hint)
         fwd_fixed, bwd_fixed = fixed[stage.index]
         f = _factor(forward_s - fwd_fixed, fwd_work, stage.index, "forward", launched)
         # a checkpointing stage's measured backward recomputes its forward first; one sharding

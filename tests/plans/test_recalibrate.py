@@ -378,6 +378,16 @@ def test_values_and_shapes_no_run_of_the_plan_has_are_refused(launched: Launched
     with pytest.raises(RunMetricsError, match=r"stages\[0\]\.forward_s is nan"):
         compile_mlp(tmp_path / "nan-plan", calibrate_from=nan)
     assert not (tmp_path / "nan-plan").exists()
+    # every pass timed at 0 s (an edited line) while the CPU between passes is kept: no factor
+    def zero_passes(r: dict[str, Any]) -> None:
+        for stage in r["stages"]:
+            stage.update(forward_s=0.0, backward_s=0.0, forward_cpu_s=0.0, backward_cpu_s=0.0)
+        r.update(stage_forward_s=[0.0] * len(r["stages"]),
+                 stage_backward_s=[0.0] * len(r["stages"]))
+    with pytest.raises(CalibrationError, match=r"stage 0's forward in .* measured 0 s") as info:
+        compile_mlp(tmp_path / "zero-plan", calibrate_from=edited("zero", zero_passes))
+    assert info.value.hint and "\n" not in info.value.one_line()
+    assert not (tmp_path / "zero-plan").exists()
     for name, edit, needle in (
             ("microbatches", lambda r: r.update(num_microbatches=3),
              "is a run of 3 micro-batches per step, its plan"),
