@@ -48,6 +48,8 @@ DEFAULT_EFFICIENCY = {"norm": 0.5, "elementwise": 0.5, "reduction": 0.5, "gather
                       "copy": 0.5, "other": 0.3}
 BANDWIDTH_CLASSES = ("elementwise", "norm", "reduction", "gather", "copy")
 LINK_BYTES = 64 << 20  # the message that measures a link's bandwidth
+# gloo exchanges of 1 B and of LINK_BYTES a calibration means (`measure_gloo_link`)
+GLOO_SMALL_REPS, GLOO_BIG_REPS = 1500, 60
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
@@ -780,7 +782,8 @@ def _pingpong(backend: str, threads: int, small_reps: int, big_reps: int, nbytes
     return found
 
 
-def measure_gloo_link(threads: int = 1, small_reps: int = 1500, big_reps: int = 60,
+def measure_gloo_link(threads: int = 1, small_reps: int = GLOO_SMALL_REPS,
+                      big_reps: int = GLOO_BIG_REPS,
                       nbytes: int = LINK_BYTES) -> LinkCalibration:
     """Point-to-point gloo link between two processes of this machine (TCP over loopback), as
     a pipeline uses it (`_pingpong_worker`): latency = the mean exchange of 1 B, bandwidth =
@@ -1269,8 +1272,8 @@ def calibrate(out_dir: str | Path, device: str = "cpu", *, name: str | None = No
         cal = replace(cpu_cal, spec=replace(cpu_cal.spec, name=name, source=(
             f"calibrated by {tool} on {cpu_cal.cpu_model}")))
         if measure_link:
-            link = measure_gloo_link(threads, small_reps=50 if quick else 1500,
-                                     big_reps=3 if quick else 60,
+            link = measure_gloo_link(threads, small_reps=50 if quick else GLOO_SMALL_REPS,
+                                     big_reps=3 if quick else GLOO_BIG_REPS,
                                      nbytes=(8 << 20) if quick else LINK_BYTES)
             try:
                 wake = measure_wake_credit()

@@ -288,10 +288,10 @@ def stage_calibrations(table: CostTable, launched: LaunchedRun,
         bwd_work = table.sum_backward_s(nodes, m)
         # a pass that did priced work cannot time 0 s (the CPU between passes, added to each
         # pass, would otherwise hide an edited line and calibrate to a near-zero factor)
-        passes = (summary.forward_cpu_s or 0.0, summary.backward_cpu_s or 0.0) if shared \
-            else (summary.forward_s, summary.backward_s)
-        for what, measured, priced in zip(("forward", "backward"), passes, (fwd_work, bwd_work),
-                                          strict=True):
+        between = summary.between_cpu_s or 0.0  # what `compute_s` added to each pass
+        for what, measured, priced in zip(("forward", "backward"),
+                                          (forward_s - between, backward_s - between),
+                                          (fwd_work, bwd_work), strict=True):
             if priced > 0 and measured <= 0:
                 raise CalibrationError(
                     f"stage {stage.index}'s {what} in {launched.name} measured 0 s for work "

@@ -190,11 +190,10 @@ def _worker(rank: int, kind: str, port: int, out: str) -> None:
         # the module alone before and after the steps: a slower moment on one side would
         # otherwise be read as the runtime's
         alone = [statistics.median(alone_before[i] + alone_after[i]) for i in (0, 1)]
-        med = statistics.median
-        mine = torch.tensor([max(0.0, med(f for f, _, _ in per_step) - alone[0]),
-                             max(0.0, med(b for _, b, _ in per_step) - alone[1]),
+        fwd, bwd, between = (statistics.median(column) for column in zip(*per_step, strict=True))
+        mine = torch.tensor([max(0.0, fwd - alone[0]), max(0.0, bwd - alone[1]),
                              # the host runs ahead of a GPU: its time between passes is hidden
-                             med(w for _, _, w in per_step) if kind == "cpu" else 0.0],
+                             between if kind == "cpu" else 0.0],
                             dtype=torch.float64, device=device)
         every = [torch.zeros(3, dtype=torch.float64, device=device) for _ in range(2)]
         dist.all_gather(every, mine)
