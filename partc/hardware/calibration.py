@@ -938,6 +938,8 @@ def _device_lines(spec: DeviceSpec, comments: dict[str, list[str]]) -> list[str]
     if spec.microbatch_overhead_s:
         lines += block("microbatch_overhead_s", "microbatch_overhead_s: "
                        f"{_quantity_text(spec.microbatch_overhead_s, 's')}")
+    if spec.cold_pass_s:
+        lines += block("cold_pass_s", f"cold_pass_s: {_quantity_text(spec.cold_pass_s, 's')}")
     if spec.cache_bytes:
         lines += block("cache_bytes", f"cache_bytes: {spec.cache_bytes}",
                        f"cache_bandwidth: {_quantity_text(spec.cache_bandwidth, 'B/s')}")
@@ -1037,6 +1039,15 @@ def device_yaml(cal: DeviceCalibration, command: str = "partc calibrate") -> str
             f"{_q(m.get('pipeline_between_passes_cpu_s', 0.0), 's')}. The solver adds the mean "
             "of the first two plus",
             "# the third to every stage's passes."]
+    if "cold_forward_s" in m:
+        comments["cold_pass_s"] = [
+            "# A stage pass from caches another process's work evicted, beyond the same pass warm "
+            "(the",
+            "# runtime's stage runner on the same small stage, the last-level cache flushed before "
+            "each pass,",
+            f"# partc.run.overhead): forward {_q(m['cold_forward_s'], 's')}, backward "
+            f"{_q(m['cold_backward_s'], 's')}. The solver adds their mean to",
+            "# both passes of every stage whose process shares its core with another."]
     return "\n".join([*header, *_device_lines(spec, comments)]) + "\n"
 
 
@@ -1236,7 +1247,8 @@ def calibrate(out_dir: str | Path, device: str = "cpu", *, name: str | None = No
               threads: int = 1, seconds: float = 20.0, measure_link: bool = True,
               command: str | None = None,
               runtime: tuple[float, dict[str, float]] | None = None,
-              devices: Sequence[int] = ()) -> CalibrationResult:
+              devices: Sequence[int] = (), cold_pass_s: float | None = None
+              ) -> CalibrationResult:
     """Measure `device` (`cpu`, `cuda`, `cuda:N`) and write `out_dir/devices/NAME.yaml` and
     `out_dir/clusters/NAME.yaml` atomically; both are read back through the config loader.
     `devices` (CPU): for each count N other than the node's own, also
@@ -1250,7 +1262,8 @@ def calibrate(out_dir: str | Path, device: str = "cpu", *, name: str | None = No
     link and wake credit measurements (the CPU link is then a placeholder). `runtime` is the
     pipelining runtime's measured overhead per stage pass and its raw measurements
     (partc.run.overhead, a layer above this one), written as the device's
-    `microbatch_overhead_s`. Raises CalibrationError (a PartcError) for a bad device or name, a
+    `microbatch_overhead_s`; `cold_pass_s` (from there too, its raw numbers in `runtime`'s) the
+    device's `cold_pass_s`. Raises CalibrationError (a PartcError) for a bad device or name, a
     missing GPU or an unwritable `out_dir`.
     """
     kind, name, device_path, cluster_path, more = check_calibration_inputs(
@@ -1293,6 +1306,8 @@ def calibrate(out_dir: str | Path, device: str = "cpu", *, name: str | None = No
         overhead, raw = runtime
         cal = replace(cal, spec=replace(cal.spec, microbatch_overhead_s=_snap(overhead, "s", 3)),
                       measurements={**cal.measurements, **raw})
+    if cold_pass_s is not None:
+        cal = replace(cal, spec=replace(cal.spec, cold_pass_s=_snap(cold_pass_s, "s", 3)))
     wall = time.perf_counter() - t0
     busy1, own1 = _cpu_clock()
     others = max(0.0, (busy1 - busy0) - (own1 - own0)) / wall if wall > 0 else math.nan
@@ -1332,6 +1347,8 @@ def format_calibration(result: CalibrationResult) -> str:
         f"  per operator: forward {_q(spec.op_overhead_s, 's')}, backward {_q(backward, 's')}",
         f"  pipelining runtime per stage pass: {_q(spec.microbatch_overhead_s, 's')}"
         + ("" if spec.microbatch_overhead_s else " (not measured: needs two processes or GPUs)"),
+        *([f"  a stage pass from evicted caches: {_q(spec.cold_pass_s, 's')} more"]
+          if spec.cold_pass_s else []),
         f"cluster {result.cluster_path}",
         f"  {result.cluster.num_devices} device(s), {result.cluster.backend}, intra_node "
         f"{_q(link.bandwidth, 'B/s')}, {_q(link.latency_s, 's')}"

@@ -207,6 +207,7 @@ def _device_from(m: _Mapping) -> DeviceSpec:
                                           required=False),
         microbatch_overhead_s=m.quantity("microbatch_overhead_s", "s", positive=False,
                                          required=False, default=0.0),
+        cold_pass_s=m.quantity("cold_pass_s", "s", positive=False, required=False, default=0.0),
         dispatch_overhead_s=m.quantity("dispatch_overhead_s", "s", positive=False,
                                        required=False),
         cache_bytes=int(round(m.quantity("cache_bytes", "B", positive=False, required=False,

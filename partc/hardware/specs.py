@@ -80,6 +80,10 @@ class DeviceSpec:
     # The pipelining runtime's fixed host time per stage, per micro-batch and pass (forward or
     # backward): schedule bookkeeping, the autograd call, p2p posts and waits besides the wire.
     microbatch_overhead_s: float = 0.0
+    # The extra host time of a stage pass (forward or backward) that starts from caches other
+    # processes' work evicted: where pipeline processes share a core, each pass follows a
+    # core-mate's turn and pays it (the runtime's and the stage's code and data fetched again).
+    cold_pass_s: float = 0.0
     # Fixed time of an operator dispatched without autograd (an optimizer step's kernels, which
     # run under no_grad); None: the same as op_overhead_s.
     dispatch_overhead_s: float | None = None
@@ -152,6 +156,8 @@ class DeviceSpec:
             extra["backward_op_overhead_s"] = self.backward_op_overhead_s
         if self.microbatch_overhead_s:
             extra["microbatch_overhead_s"] = self.microbatch_overhead_s
+        if self.cold_pass_s:
+            extra["cold_pass_s"] = self.cold_pass_s
         if self.dispatch_overhead_s is not None:
             extra["dispatch_overhead_s"] = self.dispatch_overhead_s
         if self.cache_bytes or self.cache_bandwidth:
@@ -201,6 +207,8 @@ def _device_problems(d: DeviceSpec) -> list[str]:
         problems.append("backward_op_overhead_s must be >= 0")
     if not d.microbatch_overhead_s >= 0:
         problems.append("microbatch_overhead_s must be >= 0")
+    if not d.cold_pass_s >= 0:
+        problems.append("cold_pass_s must be >= 0")
     if d.dispatch_overhead_s is not None and not d.dispatch_overhead_s >= 0:
         problems.append("dispatch_overhead_s must be >= 0")
     if (vector := vector_bytes_problem(d.vector_bytes, d.kind)) is not None:

@@ -24,13 +24,25 @@ and takes
   (left out, 4-process launches ran 4-5% longer than the schedule replayed from their own
   measured passes; bench/launch_timeline.py found this CPU there, docs/benchmarks.md).
 
-Each of the three is taken per timed step (the step's mean over its passes) and the median over
-the steps is kept, the stage module's own time re-measured before and after the pipeline: a
-step pays its passes' mean, while a slower second of this shared machine falling on a few steps
-is the machine's, not the runtime's (12 steps of one mean moved the value by 40-70% between
-two calibrations of an idle VM, 91-181 us on five back-to-back runs). The result is the mean of
-the two passes and the two stages inside, plus the mean between: the solver adds it to every
-stage's forward and backward.
+A fourth number is measured apart, in one process (`measure_cold_pass`): what a pass costs more
+when it starts from caches other work evicted. Where pipeline processes share a core each pass
+follows a core-mate's turn, and the code and data the runtime and the stage touch come back from
+memory. On this repository's 2-core CPU a 64-wide stage of a few microseconds warm paid
+0.25-0.36 ms more a forward and 0.35-0.53 ms a backward after the last-level cache was flushed,
+whatever its size (one layer or sixteen), while a flush of only the core's own 1 MB cache cost
+it 5-36 us: the penalty is the fetch from DRAM. The launched MLP x4 plan's middle stages (four
+processes on two cores) ran 0.22-0.30 ms a forward and 0.34 ms a backward over their price, as
+the same stage files did in one process beside a busy core-mate when flushed before every pass
+(docs/benchmarks.md). The pipeline above cannot show it: its two small stages touch too little
+to evict each other, on one core or two.
+
+Each of the first three is taken per timed step (the step's mean over its passes) and the
+median over the steps is kept, the stage module's own time re-measured before and after the
+pipeline: a step pays its passes' mean, while a slower second of this shared machine falling on
+a few steps is the machine's, not the runtime's (12 steps of one mean moved the value by 40-70%
+between two calibrations of an idle VM, 91-181 us on five back-to-back runs). The result is the
+mean of the two passes and the two stages inside, plus the mean between: the solver adds it to
+every stage's forward and backward.
 """
 from __future__ import annotations
 
@@ -51,6 +63,9 @@ WIDTH = 64  # features of the small stage's layers
 MICROBATCH = 32  # samples per micro-batch
 MICROBATCHES = 16  # per step
 STEPS = 60  # timed steps, after two warm-up steps (each some 10 ms here)
+# blocks of warm then cold pass pairs: a warm pass straight after a cold one is itself half cold
+# (139 against 30 us a forward here), so each block's first warm pairs are left out
+COLD_BLOCKS, COLD_BLOCK_PAIRS, WARM_SETTLE = 8, 12, 3
 
 
 class OverheadError(PartcError):
@@ -91,6 +106,67 @@ def measure_microbatch_overhead(device: str = "cpu") -> PipelineOverhead:
     return PipelineOverhead(
         microbatch_overhead_s=statistics.mean([*fwd, *bwd]) + statistics.mean(between),
         forward_s=fwd, backward_s=bwd, between_s=between)
+
+
+@dataclass(frozen=True)
+class ColdPass:
+    """What `measure_cold_pass` found: the extra seconds of a stage's forward and backward from
+    evicted caches over the same pass warm."""
+
+    forward_s: float
+    backward_s: float
+
+    @property
+    def pass_s(self) -> float:
+        """The mean of the two: the device's `cold_pass_s`."""
+        return (self.forward_s + self.backward_s) / 2
+
+    def measurements(self) -> dict[str, float]:
+        """The raw numbers, for the device config's comments."""
+        return {"cold_forward_s": self.forward_s, "cold_backward_s": self.backward_s}
+
+
+def measure_cold_pass(device: str = "cpu") -> ColdPass:
+    """Measure, in this process, the extra time of a pass of the calibration's small stage
+    (launch's StageRunner, the computing thread's CPU time) when the last-level cache is flushed
+    before it (`flush_cpu_caches`), against the same pass warm, in alternating blocks so that the
+    machine's speed that second is in both; the medians' differences (see the module docstring).
+    CPU only: on a GPU the host runs ahead of the device, and a cold host start is hidden behind
+    the kernels before it (0 there)."""
+    from partc.cost.torch_profiler import flush_cpu_caches
+    from partc.run.stage_runner import StageRunner
+
+    if not device.startswith("cpu"):
+        return ColdPass(0.0, 0.0)
+    cpu = torch.device("cpu")
+    with torch.jit.optimized_execution(False), cpu_settings(cpu):
+        runner = StageRunner(_stage_module(0).train(), cpu, bf16=False, checkpointing=False,
+                             last=False)
+        x = torch.randn(MICROBATCH, WIDTH, requires_grad=True)
+        times: dict[bool, tuple[list[float], list[float]]] = {False: ([], []), True: ([], [])}
+        # the first block is slow (allocator, interpreter): left out
+        for block in range(COLD_BLOCKS + 1):
+            for cold in (False, True):
+                for i in range(COLD_BLOCK_PAIRS):
+                    if cold:
+                        flush_cpu_caches()
+                    start = CPU_CLOCK()
+                    out = runner(x)
+                    out = out[0] if isinstance(out, tuple) else out
+                    mid = CPU_CLOCK()
+                    if cold:
+                        flush_cpu_caches()
+                    mid2 = CPU_CLOCK()
+                    torch.autograd.backward(out, torch.ones_like(out))
+                    end = CPU_CLOCK()
+                    x.grad = None
+                    if block and (cold or i >= WARM_SETTLE):
+                        times[cold][0].append(mid - start)
+                        times[cold][1].append(end - mid2)
+        runner.zero_grad(set_to_none=True)
+    fwd, bwd = (max(0.0, statistics.median(times[True][k]) - statistics.median(times[False][k]))
+                for k in (0, 1))
+    return ColdPass(forward_s=fwd, backward_s=bwd)
 
 
 def _stage_module(seed: int) -> torch.jit.ScriptModule:
@@ -223,13 +299,18 @@ def calibrate_machine(out_dir: str | Path, device: str = "cpu", *, name: str | N
     kind = check_calibration_inputs(out_dir, device, name=name, threads=threads,
                                     seconds=seconds, devices=devices)[0]
     runtime = None
+    cold = None
     if measure_link and (kind == "cpu" or torch.cuda.device_count() >= 2):
         found = measure_microbatch_overhead(kind)
-        runtime = (found.microbatch_overhead_s, found.measurements())
+        measurements = found.measurements()
+        if kind == "cpu":
+            cold = measure_cold_pass(kind)
+            measurements.update(cold.measurements())
+        runtime = (found.microbatch_overhead_s, measurements)
     return calibrate(out_dir, device, name=name, threads=threads, seconds=seconds,
                      measure_link=measure_link, command=command, runtime=runtime,
-                     devices=devices)
+                     devices=devices, cold_pass_s=None if cold is None else cold.pass_s)
 
 
-__all__ = ["PipelineOverhead", "OverheadError", "calibrate_machine",
-           "measure_microbatch_overhead"]
+__all__ = ["ColdPass", "PipelineOverhead", "OverheadError", "calibrate_machine",
+           "measure_cold_pass", "measure_microbatch_overhead"]

@@ -538,11 +538,18 @@ def stage_fixed_s(table: CostTable, cluster: ClusterSpec,
                   shape: PipelineShape) -> list[tuple[float, float]]:
     """Per virtual stage, the (forward, backward) seconds it spends per micro-batch whatever
     blocks it holds: the pipelining runtime's host work per pass
-    (DeviceSpec.microbatch_overhead_s) and, on the last virtual stage, the loss function
-    (CostTable.loss, outside the graph: run on the stage's outputs)."""
+    (DeviceSpec.microbatch_overhead_s), where its rank's process shares a core with another
+    (PipelineShape.core_sharing) the cold start each pass makes after a core-mate's turn
+    (DeviceSpec.cold_pass_s), and, on the last virtual stage, the loss function (CostTable.loss,
+    outside the graph: run on the stage's outputs)."""
     m = shape.microbatch_size
     overhead = cluster.device.microbatch_overhead_s
-    fixed = [(overhead, overhead) for _ in range(shape.virtual_stages)]
+    cold = cluster.device.cold_pass_s
+    sharing = shape.core_sharing(cluster) if cold else ()
+    # virtual stage k runs on pipeline rank k % stages (PipelineShape.links)
+    per_pass = [overhead + (cold if sharing and len(sharing[k % shape.stages]) > 1 else 0.0)
+                for k in range(shape.virtual_stages)]
+    fixed = [(s, s) for s in per_pass]
     fwd, bwd = fixed[-1]
     fixed[-1] = (fwd + table.loss.forward.at(m), bwd + table.loss.backward.at(m))
     return fixed

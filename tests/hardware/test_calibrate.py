@@ -335,6 +335,8 @@ def test_calibrate_command_writes_configs_that_compile(tmp_path: Path) -> None:
     assert cluster.backend == "gloo" and cluster.intra_node.bandwidth > 0
     # the pipelining runtime's own cost per pass, measured on two pinned gloo processes
     assert 0 < spec.microbatch_overhead_s < 0.01
+    # and a pass's cold start from a flushed last-level cache: the fetch from DRAM is never free
+    assert 0 < spec.cold_pass_s < 0.01
     # the scheduler's credit for a process woken by a gloo receive, measured on one CPU: at
     # most the work each wake computed (partc.hardware.wake_credit)
     assert 0 <= cluster.wake_credit_s <= 0.25
@@ -344,6 +346,8 @@ def test_calibrate_command_writes_configs_that_compile(tmp_path: Path) -> None:
     text = device_path.read_text()
     assert "# Eager forward of torch.add" in text and "# Backward through a chain" in text
     assert "# The pipelining runtime's time per stage forward and backward" in text
+    assert "# A stage pass from caches another process's work evicted" in text
+    assert "a stage pass from evicted caches" in proc.stdout
     # inside the passes and, on a CPU, the process's CPU between them: both in the value
     flat = " ".join(line.lstrip("# ") for line in text.splitlines())
     inside, between = (parse_quantity(re.search(pattern, flat).group(1), "s")  # type: ignore
