@@ -21,8 +21,9 @@ that stage at the plan's micro-batch size:
     backward factor = (measured backward - fixed [- recomputed forward]) / backward work
 
 `fixed` is what the solver adds to a stage's passes besides its operators
-(partc.solve.stage_problem.stage_fixed_s): the device's `microbatch_overhead_s`, and on the last
-stage the loss function's forward and backward (launch's metrics count the loss in that stage's
+(partc.solve.stage_problem.stage_fixed_s): the device's `microbatch_overhead_s` (and its
+`cold_pass_s` where the stage's process shares a core), and on the last stage the loss
+function's forward and backward (launch's metrics count the loss in that stage's
 times); with activation checkpointing the measured backward includes the recomputed forward, priced
 at its corrected value. The work is summed from the table being corrected (the new compile's),
 so a recompile of the same shape and cut predicts exactly the measured stage times, whatever
@@ -331,10 +332,10 @@ def _factor(measured_work: float, predicted_work: float, stage: int, what: str,
     if measured_work <= 0:
         raise CalibrationError(
             f"stage {stage}'s measured {what} in {launched.name} is not above the "
-            "device's microbatch_overhead_s (and the loss's): there is no work left to "
-            "calibrate",
-            hint="lower microbatch_overhead_s in the device config, or launch with larger "
-                 "micro-batches")
+            "device's fixed costs per pass (microbatch_overhead_s, cold_pass_s on a shared "
+            "core, the loss's): there is no work left to calibrate",
+            hint="lower microbatch_overhead_s (or cold_pass_s) in the device config, or launch "
+                 "with larger micro-batches")
     return measured_work / predicted_work
 
 
