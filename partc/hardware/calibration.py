@@ -92,6 +92,17 @@ class LinkCalibration:
     measurements: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class RuntimeCalibration:
+    """What the pipelining runtime costs per stage pass, measured a layer above this one
+    (partc.run.overhead): the device's `microbatch_overhead_s` and `cold_pass_s` (None: not
+    measured) and the raw numbers behind them, for the device file's comments."""
+
+    microbatch_overhead_s: float
+    cold_pass_s: float | None = None
+    measurements: dict[str, float] = field(default_factory=dict)
+
+
 DeviceCalibration = Union[CpuCalibration, CudaCalibration]
 
 
@@ -1246,9 +1257,8 @@ def check_calibration_inputs(out_dir: str | Path, device: str = "cpu", *,
 def calibrate(out_dir: str | Path, device: str = "cpu", *, name: str | None = None,
               threads: int = 1, seconds: float = 20.0, measure_link: bool = True,
               command: str | None = None,
-              runtime: tuple[float, dict[str, float]] | None = None,
-              devices: Sequence[int] = (), cold_pass_s: float | None = None
-              ) -> CalibrationResult:
+              runtime: RuntimeCalibration | None = None,
+              devices: Sequence[int] = ()) -> CalibrationResult:
     """Measure `device` (`cpu`, `cuda`, `cuda:N`) and write `out_dir/devices/NAME.yaml` and
     `out_dir/clusters/NAME.yaml` atomically; both are read back through the config loader.
     `devices` (CPU): for each count N other than the node's own, also
@@ -1260,10 +1270,9 @@ def calibrate(out_dir: str | Path, device: str = "cpu", *, name: str | None = No
     the shipped configs' link for that GPU, marked not measured); on the CPU also the
     scheduler's wake credit (partc.hardware.wake_credit). `measure_link=False` skips the
     link and wake credit measurements (the CPU link is then a placeholder). `runtime` is the
-    pipelining runtime's measured overhead per stage pass and its raw measurements
-    (partc.run.overhead, a layer above this one), written as the device's
-    `microbatch_overhead_s`; `cold_pass_s` (from there too, its raw numbers in `runtime`'s) the
-    device's `cold_pass_s`. Raises CalibrationError (a PartcError) for a bad device or name, a
+    pipelining runtime's measured cost per stage pass (partc.run.overhead, a layer above this
+    one), written as the device's `microbatch_overhead_s` and `cold_pass_s`. Raises
+    CalibrationError (a PartcError) for a bad device or name, a
     missing GPU or an unwritable `out_dir`.
     """
     kind, name, device_path, cluster_path, more = check_calibration_inputs(
@@ -1303,11 +1312,11 @@ def calibrate(out_dir: str | Path, device: str = "cpu", *, name: str | None = No
         else:
             link = shipped_cuda_link(cal.gpu_name, cal.spec.memory_bytes)
     if runtime is not None:
-        overhead, raw = runtime
-        cal = replace(cal, spec=replace(cal.spec, microbatch_overhead_s=_snap(overhead, "s", 3)),
-                      measurements={**cal.measurements, **raw})
-    if cold_pass_s is not None:
-        cal = replace(cal, spec=replace(cal.spec, cold_pass_s=_snap(cold_pass_s, "s", 3)))
+        cold = runtime.cold_pass_s
+        cal = replace(cal, spec=replace(
+            cal.spec, microbatch_overhead_s=_snap(runtime.microbatch_overhead_s, "s", 3),
+            cold_pass_s=cal.spec.cold_pass_s if cold is None else _snap(cold, "s", 3)),
+            measurements={**cal.measurements, **runtime.measurements})
     wall = time.perf_counter() - t0
     busy1, own1 = _cpu_clock()
     others = max(0.0, (busy1 - busy0) - (own1 - own0)) / wall if wall > 0 else math.nan

@@ -54,9 +54,9 @@ from typing import Sequence
 
 import torch
 
-from partc.cost.torch_profiler import CPU_CLOCK, cpu_settings
+from partc.cost.torch_profiler import CPU_CLOCK, cpu_settings, flush_cpu_caches
 from partc.errors import PartcError
-from partc.hardware.calibration import CalibrationResult
+from partc.hardware.calibration import CalibrationResult, RuntimeCalibration
 from partc.hardware.local import free_port, spawn_measurement
 
 WIDTH = 64  # features of the small stage's layers
@@ -133,7 +133,6 @@ def measure_cold_pass(device: str = "cpu") -> ColdPass:
     machine's speed that second is in both; the medians' differences (see the module docstring).
     CPU only: on a GPU the host runs ahead of the device, and a cold host start is hidden behind
     the kernels before it (0 there)."""
-    from partc.cost.torch_profiler import flush_cpu_caches
     from partc.run.stage_runner import StageRunner
 
     if not device.startswith("cpu"):
@@ -299,17 +298,16 @@ def calibrate_machine(out_dir: str | Path, device: str = "cpu", *, name: str | N
     kind = check_calibration_inputs(out_dir, device, name=name, threads=threads,
                                     seconds=seconds, devices=devices)[0]
     runtime = None
-    cold = None
     if measure_link and (kind == "cpu" or torch.cuda.device_count() >= 2):
         found = measure_microbatch_overhead(kind)
-        measurements = found.measurements()
-        if kind == "cpu":
-            cold = measure_cold_pass(kind)
-            measurements.update(cold.measurements())
-        runtime = (found.microbatch_overhead_s, measurements)
+        # the cold start is a host cost: on a GPU it hides behind the kernels (not measured)
+        cold = measure_cold_pass(kind) if kind == "cpu" else None
+        runtime = RuntimeCalibration(
+            found.microbatch_overhead_s, None if cold is None else cold.pass_s,
+            {**found.measurements(), **({} if cold is None else cold.measurements())})
     return calibrate(out_dir, device, name=name, threads=threads, seconds=seconds,
                      measure_link=measure_link, command=command, runtime=runtime,
-                     devices=devices, cold_pass_s=None if cold is None else cold.pass_s)
+                     devices=devices)
 
 
 __all__ = ["ColdPass", "PipelineOverhead", "OverheadError", "calibrate_machine",
