@@ -45,6 +45,11 @@ class LaunchError(PartcError):
     """A launch that cannot start or continue: bad options, world size, environment."""
 
 
+class StageFileError(PartcError):
+    """A stage file that does not load in this process (an operator no imported library
+    registers)."""
+
+
 def summarize_exception(exc: BaseException, limit: int = 300) -> str:
     """The most useful single line of an exception: the innermost cause's first non-empty line.
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 # Operator kind -> class; the class picks the device efficiency and the default backward ratio.
 _OP_CLASS_KINDS: dict[str, tuple[str, ...]] = {
     "matmul": ("mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "einsum", "_int_mm",
-               "addmv", "mv", "dot", "bilinear"),
+               "addmv", "mv", "dot", "bilinear",
+               # grouped (mixture-of-experts) matmuls; transformers' fallback for them
+               "_grouped_mm", "grouped_mm", "grouped_mm_fallback"),
     "conv": ("convolution", "_convolution", "conv1d", "conv2d", "conv3d", "conv_transpose1d",
              "conv_transpose2d", "conv_transpose3d", "cudnn_convolution", "mkldnn_convolution"),
     "attention": ("scaled_dot_product_attention", "_scaled_dot_product_flash_attention",

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import re
 import warnings
 import zipfile
 from pathlib import Path
@@ -30,6 +31,7 @@ import torch.jit._state
 
 from partc.emit.stage_graph import StageGraph
 from partc.emit.stage_weights import set_stage_tensors, stage_tensors
+from partc.errors import StageFileError
 
 
 def trace_stage(stage: StageGraph,
@@ -127,10 +129,29 @@ def _normalise_archive(data: bytes) -> bytes:
     return out.getvalue()
 
 
+_UNKNOWN_OP = re.compile(r"Unknown builtin op: (\w+::\w+)")
+
+
 def load_stage(source: str | Path | bytes,
                map_location: str | torch.device | None = None) -> torch.jit.ScriptModule:
-    """torch.jit.load of a stage file or of its bytes (the caller checks the hash first)."""
+    """torch.jit.load of a stage file or of its bytes (the caller checks the hash first).
+
+    A stage calls a custom operator (torch.library; Hugging Face's MoE layers call
+    `transformers::grouped_mm_fallback`) by name, so whoever loads it imports the model file
+    first, which registers the operator as the model's own imports do; StageFileError when
+    the operator is still unknown."""
     f = io.BytesIO(source) if isinstance(source, bytes) else str(source)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return torch.jit.load(f, map_location=map_location)
+        try:
+            return torch.jit.load(f, map_location=map_location)
+        except RuntimeError as exc:
+            unknown = _UNKNOWN_OP.search(str(exc))
+            if unknown is None:
+                raise
+            raise StageFileError(
+                f"a stage file calls the operator {unknown.group(1)}, which no library "
+                "imported in this process registers",
+                hint="the model file must import (at its top level) the library that registers "
+                     "it with torch.library, as the model's forward did when it was "
+                     "compiled") from None

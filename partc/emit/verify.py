@@ -80,10 +80,11 @@ def verify_plan(path: str | Path, *, rtol: float = DEFAULT_RTOL, atol: float = D
     plan = load_plan(path)
     plan.check_stage_files()
     dev = _device(device)
+    # imported first: its imports register the custom operators the stage files call
+    model_file = plan.load_model_file()
     stages = [load_stage(plan.stage_bytes(s), map_location=dev) for s in plan.stages]
     for st, module in zip(plan.stages, stages, strict=True):
         check_stage_tensors(module, st)
-    model_file = plan.load_model_file()
     model = model_file.build().train()
     aliases = plan.model.aliases()
     report = VerifyReport(plan=plan)

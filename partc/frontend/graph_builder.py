@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import re
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -354,6 +355,19 @@ def _graph_outputs(ep: ExportedProgram, built: _Nodes) -> list[GraphOutput]:
     return outputs
 
 
+# Operator namespaces of torch itself: their ops are in torch's FLOP registry or cost none.
+_TORCH_NAMESPACES = frozenset({"aten", "prim", "prims", "quantized", "_quantized", "profiler",
+                               "higher_order", "_c10d_functional", "c10d_functional"})
+_OPERATOR = re.compile(r"(\w+)\.(\w+)\.\w+")
+
+
+def _library_operator(target: str) -> str:
+    """`ns::name` of an OpOverload target registered by a library (torch.library), '' for
+    torch's own operators and for Python callables."""
+    m = _OPERATOR.fullmatch(target)
+    return f"{m.group(1)}::{m.group(2)}" if m and m.group(1) not in _TORCH_NAMESPACES else ""
+
+
 def _build_notes(capture: Capture, found: _Placeholders, built: _Nodes,
                  dims: _BatchDims) -> list[str]:
     """Warnings about what the build could not establish (recorded in the OpGraph)."""
@@ -366,6 +380,12 @@ def _build_notes(capture: Capture, found: _Placeholders, built: _Nodes,
     if failed:
         notes.append(f"FLOPs not counted for {len(failed)} node(s) that cannot re-run on fake "
                      f"tensors: {', '.join(failed[:5])}")
+    foreign = [op for op in map(_library_operator, (n.target for n in built.nodes if not n.flops
+                                                    and n.name not in failed)) if op]
+    if foreign:
+        notes.append(f"FLOPs unknown for {len(foreign)} call(s) of operators from outside torch "
+                     f"({', '.join(sorted(set(foreign))[:5])}): the analytic model prices them "
+                     "by the bytes they move alone; a measured profile times them")
     if dims.guessed:
         notes.append(f"batch dimension guessed (no counterpart at batch "
                      f"{capture.scaled_batch_size}) for {len(dims.guessed)} tensor(s): "

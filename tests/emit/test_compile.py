@@ -378,3 +378,32 @@ def test_a_meta_cnn_compiles_verifies_and_checks(tmp_path: Path) -> None:
     assert verify.returncode == 0 and "verify: ok" in verify.stdout, verify.stdout[-3000:]
     check = run("check", str(out))
     assert check.returncode == 0 and ": current (" in check.stdout, check.stdout + check.stderr
+
+
+def test_a_model_calling_its_own_custom_operator_compiles_verifies_and_trains(
+        tmp_path: Path) -> None:
+    """A forward that calls a torch.library operator (as HF's MoE layers call
+    `transformers::grouped_mm_fallback`): priced as compile prices it here (measured), its stage
+    files call the operator by name, and verify and launch load them after the model file has
+    registered it. A process that never imported the model file gets one clear line."""
+    out = tmp_path / "p"
+    proc = run("compile", str(TEST_MODELS / "custom_op.py"), "-b", "8", "--stages", "2",
+               "--cluster", "cpu", "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert load_plan(out).costs.source == "profile"
+    code = "".join(zipfile.ZipFile(out / "stage_0.pt").read(n).decode()
+                   for n in zipfile.ZipFile(out / "stage_0.pt").namelist() if n.endswith(".py"))
+    assert "partc_test.scaled_tanh" in code
+    proc = run("verify", str(out))
+    assert proc.returncode == 0 and "verify: ok" in proc.stdout, proc.stdout + proc.stderr
+    proc = run("launch", str(out), "--steps", "2")
+    assert proc.returncode == 0, proc.stderr
+    bare = subprocess.run(
+        [sys.executable, "-c", "import sys\nfrom partc.emit.stage_code import load_stage\n"
+         "from partc.errors import StageFileError\ntry:\n    load_stage(sys.argv[1])\n"
+         "except StageFileError as exc:\n    print(exc.one_line())\n", str(out / "stage_0.pt")],
+        capture_output=True, text=True, timeout=120)
+    assert bare.returncode == 0, bare.stderr
+    assert bare.stdout.startswith("a stage file calls the operator partc_test::scaled_tanh, which "
+                                  "no library imported in this process registers (hint: "), \
+        bare.stdout

@@ -1,6 +1,8 @@
 """Capture edge cases: meta-device models, export failures, ONNX failure fallback."""
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 from conftest import TEST_MODELS
 
@@ -50,3 +52,31 @@ def test_batch_size_must_be_positive() -> None:
     mf = load_model_file(TEST_MODELS / "int_output.py")
     with pytest.raises(CaptureError, match="batch size must be >= 1"):
         capture(mf, 0)
+
+
+def test_mixture_of_experts_matmuls_count_their_flops() -> None:
+    """HF Mixtral's experts: every token's top-k experts each run the gate/up (H -> 2 I) and down
+    (I -> H) projections, through transformers' grouped-matmul operator; counted from its shapes
+    as the analytic model's matmuls, not as 0-FLOP elementwise work."""
+    from partc.cost.op_classes import op_class
+
+    spec = importlib.util.spec_from_file_location("tiny_mixtral", TEST_MODELS / "tiny_mixtral.py")
+    assert spec is not None and spec.loader is not None
+    m = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(m)
+    batch = 2
+    graph = capture_graph(TEST_MODELS / "tiny_mixtral.py", batch).graph
+    experts = [n for n in graph.nodes if n.kind == "grouped_mm_fallback"]
+    assert len(experts) == 2 * m.LAYERS
+    routed = batch * m.SEQ * m.TOP_K
+    per_layer = 2 * routed * m.HIDDEN * 2 * m.INTERMEDIATE + 2 * routed * m.INTERMEDIATE * m.HIDDEN
+    assert sum(n.flops for n in experts) == m.LAYERS * per_layer
+    assert all(op_class(n.kind) == "matmul" for n in experts)
+    assert not any("FLOPs unknown" in note for note in graph.notes)
+
+
+def test_custom_operators_without_a_flop_formula_are_noted() -> None:
+    graph = capture_graph(TEST_MODELS / "custom_op.py", 2).graph
+    assert [n.flops for n in graph.nodes if n.kind == "scaled_tanh"] == [0, 0]
+    assert any(note.startswith("FLOPs unknown for 2 call(s) of operators from outside torch "
+                               "(partc_test::scaled_tanh)") for note in graph.notes), graph.notes
