@@ -4,6 +4,9 @@ from __future__ import annotations
 import re
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# A stage file's (TorchScript's) errors: this header, the script's traceback, then the error
+_TORCHSCRIPT_FAILED = "The following operation failed in the TorchScript interpreter"
+_ERROR_LINE = re.compile(r"[A-Za-z_][\w.]*(?:Error|Exception): (.+)")
 
 
 class PartcError(Exception):
@@ -63,11 +66,13 @@ def summarize_exception(exc: BaseException, limit: int = 300) -> str:
         seen.add(id(inner))
     text = ""
     for candidate in (inner, exc):
-        for line in _ANSI.sub("", str(candidate)).splitlines():
-            line = line.strip()
-            if line:
-                text = line
-                break
+        lines = [ln.strip() for ln in _ANSI.sub("", str(candidate)).splitlines() if ln.strip()]
+        if lines and lines[0].startswith(_TORCHSCRIPT_FAILED):
+            # the TorchScript traceback comes first; its last error line is the reason
+            raised = [m.group(1) for m in map(_ERROR_LINE.match, lines) if m]
+            text = raised[-1] if raised else lines[-1]
+        elif lines:
+            text = lines[0]
         if text:
             break
     text = f"{type(inner).__name__}: {text}" if text else type(inner).__name__

@@ -15,10 +15,11 @@ import os
 import signal
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import NoReturn
 
-from partc.errors import PartcError
+from partc.errors import PartcError, summarize_exception
 from partc.files import write_atomic
 from partc.options import TrainOptions, add_arguments, from_namespace
 from partc.run.launch import LaunchInterrupted, launch
@@ -29,15 +30,16 @@ from partc.run.launch import LaunchInterrupted, launch
 FAILURE_GRACE_S = 0.5
 
 
-def _record_user_error(line: str) -> None:
-    """Write a worker's user error to torchelastic's error file as one line without a traceback,
-    in the format @record writes, so the agent (and partc launch) report the reason and torchrun's
-    failure summary shows no partc stack frames for an error the user caused."""
+def _record_error(line: str, callstack: str | None = None) -> None:
+    """Write a worker's error to torchelastic's error file as one line, in the format @record
+    writes, so the agent (and partc launch) report the reason: a user error without a
+    traceback (torchrun's failure summary then shows no partc stack frames for an error the
+    user caused), any other with its `callstack`."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
     data = {"message": {"message": line, "extraInfo": {
-        "py_callstack": f"(a partc user error, no traceback) {line}",
+        "py_callstack": callstack or f"(a partc user error, no traceback) {line}",
         "timestamp": str(int(time.time()))}}}
     write_atomic(path, json.dumps(data))
 
@@ -91,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
                 line = exc.one_line()
                 print(f"partc launch: rank {os.environ.get('RANK', '?')}: error: {line}",
                       file=sys.stderr, flush=True)
-                _record_user_error(line)
+                _record_error(line)
                 sys.exit(1)  # @record leaves SystemExit alone: no traceback in the error file
             except Exception as exc:
                 if _interrupted(exc):
@@ -99,7 +101,13 @@ def main(argv: list[str] | None = None) -> int:
                     # (torch.save's zip writer): still the interrupt, not a failure
                     _die_of(signal.SIGINT)
                 time.sleep(FAILURE_GRACE_S)  # torn down meanwhile if a peer failed first
-                raise  # @record writes the error file (with the traceback)
+                # The traceback in the rank's output, the innermost cause's line as its reason:
+                # torch's pipelining wraps a stage's error in "RuntimeError: \n[Stage 1] failed
+                # to run forward: ..." (no reason in its first line), which @record would write
+                callstack = traceback.format_exc()
+                print(callstack, file=sys.stderr, end="", flush=True)
+                _record_error(summarize_exception(exc), callstack)
+                sys.exit(1)
         except KeyboardInterrupt:  # the agent's SIGINT (Ctrl-C on partc launch): no traceback
             _die_of(signal.SIGINT)
 

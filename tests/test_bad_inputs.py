@@ -888,3 +888,31 @@ def test_a_stage_file_without_a_listed_parameter_stops_every_rank(mlp_plan: Path
     assert_one_line_error(proc, "rank 1 cannot load its stages", "holds tensors", code=1)
     assert "Connection closed" not in proc.stderr
     assert not metrics.exists() or metrics.read_text() == ""
+
+
+# ---- a model that does not run on the device it is measured, verified or trained on ------------
+
+def test_a_program_this_device_cannot_run(tmp_path: Path) -> None:
+    """A meta model whose forward counts integers with histc (as HF Mixtral's router does on
+    meta): measuring it here is a one-line user error naming the kernel; priced analytically
+    it compiles, and then verify fails on the model itself and launch names the same reason
+    (not torch pipelining's empty "RuntimeError:" line)."""
+    model = TEST_MODELS / "meta_cuda_path.py"
+    reason = "NotImplementedError: \"histogram_cpu\" not implemented for 'Int'"
+    proc = run("compile", str(model), "-b", "4", "--stages", "2", "--cluster", "cpu",
+               "-o", str(tmp_path / "measured"))
+    line = assert_one_line_error(proc, "the captured program does not run on cpu: " + reason,
+                                 "build it on cpu", stdout_empty=False)
+    assert not (tmp_path / "measured" / "plan.yaml").exists(), line
+    plan = tmp_path / "analytic"
+    proc = run("compile", str(model), "-b", "4", "--stages", "2", "--cluster", "cpu",
+               "--costs", "analytic", "-o", str(plan))
+    assert proc.returncode == 0, _context(proc)
+    proc = run("verify", str(plan))
+    assert proc.returncode == 1 and "internal error" not in proc.stderr, _context(proc)
+    assert f"FAIL the model itself fails to run on cpu: {reason}" in proc.stdout, _context(proc)
+    proc = run("launch", str(plan), "--steps", "1")
+    assert proc.returncode == 1, _context(proc)
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith(ERROR)]
+    assert len(errors) == 1 and errors[0].startswith("partc: error: rank 1 failed (exit code "
+                                                     f"1): {reason} (hint: "), _context(proc)

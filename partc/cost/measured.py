@@ -248,11 +248,13 @@ class _Measurement:
 
 
 def _module_at(result: CaptureResult, program: ExportedProgram, b: int, device: torch.device,
-               progress: Progress, weights: dict[str, torch.Tensor]) -> torch.fx.GraphModule:
-    """`program` (at batch `b`) runnable on `device`. A meta model's weights are materialised
-    once: later sizes take `weights` (the first one's, filled here) where shapes allow, since
-    every size is alive at once while the totals are timed (a model built on meta may be one
-    whose weights a CPU holds once, not three times)."""
+               progress: Progress, weights: dict[str, torch.Tensor],
+               precision: Precision) -> torch.fx.GraphModule:
+    """`program` (at batch `b`) runnable on `device` under `precision` (`saturate_scalars`).
+    A meta model's weights are materialised once: later sizes take `weights` (the first one's,
+    filled here) where shapes allow, since every size is alive at once while the totals are
+    timed (a model built on meta may be one whose weights a CPU holds once, not three
+    times)."""
     cap = result.capture
     module = program_module(program)
     if cap.on_meta and weights:
@@ -269,13 +271,32 @@ def _module_at(result: CaptureResult, program: ExportedProgram, b: int, device: 
     return module
 
 
+@contextlib.contextmanager
+def _program_runs(result: CaptureResult, device: torch.device) -> Iterator[None]:
+    """A kernel error of the captured program on the measuring device is the model's (an
+    operator this device has no kernel for), not partc's: a ProfileError. A model captured on
+    meta can take a path meant for another device (HF Mixtral on meta: `histc` of integers,
+    which only CUDA implements)."""
+    try:
+        yield
+    except (RuntimeError, NotImplementedError) as exc:
+        on_meta = result.capture.on_meta
+        raise ProfileError(
+            f"the captured program does not run on {device.type}: {summarize_exception(exc)}",
+            hint=(f"a model built on the meta device may take a path meant for another device: "
+                  f"build it on {device.type}, or price it without measuring (--costs analytic)"
+                  if on_meta else "price it without measuring (--costs analytic), or compile for "
+                  "a cluster whose devices run it")) from exc
+
+
 def _measure(result: CaptureResult, b: int, device: torch.device, use_ort: bool,
              options: ProfileOptions, progress: Progress,
              clock: Clock = WALL_CLOCK,
              weights: dict[str, torch.Tensor] | None = None) -> _Measurement:
     cap = result.capture
     program = _program_at(result, b)
-    module = _module_at(result, program, b, device, progress, {} if weights is None else weights)
+    module = _module_at(result, program, b, device, progress, {} if weights is None else weights,
+                        options.precision)
     inputs = inputs_on(cap.model_file.inputs(b), device)
     # Every training-mode forward below updates the model's own buffers (batch-norm statistics),
     # which emit saves into the stage files: without the restore a plan's weights would depend
@@ -287,11 +308,12 @@ def _measure(result: CaptureResult, b: int, device: torch.device, use_ort: bool,
         with progress.step(f"torch: saved activations, fwd/bwd per node at batch {b}{clocked}"):
             # saved bytes under the precision's autocast: bf16-mixed saves bf16 activations
             keepers: set[str] = set()
-            with precision_autocast(options.precision, device.type):
-                saved = saved_activation_bytes(module, inputs, keeps_result=keepers)
-            timing = time_nodes(module, inputs, b, device, warmup=options.warmup,
-                                runs=max(3, options.runs // 2), precision=options.precision,
-                                clock=clock)
+            with _program_runs(result, device):
+                with precision_autocast(options.precision, device.type):
+                    saved = saved_activation_bytes(module, inputs, keeps_result=keepers)
+                timing = time_nodes(module, inputs, b, device, warmup=options.warmup,
+                                    runs=max(3, options.runs // 2), precision=options.precision,
+                                    clock=clock)
         with progress.step(f"torch: the loss function at batch {b}"):
             loss, batch_bytes = _time_loss(cap.model_file, module, inputs, b, device, options,
                                              clock)
@@ -340,7 +362,8 @@ def _time_totals(result: CaptureResult, measurements: list[_Measurement],
     programs = [m.totals for m in timed if m.totals is not None]
     again: list[int] = []
     for b in retime:
-        module = _module_at(result, _program_at(result, b), b, device, progress, weights)
+        module = _module_at(result, _program_at(result, b), b, device, progress, weights,
+                            options.precision)
         inputs = inputs_on(result.capture.model_file.inputs(b), device)
         program = totals_program(module, inputs, device)
         del module, inputs

@@ -34,6 +34,7 @@ from partc.emit.stage_weights import (
     stage_state,
     whole_model_weights,
 )
+from partc.errors import summarize_exception
 from partc.plans.plan import Plan, PlanError, load_plan
 
 DEFAULT_RTOL = 1e-4
@@ -114,9 +115,14 @@ def verify_plan(path: str | Path, *, rtol: float = DEFAULT_RTOL, atol: float = D
     # ---- eager ----------------------------------------------------------------------------
     torch.manual_seed(seed)
     args, kwargs = inputs
-    out = model(*args, **kwargs)
-    loss = loss_fn(out, target)
-    loss.backward()
+    try:
+        out = model(*args, **kwargs)
+        loss = loss_fn(out, target)
+        loss.backward()
+    except RuntimeError as exc:  # an operator without a kernel on this device (a meta model's)
+        report.problems.append(f"the model itself fails to run on {dev.type}: "
+                               f"{summarize_exception(exc, 200)}")
+        return report
     ref_flat, out_spec = pytree.tree_flatten(out)
     ref_grads = {n: p.grad for n, p in model.named_parameters()}
 
@@ -136,8 +142,8 @@ def verify_plan(path: str | Path, *, rtol: float = DEFAULT_RTOL, atol: float = D
         try:
             outs = module(*taken)
         except RuntimeError as exc:
-            first = next((ln for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
-            report.problems.append(f"stage {st.index} fails to run: {first[:200]}")
+            report.problems.append(f"stage {st.index} fails to run: "
+                                   f"{summarize_exception(exc, 200)}")
             return report
         _check_io(report, st.index, outs, st.outputs)
         boundary_inputs.append(taken)
