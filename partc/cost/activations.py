@@ -64,8 +64,11 @@ def attention_kernel(device_kind: str, query: torch.Tensor, key: torch.Tensor,
         def small(t: torch.Tensor) -> torch.Tensor:
             return torch.zeros((1,) * (t.dim() - 2) + (8, t.shape[-1]), dtype=t.dtype,
                                requires_grad=True)
+        # a mask that needs a gradient (Swin's learned relative-position bias) rules out the
+        # flash kernel: torch's dispatcher sees that on the stand-in too
         mask = None if attn_mask is None else torch.zeros(
-            (1,) * (attn_mask.dim() - 2) + (8, 8), dtype=attn_mask.dtype)
+            (1,) * (attn_mask.dim() - 2) + (8, 8), dtype=attn_mask.dtype,
+            requires_grad=attn_mask.requires_grad and attn_mask.is_floating_point())
         q = small(query)
         k = small(key)
         choice = torch._fused_sdp_choice(q, k, k, mask, dropout_p, is_causal,

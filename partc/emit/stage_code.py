@@ -18,15 +18,17 @@ aten overloads, see the toolchain probe). Three things make it a reviewable arti
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import io
 import re
 import warnings
 import zipfile
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
+import torch.fx
 import torch.jit._state
 
 from partc.emit.stage_graph import StageGraph
@@ -51,17 +53,33 @@ def trace_stage(stage: StageGraph,
                    if isinstance(t, torch.Tensor) and t.is_meta]
         if not on_meta:
             raise
-    stand_ins = {n: torch.empty_like(t, device="cpu") for n, t in tensors.items()}
+    # zeros, not garbage: integer inputs index embeddings, and integer buffers computed at
+    # build time (Swin's relative_position_index, meta here) index tables
+    stand_ins = {n: torch.zeros_like(t, device="cpu") for n, t in tensors.items()}
     set_stage_tensors(stage.module, stand_ins)
     try:
-        # zeros, not garbage: integer inputs index embeddings
-        traced = _trace(stage.module, [torch.zeros_like(t, device="cpu")
-                                       if isinstance(t, torch.Tensor) else t
-                                       for t in example_inputs])
+        traced = _trace(_on_cpu(stage.module), [torch.zeros_like(t, device="cpu")
+                                                if isinstance(t, torch.Tensor) else t
+                                                for t in example_inputs])
     finally:
         set_stage_tensors(stage.module, tensors)
     set_stage_tensors(traced, tensors)
     return traced
+
+
+def _on_cpu(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """`module` (sharing its tensors) with the meta device of every operator argument made
+    cpu: a model captured on meta creates tensors on meta in forward (HF Swin's shifted-window
+    mask, `zeros(..., device=meta)`), which beside the cpu stand-ins would not trace. Tracing
+    records cpu there, which `_portable_devices` then makes the stage's input device."""
+    def cpu(arg: Any) -> Any:
+        return torch.device("cpu") if isinstance(arg, torch.device) and arg.type == "meta" else arg
+
+    graph = copy.deepcopy(module.graph)
+    for node in graph.nodes:
+        if node.op == "call_function":
+            node.args, node.kwargs = torch.fx.node.map_aggregate((node.args, node.kwargs), cpu)
+    return torch.fx.GraphModule(module, graph, class_name=type(module).__name__)
 
 
 def _trace(module: torch.nn.Module,

@@ -194,6 +194,13 @@ def test_saved_attention_counts_the_target_kernel(dropout: float, mask: bool) ->
     cpu_kernel = attention_kernel("cpu", torch.zeros(1, 4, s, 16), torch.zeros(1, 4, s, 16),
                                   None, dropout, False, False)
     assert cpu_kernel == ("math" if dropout else "flash_cpu")
+    # a learned additive mask (it needs a gradient) keeps the CPU on the math path, as torch's
+    # dispatcher does (the flash kernel has no mask gradient); a constant mask does not
+    learned = torch.zeros(1, 4, s, s, requires_grad=True)
+    assert attention_kernel("cpu", torch.zeros(1, 4, s, 16), torch.zeros(1, 4, s, 16), learned,
+                            0.0, False, False) == "math"
+    assert attention_kernel("cpu", torch.zeros(1, 4, s, 16), torch.zeros(1, 4, s, 16),
+                            learned.detach(), 0.0, False, False) == "flash_cpu"
     # CUDA's efficient kernel lays its output out as (batch, sequence, heads, dim): the output
     # projection's input is a view of what the attention saved, nothing of its own; meta's math
     # path output is (batch, heads, sequence, dim), and the reshape copies it

@@ -407,3 +407,18 @@ def test_a_model_calling_its_own_custom_operator_compiles_verifies_and_trains(
     assert bare.stdout.startswith("a stage file calls the operator partc_test::scaled_tanh, which "
                                   "no library imported in this process registers (hint: "), \
         bare.stdout
+
+
+def test_a_meta_swin_traces_its_stages_and_verifies(tmp_path: Path) -> None:
+    """A meta model traced on CPU stand-ins: integer buffers index tables (zeros, not garbage,
+    stand in for them) and tensors its forward creates on the captured device (meta) are made
+    on cpu for the trace; the stage files still hold shapes only and run where launch puts
+    them."""
+    out = compile_to(tmp_path, TEST_MODELS / "tiny_swin_meta.py", 2, batch=2,
+                     strategy="uniform", cluster=load_cluster("cpu"), costs="analytic")
+    plan = load_plan(out)
+    assert plan.model.on_meta
+    assert all(t.is_meta for st in plan.stages
+               for t in load_stage(plan.stage_path(st)).state_dict().values())
+    report = verify_plan(out)
+    assert report.ok, report.problems + [c for c in report.comparisons if not c.ok]
