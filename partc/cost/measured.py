@@ -55,6 +55,7 @@ from partc.cost.ort_profiler import (
     onnx_feeds,
     time_onnx,
 )
+from partc.cost.precision_scalars import saturate_scalars
 from partc.cost.repeats import pooled, repeated_nodes
 from partc.cost.table import CostSource, CostTable, Curve, NodeCost, needs_backward
 from partc.cost.torch_profiler import (
@@ -257,6 +258,7 @@ def _module_at(result: CaptureResult, program: ExportedProgram, b: int, device: 
     times)."""
     cap = result.capture
     module = program_module(program)
+    saturate_scalars(module, precision)  # as the stage files hold them
     if cap.on_meta and weights:
         own = module.state_dict(keep_vars=True)
         module.load_state_dict({k: v for k, v in weights.items()

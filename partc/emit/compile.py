@@ -32,6 +32,7 @@ import torch.utils._pytree as pytree
 
 from partc.cost.autocast import autocast_dtypes
 from partc.cost.plan_costs import solve_costs
+from partc.cost.precision_scalars import saturate_scalars
 from partc.cost.table import CostTable
 from partc.emit.stage_code import stage_bytes, trace_stage
 from partc.emit.stage_graph import MODEL_INPUT as SOURCE_INPUT
@@ -569,6 +570,7 @@ def _emit(result: CaptureResult, partition: Partition, cluster: ClusterSpec, out
     for sg, st, timing in zip(split.stages, partition.stages, partition.pipeline.stages,
                               strict=True):
         with progress.step(f"tracing stage {sg.index} ({len(sg.nodes)} operators) to TorchScript"):
+            saturate_scalars(sg.module, partition.training.precision)  # as autocast runs it
             traced = trace_stage(sg, current)
             with torch.no_grad():
                 current = list(traced(*current))

@@ -178,3 +178,37 @@ def test_cli_profile_precision(tmp_path: Path) -> None:
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("partc: error: onnxruntime cannot time bf16-mixed") and "(hint: " in last
     assert "Traceback" not in proc.stderr and not (tmp_path / "x.yaml").exists()
+
+
+def test_scalars_bf16_cannot_hold_are_saturated_for_bf16_mixed(tmp_path: Path) -> None:
+    """float32's most negative value baked into a masked_fill: saturated to bfloat16's for a
+    bf16-mixed program (what the model computes eagerly under autocast), left for fp32; a
+    bf16-mixed plan of it is measured, compiled and trained (torch refused the float32 value
+    on the bfloat16 scores)."""
+    from partc.cost.precision_scalars import saturate_scalars
+    from partc.frontend.capture import capture_graph
+
+    model = TEST_MODELS / "fp32_sentinel.py"
+    program = capture_graph(model, 2).capture.exported
+
+    def fills(module: torch.fx.GraphModule) -> list[float]:
+        return [n.args[2] for n in module.graph.nodes
+                if n.target is torch.ops.aten.masked_fill.Scalar]
+
+    fp32 = program.module()
+    assert saturate_scalars(fp32, "fp32") == 0 and fills(fp32) == [torch.finfo(torch.float32).min]
+    bf16 = program.module()
+    assert saturate_scalars(bf16, "bf16-mixed") == 1
+    assert fills(bf16) == [torch.finfo(torch.bfloat16).min]
+    x = torch.randn(2, 8, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bf16(x).float().sum().backward()
+    partc = str(Path(sys.executable).parent / "partc")
+    out = tmp_path / "p"
+    proc = subprocess.run([partc, "compile", str(model), "-b", "4", "--stages", "2", "--cluster",
+                           "cpu", "--precision", "bf16-mixed", "-o", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    proc = subprocess.run([partc, "launch", str(out), "--steps", "1"], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
