@@ -658,8 +658,20 @@ def calibrate(device: str, threads: int, seconds: float, name: str | None,
                + (f" (and {more})" if more else ""), err=True)
 
 
+# Python randomises str hashes per process, so model code that iterates over a set of strings
+# (HF ModernBERT's RoPE, over its layer types) captures a different graph in every process and
+# `partc check` would call a just-compiled plan stale: every partc process runs with one seed
+# (torchrun's workers inherit it).
+HASH_SEED = "0"
+
+
 def main() -> NoReturn:
-    """The console script: click's standalone mode always exits with the command's exit code."""
+    """The console script: click's standalone mode always exits with the command's exit code.
+    Re-executes itself first where str hashing is not seeded with HASH_SEED."""
+    if os.environ.get("PYTHONHASHSEED") != HASH_SEED:
+        os.environ["PYTHONHASHSEED"] = HASH_SEED
+        with contextlib.suppress(OSError):  # where it cannot, it runs unseeded
+            os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
     cli.main(prog_name="partc")
 
 

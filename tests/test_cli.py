@@ -155,3 +155,40 @@ def test_profile_output_has_no_library_noise(method: str, tmp_path: Path) -> Non
     noise = [ln for ln in proc.stderr.splitlines()
              if not ln.startswith(("  .. ", "  ok ", "wrote "))]
     assert noise == [], proc.stderr[-3000:]
+
+
+def test_every_process_captures_a_set_iterating_model_alike() -> None:
+    """A forward that iterates over a set of strings captures in the order of the process's str
+    hash seed: partc seeds it itself, so processes started with different seeds agree (check
+    compares a plan against a capture in another process)."""
+    import os
+    import re
+
+    hashes = set()
+    for seed in ("1", "2"):
+        proc = subprocess.run([PARTC, "inspect", str(TEST_MODELS / "set_order.py"), "--no-onnx"],
+                              capture_output=True, text=True, cwd=ROOT, timeout=300,
+                              env={**os.environ, "PYTHONHASHSEED": seed})
+        assert proc.returncode == 0, proc.stderr
+        hashes.update(re.findall(r"graph hash: (sha256:\w+)", proc.stdout + proc.stderr))
+    assert len(hashes) == 1, hashes
+
+
+def test_a_model_returning_its_own_loss_trains_with_the_defaults(tmp_path: Path) -> None:
+    """Its scalar output is the loss (default_loss_fn) and synthetic batches give a placeholder
+    target no loss reads, which launch sends whole to every micro-batch."""
+    import torch
+
+    from partc.frontend.model_file import default_loss_fn, load_model_file, synthetic_batches
+
+    model_file = load_model_file(TEST_MODELS / "own_loss.py")
+    (args, kwargs), target = next(synthetic_batches(model_file, 4))
+    assert target.shape == () and set(kwargs) == {"x", "labels"}
+    loss = model_file.build()(*args, **kwargs)
+    assert torch.equal(default_loss_fn(loss, target), loss)
+    plan = tmp_path / "p"
+    proc = run("compile", str(TEST_MODELS / "own_loss.py"), "-b", "8", "--stages", "2",
+               "--microbatches", "2", "--cluster", "cpu", "--costs", "analytic", "-o", str(plan))
+    assert proc.returncode == 0, proc.stderr
+    proc = run("launch", str(plan), "--steps", "2")
+    assert proc.returncode == 0, proc.stderr
