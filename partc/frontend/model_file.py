@@ -237,11 +237,14 @@ def default_loss_fn(output: Any, target: torch.Tensor) -> torch.Tensor:
     """The loss used when the model file defines no loss_fn.
 
     Takes the first tensor of the output (its first field for tuples, dicts and HF ModelOutputs).
-    Integer targets mean classification: cross-entropy over the last output dimension, with output
-    and target flattened to [N, C] and [N] (so language models' [B, S, V] logits work). Floating
-    targets mean regression: mean squared error.
+    A scalar is the model's own loss (an HF model given labels, CLIP with return_loss): it is
+    the loss, whatever the target. Integer targets mean classification: cross-entropy over the
+    last output dimension, with output and target flattened to [N, C] and [N] (so language
+    models' [B, S, V] logits work). Floating targets mean regression: mean squared error.
     """
     out = _first_tensor(output)
+    if out.dim() == 0:
+        return out.float()
     if not target.is_floating_point():
         return torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]).float(),
                                                  target.reshape(-1).long())
@@ -261,7 +264,9 @@ def synthetic_batches(model_file: ModelFile, batch_size: int, seed: int = 0,
     always classification-shaped: define batches() for regression). The output shape comes from
     one forward pass without gradients, in the model's training mode; a meta-device model runs
     that pass on meta inputs, so nothing is materialised; a caller that knows the output shape
-    (`output_shape`, e.g. from a plan) skips the pass. Deterministic for a given seed.
+    (`output_shape`, e.g. from a plan) skips the pass. Deterministic for a given seed. A scalar
+    first output is the model's own loss (`default_loss_fn`): the target is then a 0-d zero no
+    loss reads.
     """
     args, kwargs = model_file.inputs(batch_size)
     gen = torch.Generator().manual_seed(seed)
@@ -274,9 +279,22 @@ def synthetic_batches(model_file: ModelFile, batch_size: int, seed: int = 0,
         with torch.no_grad():
             output_shape = tuple(_first_tensor(model(*probe_args, **probe_kwargs)).shape)
         del model
+    if not output_shape:  # the model's own loss: a placeholder target no loss reads
+        while True:
+            new_args, new_kwargs = torch.utils._pytree.tree_map(_redrawn(gen), (args, kwargs))
+            yield (tuple(new_args), dict(new_kwargs)), torch.zeros(())
     classes = output_shape[-1]
     target_shape = tuple(output_shape[:-1])
 
+    redraw = _redrawn(gen)
+    while True:
+        new_args, new_kwargs = torch.utils._pytree.tree_map(redraw, (args, kwargs))
+        target = torch.randint(0, classes, target_shape, generator=gen)
+        yield (tuple(new_args), dict(new_kwargs)), target
+
+
+def _redrawn(gen: torch.Generator) -> Callable[[Any], Any]:
+    """Redraws an example tensor (synthetic_batches' docstring) from `gen`."""
     def redraw(t: Any) -> Any:
         if not isinstance(t, torch.Tensor) or t.numel() == 0:
             return t
@@ -286,11 +304,7 @@ def synthetic_batches(model_file: ModelFile, batch_size: int, seed: int = 0,
         if lo == hi:
             return t.clone()
         return torch.randint(0, hi + 1, t.shape, generator=gen, dtype=t.dtype).to(t.device)
-
-    while True:
-        new_args, new_kwargs = torch.utils._pytree.tree_map(redraw, (args, kwargs))
-        target = torch.randint(0, classes, target_shape, generator=gen)
-        yield (tuple(new_args), dict(new_kwargs)), target
+    return redraw
 
 
 def is_on_meta(model: torch.nn.Module) -> bool:

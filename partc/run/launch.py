@@ -230,13 +230,15 @@ def launch(plan_path: str | Path, options: TrainOptions,
         run(get_args_parser().parse_args(args))
     except ChildFailedError as exc:
         rank, failure = root_failure(exc.failures)
-        reason = failure_reason(failure)
+        # a rank's user error carries its own hint: it becomes the line's one hint
+        reason, _, hint = failure_reason(failure).partition(" (hint: ")
         raise RunFailedError(f"rank {rank} failed"
                           + (f" (exit code {failure.exitcode})" if failure.exitcode > 0 else "")
                           + (f": {reason}" if reason else "")
                           + (f" after {elastic.max_restarts} restart(s)"
                              if elastic.max_restarts else ""),
-                          hint="the rank's output above has the details") from None
+                          hint=hint.removesuffix(")") if hint else
+                          "the rank's output above has the details") from None
     except SignalException as exc:  # the agent stopped the workers (torch's own teardown)
         raise _interrupted(signal.Signals(exc.sigval), nproc, options) from None
     except KeyboardInterrupt as exc:  # before the agent's handlers (rendezvous) or after them
