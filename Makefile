@@ -8,7 +8,7 @@ PARTC := $(VENV)/bin/partc
 STAMP := $(VENV)/.partc-installed
 
 .PHONY: install lint demo test test-slow test-all bench bench-quality bench-measured bench-scale \
-	bench-runtime bench-levers bench-zero bench-frontier bench-plots bench-all clean
+	bench-runtime bench-levers bench-zero bench-frontier bench-zoo bench-plots bench-all clean
 
 install: $(STAMP)
 
@@ -96,6 +96,11 @@ bench-zero: install
 
 bench-frontier: install
 	$(PY) bench/frontier.py --json $(RESULTS)/frontier.json
+
+# every Hugging Face architecture family from tiny configs through compile, verify, launch and
+# check (about 50 min; bench/model_zoo.py)
+bench-zoo: install
+	$(PY) bench/model_zoo.py --json $(RESULTS)/model_zoo.json
 
 bench-plots: install
 	$(PY) bench/plots.py
