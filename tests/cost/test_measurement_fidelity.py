@@ -105,8 +105,8 @@ def test_a_meta_models_sizes_share_one_copy_of_its_weights() -> None:
     result = captured(TEST_MODELS / "tiny_gpt2_meta.py")
     assert result.capture.on_meta
     weights: dict[str, torch.Tensor] = {}
-    first = _module_at(result, _program_at(result, 2), 2, CPU, Progress(), weights)
-    second = _module_at(result, _program_at(result, 4), 4, CPU, Progress(), weights)
+    first = _module_at(result, _program_at(result, 2), 2, CPU, Progress(), weights, "fp32")
+    second = _module_at(result, _program_at(result, 4), 4, CPU, Progress(), weights, "fp32")
     params = dict(first.named_parameters())
     assert params and all(not t.is_meta for t in params.values())
     assert all(t.data_ptr() == params[n].data_ptr() for n, t in second.named_parameters())
