@@ -15,6 +15,8 @@ import contextlib
 import io
 import logging
 import re
+import sysconfig
+import traceback
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,7 +104,12 @@ def export_program(model: torch.nn.Module, inputs: Inputs, where: str) -> Export
         hint = next((h for key, h in _EXPORT_HINTS if key in full),
                     "make forward() capturable by torch.export "
                     "(https://pytorch.org/docs/stable/export.html); pass --debug for the traceback")
-        raise CaptureError(f"torch.export failed on {where}: {reason}", hint=hint) from exc
+        # the model's own line that raised (a branch on a tensor's value: HF wav2vec2's
+        # LayerDrop `if not skip_the_layer`), which torch's message never names
+        source = _raising_model_line(exc)
+        raise CaptureError(f"torch.export failed on {where}"
+                           + (f" at {source}" if source else "") + f": {reason}",
+                           hint=hint) from exc
     refuse_data_dependent_shapes(exported, where)
     # constant attention masks that mask nothing or only the future: none, or is_causal, as the
     # model runs eagerly (flash kernels; partc.frontend.attention_masks)
@@ -132,6 +139,43 @@ def refuse_data_dependent_shapes(exported: ExportedProgram, where: str) -> None:
             hint="keep shapes fixed: mask by multiplying or torch.where instead of boolean "
                  "indexing, nonzero or unique (pad to a maximum size where a variable count is "
                  "needed)")
+
+
+# frames in torch and partc are the capture's machinery, in the standard library the with-blocks
+# and wrappers around it; installed libraries (transformers) hold models' code, also where
+# site-packages sits inside the standard library's folder (a pyenv or system Python)
+_MACHINERY = (Path(torch.__file__).resolve().parent, Path(__file__).resolve().parent.parent)
+_LIBRARIES = tuple({Path(sysconfig.get_paths()[k]).resolve() for k in ("purelib", "platlib")})
+_STDLIB = Path(sysconfig.get_paths()["stdlib"]).resolve()
+
+
+def _is_model_code(filename: str) -> bool:
+    path = Path(filename)
+    if not path.is_absolute():  # <string>, <frozen ...>
+        return False
+    path = path.resolve()
+    if any(path.is_relative_to(d) for d in _MACHINERY):
+        return False
+    return any(path.is_relative_to(d) for d in _LIBRARIES) or not path.is_relative_to(_STDLIB)
+
+
+def _raising_model_line(exc: BaseException) -> str:
+    """'file.py:14 (`if x.sum() > 0:`)': the innermost frame outside torch, partc and the
+    standard library in the traceback of `exc` or its causes (the model's code, or a library
+    it calls), '' if none."""
+    chain: list[BaseException] = []
+    inner: BaseException | None = exc
+    while inner is not None and all(inner is not e for e in chain):
+        chain.append(inner)
+        inner = inner.__cause__
+    for raised in reversed(chain):  # the innermost cause's traceback reaches deepest
+        for frame in reversed(traceback.extract_tb(raised.__traceback__)):
+            if not _is_model_code(frame.filename):
+                continue
+            where = f"{Path(frame.filename).name}:{frame.lineno}"
+            code = (frame.line or "").strip()
+            return f"{where} (`{code}`)" if code else where
+    return ""
 
 
 def _user_line(stack_trace: str) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
+import torch
 from conftest import TEST_MODELS
 
 from partc.errors import CaptureError
@@ -80,3 +81,19 @@ def test_custom_operators_without_a_flop_formula_are_noted() -> None:
     assert [n.flops for n in graph.nodes if n.kind == "scaled_tanh"] == [0, 0]
     assert any(note.startswith("FLOPs unknown for 2 call(s) of operators from outside torch "
                                "(partc_test::scaled_tanh)") for note in graph.notes), graph.notes
+
+
+def test_the_raising_line_is_the_models_own_not_torchs_or_the_standard_librarys() -> None:
+    # an export error names the innermost frame of model code: the model file's, or an
+    # installed library's (transformers' modeling files), never torch's, partc's or a with-block's
+    import contextlib
+
+    import transformers
+
+    from partc.frontend.export import _is_model_code
+
+    assert _is_model_code(transformers.__file__)
+    assert _is_model_code(str(TEST_MODELS / "data_dependent.py"))
+    assert not _is_model_code(torch.nn.modules.module.__file__)
+    assert not _is_model_code(contextlib.__file__)
+    assert not _is_model_code("<string>")
