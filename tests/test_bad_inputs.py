@@ -144,6 +144,11 @@ MODEL_CASES = [
      "operator aten.index.Tensor (index) gives a data-dependent shape at "
      "data_dependent_shape.py:22 (`kept = h[h.sum(-1) > 0]`)"),
     ("compile", TEST_MODELS / "data_dependent_shape.py", "gives a data-dependent shape"),
+    # a numpy draw inside forward() is one constant in the program: refused, not trained on
+    ("compile", TEST_MODELS / "numpy_random_mask.py",
+     "forward() makes the tensor lifted_tensor_0 (bool[2, 8]) from data outside torch, used at "
+     "numpy_random_mask.py:16 (`keep = torch.tensor(np.random.rand(*h.shape) > 0.1)`), and two "
+     "captures drew different values"),
     ("compile", TEST_MODELS / "int_output.py", "non-tensor output at [1]: int"),
     ("compile", TEST_MODELS / "string_output.py", "non-tensor output at [1]: str"),
     ("inspect", TEST_MODELS / "string_output.py", "non-tensor output at [1]: str"),

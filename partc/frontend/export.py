@@ -159,6 +159,67 @@ def _is_model_code(filename: str) -> bool:
     return any(path.is_relative_to(d) for d in _LIBRARIES) or not path.is_relative_to(_STDLIB)
 
 
+def refuse_values_drawn_at_capture(model: torch.nn.Module, inputs: Inputs,
+                                   exported: ExportedProgram, scaled: ExportedProgram,
+                                   where: str) -> None:
+    """CaptureError for a tensor that forward() makes from data outside torch (numpy or Python
+    randomness, a counter, the clock) whose values change from one capture to the next. Export
+    records such a tensor as a constant: the plan would hold the one draw made while capturing
+    for every step of training (HF wav2vec2's SpecAugment masks, drawn with numpy).
+
+    A constant that differs between the captures at B and 2B may only follow the batch size
+    (`torch.tensor(x.shape[0])`), so those are checked against a second capture at B, made
+    only when there are any: a value that differs between two captures at one size was drawn.
+    Meta constants have no values to compare."""
+    first = _constant_tensors(exported)
+    second = _constant_tensors(scaled)
+    suspects = [name for name, (a, _) in sorted(first.items())
+                if not a.is_meta and not _same(a, second.get(name, (None, None))[0])]
+    if not suspects:
+        return
+    again = _constant_tensors(export_program(model, inputs, where))  # as `exported` was made
+    for name in suspects:
+        a, node = first[name]
+        if _same(a, again.get(name, (None, None))[0]):
+            continue
+        used = next((_user_line(str(u.meta.get("stack_trace") or "")) for u in node.users), "")
+        raise CaptureError(
+            f"{where}: forward() makes the tensor {name} ({_dtype_name(a)}{list(a.shape)}) from "
+            "data outside torch" + (f", used at {used}" if used else "") + ", and two captures "
+            "drew different values: the plan would hold one draw for every step",
+            hint="make it with torch operators (torch.rand, torch.bernoulli, torch.randperm: "
+                 "captured as operators and drawn again every step), or turn it off (HF "
+                 "audio models' SpecAugment: mask_time_prob=0.0 and mask_feature_prob=0.0)")
+
+
+def _same(a: torch.Tensor, b: torch.Tensor | None) -> bool:
+    """Equal dtype, shape and values (NaNs where each other's are)."""
+    if b is None or b.is_meta or a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a, b) or (a.is_floating_point() and torch.allclose(
+        a, b, rtol=0.0, atol=0.0, equal_nan=True))
+
+
+def _constant_tensors(exported: ExportedProgram) -> dict[str, tuple[torch.Tensor, torch.fx.Node]]:
+    """Lifted tensor constants (not parameters or buffers) -> (value, placeholder node)."""
+    from torch.export.graph_signature import InputKind
+
+    nodes = {n.name: n for n in exported.graph.nodes if n.op == "placeholder"}
+    found: dict[str, tuple[torch.Tensor, torch.fx.Node]] = {}
+    for spec in exported.graph_signature.input_specs:
+        if spec.kind != InputKind.CONSTANT_TENSOR or spec.target is None:
+            continue
+        value = exported.constants.get(spec.target)
+        node = nodes.get(getattr(spec.arg, "name", ""))
+        if isinstance(value, torch.Tensor) and node is not None:
+            found[spec.target] = (value, node)
+    return found
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
 def _raising_model_line(exc: BaseException) -> str:
     """'file.py:14 (`if x.sum() > 0:`)': the innermost frame outside torch, partc and the
     standard library in the traceback of `exc` or its causes (the model's code, or a library
@@ -252,6 +313,8 @@ def capture(model_file: ModelFile, batch_size: int, progress: Progress | None = 
         except CaptureError as exc:
             # Not fatal: batch dims then fall back to a shape heuristic (noted in the OpGraph).
             progress.warn(f"second capture failed, batch dimensions are guessed: {exc.message}")
+    if scaled is not None:
+        refuse_values_drawn_at_capture(model, inputs, exported, scaled, where)
     return Capture(model_file=model_file, model=model, batch_size=batch_size, on_meta=on_meta,
                    inputs=inputs, exported=exported, scaled=scaled, scaled_batch_size=scaled_batch,
                    tied=tied, trainable=trainable)

@@ -97,3 +97,16 @@ def test_the_raising_line_is_the_models_own_not_torchs_or_the_standard_librarys(
     assert not _is_model_code(torch.nn.modules.module.__file__)
     assert not _is_model_code(contextlib.__file__)
     assert not _is_model_code("<string>")
+
+
+def test_constants_that_follow_the_batch_size_are_no_draw() -> None:
+    # its constants differ between the captures at B and 2B (1/B per sample, B itself), and a
+    # third capture at B finds them as they were: it captures
+    from partc.frontend.export import _constant_tensors
+
+    result = capture(load_model_file(TEST_MODELS / "batch_sized_constant.py"), 2)
+    assert result.scaled is not None
+    first, second = _constant_tensors(result.exported), _constant_tensors(result.scaled)
+    assert sorted(first) == sorted(second) and len(first) == 2
+    assert all(not torch.equal(first[n][0], second[n][0]) for n in first if
+               first[n][0].shape == second[n][0].shape)
