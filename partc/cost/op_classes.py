@@ -6,6 +6,8 @@ nothing and move nothing.
 """
 from __future__ import annotations
 
+from partc.graph.opgraph import OpNode
+
 # Operator kind -> class; the class picks the device efficiency and the default backward ratio.
 _OP_CLASS_KINDS: dict[str, tuple[str, ...]] = {
     "matmul": ("mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "einsum", "_int_mm",
@@ -38,6 +40,15 @@ OP_CLASS: dict[str, str] = {kind: cls for cls, kinds in _OP_CLASS_KINDS.items() 
 # Ops that only check metadata at run time: no kernel, no time.
 FREE_KINDS = frozenset({"_assert_tensor_metadata", "_assert_scalar", "sym_size", "sym_numel",
                         "_assert_async", "sym_constrain_range_for_size"})
+
+
+def held_params(node: OpNode) -> tuple[str, ...]:
+    """The parameters and buffers `node` computes with, which its stage holds: none for a
+    run-time metadata check. Stage files drop those checks (partc.emit.stage_graph), so a
+    check of a weight placed on another stage than the weight's user (export checks the
+    dtype of an HF RMSNorm's `weight.float()`; nothing ties the check to a stage) holds
+    nothing there."""
+    return () if node.kind in FREE_KINDS else node.params
 
 
 def op_class(kind: str) -> str:

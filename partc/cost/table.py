@@ -30,6 +30,7 @@ from typing import Any, Iterable, Sequence
 import yaml
 
 from partc.cost.autocast import AutocastDtypes, autocast_dtypes
+from partc.cost.op_classes import held_params
 from partc.errors import PartcError
 from partc.files import load_yaml, write_atomic
 from partc.graph.opgraph import INTEGER_DTYPES, OpGraph, dtype_bytes
@@ -260,7 +261,7 @@ class CostTable:
         """Bytes of the distinct parameters (kind 'parameter') the nodes use; tied ones once."""
         seen: dict[str, int] = {}
         for n in nodes:
-            for name in self.graph.node(n).params:
+            for name in held_params(self.graph.node(n)):
                 p = self.graph.param(name)
                 if p.kind == "parameter" and (p.trainable or not trainable_only):
                     seen[p.name] = p.nbytes
@@ -270,7 +271,7 @@ class CostTable:
         """Bytes of the distinct buffers and constants the nodes use."""
         seen: dict[str, int] = {}
         for n in nodes:
-            for name in self.graph.node(n).params:
+            for name in held_params(self.graph.node(n)):
                 p = self.graph.param(name)
                 if p.kind != "parameter":
                     seen[p.name] = p.nbytes

@@ -47,6 +47,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
+from partc.cost.op_classes import held_params
 from partc.cost.table import CostTable, NodeCost
 from partc.errors import PartcError
 from partc.files import sha256_file
@@ -308,7 +309,7 @@ def stage_calibrations(table: CostTable, launched: LaunchedRun,
             if stage.sharding == "gradients" and not shared else 0.0
         # and adds each micro-batch's gradients into the held ones, which the prediction prices
         # beside the operators (StageProblem's gradient_add_s), not in them
-        params = dict.fromkeys(p for n in nodes for p in graph.node(n).params
+        params = dict.fromkeys(p for n in nodes for p in held_params(graph.node(n))
                                if graph.param(p).kind == "parameter")
         adds = gradient_add_s((graph.param(p) for p in params), plan.training.config, device,
                               plan.training.shape, stage.sharding, kept_whole)

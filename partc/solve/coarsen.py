@@ -29,7 +29,7 @@ import heapq
 from dataclasses import dataclass
 from typing import Any
 
-from partc.cost.op_classes import FREE_KINDS
+from partc.cost.op_classes import FREE_KINDS, held_params
 from partc.cost.table import CostTable, Curve, Linear
 from partc.errors import PartcError
 from partc.graph.opgraph import OpGraph
@@ -407,7 +407,8 @@ def _build_block_graph(table: CostTable, groups: list[list[int]],
         fwd = [table.cost(n).forward for n in names]
         bwd = [table.cost(n).backward for n in names]
         saved = [table.cost(n).saved for n in names]
-        params = dict.fromkeys(graph.param(p).name for n in names for p in graph.node(n).params)
+        params = dict.fromkeys(graph.param(p).name for n in names
+                               for p in held_params(graph.node(n)))
         modules = dict.fromkeys(nodes[p].module for p in positions
                                 if not nodes[p].is_view and nodes[p].kind not in FREE_KINDS)
         blocks.append(Block(

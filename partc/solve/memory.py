@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, Collection, Sequence
 
 from partc.cost.autocast import cast_params, kept_copies
-from partc.cost.op_classes import FREE_KINDS, op_class
+from partc.cost.op_classes import FREE_KINDS, held_params, op_class
 from partc.cost.table import CostTable, needs_backward
 from partc.errors import MemoryConfigError
 from partc.graph.opgraph import FLOATING_DTYPES, OpGraph, OpNode, Param, dtype_bytes
@@ -407,7 +407,7 @@ def _static_bytes(table: CostTable, nodes: Collection[str], config: TrainingConf
     graph = table.graph
     params = {}
     for n in nodes:
-        for name in graph.node(n).params:
+        for name in held_params(graph.node(n)):
             p = graph.param(name)
             params[p.name] = p
     weights = grads = 0
@@ -668,7 +668,7 @@ def _backward_transient(table: CostTable, nodes: list[str], m: float, bf16: bool
     grad_size: dict[str, float] = {}
     for i, name in enumerate(ordered):
         total = 0.0
-        for pname in dict.fromkeys(graph.param(p).name for p in graph.node(name).params):
+        for pname in dict.fromkeys(graph.param(p).name for p in held_params(graph.node(name))):
             p = graph.param(pname)
             if p.kind != "parameter" or not p.trainable:
                 continue
@@ -985,7 +985,7 @@ def trainable_weight_bytes(graph: OpGraph, node: OpNode, bf16: bool) -> float:
     """Bytes of a node's distinct trainable weights in the dtype its kernel runs them (and its
     fresh weight gradients are formed in): bfloat16 under bf16-mixed autocast."""
     total = 0.0
-    for name in dict.fromkeys(graph.param(q).name for q in node.params):
+    for name in dict.fromkeys(graph.param(q).name for q in held_params(node)):
         p = graph.param(name)
         if p.kind == "parameter" and p.trainable:
             total += p.numel * (_BF16 if bf16 else dtype_bytes(p.dtype))

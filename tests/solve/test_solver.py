@@ -40,7 +40,8 @@ MODELS = {"mlp": ROOT / "examples/mlp.py", "transformer": ROOT / "examples/trans
           "bert": ROOT / "examples/bert.py", "gpt2": ROOT / "examples/gpt2.py",
           "resnet": ROOT / "examples/resnet.py",
           "two_branch": ROOT / "tests/models/two_branch.py",
-          "deep_chain": ROOT / "tests/models/deep_chain.py"}
+          "deep_chain": ROOT / "tests/models/deep_chain.py",
+          "checked_weight": ROOT / "tests/models/checked_weight.py"}
 # The solver's properties are checked on fixed numbers, not on this machine's latest calibration
 # (configs/clusters/cpu.yaml is re-measured; its link has been 0.1-1 ms).
 _LINK = LinkSpec(bandwidth=4.02e9, latency_s=105e-6)
@@ -113,6 +114,32 @@ def test_block_merging_prefers_module_boundaries() -> None:
     assert len(straddling) <= 1
     runs = layer_runs(coarsen(table_of("bert")))
     assert runs is not None and runs[0] == "bert.encoder.layer" and max(runs[1]) == 3
+
+
+def test_a_block_holds_only_the_parameters_its_computing_nodes_read() -> None:
+    # export's dtype check of `weight.float()` reads the weight and feeds nothing: it floats
+    # into a block of its own. Stage files drop such checks, so a block holding the weight for
+    # it made a plan's stage "hold" another layer's norm weight (a tied weight, synchronised
+    # every step) that its stage file does not: HF Gemma2's bf16 plan, which check then called
+    # TAMPERED, its plan.yaml counting the stage file's parameters
+    table = table_of("checked_weight")
+    graph = table.graph
+    checks = [n for n in graph.nodes if n.kind in FREE_KINDS and n.params]
+    assert len(checks) == 6  # one per layer's norm weight: the case is there
+    blocks = coarsen(table, len(graph.nodes))
+    for block in blocks.blocks:
+        computing = {graph.param(p).name for n in block.nodes for p in graph.node(n).params
+                     if graph.node(n).kind not in FREE_KINDS}
+        assert set(block.params) == computing, block
+    floating = [b for b in blocks.blocks if all(graph.node(n).kind in FREE_KINDS for n in b.nodes)]
+    assert floating  # a check alone in its block: before, it held its weight
+    # and each stage of a searched plan holds what its program reads
+    options = SearchOptions(stages=4, max_blocks=len(graph.nodes))
+    partition = search(table, CPU8, 8, TrainingConfig(), options, blocks=blocks)
+    for stage in partition.stages:
+        read = {graph.param(p).name for n in stage.nodes for p in graph.node(n).params
+                if graph.node(n).kind not in FREE_KINDS and graph.param(p).kind == "parameter"}
+        assert set(stage.parameters) == read
 
 
 def test_coarsen_rejects_bad_block_counts() -> None:
