@@ -359,6 +359,22 @@ def last_line(text: str) -> str:
     return lines[-1].strip()[:300] if lines else ""
 
 
+_VERDICTS = ("STALE", "TAMPERED", "FAIL")
+
+
+def failure_line(proc: subprocess.CompletedProcess[str]) -> str:
+    """Why a step failed: partc's error line, else the verdict a report printed on stdout
+    (`check`'s STALE or TAMPERED, verify's FAIL), else the last line of either stream (a
+    progress line when a command died)."""
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("partc: error:")]
+    if errors:
+        return errors[-1].strip()[:300]
+    verdicts = [ln for ln in proc.stdout.splitlines() if any(v in ln for v in _VERDICTS)]
+    if verdicts:
+        return verdicts[0].strip()[:300]
+    return last_line(proc.stderr) or last_line(proc.stdout)
+
+
 def run_row(arch: Arch, mode: str, work: Path, env: dict[str, str]) -> Row:
     """Write the model file and run the mode's commands, stopping at the first failure."""
     row = Row(arch.name, mode)
@@ -377,7 +393,7 @@ def run_row(arch: Arch, mode: str, work: Path, env: dict[str, str]) -> Row:
                               timeout=1800)
         row.steps[name] = proc.returncode
         if proc.returncode != 0:
-            row.failure = f"{name}: {last_line(proc.stderr) or last_line(proc.stdout)}"
+            row.failure = f"{name}: {failure_line(proc)}"
             break
     row.seconds = time.perf_counter() - start
     return row
