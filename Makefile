@@ -98,7 +98,7 @@ bench-frontier: install
 	$(PY) bench/frontier.py --json $(RESULTS)/frontier.json
 
 # every Hugging Face architecture family from tiny configs through compile, verify, launch and
-# check (about 50 min; bench/model_zoo.py)
+# check (129 rows for 53 architectures, about 95 min here; bench/model_zoo.py)
 bench-zoo: install
 	$(PY) bench/model_zoo.py --json $(RESULTS)/model_zoo.json
 
