@@ -184,9 +184,11 @@ def refuse_values_drawn_at_capture(model: torch.nn.Module, inputs: Inputs,
             continue
         used = next((_user_line(str(u.meta.get("stack_trace") or "")) for u in node.users), "")
         raise CaptureError(
-            f"{where}: forward() makes the tensor {name} ({_dtype_name(a)}{list(a.shape)}) from "
-            "data outside torch" + (f", used at {used}" if used else "") + ", and two captures "
-            "drew different values: the plan would hold one draw for every step",
+            f"{where}: forward() makes the tensor {name} ({dtype_name(a.dtype)}"
+            f"{list(a.shape)}) from data outside torch"
+            + (f", used at {used}" if used else "")
+            + ", and two captures drew different values: the plan would hold one draw for every "
+            "step",
             hint="make it with torch operators (torch.rand, torch.bernoulli, torch.randperm: "
                  "captured as operators and drawn again every step), or turn it off (HF "
                  "audio models' SpecAugment: mask_time_prob=0.0 and mask_feature_prob=0.0)")
@@ -216,8 +218,9 @@ def _constant_tensors(exported: ExportedProgram) -> dict[str, tuple[torch.Tensor
     return found
 
 
-def _dtype_name(t: torch.Tensor) -> str:
-    return str(t.dtype).removeprefix("torch.")
+def dtype_name(dtype: torch.dtype) -> str:
+    """'float32' for torch.float32: the dtype as plans, OpGraphs and messages write it."""
+    return str(dtype).removeprefix("torch.")
 
 
 def _raising_model_line(exc: BaseException) -> str:

@@ -24,7 +24,7 @@ from torch._guards import detect_fake_mode
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
-from partc.frontend.export import Capture, output_paths, quiet_torch
+from partc.frontend.export import Capture, dtype_name, output_paths, quiet_torch
 from partc.frontend.flop_count import flop_counter_mode
 from partc.frontend.model_file import ModelFile
 from partc.graph.opgraph import GraphOutput, OnnxInfo, OpGraph, OpNode, Param, TensorSpec
@@ -42,10 +42,6 @@ _PARAM_KINDS = {
     InputKind.BUFFER: "buffer",
     InputKind.CONSTANT_TENSOR: "constant",
 }
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _tensor_leaves(value: Any) -> list[torch.Tensor | None] | None:
