@@ -46,13 +46,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 PARTC = str(Path(sys.executable).parent / "partc")
 
-_LM = '''"""HF {cls} from a tiny config (random weights)."""
+_MODEL_FILE = '''"""HF {cls} DOC"""
 import torch
 from transformers import {cfg}, {cls}
-
-VOCAB = 256
-SEQ = 32
-
+CONSTS
 
 def build_model() -> torch.nn.Module:
     torch.manual_seed(0)
@@ -61,74 +58,33 @@ def build_model() -> torch.nn.Module:
 
 
 def example_inputs(batch_size: int):
-    return (torch.randint(0, VOCAB, (batch_size, SEQ)),)
+    return INPUTS
 '''
 
-_VISION = '''"""HF {cls} from a tiny config (random weights)."""
-import torch
-from transformers import {cfg}, {cls}
+
+def _model_file(doc: str, inputs: str, consts: str = "") -> str:
+    """A family's model file template: what differs between families is the docstring, the
+    module's constants and what `example_inputs` returns; the placeholders left (`{cls}`,
+    `{res}`...) are an `Arch`'s to fill."""
+    return (_MODEL_FILE.replace("DOC", doc).replace("CONSTS", consts)
+            .replace("INPUTS", inputs))
 
 
-def build_model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = {cfg}({kw})
-    {build}
-
-
-def example_inputs(batch_size: int):
-    return (torch.randn(batch_size, 3, {res}, {res}),)
-'''
-
-_SEQ2SEQ = '''"""HF {cls} (encoder-decoder) from a tiny config (random weights)."""
-import torch
-from transformers import {cfg}, {cls}
-
-VOCAB = 256
-
-
-def build_model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = {cfg}({kw})
-    {build}
-
-
-def example_inputs(batch_size: int):
-    return {{"{first}": {first_value},
-             "decoder_input_ids": torch.randint(3, VOCAB, (batch_size, 16))}}
-'''
-
-_CLIP = '''"""HF {cls} (two towers, returning its contrastive loss) from a tiny config."""
-import torch
-from transformers import {cfg}, {cls}
-
-VOCAB = 256
-
-
-def build_model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = {cfg}({kw})
-    {build}
-
-
-def example_inputs(batch_size: int):
-    return {{"input_ids": torch.randint(0, VOCAB, (batch_size, 16)),
-             "pixel_values": torch.randn(batch_size, 3, 32, 32), "return_loss": True}}
-'''
-
-_AUDIO = '''"""HF {cls} (raw waveform in, CTC logits out) from a tiny config (random weights)."""
-import torch
-from transformers import {cfg}, {cls}
-
-
-def build_model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = {cfg}({kw})
-    {build}
-
-
-def example_inputs(batch_size: int):
-    return (torch.randn(batch_size, 1600),)
-'''
+_LM = _model_file("from a tiny config (random weights).",
+                  "(torch.randint(0, VOCAB, (batch_size, SEQ)),)", "\nVOCAB = 256\nSEQ = 32\n")
+_VISION = _model_file("from a tiny config (random weights).",
+                      "(torch.randn(batch_size, 3, {res}, {res}),)")
+_SEQ2SEQ = _model_file("(encoder-decoder) from a tiny config (random weights).",
+                       '{{"{first}": {first_value},\n'
+                       '             "decoder_input_ids": '
+                       'torch.randint(3, VOCAB, (batch_size, 16))}}',
+                       "\nVOCAB = 256\n")
+_CLIP = _model_file("(two towers, returning its contrastive loss) from a tiny config.",
+                    '{{"input_ids": torch.randint(0, VOCAB, (batch_size, 16)),\n'
+                    '             "pixel_values": torch.randn(batch_size, 3, 32, 32), '
+                    '"return_loss": True}}', "\nVOCAB = 256\n")
+_AUDIO = _model_file("(raw waveform in, CTC logits out) from a tiny config (random weights).",
+                     "(torch.randn(batch_size, 1600),)")
 
 _DECODER = ("num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, "
             "max_position_embeddings=64, use_cache=False")
