@@ -33,9 +33,10 @@ import contextlib
 import gc
 import platform
 from dataclasses import dataclass, replace
+from functools import partial
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 import torch.utils._pytree as pytree
@@ -90,6 +91,8 @@ from partc.hardware.local import cpu_vector_bytes, pinned_to_core
 from partc.options import PRECISIONS, PROFILE_METHODS, Precision, ProfileMethod
 from partc.progress import Progress
 from partc.version import __version__
+
+_T = TypeVar("_T")
 
 # How this partc measures, beyond the file format: bumped when the same options measure
 # differently. A profile records it (calibration.revision), and the profile cache neither finds
@@ -273,6 +276,44 @@ def _module_at(result: CaptureResult, program: ExportedProgram, b: int, device: 
     return module
 
 
+class MeasuringOutOfMemory(ProfileError):
+    """The whole model at a measured batch size does not fit the measuring device's memory (a
+    model too large for one device is what partc plans for: compile prices it by the roofline
+    instead, partc.cost.plan_costs.solve_costs)."""
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """torch's out-of-memory errors: CUDA's OutOfMemoryError, a CPU allocation the OS refused
+    (DefaultCPUAllocator's "can't allocate memory"), Python's MemoryError."""
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(
+        s in text for s in ("can't allocate memory", "not enough memory", "out of memory"))
+
+
+def _within_memory(result: CaptureResult, device: torch.device, b: int,
+                   measure: Callable[[], _T]) -> _T:
+    """`measure()`, with an out-of-memory error while measuring at batch `b` raised as a
+    MeasuringOutOfMemory once the failed attempt's tensors are freed: outside the handler, so
+    that neither the error nor its context holds the frames that hold them."""
+    try:
+        return measure()
+    except (RuntimeError, MemoryError) as exc:
+        if not is_out_of_memory(exc):
+            raise
+        summary = summarize_exception(exc)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    raise MeasuringOutOfMemory(
+        f"measuring {result.graph.model_name} at batch {b} ran out of memory on "
+        f"{device.type}: {summary}",
+        hint="the whole model at that batch does not fit one device: measure smaller batch "
+             "sizes (partc profile --batch-sizes), or price it without measuring "
+             "(--costs analytic)")
+
+
 @contextlib.contextmanager
 def _program_runs(result: CaptureResult, device: torch.device) -> Iterator[None]:
     """A kernel error of the captured program on the measuring device is the model's (an
@@ -282,6 +323,8 @@ def _program_runs(result: CaptureResult, device: torch.device) -> Iterator[None]
     try:
         yield
     except (RuntimeError, NotImplementedError) as exc:
+        if is_out_of_memory(exc):
+            raise  # the size's, not the device's kernels (_within_memory)
         on_meta = result.capture.on_meta
         raise ProfileError(
             f"the captured program does not run on {device.type}: {summarize_exception(exc)}",
@@ -493,11 +536,14 @@ def _measure_sizes(result: CaptureResult, device: torch.device, options: Profile
     with busy_neighbours(neighbours, result.capture.model_file.path, max(sizes),
                          options.precision, progress), pinned:
         weights: dict[str, torch.Tensor] = {}
-        measurements = [_measure(result, b, device, use_ort, options, progress, clock, weights)
-                        for b in sizes]
-        retimed = _time_totals(result, measurements, device, options, progress, clock, weights,
-                               retime)
-        del weights
+        measurements = [
+            _within_memory(result, device, b, partial(_measure, result, b, device, use_ort,
+                                                       options, progress, clock, weights))
+            for b in sizes]
+        retimed = _within_memory(result, device, max((*sizes, *retime)), partial(
+            _time_totals, result, measurements, device, options, progress, clock, weights,
+            retime))
+        weights.clear()  # the materialised weights of a meta model, before combining
     return combine(result.graph, measurements, device, options, use_ort,
                    fallback=choice.fallback, cpu_time=clock is CPU_CLOCK), retimed
 

@@ -2,13 +2,15 @@
 (cached), or the analytic roofline."""
 from __future__ import annotations
 
+import gc
 from dataclasses import replace
 from pathlib import Path
+from typing import Callable
 
 import torch.utils._pytree as pytree
 
 from partc.cost.activations import saved_activations, storage_bytes
-from partc.cost.measured import ProfileOptions
+from partc.cost.measured import MeasuringOutOfMemory, ProfileOptions
 from partc.cost.roofline import analytic_cost_table
 from partc.cost.table import CostTable, Curve, SavedActivations
 from partc.errors import PartcError
@@ -78,16 +80,29 @@ def measured_device(mode: CostsMode, cluster: ClusterSpec) -> str | None:
 
 def measurement(device: str, capture_batch: int, global_batch: int,
                 precision: Precision, neighbours: int = 0,
-                extra_sizes: tuple[int, ...] = ()) -> ProfileOptions:
+                extra_sizes: tuple[int, ...] = (),
+                fits: Callable[[int], bool] | None = None) -> ProfileOptions | None:
     """How compile measures a model on this machine: torch timing (it runs the plan's autocast
     and needs no ONNX export) at the capture batch B and a larger size near the micro-batches
     the search picks (a quarter of the global batch, between 2B and 32B), so that the fitted
     line interpolates rather than extrapolates far. One thread: partc runs one process per core.
     On a CPU, `neighbours` processes train the same model meanwhile: the node's other devices,
     which share its caches, memory bandwidth and (oversubscribed) cores in training.
+
+    `fits(b)`: whether the whole model trains at batch b in one device's memory (the profile
+    runs it whole). A larger size that does not fit is halved until one does; `extra_sizes` that
+    do not fit are left out; None when B, or every larger size, does not fit: a profile needs
+    two sizes, so the model is priced without measuring.
     """
+    fits = fits or (lambda b: True)
+    if not fits(capture_batch):
+        return None
     high = min(max(global_batch // 4, 2 * capture_batch), 32 * capture_batch)
-    sizes = tuple(sorted({capture_batch, high, *extra_sizes}))
+    while high > capture_batch and not fits(high):
+        high //= 2
+    if high <= capture_batch:
+        return None
+    sizes = tuple(sorted({capture_batch, high, *(b for b in extra_sizes if fits(b))}))
     return ProfileOptions(device=device, batch_sizes=sizes, method="torch",
                           threads=1, precision=precision,
                           neighbours=neighbours if device == "cpu" else 0)
@@ -96,11 +111,16 @@ def measurement(device: str, capture_batch: int, global_batch: int,
 def solve_costs(result: CaptureResult, cluster: ClusterSpec, global_batch: int, *,
                 profile: str | Path | None = None, costs: CostsMode = "auto",
                 precision: Precision = "fp32", extra_sizes: tuple[int, ...] = (),
+                fits: Callable[[int], bool] | None = None,
                 progress: Progress | None = None) -> tuple[CostTable, Path | None]:
     """The CostTable compile and solve price a model with, and the measured profile behind it
     when it was measured here (a cache file, `partc.cost.profile_cache`): `profile` when given,
     else measured on this machine when `costs` says so (`measured_device`; at `extra_sizes`
-    too), else the roofline."""
+    too), else the roofline. `fits`: whether the whole model trains at a batch size in one
+    device's memory (`measurement`); where it does not at the sizes a profile needs, or
+    measuring runs out of memory all the same, `auto` prices by the roofline and says why,
+    `measured` fails."""
+    progress = progress or Progress()
     device = None if profile is not None else measured_device(costs, cluster)
     if device is None:
         return plan_costs(result, cluster.device, profile, progress, precision=precision), None
@@ -109,6 +129,28 @@ def solve_costs(result: CaptureResult, cluster: ClusterSpec, global_batch: int, 
     # the node's other devices busy, placed as launch places them; where they oversubscribe the
     # cores one shares the measuring core, and the measurement times the work by CPU time
     # (partc.cost.measured.cpu_clocked): the turns themselves are the simulator's (core_sharing)
-    options = measurement(device, result.graph.batch_size, global_batch, precision,
-                          neighbours=cluster.devices_per_node - 1, extra_sizes=extra_sizes)
-    return cached_profile(result, options, progress=progress)
+    batch = result.graph.batch_size
+    options = measurement(device, batch, global_batch, precision,
+                          neighbours=cluster.devices_per_node - 1, extra_sizes=extra_sizes,
+                          fits=fits)
+    why = ""
+    if options is None:
+        where = f"one {cluster.device.name} device's memory"
+        why = (f"the whole model does not fit {where} to be measured, even at batch {batch}"
+               if fits is None or not fits(batch) else
+               f"the whole model fits {where} to be measured at batch {batch} only, and a "
+               f"profile needs two sizes")
+        if costs == "measured":
+            raise CostsError(f"--costs measured: {why}",
+                             hint="price it without measuring: --costs analytic (the roofline "
+                                  "of the cluster's device config)")
+    else:
+        try:
+            return cached_profile(result, options, progress=progress)
+        except MeasuringOutOfMemory as exc:
+            if costs == "measured":
+                raise
+            why = exc.message
+        gc.collect()  # the failed measurement's tensors, now unreferenced
+    progress.warn(f"{why}: priced by the roofline instead (--costs analytic)")
+    return plan_costs(result, cluster.device, None, progress, precision=precision), None

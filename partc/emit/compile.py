@@ -45,6 +45,7 @@ from partc.frontend.export import export_program
 from partc.frontend.model_file import inputs_to_meta
 from partc.hardware.specs import ClusterSpec
 from partc.options import DEFAULT_CAPTURE_BATCH, CostsMode, SearchOptions, TrainingConfig
+from partc.plans.measurable_sizes import whole_model_fits
 from partc.plans.plan import (
     ARTIFACT_NAMES,
     LOSS,
@@ -176,7 +177,10 @@ def _compile(model_path: str | Path, cluster: ClusterSpec, output_dir: Path, sta
         warn_of_foreign_calibration(cluster, progress)  # priced_search says it for the rest
         table, cached = solve_costs(result, cluster, options.batch_size,
                                     profile=options.profile, costs=options.costs,
-                                    precision=options.training.precision, progress=progress)
+                                    precision=options.training.precision,
+                                    fits=whole_model_fits(result, cluster.device,
+                                                          options.training, progress),
+                                    progress=progress)
         table, measured_profile = calibrated_costs(result, table, cluster, options,
                                                    options.calibrate_from, progress)
         with progress.step(f"coarsen to at most {options.search.max_blocks} blocks"):

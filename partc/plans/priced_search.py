@@ -23,6 +23,7 @@ from partc.frontend.capture import CaptureResult
 from partc.hardware.local import foreign_calibration
 from partc.hardware.specs import ClusterSpec
 from partc.options import CostsMode, SearchOptions, TrainingConfig
+from partc.plans.measurable_sizes import whole_model_fits
 from partc.progress import Progress
 from partc.solve.coarsen import BlockGraph, coarsen
 from partc.solve.partition import Partition
@@ -66,11 +67,12 @@ def priced_search(result: CaptureResult, cluster: ClusterSpec, global_batch: int
     warn_of_foreign_calibration(cluster, progress)
     extra: tuple[int, ...] = ()
     costs_s = search_s = 0.0
+    fits = whole_model_fits(result, cluster.device, training, progress)
     for round_ in range(MEASURE_ROUNDS + 1):
         start = time.perf_counter()
         table, measured = solve_costs(result, cluster, global_batch, profile=profile, costs=costs,
                                       precision=training.precision, extra_sizes=extra,
-                                      progress=progress)
+                                      fits=fits, progress=progress)
         costs_s += time.perf_counter() - start
         start = time.perf_counter()
         with progress.step(f"coarsen to at most {options.max_blocks} blocks"):
@@ -79,7 +81,9 @@ def priced_search(result: CaptureResult, cluster: ClusterSpec, global_batch: int
                            progress=progress)
         search_s += time.perf_counter() - start
         m = partition.shape.microbatch_size
-        if measured is None or m in table.source.batch_sizes or round_ == MEASURE_ROUNDS:
+        # (a size the whole model does not fit one device at stays unmeasured: interpolated)
+        if measured is None or m in table.source.batch_sizes or round_ == MEASURE_ROUNDS \
+                or not fits(m):
             return PricedSearch(table=table, profile=measured, blocks=blocks,
                                 partition=partition, costs_s=costs_s, search_s=search_s)
         extra = tuple(sorted({*extra, m}))

@@ -108,8 +108,9 @@ def test_a_neighbour_whose_model_or_libraries_print_stays_busy(
 
 def test_compile_measures_with_the_other_devices_of_the_node_busy(tmp_path: Path) -> None:
     options = measurement("cpu", 2, 64, "fp32", neighbours=1)
-    assert options.neighbours == 1 and options.batch_sizes == (2, 16)
-    assert measurement("cuda:0", 2, 64, "fp32", neighbours=7).neighbours == 0
+    assert options is not None and options.neighbours == 1 and options.batch_sizes == (2, 16)
+    on_gpu = measurement("cuda:0", 2, 64, "fp32", neighbours=7)
+    assert on_gpu is not None and on_gpu.neighbours == 0
     result = captured(EXAMPLES / "mlp.py")
     fast = ProfileOptions(runs=2, warmup=1, method="torch", totals_budget_s=0.2)
     alone, a = cached_profile(result, fast, cache_dir=tmp_path)
