@@ -246,12 +246,13 @@ def profile(model: Path, device: str, batch_size: int, batch_sizes: tuple[int, .
         result = capture_graph(model, batch_size, onnx=False, progress=progress)
         table = plan_costs(result, spec, progress=progress, precision=precision)
     else:
-        from partc.cost.measured import ProfileOptions, profile_model
+        from partc.cost.measured import ProfileOptions
+        from partc.plans.measurable_sizes import profile_within_memory
 
         options = ProfileOptions(device=device, batch_sizes=batch_sizes, method=method,
                                  threads=threads, warmup=warmup, runs=runs, precision=precision,
                                  neighbours=neighbours)
-        table = profile_model(model, batch_size, options, progress)
+        table = profile_within_memory(model, batch_size, options, progress)
     with writing_to(output, "--output", (model,)):
         output.parent.mkdir(parents=True, exist_ok=True)
         table.save(output)

@@ -460,8 +460,12 @@ def _time_loss(model_file: ModelFile, module: torch.fx.GraphModule, inputs: Inpu
 
 
 def profile_model(model_path: str | Path, batch_size: int, options: ProfileOptions | None = None,
-                  progress: Progress | None = None) -> CostTable:
-    """Capture the model at `batch_size` and measure its CostTable on `options.device`."""
+                  progress: Progress | None = None,
+                  check_sizes: Callable[[CaptureResult, tuple[int, ...]], None] | None = None
+                  ) -> CostTable:
+    """Capture the model at `batch_size` and measure its CostTable on `options.device`.
+    `check_sizes(capture, sizes)` runs between the capture and the measurement (it may refuse
+    sizes the device cannot hold: partc.plans.measurable_sizes.profile_within_memory)."""
     options = options or ProfileOptions()
     progress = progress or Progress()
     check_options(options)
@@ -470,18 +474,26 @@ def profile_model(model_path: str | Path, batch_size: int, options: ProfileOptio
     onnx = timing_choice(options, device).provider is not None
     with intra_op_threads(device, options.threads):
         result = capture_graph(model_path, batch_size, onnx=onnx, progress=progress)
+        if check_sizes is not None:
+            check_sizes(result, profile_sizes(result, options))
         return measure_costs(result, device, options, progress)
+
+
+def profile_sizes(result: CaptureResult, options: ProfileOptions) -> tuple[int, ...]:
+    """The batch sizes a profile of this capture measures: `options.batch_sizes`, by default
+    the capture's B and 2B; two or more."""
+    graph = result.graph
+    sizes = tuple(sorted(set(options.batch_sizes or (graph.batch_size, 2 * graph.batch_size))))
+    if len(sizes) < 2:
+        raise PartcError(f"profiling needs two or more batch sizes, got {list(sizes)}",
+                         hint="pass --batch-sizes with at least two values, e.g. 2,4")
+    return sizes
 
 
 def measure_costs(result: CaptureResult, device: torch.device, options: ProfileOptions,
                   progress: Progress) -> CostTable:
     """The measured CostTable of a capture (see the module docstring for the method)."""
-    graph = result.graph
-    sizes = options.batch_sizes or (graph.batch_size, 2 * graph.batch_size)
-    sizes = tuple(sorted(set(sizes)))
-    if len(sizes) < 2:
-        raise PartcError(f"profiling needs two or more batch sizes, got {list(sizes)}",
-                         hint="pass --batch-sizes with at least two values, e.g. 2,4")
+    sizes = profile_sizes(result, options)
     return _measure_sizes(result, device, replace(options, batch_sizes=sizes), progress)[0]
 
 

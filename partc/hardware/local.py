@@ -50,6 +50,24 @@ def local_cluster() -> ClusterSpec:
                           "costs of configs/devices/cpu.yaml")
 
 
+def measuring_device(device: str, processes: int = 1) -> DeviceSpec | None:
+    """The device config of the torch device `device` ("cpu", "cuda:1") of this machine, with
+    the memory one of `processes` processes measuring on it has (a CPU's RAM shared equally; a
+    GPU's own); None for a GPU no device config matches."""
+    import torch
+
+    if device.startswith("cuda"):
+        index = int(device.partition(":")[2] or 0)
+        props = torch.cuda.get_device_properties(index)
+        try:
+            spec = _local_gpus(1, props).device
+        except ConfigError:
+            return None
+        return replace(spec, memory_bytes=int(props.total_memory) // max(processes, 1))
+    base = local_cluster().device
+    return replace(base, memory_bytes=ram_bytes() // max(processes, 1))
+
+
 def measurable_device(cluster: ClusterSpec) -> str | None:
     """The torch device ("cpu", "cuda:0") on which this machine can measure `cluster`'s device,
     or None when the cluster is not this machine. `local` is this machine by definition; a CPU

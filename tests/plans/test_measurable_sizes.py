@@ -15,11 +15,11 @@ import torch
 import yaml
 from conftest import ROOT, TEST_MODELS, captured
 
-from partc.cost.measured import is_out_of_memory
+from partc.cost.measured import MeasuringOutOfMemory, is_out_of_memory
 from partc.cost.plan_costs import measurement, plan_costs
 from partc.hardware.configs import load_cluster
 from partc.options import TrainingConfig
-from partc.plans.measurable_sizes import whole_model_fits
+from partc.plans.measurable_sizes import WholeModelMemory, check_profile_sizes, whole_model_fits
 from partc.plans.plan import load_plan
 from partc.solve.memory import stage_memory, usable_memory
 
@@ -102,3 +102,39 @@ def test_a_model_no_one_device_holds_is_priced_by_the_roofline_and_checks(tmp_pa
     assert len(errors) == 1 and "--costs measured: the whole model does not fit" in errors[0]
     assert "(hint: " in errors[0] and "Traceback" not in refused.stderr
     assert not (tmp_path / "measured" / "out").exists()
+
+
+def test_a_profile_is_refused_before_measuring_sizes_the_device_cannot_hold() -> None:
+    """Between the sizes' peaks: the larger is refused, the hint names two that fit."""
+    result = captured(HEAVY)
+    cpu = load_cluster("cpu").device
+    training = TrainingConfig()
+    at = WholeModelMemory(result, cpu, training)
+    assert at.needed(256) < at.needed(512)
+    budget = (at.needed(256) + at.needed(512)) // 2
+    device = dataclasses.replace(cpu, memory_bytes=int(budget / 0.9))
+    assert usable_memory(device.memory_bytes, training) <= budget
+    check_profile_sizes(result, device, training, (128, 256))  # both fit: no error
+    with pytest.raises(MeasuringOutOfMemory) as refused:
+        check_profile_sizes(result, device, training, (256, 512))
+    assert "to be measured at batch 512:" in str(refused.value)
+    assert "--batch-sizes 128,256" in refused.value.hint
+    tiny = dataclasses.replace(cpu, memory_bytes=MiB)  # not even the weights
+    with pytest.raises(MeasuringOutOfMemory) as none_fit:
+        check_profile_sizes(result, tiny, training, (1, 2))
+    assert "measure a smaller model" in none_fit.value.hint
+
+
+def test_partc_profile_refuses_a_model_larger_than_this_machine(tmp_path: Path) -> None:
+    """16 GiB of weights built on meta: measuring it whole would materialise 32 GiB with its
+    gradients, and on a CPU the OS kills such a process where no handler sees it. Profile
+    refuses in one line before materialising anything, and writes nothing."""
+    out = tmp_path / "profile.yaml"
+    proc = subprocess.run([PARTC, "profile", str(TEST_MODELS / "huge_meta.py"), "-b", "2",
+                           "--method", "torch", "-o", str(out)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("partc: error:")]
+    assert len(errors) == 1 and "does not fit one cpu" in errors[0], proc.stderr[-3000:]
+    assert "(hint: " in errors[0] and "Traceback" not in proc.stderr
+    assert "materialising" not in proc.stderr and not out.exists()
