@@ -129,10 +129,11 @@ def profile_within_memory(model_path: str | Path, batch_size: int, options: Prof
     """`partc profile`: the measured CostTable of the model (partc.cost.measured.profile_model),
     its sizes first checked against the measuring device's memory (`check_profile_sizes`; on a
     CPU the device is the RAM shared with the busy neighbours, which train the model too)."""
-    device = measuring_device(options.device, options.neighbours + 1)
     training = TrainingConfig(precision=options.precision)
 
     def check(result: CaptureResult, sizes: tuple[int, ...]) -> None:
+        # after profile_model has refused a device this machine lacks
+        device = measuring_device(options.device, options.neighbours + 1)
         if device is not None:  # a GPU no config matches: CUDA's own error is caught later
             check_profile_sizes(result, device, training, sizes, progress)
 
