@@ -20,7 +20,7 @@ import traceback
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.utils._pytree as pytree
@@ -162,22 +162,33 @@ def _is_model_code(filename: str) -> bool:
 def refuse_values_drawn_at_capture(model: torch.nn.Module, inputs: Inputs,
                                    exported: ExportedProgram, scaled: ExportedProgram,
                                    where: str) -> None:
-    """CaptureError for a tensor that forward() makes from data outside torch (numpy or Python
-    randomness, a counter, the clock) whose values change from one capture to the next. Export
-    records such a tensor as a constant: the plan would hold the one draw made while capturing
-    for every step of training (HF wav2vec2's SpecAugment masks, drawn with numpy).
+    """CaptureError for a value that forward() makes from data outside torch (numpy or Python
+    randomness, a counter, the clock) and that changes from one capture to the next. Export
+    records such a tensor as a constant, and such a number (`x * random.random()`, a slice at
+    `random.randint(...)`) as a literal argument of an operator: the plan would hold the one
+    draw made while capturing for every step of training (HF wav2vec2's SpecAugment masks,
+    drawn with numpy).
 
     A constant that differs between the captures at B and 2B may only follow the batch size
-    (`torch.tensor(x.shape[0])`), so those are checked against a second capture at B, made
-    only when there are any: a value that differs between two captures at one size was drawn.
-    Meta constants have no values to compare."""
+    (`torch.tensor(x.shape[0])`), and so may a literal (a view's sizes, `1 / x.shape[0]`; one
+    that changes by exactly 2x is taken to), so those are checked against a second capture at
+    B, made only when there are any: a value that differs between two captures at one size was
+    drawn. Meta constants have no values to compare; a draw that repeats (two captures drawing
+    the same value) is not seen; a program whose operators differ between captures (a branch
+    on a draw, or a cache the first call fills) is not compared literal by literal."""
     first = _constant_tensors(exported)
     second = _constant_tensors(scaled)
     suspects = [name for name, (a, _) in sorted(first.items())
                 if not a.is_meta and not _same(a, second.get(name, (None, None))[0])]
-    if not suspects:
+    first_literals = _literals(exported)
+    suspect_literals = _literal_changes(first_literals, _literals(scaled), _follows_the_batch)
+    if not suspects and not suspect_literals:
         return
-    again = _constant_tensors(export_program(model, inputs, where))  # as `exported` was made
+    again_program = export_program(model, inputs, where)  # as `exported` was made
+    again = _constant_tensors(again_program)
+    hint = ("make it with torch operators (torch.rand, torch.bernoulli, torch.randperm: "
+            "captured as operators and drawn again every step), or turn it off (HF audio "
+            "models' SpecAugment: mask_time_prob=0.0 and mask_feature_prob=0.0)")
     for name in suspects:
         a, node = first[name]
         if _same(a, again.get(name, (None, None))[0]):
@@ -188,10 +199,76 @@ def refuse_values_drawn_at_capture(model: torch.nn.Module, inputs: Inputs,
             f"{list(a.shape)}) from data outside torch"
             + (f", used at {used}" if used else "")
             + ", and two captures drew different values: the plan would hold one draw for every "
-            "step",
-            hint="make it with torch operators (torch.rand, torch.bernoulli, torch.randperm: "
-                 "captured as operators and drawn again every step), or turn it off (HF "
-                 "audio models' SpecAugment: mask_time_prob=0.0 and mask_feature_prob=0.0)")
+            "step", hint=hint)
+    again_literals = _literals(again_program)
+    drawn = _literal_changes(first_literals, again_literals, _equal_numbers)
+    for index, position in sorted(suspect_literals & drawn):
+        node, values = first_literals[index]
+        value, again_value = values[position], again_literals[index][1][position]
+        used = _user_line(str(node.meta.get("stack_trace") or ""))
+        raise CaptureError(
+            f"{where}: forward() passes {_operator_name(node)} the number {value!r} made from "
+            f"data outside torch" + (f" at {used}" if used else "")
+            + f", and two captures drew different values ({value!r}, {again_value!r}): the plan "
+            "would hold one draw for every step", hint=hint)
+
+
+_Number = int | float
+
+
+def _literals(exported: ExportedProgram) -> list[tuple[torch.fx.Node, list[_Number]]]:
+    """Every operator call of the program with the numbers among its arguments, in order
+    (inside lists, tuples and keyword arguments too; bools, dtypes and nodes left out)."""
+    out: list[tuple[torch.fx.Node, list[_Number]]] = []
+    for node in exported.graph.nodes:
+        if node.op != "call_function":
+            continue
+        values: list[_Number] = []
+        _numbers(node.args, values)
+        for key in sorted(node.kwargs):
+            _numbers(node.kwargs[key], values)
+        out.append((node, values))
+    return out
+
+
+def _numbers(arg: object, into: list[_Number]) -> None:
+    if isinstance(arg, bool):
+        return
+    if isinstance(arg, (int, float)):
+        into.append(arg)
+    elif isinstance(arg, (list, tuple)):
+        for item in arg:
+            _numbers(item, into)
+
+
+def _literal_changes(a: list[tuple[torch.fx.Node, list[_Number]]],
+                     b: list[tuple[torch.fx.Node, list[_Number]]],
+                     same: Callable[[_Number, _Number], bool]) -> set[tuple[int, int]]:
+    """(operator index, number index) of the numbers two programs of the same operators pass
+    differently by `same`; none where the operators or their numbers' counts differ."""
+    if len(a) != len(b) or any(na.target != nb.target or len(va) != len(vb)
+                               for (na, va), (nb, vb) in zip(a, b, strict=True)):
+        return set()
+    return {(i, j) for i, ((_, va), (_, vb)) in enumerate(zip(a, b, strict=True))
+            for j, (x, y) in enumerate(zip(va, vb, strict=True)) if not same(x, y)}
+
+
+def _equal_numbers(a: _Number, b: _Number) -> bool:
+    return a == b or (isinstance(a, float) and isinstance(b, float) and a != a and b != b)
+
+
+def _follows_the_batch(a: _Number, b: _Number) -> bool:
+    """Whether a number at B and at 2B may be one computed from the batch size: equal, or
+    twice or half the other (sizes, counts, their reciprocals)."""
+    return _equal_numbers(a, b) or b == 2 * a or a == 2 * b
+
+
+def _operator_name(node: torch.fx.Node) -> str:
+    """'aten.mul.Tensor' for the node of torch.ops.aten.mul.Tensor."""
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return str(target)
+    return str(getattr(target, "__name__", target))
 
 
 def _same(a: torch.Tensor, b: torch.Tensor | None) -> bool:

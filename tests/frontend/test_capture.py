@@ -102,7 +102,12 @@ def test_the_raising_line_is_the_models_own_not_torchs_or_the_standard_librarys(
 def test_constants_that_follow_the_batch_size_are_no_draw() -> None:
     # its constants differ between the captures at B and 2B (1/B per sample, B itself), and a
     # third capture at B finds them as they were: it captures
-    from partc.frontend.export import _constant_tensors
+    from partc.frontend.export import (
+        _constant_tensors,
+        _follows_the_batch,
+        _literal_changes,
+        _literals,
+    )
 
     result = capture(load_model_file(TEST_MODELS / "batch_sized_constant.py"), 2)
     assert result.scaled is not None
@@ -110,3 +115,20 @@ def test_constants_that_follow_the_batch_size_are_no_draw() -> None:
     assert sorted(first) == sorted(second) and len(first) == 2
     assert all(not torch.equal(first[n][0], second[n][0]) for n in first if
                first[n][0].shape == second[n][0].shape)
+    # and a literal that changed between them by other than 2x, (n - 1) / n
+    assert _literal_changes(_literals(result.exported), _literals(result.scaled),
+                            _follows_the_batch)
+
+
+@pytest.mark.parametrize("model, fragment", [
+    ("python_random_scale.py", "forward() passes aten.mul.Tensor the number "),
+    ("python_random_roll.py", "forward() passes aten.roll.default the number "),
+])
+def test_numbers_drawn_in_python_are_refused(model: str, fragment: str) -> None:
+    """A Python draw in forward() is a literal of the captured program: refused in one line
+    that names the model's line, not trained on as one draw for every step."""
+    with pytest.raises(CaptureError) as refused:
+        capture(load_model_file(TEST_MODELS / model), 2)
+    message = str(refused.value)
+    assert fragment in message and "two captures drew different values" in message
+    assert f"at {model}:" in message and "random." in message

@@ -1,5 +1,6 @@
-"""forward() makes tensors from Python data that follow the batch size (a per-sample count, a
-normaliser): constants that differ between captures at two batch sizes, yet are no draw."""
+"""forward() makes tensors and numbers from Python data that follow the batch size (a per-sample
+count, a normaliser): constants and literals that differ between captures at two batch sizes,
+yet are no draw."""
 import torch
 import torch.nn as nn
 
@@ -12,7 +13,8 @@ class Normalised(nn.Module):
     def forward(self, x):
         n = x.shape[0]
         scale = torch.tensor([1.0 / n] * n).unsqueeze(1)  # made from Python floats
-        return self.fc(x) * scale + torch.tensor(float(n))
+        # (n - 1) / n: a literal that changes between B and 2B by other than 2x
+        return self.fc(x) * scale + torch.tensor(float(n)) + (n - 1) / n
 
 
 def build_model():
