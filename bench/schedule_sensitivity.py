@@ -75,10 +75,9 @@ def main(argv: list[str] | None = None) -> int:
                  simulate(scaled(spec, [every] * len(spec.stages))).iteration_s]
         cells += [simulate(scaled(spec, v)).iteration_s if len(v) == len(spec.stages)
                   else float("nan") for v in ratios.values()]
-        got = measured.get(strategy)
-        print(f"| {strategy} | {spec.schedule} | {got * 1e3:.1f} | " if got else
-              f"| {strategy} | {spec.schedule} | - | ", end="")
-        print(" | ".join(f"{c * 1e3:.2f}" for c in cells) + " |")
+        got = f"{measured[strategy] * 1e3:.1f}" if strategy in measured else "-"
+        print(f"| {strategy} | {spec.schedule} | {got} | "
+              + " | ".join(f"{c * 1e3:.2f}" for c in cells) + " |")
     return 0
 
 

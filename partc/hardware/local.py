@@ -10,7 +10,7 @@ import socket
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from partc.errors import PartcError
 from partc.hardware.configs import (
@@ -22,6 +22,9 @@ from partc.hardware.configs import (
     load_device,
 )
 from partc.hardware.specs import ClusterSpec, DeviceSpec
+
+if TYPE_CHECKING:
+    import torch
 
 LOCAL_CLUSTER = "local"
 
@@ -50,22 +53,21 @@ def local_cluster() -> ClusterSpec:
                           "costs of configs/devices/cpu.yaml")
 
 
-def measuring_device(device: str, processes: int = 1) -> DeviceSpec | None:
-    """The device config of the torch device `device` ("cpu", "cuda:1") of this machine, with
-    the memory one of `processes` processes measuring on it has (a CPU's RAM shared equally; a
-    GPU's own); None for a GPU no device config matches."""
-    import torch
+def measuring_device(device: torch.device, processes: int = 1) -> DeviceSpec | None:
+    """The device config of this machine's torch device `device` (as
+    partc.cost.measured.parse_device checked it), with the memory one of `processes` processes
+    measuring on it has (a CPU's RAM shared equally; a GPU's own); None for a GPU no device
+    config matches."""
+    if device.type == "cuda":
+        import torch
 
-    if device.startswith("cuda"):
-        index = int(device.partition(":")[2] or 0)
-        props = torch.cuda.get_device_properties(index)
+        props = torch.cuda.get_device_properties(device.index or 0)
         try:
             spec = _local_gpus(1, props).device
         except ConfigError:
             return None
         return replace(spec, memory_bytes=int(props.total_memory) // max(processes, 1))
-    base = local_cluster().device
-    return replace(base, memory_bytes=ram_bytes() // max(processes, 1))
+    return replace(local_cluster().device, memory_bytes=ram_bytes() // max(processes, 1))
 
 
 def measurable_device(cluster: ClusterSpec) -> str | None:

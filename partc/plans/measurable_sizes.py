@@ -21,7 +21,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
-from partc.cost.measured import MeasuringOutOfMemory, ProfileOptions, profile_model
+from partc.cost.measured import (
+    MeasuringOutOfMemory,
+    ProfileOptions,
+    parse_device,
+    profile_model,
+)
 from partc.cost.plan_costs import plan_costs
 from partc.cost.table import CostTable
 from partc.frontend.capture import CaptureResult
@@ -53,7 +58,6 @@ class WholeModelMemory:
         # one stage, one micro-batch, no optimizer state: the profile's forward and backward
         self._config = replace(training, optimizer="sgd", activation_checkpointing=False,
                                sharding="none", shards=1)
-        self._precision = training.precision
         self._table: CostTable | None = None  # the roofline's table, priced on first need
         self._progress = progress or Progress()
         self._needed: dict[int, int] = {}  # asked again by the halving, messages, re-searches
@@ -74,7 +78,7 @@ class WholeModelMemory:
                                      f"{self.device.name}'s memory at batch {b}"):
                 if self._table is None:
                     self._table = plan_costs(self.result, self.device,
-                                             precision=self._precision)
+                                             precision=self._config.precision)
                 graph = self.result.graph
                 peak = stage_memory(self._table, [n.name for n in graph.nodes],
                                     microbatch_size=b, num_microbatches=1, stage_index=0,
@@ -99,11 +103,12 @@ def check_profile_sizes(result: CaptureResult, device: DeviceSpec, training: Tra
     """Refuse, before measuring, a profile at batch sizes the whole model does not fit one
     `device` at: on a CPU the attempt would end in the OOM killer, which no handler sees."""
     memory = WholeModelMemory(result, device, training, progress)
-    too_large = [b for b in sorted(set(sizes)) if not memory.fits(b)]
+    asked = sorted(set(sizes))
+    too_large = [b for b in asked if not memory.fits(b)]
     if not too_large:
         return
     b = too_large[0]
-    fitting = [s for s in sorted(set(sizes)) if s not in too_large]
+    fitting = [s for s in asked if s not in too_large]
     if len(fitting) < 2:  # two sizes that fit: the largest halving of b that does and its half
         largest = next((s for s in _halvings(b) if memory.fits(s)), 1)
         fitting = [largest // 2, largest] if largest >= 2 else []
@@ -133,7 +138,7 @@ def profile_within_memory(model_path: str | Path, batch_size: int, options: Prof
 
     def check(result: CaptureResult, sizes: tuple[int, ...]) -> None:
         # after profile_model has refused a device this machine lacks
-        device = measuring_device(options.device, options.neighbours + 1)
+        device = measuring_device(parse_device(options.device), options.neighbours + 1)
         if device is not None:  # a GPU no config matches: CUDA's own error is caught later
             check_profile_sizes(result, device, training, sizes, progress)
 

@@ -6,12 +6,17 @@ import torch
 WIDTH = 1024
 
 
-def build_model() -> torch.nn.Module:
-    torch.manual_seed(0)
+def linear_stack(width: int) -> torch.nn.Module:
+    """Four width x width linear layers with ReLUs (tests/models/huge_meta.py builds it wider)."""
     layers: list[torch.nn.Module] = []
     for _ in range(4):
-        layers += [torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU()]
+        layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
     return torch.nn.Sequential(*layers)
+
+
+def build_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return linear_stack(WIDTH)
 
 
 def example_inputs(batch_size: int):
