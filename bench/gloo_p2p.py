@@ -13,6 +13,9 @@ gloo over loopback. For each message size:
 - early receive: rank 1 posts its receive 2 ms before rank 0 posts its send (as partc's runtime
   posts a step's receives at its start); rank 0's post + wait, against the one-way time;
 - post: how long rank 0's isend call itself takes;
+- CPU in the calls (the early-receive repeats, `time.thread_time()` of the calling thread, as
+  launch's P2PTimer takes it): rank 0's isend (gloo writes the bytes into the socket from the
+  posting thread when the receive's notice is there), rank 1's irecv post and its wait;
 - copy on the sender: rank 0 posts its send and computes a fixed matmul loop while the bytes
   move (rank 1 already waiting): how much longer the loop takes than alone, timed right before
   in the same repeat;
@@ -85,6 +88,9 @@ def _worker(rank: int, port: int, repeats: int, late_s: float, out: str) -> None
         exchange: list[float] = []
         late: list[float] = []
         early: list[float] = []
+        send_cpu: list[float] = []
+        recv_post_cpu: list[float] = []
+        recv_wait_cpu: list[float] = []
         post: list[float] = []
         send_copy: list[float] = []
         recv_copy: list[float] = []
@@ -114,11 +120,18 @@ def _worker(rank: int, port: int, repeats: int, late_s: float, out: str) -> None
             dist.barrier()
             if rank == 0:
                 time.sleep(0.002)  # the receive's "ready" notice has been handled by now
-                start = time.perf_counter()
-                _wait(dist.isend(tensor, peer))
+                start, cpu = time.perf_counter(), time.thread_time()
+                posted = dist.isend(tensor, peer)
+                send_cpu.append(time.thread_time() - cpu)
+                _wait(posted)
                 early.append(time.perf_counter() - start)
             else:
-                _wait(dist.irecv(tensor, peer))
+                cpu = time.thread_time()
+                posted = dist.irecv(tensor, peer)
+                recv_post_cpu.append(time.thread_time() - cpu)
+                cpu = time.thread_time()
+                _wait(posted)
+                recv_wait_cpu.append(time.thread_time() - cpu)
         # Each repeat times the loop alone, then with the transfer: the machine's drift cancels.
         for computing, slower in ((0, send_copy), (1, recv_copy)):
             for _ in range(repeats):
@@ -144,9 +157,12 @@ def _worker(rank: int, port: int, repeats: int, late_s: float, out: str) -> None
              "late_receiver_wait_ms": statistics.median(late) * ms,
              "early_receiver_wait_ms": statistics.median(early) * ms,
              "post_ms": statistics.median(post) * ms,
+             "isend_cpu_ms": statistics.median(send_cpu) * ms,
              "sender_compute_slower_ms": statistics.median(send_copy) * ms}
             if rank == 0 else
-            {"receiver_compute_slower_ms": statistics.median(recv_copy) * ms})
+            {"receiver_compute_slower_ms": statistics.median(recv_copy) * ms,
+             "irecv_post_cpu_ms": statistics.median(recv_post_cpu) * ms,
+             "irecv_wait_cpu_ms": statistics.median(recv_wait_cpu) * ms})
     gathered: list[Any] = [None, None]
     dist.all_gather_object(gathered, rows)
     if rank == 0:
@@ -191,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
           f"| sender's wait, receive posted "
           f"{args.late_ms:g} ms late | sender's post + wait, receive posted 2 ms early "
           "| isend post ms | computation slower on the sender, ms "
-          "| on the receiver, ms |\n|---|---|---|---|---|---|---|---|---|")
+          "| on the receiver, ms | CPU ms in the isend, receive posted early "
+          "| in the irecv post | in its wait |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
     for size, row in found["sizes"].items():
         print(f"| {int(size):,} | {row['one_way_ms_median']:.2f} / {row['one_way_ms_mean']:.2f} "
               f"| {row['exchange_ms_mean']:.2f} "
@@ -199,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
               f"| {row['late_receiver_wait_ms']:.2f} | {row['early_receiver_wait_ms']:.3f} "
               f"| {row['post_ms']:.3f} "
               f"| {row['sender_compute_slower_ms']:.2f} "
-              f"| {row['receiver_compute_slower_ms']:.2f} |")
+              f"| {row['receiver_compute_slower_ms']:.2f} | {row['isend_cpu_ms']:.3f} "
+              f"| {row['irecv_post_cpu_ms']:.3f} | {row['irecv_wait_cpu_ms']:.3f} |")
     if args.json:
         args.json.write_text(json.dumps(found, indent=1, sort_keys=True) + "\n")
     return 0
