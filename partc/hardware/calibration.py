@@ -95,11 +95,13 @@ class LinkCalibration:
 @dataclass(frozen=True)
 class RuntimeCalibration:
     """What the pipelining runtime costs per stage pass, measured a layer above this one
-    (partc.run.overhead): the device's `microbatch_overhead_s` and `cold_pass_s` (None: not
-    measured) and the raw numbers behind them, for the device file's comments."""
+    (partc.run.overhead): the device's `microbatch_overhead_s`, `p2p_post_cpu_s` and
+    `cold_pass_s` (None: not measured) and the raw numbers behind them, for the device file's
+    comments."""
 
     microbatch_overhead_s: float
     cold_pass_s: float | None = None
+    p2p_post_cpu_s: float | None = None
     measurements: dict[str, float] = field(default_factory=dict)
 
 
@@ -949,6 +951,9 @@ def _device_lines(spec: DeviceSpec, comments: dict[str, list[str]]) -> list[str]
     if spec.microbatch_overhead_s:
         lines += block("microbatch_overhead_s", "microbatch_overhead_s: "
                        f"{_quantity_text(spec.microbatch_overhead_s, 's')}")
+    if spec.p2p_post_cpu_s:
+        lines += block("p2p_post_cpu_s",
+                       f"p2p_post_cpu_s: {_quantity_text(spec.p2p_post_cpu_s, 's')}")
     if spec.cold_pass_s:
         lines += block("cold_pass_s", f"cold_pass_s: {_quantity_text(spec.cold_pass_s, 's')}")
     if spec.cache_bytes:
@@ -1046,10 +1051,19 @@ def device_yaml(cal: DeviceCalibration, command: str = "partc calibrate") -> str
             f" forward {_q(m['pipeline_forward_overhead_s'], 's')},",
             f"# backward {_q(m['pipeline_backward_overhead_s'], 's')}; between the passes, the "
             "computing thread's CPU per",
-            "# pass (schedule loop, p2p posts, step setup): "
-            f"{_q(m.get('pipeline_between_passes_cpu_s', 0.0), 's')}. The solver adds the mean "
-            "of the first two plus",
-            "# the third to every stage's passes."]
+            "# pass (schedule loop, step setup; the p2p posts and waits apart, below): "
+            f"{_q(m.get('pipeline_between_passes_cpu_s', 0.0), 's')}.",
+            "# The solver adds the mean of the first two plus the third to every stage's passes."]
+    if "pipeline_p2p_post_cpu_s" in m:
+        comments["p2p_post_cpu_s"] = [
+            "# The computing thread's CPU in the same pipeline's p2p posts and waits, per transfer "
+            "end (each",
+            "# pass there receives or sends one tensor of "
+            f"{int(m.get('pipeline_boundary_bytes', 0))} B: gloo's post and wait, not the "
+            "bytes' copy,",
+            "# which the link prices). The solver adds it to a stage's pass once per tensor the "
+            "pass receives",
+            "# from or sends to another stage (a middle stage's: two)."]
     if "cold_forward_s" in m:
         comments["cold_pass_s"] = [
             "# A stage pass from caches another process's work evicted, beyond the same pass warm "
@@ -1312,10 +1326,11 @@ def calibrate(out_dir: str | Path, device: str = "cpu", *, name: str | None = No
         else:
             link = shipped_cuda_link(cal.gpu_name, cal.spec.memory_bytes)
     if runtime is not None:
-        cold = runtime.cold_pass_s
+        cold, posts = runtime.cold_pass_s, runtime.p2p_post_cpu_s
         cal = replace(cal, spec=replace(
             cal.spec, microbatch_overhead_s=_snap(runtime.microbatch_overhead_s, "s", 3),
-            cold_pass_s=cal.spec.cold_pass_s if cold is None else _snap(cold, "s", 3)),
+            cold_pass_s=cal.spec.cold_pass_s if cold is None else _snap(cold, "s", 3),
+            p2p_post_cpu_s=cal.spec.p2p_post_cpu_s if posts is None else _snap(posts, "s", 3)),
             measurements={**cal.measurements, **runtime.measurements})
     wall = time.perf_counter() - t0
     busy1, own1 = _cpu_clock()
@@ -1356,6 +1371,8 @@ def format_calibration(result: CalibrationResult) -> str:
         f"  per operator: forward {_q(spec.op_overhead_s, 's')}, backward {_q(backward, 's')}",
         f"  pipelining runtime per stage pass: {_q(spec.microbatch_overhead_s, 's')}"
         + ("" if spec.microbatch_overhead_s else " (not measured: needs two processes or GPUs)"),
+        *([f"  p2p posts and waits: {_q(spec.p2p_post_cpu_s, 's')} per tensor a pass "
+           "receives or sends"] if spec.p2p_post_cpu_s else []),
         *([f"  a stage pass from evicted caches: {_q(spec.cold_pass_s, 's')} more"]
           if spec.cold_pass_s else []),
         f"cluster {result.cluster_path}",

@@ -208,6 +208,8 @@ def _device_from(m: _Mapping) -> DeviceSpec:
         microbatch_overhead_s=m.quantity("microbatch_overhead_s", "s", positive=False,
                                          required=False, default=0.0),
         cold_pass_s=m.quantity("cold_pass_s", "s", positive=False, required=False, default=0.0),
+        p2p_post_cpu_s=m.quantity("p2p_post_cpu_s", "s", positive=False, required=False,
+                                  default=0.0),
         dispatch_overhead_s=m.quantity("dispatch_overhead_s", "s", positive=False,
                                        required=False),
         cache_bytes=int(round(m.quantity("cache_bytes", "B", positive=False, required=False,

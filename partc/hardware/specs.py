@@ -78,8 +78,14 @@ class DeviceSpec:
     # as op_overhead_s. Eager training pays it once per differentiable operator per micro-batch.
     backward_op_overhead_s: float | None = None
     # The pipelining runtime's fixed host time per stage, per micro-batch and pass (forward or
-    # backward): schedule bookkeeping, the autograd call, p2p posts and waits besides the wire.
+    # backward): schedule bookkeeping, the autograd call (the p2p posts and waits: below, where
+    # measured apart; configs without p2p_post_cpu_s hold them here).
     microbatch_overhead_s: float = 0.0
+    # The computing thread's CPU per transfer end a stage pass has (the receive of its input or
+    # the send of its output: gloo's post and wait), beyond the bytes' copy, which the link
+    # prices. A middle pipeline stage has two per pass, the first and last one, a single stage
+    # none.
+    p2p_post_cpu_s: float = 0.0
     # The extra host time of a stage pass (forward or backward) that starts from caches other
     # processes' work evicted: where pipeline processes share a core, each pass follows a
     # core-mate's turn and pays it (the runtime's and the stage's code and data fetched again).
@@ -158,6 +164,8 @@ class DeviceSpec:
             extra["microbatch_overhead_s"] = self.microbatch_overhead_s
         if self.cold_pass_s:
             extra["cold_pass_s"] = self.cold_pass_s
+        if self.p2p_post_cpu_s:
+            extra["p2p_post_cpu_s"] = self.p2p_post_cpu_s
         if self.dispatch_overhead_s is not None:
             extra["dispatch_overhead_s"] = self.dispatch_overhead_s
         if self.cache_bytes or self.cache_bandwidth:
@@ -209,6 +217,8 @@ def _device_problems(d: DeviceSpec) -> list[str]:
         problems.append("microbatch_overhead_s must be >= 0")
     if not d.cold_pass_s >= 0:
         problems.append("cold_pass_s must be >= 0")
+    if not d.p2p_post_cpu_s >= 0:
+        problems.append("p2p_post_cpu_s must be >= 0")
     if d.dispatch_overhead_s is not None and not d.dispatch_overhead_s >= 0:
         problems.append("dispatch_overhead_s must be >= 0")
     if (vector := vector_bytes_problem(d.vector_bytes, d.kind)) is not None:

@@ -30,7 +30,7 @@ from partc.hardware.units import format_quantity
 from partc.options import SHARDINGS, SearchOptions, Sharding, from_dict, to_dict
 from partc.solve.partition import Prediction, SolverReport, TrainingSetup, round_seconds
 from partc.solve.simulator import PipelineSpec, StageTiming
-from partc.solve.stage_problem import RankLevers
+from partc.solve.stage_problem import RankLevers, p2p_posts_priced
 
 if TYPE_CHECKING:
     from partc.frontend.model_file import ModelFile
@@ -404,6 +404,12 @@ class Plan:
             allreduce_s=p.allreduce_s, optimizer_s=p.optimizer_s, tied=p.tied_sync,
             host_sends=self.cluster.host_sends, core_sharing=shape.core_sharing(self.cluster),
             wake_credit_s=self.cluster.wake_credit_s)
+
+    def p2p_post_s(self) -> list[float | None]:
+        """Per stage, the priced CPU of one pass's p2p posts and waits, which its predicted
+        forward and backward hold; None where the device's microbatch_overhead_s holds them
+        (partc.solve.stage_problem.p2p_posts_priced)."""
+        return p2p_posts_priced(self.cluster, self.training.shape)
 
     def check_stage_files(self) -> None:
         """Raise PlanError unless every stage file exists and has the recorded SHA-256 (a check

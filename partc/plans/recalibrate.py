@@ -55,9 +55,9 @@ from partc.hardware.specs import DeviceSpec
 from partc.plans.check import recorded_profile, solve_as_recorded
 from partc.plans.diff import layout_of_partition, layout_of_plan
 from partc.plans.plan import Plan, load_plan
-from partc.plans.run_metrics import RunMetrics, StepMetrics
+from partc.plans.run_metrics import RunMetrics, StepMetrics, host_per_pass_s
 from partc.progress import Progress
-from partc.solve.stage_problem import gradient_add_s, stage_fixed_s
+from partc.solve.stage_problem import gradient_add_s, p2p_posts_priced, stage_fixed_s
 
 if TYPE_CHECKING:  # annotations only: the caller captures the model
     from partc.frontend.capture import CaptureResult
@@ -266,7 +266,11 @@ def stage_calibrations(table: CostTable, launched: LaunchedRun,
                                  f"a {priced_at} plan")
     m = launched.microbatch_size
     # what every stage pays besides its operators: the runtime's overhead, the loss on the last
-    fixed = stage_fixed_s(table, replace(plan.cluster, device=device), plan.training.shape)
+    priced_on = replace(plan.cluster, device=device)
+    fixed = stage_fixed_s(table, priced_on, plan.training.shape)
+    # the passes' p2p posts at the price `fixed` holds (a run cannot part them from the
+    # copies of the bytes, which the link prices: host_per_pass_s)
+    posts = p2p_posts_priced(priced_on, plan.training.shape)
     # the medians over every run's timed steps; the summaries' memory (the first run's) is not
     # calibrated
     summaries = launched.runs[0].run.stage_summaries(launched.timed)
@@ -279,7 +283,7 @@ def stage_calibrations(table: CostTable, launched: LaunchedRun,
     graph = table.graph
     out = []
     for summary, nodes, stage in zip(summaries, launched.stage_nodes, plan.stages, strict=True):
-        work = summary.compute_s(shared)
+        work = summary.compute_s(shared, posts[stage.index])
         if work is None:
             raise CalibrationError(
                 f"{launched.name} ran processes that share cores but has no CPU "
@@ -290,7 +294,7 @@ def stage_calibrations(table: CostTable, launched: LaunchedRun,
         bwd_work = table.sum_backward_s(nodes, m)
         # a pass that did priced work cannot time 0 s (the CPU between passes, added to each
         # pass, would otherwise hide an edited line and calibrate to a near-zero factor)
-        between = summary.between_cpu_s or 0.0  # what `compute_s` added to each pass
+        between = host_per_pass_s(summary, posts[stage.index])  # what `compute_s` added
         for what, measured, priced in zip(("forward", "backward"),
                                           (forward_s - between, backward_s - between),
                                           (fwd_work, bwd_work), strict=True):

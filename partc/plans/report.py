@@ -60,7 +60,9 @@ def replay_measured(plan: Plan, metrics: RunMetrics) -> Simulation | None:
     metrics.check_shape(plan)
     spec = plan.pipeline_spec()
     stages = metrics.stage_summaries()
-    work = [w for m in stages if (w := m.compute_s(spec.shares_cores)) is not None]
+    posts = plan.p2p_post_s()
+    work = [w for m in stages
+            if (w := m.compute_s(spec.shares_cores, posts[m.index])) is not None]
     if len(work) < len(stages):
         return None
     optimizer = [0.0] * spec.num_ranks

@@ -152,14 +152,21 @@ class StageMetrics:
     backward_cpu_s: float | None = None
     optimizer_cpu_s: float | None = None
     # Per pass (forward or backward) of the stage's rank: the computing thread's CPU time between
-    # its passes (torch's schedule loop, the p2p posts, the step's setup), which
-    # the device's microbatch_overhead_s prices with the rest of the runtime's time per pass.
-    # None on CUDA and in metrics files of earlier partc versions.
+    # its passes (torch's schedule loop, the step's setup), which the device's
+    # microbatch_overhead_s prices with the rest of the runtime's time per pass; the p2p posts
+    # and waits are not in it (partc before 2026-12-06 counted them in). None on CUDA and in
+    # metrics files of earlier partc versions.
     between_cpu_s: float | None = None
+    # Per pass of the stage's rank, as between_cpu_s: the computing thread's CPU time in its p2p
+    # posts and waits (gloo copies a send's bytes into the socket on the posting thread, the
+    # link's work, which the link's price holds). None on CUDA and in metrics files of earlier
+    # partc versions.
+    p2p_cpu_s: float | None = None
 
-    def compute_s(self, shared_core: bool) -> tuple[float, float, float] | None:
+    def compute_s(self, shared_core: bool, post_s: float | None = None
+                  ) -> tuple[float, float, float] | None:
         """The stage's own work in this step (`own_work_s`)."""
-        return own_work_s(self, shared_core)
+        return own_work_s(self, shared_core, post_s)
 
     def to_dict(self) -> dict[str, Any]:
         return {"index": self.index, "pipeline_rank": self.pipeline_rank,
@@ -169,7 +176,8 @@ class StageMetrics:
                 "peak_memory_bytes": self.peak_memory_bytes,
                 "forward_cpu_s": self.forward_cpu_s, "backward_cpu_s": self.backward_cpu_s,
                 "optimizer_cpu_s": self.optimizer_cpu_s,
-                **({} if self.between_cpu_s is None else {"between_cpu_s": self.between_cpu_s})}
+                **({} if self.between_cpu_s is None else {"between_cpu_s": self.between_cpu_s}),
+                **({} if self.p2p_cpu_s is None else {"p2p_cpu_s": self.p2p_cpu_s})}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], where: str = "") -> StageMetrics:
@@ -195,7 +203,8 @@ class StageMetrics:
                    peak_memory_bytes=None if peak is None else _integer(
                        peak, where + "peak_memory_bytes", 0),
                    forward_cpu_s=cpu("forward_cpu_s"), backward_cpu_s=cpu("backward_cpu_s"),
-                   optimizer_cpu_s=cpu("optimizer_cpu_s"), between_cpu_s=cpu("between_cpu_s"))
+                   optimizer_cpu_s=cpu("optimizer_cpu_s"), between_cpu_s=cpu("between_cpu_s"),
+                   p2p_cpu_s=cpu("p2p_cpu_s"))
 
 
 @dataclass(frozen=True)
@@ -320,21 +329,40 @@ class StageSummary:
     backward_cpu_s: float | None = None
     optimizer_cpu_s: float | None = None
     between_cpu_s: float | None = None
+    p2p_cpu_s: float | None = None
 
-    def compute_s(self, shared_core: bool) -> tuple[float, float, float] | None:
+    def compute_s(self, shared_core: bool, post_s: float | None = None
+                  ) -> tuple[float, float, float] | None:
         """The median of the stage's own work (`own_work_s`)."""
-        return own_work_s(self, shared_core)
+        return own_work_s(self, shared_core, post_s)
 
 
-def own_work_s(stage: StageMetrics | StageSummary,
-               shared_core: bool) -> tuple[float, float, float] | None:
+def host_per_pass_s(stage: StageMetrics | StageSummary, post_s: float | None) -> float:
+    """What `own_work_s` adds to each of a stage's passes besides the pass itself: the computing
+    thread's CPU between passes where it was measured (`between_cpu_s`: the device's
+    microbatch_overhead_s prices it in every pass) and the pass's p2p posts and waits.
+
+    `post_s`: the posts' price per pass of this stage (partc.solve.stage_problem.p2p_post_s)
+    where the device prices them apart (`p2p_post_cpu_s`); None where its microbatch_overhead_s
+    holds them. A run's posts hold gloo's copy of a send's bytes, which the simulator prices as
+    the link's transfer, and nothing in a run separates the two: with a price the posts are
+    taken at it; without one as measured (`p2p_cpu_s`), as that device's overhead was measured.
+    Runs of partc before 2026-12-06 (no `p2p_cpu_s`) counted them in `between_cpu_s`."""
+    between = stage.between_cpu_s or 0.0
+    if stage.p2p_cpu_s is None:
+        return between
+    return between + (stage.p2p_cpu_s if post_s is None else post_s)
+
+
+def own_work_s(stage: StageMetrics | StageSummary, shared_core: bool,
+               post_s: float | None = None) -> tuple[float, float, float] | None:
     """(forward, backward, optimizer) seconds of a stage's own work, in one step or over a run,
     as a prediction prices a stage's passes: the wall times, or where processes share a core
     the CPU times (the wall times there include the core-mates' turns); each pass with the
-    computing thread's CPU between passes, per pass, where it was measured (`between_cpu_s`:
-    the device's microbatch_overhead_s prices it in every pass). None where the CPU times were
-    not measured."""
-    between = stage.between_cpu_s or 0.0
+    host work between passes (`host_per_pass_s`, `post_s` the stage's priced p2p posts per
+    pass, None where the device does not price them apart). None where the CPU times were not
+    measured."""
+    between = host_per_pass_s(stage, post_s)
     if not shared_core:
         return stage.forward_s + between, stage.backward_s + between, stage.optimizer_s
     if stage.forward_cpu_s is None or stage.backward_cpu_s is None or \
@@ -526,7 +554,8 @@ class RunMetrics:
                 forward_cpu_s=_median_of_measured([r.forward_cpu_s for r in rows]),
                 backward_cpu_s=_median_of_measured([r.backward_cpu_s for r in rows]),
                 optimizer_cpu_s=_median_of_measured([r.optimizer_cpu_s for r in rows]),
-                between_cpu_s=_median_of_measured([r.between_cpu_s for r in rows])))
+                between_cpu_s=_median_of_measured([r.between_cpu_s for r in rows]),
+                p2p_cpu_s=_median_of_measured([r.p2p_cpu_s for r in rows])))
         return tuple(out)
 
     @property

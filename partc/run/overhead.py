@@ -18,8 +18,9 @@ and takes
   module's own time for the same pass run alone;
 - between the passes (on a CPU, where the runtime's host work takes the core the stages compute
   on): the computing thread's CPU time over each step beyond what its passes and loss took, per
-  pass: torch's schedule loop, the p2p posts, the step's setup (gloo's IO threads are left out:
-  their copies are the link's, priced with it). A rank pays it
+  pass: torch's schedule loop, the step's setup (the p2p posts and waits are left out, as are
+  gloo's IO threads: their CPU is the link's, priced with it; a gloo send copies its bytes on
+  the posting thread, P2PTimer). A rank pays it
   between its passes, on its own core, shared with its core-mates where processes share cores
   (left out, 4-process launches ran 4-5% longer than the schedule replayed from their own
   measured passes; bench/launch_timeline.py found this CPU there, docs/benchmarks.md).
@@ -42,7 +43,9 @@ pipeline: a step pays its passes' mean, while a slower second of this shared mac
 a few steps is the machine's, not the runtime's (12 steps of one mean moved the value by 40-70%
 between two calibrations of an idle VM, 91-181 us on five back-to-back runs). The result is the
 mean of the two passes and the two stages inside, plus the mean between: the solver adds it to
-every stage's forward and backward.
+every stage's forward and backward. The CPU in the p2p posts and waits is kept apart, per pass
+(one tensor received or sent each here): the device's `p2p_post_cpu_s`, which the solver adds
+once per tensor a pass moves (a middle stage's two).
 """
 from __future__ import annotations
 
@@ -80,15 +83,25 @@ class PipelineOverhead:
     microbatch_overhead_s: float
     forward_s: tuple[float, float]  # per stage: runtime time per forward beyond the module's
     backward_s: tuple[float, float]  # per stage: the same for a backward
-    # per stage: the computing thread's CPU time per pass between its passes (0 on CUDA, where
-    # the host runs ahead of the device)
+    # per stage: the computing thread's CPU time per pass between its passes, its p2p posts and
+    # waits left out (0 on CUDA, where the host runs ahead of the device)
     between_s: tuple[float, float] = (0.0, 0.0)
+    # per stage: the computing thread's CPU in its p2p posts and waits, per pass (each pass of
+    # the two-stage pipeline has one transfer end: the device's `p2p_post_cpu_s`; 0 on CUDA)
+    p2p_s: tuple[float, float] = (0.0, 0.0)
+
+    @property
+    def p2p_post_cpu_s(self) -> float:
+        """The mean of `p2p_s`: the device's `p2p_post_cpu_s`."""
+        return statistics.mean(self.p2p_s)
 
     def measurements(self) -> dict[str, float]:
         """The raw numbers, for the device config's comments."""
         return {"pipeline_forward_overhead_s": statistics.mean(self.forward_s),
                 "pipeline_backward_overhead_s": statistics.mean(self.backward_s),
-                "pipeline_between_passes_cpu_s": statistics.mean(self.between_s)}
+                "pipeline_between_passes_cpu_s": statistics.mean(self.between_s),
+                "pipeline_p2p_post_cpu_s": self.p2p_post_cpu_s,
+                "pipeline_boundary_bytes": float(MICROBATCH * WIDTH * 4)}
 
 
 def measure_microbatch_overhead(device: str = "cpu") -> PipelineOverhead:
@@ -103,9 +116,10 @@ def measure_microbatch_overhead(device: str = "cpu") -> PipelineOverhead:
     fwd = (found["0"]["forward_s"], found["1"]["forward_s"])
     bwd = (found["0"]["backward_s"], found["1"]["backward_s"])
     between = (found["0"]["between_s"], found["1"]["between_s"])
+    p2p = (found["0"]["p2p_s"], found["1"]["p2p_s"])
     return PipelineOverhead(
         microbatch_overhead_s=statistics.mean([*fwd, *bwd]) + statistics.mean(between),
-        forward_s=fwd, backward_s=bwd, between_s=between)
+        forward_s=fwd, backward_s=bwd, between_s=between, p2p_s=p2p)
 
 
 @dataclass(frozen=True)
@@ -244,10 +258,11 @@ def _worker(rank: int, kind: str, port: int, out: str) -> None:
             p2p.install()
             batch = torch.randn(MICROBATCH * MICROBATCHES, WIDTH, device=device)
             target = torch.zeros(MICROBATCH * MICROBATCHES, device=device)
-            per_step: list[tuple[float, float, float]] = []  # per pass: forward, backward, between
+            # per pass: forward, backward, between, posts and waits
+            per_step: list[tuple[float, float, float, float]] = []
             for step in range(STEPS + 2):
                 pipe.reset_times()
-                loss_cpu[0] = 0.0
+                loss_cpu[0] = p2p.cpu_seconds = 0.0
                 began = CPU_CLOCK()  # the computing thread's, as launch's metrics take it
                 p2p.post_receives([pipe], MICROBATCHES)
                 if rank == 0:
@@ -260,22 +275,24 @@ def _worker(rank: int, kind: str, port: int, out: str) -> None:
                     per_step.append((pipe.forward_s / MICROBATCHES,
                                      pipe.backward_s / MICROBATCHES,
                                      cpu_between_passes(step_cpu, [pipe], loss_cpu[0],
-                                                        2 * MICROBATCHES)))
+                                                        p2p.cpu_seconds, 2 * MICROBATCHES),
+                                     p2p.cpu_seconds / (2 * MICROBATCHES)))
             alone_after = _alone_s(module, device, first=rank == 0)
         # the module alone before and after the steps: a slower moment on one side would
         # otherwise be read as the runtime's
         alone = [statistics.median(alone_before[i] + alone_after[i]) for i in (0, 1)]
-        fwd, bwd, between = (statistics.median(column) for column in zip(*per_step, strict=True))
+        fwd, bwd, between, posts = (statistics.median(column)
+                                    for column in zip(*per_step, strict=True))
+        # the host runs ahead of a GPU: its time between passes and in the posts is hidden
+        host = 1.0 if kind == "cpu" else 0.0
         mine = torch.tensor([max(0.0, fwd - alone[0]), max(0.0, bwd - alone[1]),
-                             # the host runs ahead of a GPU: its time between passes is hidden
-                             between if kind == "cpu" else 0.0],
-                            dtype=torch.float64, device=device)
-        every = [torch.zeros(3, dtype=torch.float64, device=device) for _ in range(2)]
+                             between * host, posts * host], dtype=torch.float64, device=device)
+        every = [torch.zeros(4, dtype=torch.float64, device=device) for _ in range(2)]
         dist.all_gather(every, mine)
         if rank == 0:
             Path(out).write_text(json.dumps({
                 str(r): {"forward_s": float(t[0]), "backward_s": float(t[1]),
-                         "between_s": float(t[2])}
+                         "between_s": float(t[2]), "p2p_s": float(t[3])}
                 for r, t in enumerate(every)}))
     finally:
         dist.destroy_process_group()
@@ -304,6 +321,7 @@ def calibrate_machine(out_dir: str | Path, device: str = "cpu", *, name: str | N
         cold = measure_cold_pass(kind) if kind == "cpu" else None
         runtime = RuntimeCalibration(
             found.microbatch_overhead_s, None if cold is None else cold.pass_s,
+            found.p2p_post_cpu_s if kind == "cpu" else None,
             {**found.measurements(), **({} if cold is None else cold.measurements())})
     return calibrate(out_dir, device, name=name, threads=threads, seconds=seconds,
                      measure_link=measure_link, command=command, runtime=runtime,

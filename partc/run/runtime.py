@@ -331,7 +331,7 @@ class _MemoryProbe:
 # stage that the rank fills for the stages it runs. Its size is the memory model's
 # (partc.solve.memory.metrics_row_bytes), which prices the buffers.
 _RANK_FIELDS = METRICS_RANK_FIELDS
-_HAS_LOSS, _LOSS, _P2P, _TIED, _PEAK, _BETWEEN = range(_RANK_FIELDS)
+_HAS_LOSS, _LOSS, _P2P, _TIED, _PEAK, _BETWEEN, _P2P_CPU = range(_RANK_FIELDS)
 # (CPU times: -1 on CUDA, where the host's clock does not time the device's work)
 _PRESENT, _FORWARD, _BACKWARD, _OPTIMIZER, _ALLREDUCE = range(5)
 _STAGE_FIELDS = METRICS_STAGE_FIELDS
@@ -390,7 +390,7 @@ def _step(run: RankRun, step: int, memory_method: str, metrics: _MetricsRows,
     end; returns, on rank 0, every rank's measurements of the step before (the gather in
     flight, waited before the row is filled again), None elsewhere or when there was none."""
     torch.manual_seed(step_seed(run.options.seed, step, run.rank))
-    run.p2p.seconds = 0.0
+    run.p2p.seconds = run.p2p.cpu_seconds = 0.0
     for local in run.stages:
         if local.optimizer is not None:
             # Under DDP the gradients are views into its buckets (gradient_as_bucket_view):
@@ -412,7 +412,8 @@ def _step(run: RankRun, step: int, memory_method: str, metrics: _MetricsRows,
                 local.grad_sync.reset()
         losses: list[torch.Tensor] | None = [] if run.loss_fn is not None else None
         # the computing thread's CPU, for what the step spends between its passes (gloo's IO
-        # threads are left out: their copies are the link's, a DDP all-reduce's its own)
+        # threads are left out, and the posts' copies measured apart: they are the link's, a
+        # DDP all-reduce's its own)
         step_cpu = CPU_CLOCK()
         run.p2p.post_receives([local.pipe for local in run.stages if local.pipe is not None],
                               run.plan.training.shape.num_microbatches)
@@ -442,12 +443,15 @@ def _step(run: RankRun, step: int, memory_method: str, metrics: _MetricsRows,
         row[_LOSS] = float(torch.stack([loss.detach().float() for loss in losses]).mean())
     row[_P2P] = run.p2p.seconds
     row[_TIED] = tied_s
-    # CPU between the passes, per pass of this rank: the step's CPU beyond its passes and loss
-    # (a GPU's host runs ahead of the device: not measured there)
+    # CPU between the passes, per pass of this rank: the step's CPU beyond its passes, loss and
+    # p2p calls, and apart the CPU in those calls (a GPU's host runs ahead of the device: not
+    # measured there)
+    passes = 2 * run.plan.training.shape.num_microbatches * len(run.stages)
     row[_BETWEEN] = -1.0 if run.device.type == "cuda" else cpu_between_passes(
         step_cpu, [local.pipe for local in run.stages if local.pipe is not None],
-        run.loss_fn.forward_cpu_s if run.loss_fn is not None else 0.0,
-        2 * run.plan.training.shape.num_microbatches * len(run.stages))
+        run.loss_fn.forward_cpu_s if run.loss_fn is not None else 0.0, run.p2p.cpu_seconds,
+        passes)
+    row[_P2P_CPU] = -1.0 if run.device.type == "cuda" else run.p2p.cpu_seconds / passes
     peak = memory.peak_bytes()
     row[_PEAK] = -1.0 if peak is None else float(peak)
     if traced:
@@ -497,6 +501,7 @@ def _step_metrics(run: RankRun, rows: list[list[float]], reported: _Reported) ->
             backward_cpu_s=_cpu(r[at + _BACKWARD_CPU] for r in mine),
             optimizer_cpu_s=_cpu(r[at + _OPTIMIZER_CPU] for r in mine),
             between_cpu_s=_cpu(r[_BETWEEN] for r in mine),
+            p2p_cpu_s=_cpu(r[_P2P_CPU] for r in mine),
             ddp_allreduce_s=max(r[at + _ALLREDUCE] for r in mine),
             tied_sync_s=max(r[_TIED] for r in mine),
             peak_memory_bytes=max(peaks) if peaks else None))

@@ -32,7 +32,15 @@ from partc.run.training import check_inputs, next_batch, split_batch
 
 class P2PTimer:
     """The time this rank spends posting and waiting for the schedule's sends and receives, and,
-    on gloo, the step's receives posted at its start.
+    on gloo, the step's receives posted at its start: wall time (`seconds`) and the computing
+    thread's CPU time in those calls (`cpu_seconds`).
+
+    The CPU time is the link's work done on the computing thread: gloo writes a send's bytes into
+    the socket from the thread that posts it when the socket takes them (perf on a launched rank:
+    `Pair::sendAsyncMode` -> `writev` -> `tcp_sendmsg` -> `_copy_from_iter`), about 0.2 ms a MiB
+    here. The link's price (`send_forward_s`, work on both ranks' cores in the simulator) holds
+    that copy, so the CPU between passes is measured without it (`cpu_between_passes`), or a
+    calibration from the run would count it twice.
 
     torch's schedules post every p2p batch with `schedules._batch_p2p` and wait with
     `schedules._wait_batch_p2p` (module functions, looked up at each call), and batch one rank's
@@ -55,6 +63,7 @@ class P2PTimer:
         self.device = device
         self.early_receives = early_receives
         self.seconds = 0.0
+        self.cpu_seconds = 0.0
         self.early_taken = 0  # early receives the schedule has taken, over the run
         self._early: dict[int, dist.Work] = {}  # id(receive buffer) -> its posted work
 
@@ -65,7 +74,7 @@ class P2PTimer:
         wait = getattr(schedules._wait_batch_p2p, "__wrapped__", schedules._wait_batch_p2p)
 
         def timed_post(p2p_ops: list[dist.P2POp], desc: str | None = None) -> list[dist.Work]:
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), CPU_CLOCK()
             try:
                 early: list[dist.Work] = []
                 rest: list[dist.P2POp] = []
@@ -79,13 +88,15 @@ class P2PTimer:
                 return early + post(rest, desc)  # torch's _batch_p2p([]) is []
             finally:
                 self.seconds += time.perf_counter() - start
+                self.cpu_seconds += CPU_CLOCK() - cpu
 
         def timed_wait(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), CPU_CLOCK()
             try:
                 return wait(*args, **kwargs)
             finally:
                 self.seconds += synced_clock(self.device) - start
+                self.cpu_seconds += CPU_CLOCK() - cpu
 
         timed_post.__wrapped__ = post  # type: ignore[attr-defined]
         timed_wait.__wrapped__ = wait  # type: ignore[attr-defined]
@@ -110,12 +121,13 @@ class P2PTimer:
                 if len(pipe.grad_recv_info) < microbatches:
                     return
                 ops += [op for i in range(microbatches) for op in pipe.get_bwd_recv_ops(i)]
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), CPU_CLOCK()
         for op in ops:
             work = dist.irecv(op.tensor, group=op.group, tag=op.tag, group_src=op.group_peer)
             if work is not None:  # None: this rank is not in the op's group (never, here)
                 self._early[id(op.tensor)] = work
         self.seconds += time.perf_counter() - start
+        self.cpu_seconds += CPU_CLOCK() - cpu
 
 
 class StageLoss:

@@ -91,13 +91,15 @@ class TimedStage(PipelineStage):
 
 
 def cpu_between_passes(step_cpu_s: float, stages: Iterable[TimedStage], loss_cpu_s: float,
-                       passes: int) -> float:
-    """The computing thread's CPU per pass that a step spent outside its stages' passes and its
-    loss (the schedule loop, the posts, the step's setup): what the pipelining runtime costs a
-    CPU core beyond the passes. `step_cpu_s`: CPU_CLOCK over the schedule's step; `passes`: the
-    forwards and backwards the step ran on this process. The calibration (partc.run.overhead)
-    and launch's metrics take it the same way, so a replay adds what the price holds."""
-    inside = sum(s.forward_cpu_s + s.backward_cpu_s for s in stages) + loss_cpu_s
+                       p2p_cpu_s: float, passes: int) -> float:
+    """The computing thread's CPU per pass that a step spent outside its stages' passes, its
+    loss and its p2p posts and waits (the schedule loop, the step's setup): what the pipelining
+    runtime costs a CPU core beyond the passes and the link. `step_cpu_s`: CPU_CLOCK over the
+    schedule's step; `p2p_cpu_s`: the step's CPU in the posts and waits (P2PTimer.cpu_seconds:
+    gloo copies a send's bytes there, which the link's price holds); `passes`: the forwards and
+    backwards the step ran on this process. The calibration (partc.run.overhead) and launch's
+    metrics take it the same way, so a replay adds what the price holds."""
+    inside = sum(s.forward_cpu_s + s.backward_cpu_s for s in stages) + loss_cpu_s + p2p_cpu_s
     return max(0.0, step_cpu_s - inside) / passes
 
 

@@ -1213,7 +1213,7 @@ def stage_memory(table: CostTable, nodes: Collection[str], *, microbatch_size: i
 # a step runs during the next one and is waited before the row is filled again, so one set of
 # buffers serves (gloo's flat copy of the rows on the first process, during the gather, is
 # never alive inside a measured step: launch waits for it before one).
-METRICS_RANK_FIELDS = 6
+METRICS_RANK_FIELDS = 7
 METRICS_STAGE_FIELDS = 8
 _FP64 = 8
 

@@ -538,21 +538,43 @@ def stage_fixed_s(table: CostTable, cluster: ClusterSpec,
                   shape: PipelineShape) -> list[tuple[float, float]]:
     """Per virtual stage, the (forward, backward) seconds it spends per micro-batch whatever
     blocks it holds: the pipelining runtime's host work per pass
-    (DeviceSpec.microbatch_overhead_s), where its rank's process shares a core with another
-    (PipelineShape.core_sharing) the cold start each pass makes after a core-mate's turn
-    (DeviceSpec.cold_pass_s), and, on the last virtual stage, the loss function (CostTable.loss,
-    outside the graph: run on the stage's outputs)."""
+    (DeviceSpec.microbatch_overhead_s), its p2p posts and waits (`p2p_post_s`), where its rank's
+    process shares a core with another (PipelineShape.core_sharing) the cold start each pass
+    makes after a core-mate's turn (DeviceSpec.cold_pass_s), and, on the last virtual stage, the
+    loss function (CostTable.loss, outside the graph: run on the stage's outputs)."""
     m = shape.microbatch_size
     overhead = cluster.device.microbatch_overhead_s
     cold = cluster.device.cold_pass_s
     sharing = shape.core_sharing(cluster) if cold else ()
+    posts = p2p_post_s(cluster, shape)
     # virtual stage k runs on pipeline rank k % stages (PipelineShape.links)
-    per_pass = [overhead + (cold if sharing and len(sharing[k % shape.stages]) > 1 else 0.0)
+    per_pass = [overhead + posts[k] + (cold if sharing and len(sharing[k % shape.stages]) > 1
+                                       else 0.0)
                 for k in range(shape.virtual_stages)]
     fixed = [(s, s) for s in per_pass]
     fwd, bwd = fixed[-1]
     fixed[-1] = (fwd + table.loss.forward.at(m), bwd + table.loss.backward.at(m))
     return fixed
+
+
+def p2p_post_s(cluster: ClusterSpec, shape: PipelineShape) -> list[float]:
+    """Per virtual stage, the computing thread's CPU in one pass's p2p posts and waits
+    (DeviceSpec.p2p_post_cpu_s per tensor the pass receives from or sends to another stage: a
+    forward receives its input unless it is the first stage and sends its output unless it is
+    the last, a backward the other way round; a single stage has none). The same in both
+    passes. The bytes' copy is the link's (the simulator's transfers), not in this."""
+    per_end = cluster.device.p2p_post_cpu_s
+    v = shape.virtual_stages
+    return [per_end * ((k > 0) + (k < v - 1)) for k in range(v)]
+
+
+def p2p_posts_priced(cluster: ClusterSpec, shape: PipelineShape) -> list[float | None]:
+    """`p2p_post_s` where the device prices the posts apart (`p2p_post_cpu_s` set), else None
+    per virtual stage: a device whose `microbatch_overhead_s` holds them (what a measured pass
+    is compared with: partc.plans.run_metrics.host_per_pass_s)."""
+    if not cluster.device.p2p_post_cpu_s:
+        return [None] * shape.virtual_stages
+    return list(p2p_post_s(cluster, shape))
 
 
 @dataclass(frozen=True)

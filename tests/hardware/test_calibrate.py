@@ -337,6 +337,9 @@ def test_calibrate_command_writes_configs_that_compile(tmp_path: Path) -> None:
     assert 0 < spec.microbatch_overhead_s < 0.01
     # and a pass's cold start from a flushed last-level cache: the fetch from DRAM is never free
     assert 0 < spec.cold_pass_s < 0.01
+    # and the posts and waits of the tensor each pass receives or sends (gloo's calls, on the
+    # computing thread)
+    assert 0 < spec.p2p_post_cpu_s < 0.01
     # the scheduler's credit for a process woken by a gloo receive, measured on one CPU: at
     # most the work each wake computed (partc.hardware.wake_credit)
     assert 0 <= cluster.wake_credit_s <= 0.25
@@ -348,10 +351,13 @@ def test_calibrate_command_writes_configs_that_compile(tmp_path: Path) -> None:
     assert "# The pipelining runtime's time per stage forward and backward" in text
     assert "# A stage pass from caches another process's work evicted" in text
     assert "a stage pass from evicted caches" in proc.stdout
-    # inside the passes and, on a CPU, the process's CPU between them: both in the value
+    assert "# The computing thread's CPU in the same pipeline's p2p posts and waits" in text
+    assert "p2p posts and waits: " in proc.stdout
+    # inside the passes and, on a CPU, the process's CPU between them: both in the value; the
+    # posts and waits apart from both
     flat = " ".join(line.lstrip("# ") for line in text.splitlines())
     inside, between = (parse_quantity(re.search(pattern, flat).group(1), "s")  # type: ignore
-                       for pattern in (r"forward (\S+),", r"step setup\): (\S+)\."))
+                       for pattern in (r"forward (\S+),", r"apart, below\): (\S+)\."))
     assert 0 < inside < spec.microbatch_overhead_s and 0 < between < spec.microbatch_overhead_s
     assert not list(out.rglob(".*.tmp"))  # atomic writes leave no temporary files
 

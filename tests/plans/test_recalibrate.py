@@ -110,6 +110,29 @@ def test_old_metrics_lines_read_without_plan(launched: Launched, tmp_path: Path)
         run.launched_plan()
 
 
+def test_the_posts_come_back_at_their_price_not_with_the_copies(launched: Launched,
+                                                                tmp_path: Path) -> None:
+    """The run measured its p2p posts' CPU apart from the CPU between passes (gloo copies a
+    send's bytes in the post, which the link prices); a device that prices the posts
+    (p2p_post_cpu_s) gets them back in each pass at that price, not as measured (a device
+    without it, as measured: test_calibrated_compile_predicts_the_measured_stage_times)."""
+    run = RunMetrics.load(launched.run)
+    measured = run.stage_summaries(run.strictly_timed_steps())
+    assert all(m.p2p_cpu_s is not None and m.p2p_cpu_s > 0 for m in measured)
+    posts = 50e-6
+    cluster = dataclasses.replace(CPU4, device=dataclasses.replace(CPU4.device,
+                                                                   p2p_post_cpu_s=posts))
+    compile_model(MLP, cluster, tmp_path / "p", CompileOptions(
+        batch_size=16, search=SHAPE, costs="analytic", calibrate_from=run_of(launched.run)))
+    plan = load_plan(tmp_path / "p" / "plan.yaml")
+    for stage, m in zip(plan.stages, measured, strict=True):
+        assert m.between_cpu_s is not None
+        # two stages: each pass receives or sends one tensor
+        assert stage.forward_s == pytest.approx(m.forward_s + m.between_cpu_s + posts, abs=2e-9)
+        assert stage.backward_s == pytest.approx(m.backward_s + m.between_cpu_s + posts,
+                                                 abs=2e-9)
+
+
 def test_calibrated_compile_predicts_the_measured_stage_times(launched: Launched,
                                                               tmp_path: Path) -> None:
     plan_path = compile_mlp(tmp_path / "b", calibrate_from=launched.run)
@@ -121,10 +144,13 @@ def test_calibrated_compile_predicts_the_measured_stage_times(launched: Launched
     measured = run.stage_summaries(run.strictly_timed_steps())
     for stage, m in zip(plan.stages, measured, strict=True):
         # equal up to plan.yaml's 1 ns and the profile's 12 significant digits: each pass as it
-        # ran, with the runtime's CPU between passes (which the device's overhead prices)
+        # ran, with the runtime's CPU between passes and in the p2p posts (which this device's
+        # overhead prices together: it has no p2p_post_cpu_s)
         assert m.between_cpu_s is not None and m.between_cpu_s > 0
-        assert stage.forward_s == pytest.approx(m.forward_s + m.between_cpu_s, abs=2e-9)
-        assert stage.backward_s == pytest.approx(m.backward_s + m.between_cpu_s, abs=2e-9)
+        assert m.p2p_cpu_s is not None and m.p2p_cpu_s > 0
+        host = m.between_cpu_s + m.p2p_cpu_s
+        assert stage.forward_s == pytest.approx(m.forward_s + host, abs=2e-9)
+        assert stage.backward_s == pytest.approx(m.backward_s + host, abs=2e-9)
     # plan.yaml names the profile with its sha256; the profile records where it came from
     profile = plan_path.parent / "profile.yaml"
     assert plan.costs.source == "profile" and plan.costs.profile == "profile.yaml"
@@ -182,7 +208,7 @@ def test_several_runs_of_one_plan_pool_their_timed_steps(launched: Launched,
         r["plan"] = str((copy / "plan.yaml").resolve())
         for st in r["stages"]:
             for key in ("forward_s", "backward_s", "forward_cpu_s", "backward_cpu_s",
-                        "between_cpu_s"):
+                        "between_cpu_s", "p2p_cpu_s"):
                 if st.get(key) is not None:
                     st[key] *= 1.5
     slow.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -194,7 +220,7 @@ def test_several_runs_of_one_plan_pool_their_timed_steps(launched: Launched,
         return statistics.median(getattr(s.stages[k], key) for s in pooled)
 
     for stage in plan.stages:
-        between = median(stage.index, "between_cpu_s")
+        between = median(stage.index, "between_cpu_s") + median(stage.index, "p2p_cpu_s")
         # the pooled median, not either run's: between the fast run's and the slow one's
         assert stage.forward_s == pytest.approx(median(stage.index, "forward_s") + between,
                                                 abs=2e-9)
@@ -325,11 +351,13 @@ def test_calibrating_from_a_run_on_shared_cores_that_shards_gradients(tmp_path: 
         assert got.ddp_allreduce_s > 0  # the sharder timed its reduces
         assert got.forward_cpu_s is not None and got.backward_cpu_s is not None
         # the stage's own work as a prediction prices its passes: its CPU and the runtime's
-        # CPU between passes (the device's microbatch_overhead_s has both)
+        # CPU between passes and in the posts (the device's microbatch_overhead_s has them all)
         assert got.between_cpu_s is not None and got.between_cpu_s > 0
+        assert got.p2p_cpu_s is not None
         work = got.compute_s(shared_core=True)
         assert work is not None
-        assert stage.forward_s == pytest.approx(got.forward_cpu_s + got.between_cpu_s, abs=2e-9)
+        assert stage.forward_s == pytest.approx(
+            got.forward_cpu_s + got.between_cpu_s + got.p2p_cpu_s, abs=2e-9)
         # the measured backward holds the adds: taken out to correct the operators, priced back
         assert stage.backward_s == pytest.approx(work[1] + reduce_s, abs=2e-9)
     report = check_plan(calibrated_path)

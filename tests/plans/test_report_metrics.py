@@ -86,6 +86,27 @@ def test_round_trip_and_summaries(tmp_path: Path) -> None:
     assert len(again.steps) == 5 and again.steps[2].step_s == pytest.approx(3.0)
 
 
+def test_a_pass_takes_its_posts_as_its_device_prices_them(tmp_path: Path) -> None:
+    """A run of partc since 2026-12-06 measures its p2p posts' CPU apart (`p2p_cpu_s`: gloo's
+    copy of a sent tensor's bytes is in it, which the link prices). A pass's own work takes the
+    posts at the device's price where it prices them apart (`p2p_post_cpu_s`), as measured where
+    its microbatch_overhead_s holds them, and a run that counted them in `between_cpu_s`
+    (earlier partc) as it is."""
+    posted = replace(step(3), stages=tuple(
+        replace(s, p2p_cpu_s=0.0004) for s in step(3).stages))
+    run = RunMetrics.load(write(tmp_path / "p.jsonl", [posted]))
+    s = run.steps[0].stages[0]
+    assert s.p2p_cpu_s == pytest.approx(0.0004)  # written and read back
+    assert run.stage_summaries()[0].p2p_cpu_s == pytest.approx(0.0004)
+    # the forward's CPU 0.0027 + between 0.0001, then the posts
+    assert s.compute_s(shared_core=True)[0] == pytest.approx(0.0028 + 0.0004)  # type: ignore
+    assert s.compute_s(shared_core=True, post_s=0.00005)[0] == pytest.approx(  # type: ignore
+        0.0028 + 0.00005)
+    earlier = step(3).stages[0]  # no p2p_cpu_s: its between_cpu_s held them
+    assert earlier.compute_s(shared_core=True, post_s=0.00005)[0] == pytest.approx(  # type: ignore
+        0.0028)
+
+
 def test_load_errors_name_the_file_and_hint(tmp_path: Path) -> None:
     cases: dict[str, str | None] = {
         "not found": None,

@@ -505,9 +505,13 @@ def test_metrics_per_stage_and_show_beside_the_prediction(tmp_path: Path) -> Non
             for cpu, wall in ((s.forward_cpu_s, s.forward_s), (s.backward_cpu_s, s.backward_s),
                               (s.optimizer_cpu_s, s.optimizer_s)):
                 assert cpu is not None and 0.0 < cpu <= wall * 1.01 + 1e-4, (cpu, wall)
-            # the process's CPU between the passes, per pass: schedule loop, posts, IO threads
+            # the process's CPU between the passes, per pass: schedule loop, step setup
             assert s.between_cpu_s is not None and 0.0 < s.between_cpu_s
             assert 2 * M * s.between_cpu_s <= step.step_s
+            # and apart, per pass, its CPU in the p2p posts and waits (gloo copies a send's
+            # bytes there): never above their wall time
+            assert s.p2p_cpu_s is not None and 0.0 < s.p2p_cpu_s
+            assert 2 * M * s.p2p_cpu_s <= s.p2p_s * 1.01 + 1e-4
         # the legacy keys agree with the stages (one replica: mean == max)
         assert step.stage_forward_s == tuple(s.forward_s for s in step.stages)
     # CPU: the profiler measures the third step only (and it is left out of time medians)
