@@ -333,7 +333,8 @@ def launch(plan: Plan, steps: int) -> None:
                 plan.replayed_ps_s.append(plain.iteration_s)
     shared = loaded.pipeline_spec().shares_cores
     stages = run.stage_summaries()
-    work = [w for m in stages if (w := m.compute_s(shared)) is not None]
+    posts = loaded.p2p_post_s()  # what each pass's price holds of its p2p posts and waits
+    work = [w for m in stages if (w := m.compute_s(shared, posts[m.index])) is not None]
     if len(work) == len(stages):
         predicted = sum(st.forward_s + st.backward_s for st in loaded.stages)
         plan.work_ratio.append(sum(fwd + bwd for fwd, bwd, _ in work) / predicted)
@@ -341,7 +342,7 @@ def launch(plan: Plan, steps: int) -> None:
                                 for (fwd, bwd, _), st in zip(work, loaded.stages, strict=True)])
     prices = [st.forward_s + st.backward_s for st in loaded.stages]
     # each step's own work per stage (CPU times on shared cores)
-    per_step = [[m.compute_s(shared) for m in step.stages] for step in timed]
+    per_step = [[m.compute_s(shared, posts[m.index]) for m in step.stages] for step in timed]
     if prices and all(len(w) == len(prices) and None not in w for w in per_step):
         slow = sum(any(own is not None and own[0] + own[1] > SLOW_STEP * price
                        for own, price in zip(w, prices, strict=True))
