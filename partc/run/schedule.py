@@ -35,12 +35,14 @@ class P2PTimer:
     on gloo, the step's receives posted at its start: wall time (`seconds`) and the computing
     thread's CPU time in those calls (`cpu_seconds`).
 
-    The CPU time is the link's work done on the computing thread: gloo writes a send's bytes into
-    the socket from the thread that posts it when the socket takes them (perf on a launched rank:
-    `Pair::sendAsyncMode` -> `writev` -> `tcp_sendmsg` -> `_copy_from_iter`), about 0.2 ms a MiB
-    here. The link's price (`send_forward_s`, work on both ranks' cores in the simulator) holds
-    that copy, so the CPU between passes is measured without it (`cpu_between_passes`), or a
-    calibration from the run would count it twice.
+    The CPU time is the calls' own cost (the device's `p2p_post_cpu_s` prices it per tensor) and
+    the link's work done on the computing thread: gloo writes a send's bytes into the socket from
+    the thread that posts it when the socket takes them (perf on a launched rank:
+    `Pair::sendAsyncMode` -> `writev` -> `tcp_sendmsg` -> `_copy_from_iter`; an isend of 1 MiB
+    took 0.34 ms of CPU against 69 us for 1 B, bench/gloo_p2p.py). The link's price
+    (`send_forward_s`, work on both ranks' cores in the simulator) holds that copy, so the CPU
+    between passes is measured without these calls (`cpu_between_passes`), or a calibration from
+    the run would count the copy twice.
 
     torch's schedules post every p2p batch with `schedules._batch_p2p` and wait with
     `schedules._wait_batch_p2p` (module functions, looked up at each call), and batch one rank's
