@@ -333,7 +333,7 @@ def launch(plan: Plan, steps: int) -> None:
                 plan.replayed_ps_s.append(plain.iteration_s)
     shared = loaded.pipeline_spec().shares_cores
     stages = run.stage_summaries()
-    posts = loaded.p2p_post_s()  # what each pass's price holds of its p2p posts and waits
+    posts = loaded.p2p_posts_priced()  # what each pass's price holds of its p2p posts and waits
     work = [w for m in stages if (w := m.compute_s(shared, posts[m.index])) is not None]
     if len(work) == len(stages):
         predicted = sum(st.forward_s + st.backward_s for st in loaded.stages)

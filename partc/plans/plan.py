@@ -405,7 +405,7 @@ class Plan:
             host_sends=self.cluster.host_sends, core_sharing=shape.core_sharing(self.cluster),
             wake_credit_s=self.cluster.wake_credit_s)
 
-    def p2p_post_s(self) -> list[float | None]:
+    def p2p_posts_priced(self) -> list[float | None]:
         """Per stage, the priced CPU of one pass's p2p posts and waits, which its predicted
         forward and backward hold; None where the device's microbatch_overhead_s holds them
         (partc.solve.stage_problem.p2p_posts_priced)."""

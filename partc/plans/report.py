@@ -60,7 +60,7 @@ def replay_measured(plan: Plan, metrics: RunMetrics) -> Simulation | None:
     metrics.check_shape(plan)
     spec = plan.pipeline_spec()
     stages = metrics.stage_summaries()
-    posts = plan.p2p_post_s()
+    posts = plan.p2p_posts_priced()
     work = [w for m in stages
             if (w := m.compute_s(spec.shares_cores, posts[m.index])) is not None]
     if len(work) < len(stages):
