@@ -26,12 +26,14 @@ from partc.hardware.calibration import (
     cuda_dtypes,
     device_yaml,
     gpu_slug,
+    link_from_pingpong,
     measure_accelerator,
     measure_nccl_link,
     measure_op_overheads,
     output_paths,
     parse_calibration_device,
     shipped_cuda_link,
+    write_loadable_configs,
 )
 from partc.hardware.configs import device_from_dict, load_cluster, load_device
 from partc.hardware.local import cpu_model, cpu_vector_bytes, physical_cores
@@ -184,6 +186,57 @@ def test_cluster_yaml_loads_with_its_sibling_device(tmp_path: Path) -> None:
     text = write_pair(tmp_path / "one", one, stand_in).read_text()
     assert "NOT MEASURED" in text
     assert load_cluster(tmp_path / "one" / "clusters" / "my-h100.yaml").num_devices == 1
+
+
+def test_a_link_is_taken_from_times_that_separate_latency_from_bytes() -> None:
+    """The means where the 1 B exchange takes at most half the big one; the medians where a
+    loaded machine's stalls lifted the 1 B mean to the big one's (a CI run's means gave 8 MiB
+    / 1e-12 s = 8.39 EB/s, a config no loader reads); the big median as all bytes where even
+    the medians do not separate. Each is a link a cluster config holds."""
+    mib8 = 8 << 20
+    means = {"latency_s": 80e-6, "big_s": 3.28e-3, "latency_median_s": 60e-6,
+             "big_median_s": 3.0e-3}
+    link, taken = link_from_pingpong(means, mib8)
+    assert taken == "" and link.latency_s == pytest.approx(80e-6)
+    assert link.bandwidth == pytest.approx(mib8 / 3.2e-3, rel=5e-3)
+
+    stalled = {**means, "latency_s": 3.4e-3}
+    link, taken = link_from_pingpong(stalled, mib8)
+    assert taken.startswith("medians") and link.latency_s == pytest.approx(60e-6)
+    assert link.bandwidth == pytest.approx(mib8 / 2.94e-3, rel=5e-3)
+
+    both = {**stalled, "latency_median_s": 2.9e-3}
+    link, taken = link_from_pingpong(both, mib8)
+    assert "all bytes" in taken and link.latency_s == pytest.approx(2.9e-3)
+    assert link.bandwidth == pytest.approx(mib8 / 3.0e-3, rel=5e-3)
+    # A worker of an older partc recorded no medians: its means, or the big mean as all bytes.
+    link, taken = link_from_pingpong({"latency_s": 3.4e-3, "big_s": 3.28e-3}, mib8)
+    assert "all bytes" in taken and link.bandwidth == pytest.approx(mib8 / 3.28e-3, rel=5e-3)
+    assert link.latency_s <= 3.28e-3
+
+
+def test_configs_the_loader_refuses_are_not_written(tmp_path: Path) -> None:
+    """calibrate writes its configs only once each reads back: a measured value outside what
+    a config holds ends in one CalibrationError naming the key, the previous configs stay as
+    they were and no staging folder is left behind."""
+    cal = gpu_calibration(count=8)
+    device_path, cluster_path = output_paths(tmp_path, cal.spec.name)
+    good = LinkCalibration(LinkSpec(bandwidth=370e9, latency_s=12e-6), measured=True,
+                           source="measured")
+    texts = {device_path: device_yaml(cal), cluster_path: cluster_yaml(cal, good)}
+    (cluster,) = write_loadable_configs(texts, device_path, [cluster_path])
+    assert cluster.intra_node == good.link and load_cluster(cluster_path) == cluster
+    before = {p: p.read_bytes() for p in (device_path, cluster_path)}
+
+    bad = replace(good, link=LinkSpec(bandwidth=8.39e18, latency_s=3e-3))
+    texts = {device_path: device_yaml(replace(cal, spec=replace(cal.spec, description="new"))),
+             cluster_path: cluster_yaml(cal, bad)}
+    with pytest.raises(CalibrationError, match="intra_node.bandwidth") as err:
+        write_loadable_configs(texts, device_path, [cluster_path])
+    assert "nothing was written" in err.value.message and err.value.hint
+    assert ".partc-calibrate" not in err.value.message
+    assert {p: p.read_bytes() for p in (device_path, cluster_path)} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["clusters", "devices"]
 
 
 def test_a_cpu_node_as_more_devices_shares_its_cores_and_ram(tmp_path: Path) -> None:
