@@ -96,6 +96,17 @@ def test_torch_free_modules_import_without_torch(module: str) -> None:
     assert heavy == "[]", f"importing {module} imports {heavy}"
 
 
+@pytest.mark.parametrize("module", ["partc.emit.compile", "partc.plans.check",
+                                    "partc.cost.measured", "partc.run.runtime"])
+def test_onnx_is_imported_only_where_a_model_is_exported_or_fed(module: str) -> None:
+    """onnx (with ml_dtypes) takes about 1.1 s to import: compile, check, verify and launch,
+    which export nothing by default, import it only when they export or profile in ORT."""
+    heavy = _run_python(f"import sys, importlib; importlib.import_module({module!r}); "
+                        "print(sorted(m for m in ('onnx', 'onnxruntime', 'ml_dtypes') "
+                        "if m in sys.modules))")
+    assert heavy == "[]", f"importing {module} imports {heavy}"
+
+
 def test_every_lazy_export_is_defined_where_partc_says() -> None:
     code = ("import partc, importlib\n"
             "for name, module in partc._EXPORTS.items():\n"

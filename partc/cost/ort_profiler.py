@@ -19,25 +19,33 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
-import onnx
 import torch
 
 from partc.errors import PartcError
 from partc.options import Precision, ProfileMethod
 
+if TYPE_CHECKING:
+    # onnx is imported where a model is fed or saved: importing it (with ml_dtypes) takes about
+    # 1.1 s, which every compile, check and verify that never touches ONNX would pay.
+    import onnx
+
 _KERNEL_SUFFIX = "_kernel_time"
 
-# ONNX TensorProto element types -> numpy dtypes partc feeds.
-_NUMPY_TYPES: dict[int, Any] = {
-    onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.DOUBLE: np.float64,
-    onnx.TensorProto.FLOAT16: np.float16, onnx.TensorProto.INT64: np.int64,
-    onnx.TensorProto.INT32: np.int32, onnx.TensorProto.INT16: np.int16,
-    onnx.TensorProto.INT8: np.int8, onnx.TensorProto.UINT8: np.uint8,
-    onnx.TensorProto.BOOL: np.bool_,
-}
+
+def _numpy_type(elem_type: int) -> Any:
+    """The numpy dtype partc feeds for an ONNX TensorProto element type, None where it has none."""
+    import onnx
+
+    types: dict[int, Any] = {
+        onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.DOUBLE: np.float64,
+        onnx.TensorProto.FLOAT16: np.float16, onnx.TensorProto.INT64: np.int64,
+        onnx.TensorProto.INT32: np.int32, onnx.TensorProto.INT16: np.int16,
+        onnx.TensorProto.INT8: np.int8, onnx.TensorProto.UINT8: np.uint8,
+        onnx.TensorProto.BOOL: np.bool_}
+    return types.get(elem_type)
 
 
 class ProfileError(PartcError):
@@ -110,6 +118,8 @@ def onnx_feeds(model: onnx.ModelProto, named: dict[str, torch.Tensor],
                seed: int = 0) -> dict[str, np.ndarray]:
     """Values for every graph input: from `named` (user inputs by placeholder name, weights by FQN
     or alias) when present, otherwise random values of the declared type and shape."""
+    import onnx
+
     rng = np.random.default_rng(seed)
     feeds: dict[str, np.ndarray] = {}
     for value in model.graph.input:
@@ -117,7 +127,7 @@ def onnx_feeds(model: onnx.ModelProto, named: dict[str, torch.Tensor],
         if value.name in named:
             feeds[value.name] = _to_numpy(named[value.name])
             continue
-        dtype = _NUMPY_TYPES.get(tensor_type.elem_type)
+        dtype = _numpy_type(tensor_type.elem_type)
         shape = [d.dim_value if d.HasField("dim_value") else 1 for d in tensor_type.shape.dim]
         if dtype is None:
             raise ProfileError(f"ONNX input {value.name!r} has an element type partc cannot feed "
@@ -149,6 +159,7 @@ def time_onnx(model: onnx.ModelProto, feeds: dict[str, np.ndarray], onnx_to_node
               runs: int = 10) -> OrtTiming:
     """Profile `model` on the execution provider of `device` and attribute kernel time to
     OpGraph nodes through `onnx_to_node` (ONNX node name -> OpGraph node name)."""
+    import onnx
     import onnxruntime as ort
 
     provider, options = execution_provider(device)

@@ -19,8 +19,8 @@ import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import onnx
 import torch
 from torch.export import ExportedProgram
 
@@ -28,6 +28,11 @@ from partc.errors import summarize_exception
 from partc.files import write_atomic
 from partc.frontend.export import Capture, quiet_torch
 from partc.progress import Progress
+
+if TYPE_CHECKING:
+    # Imported where a model is exported (`export_onnx`): onnx with ml_dtypes takes about 1.1 s
+    # to import, which a compile, check or verify that never exports would pay.
+    import onnx
 
 _FX_NODE_NAME = re.compile(r"^%([^\s:]+)\s*:")
 FX_NODE_KEY = "pkg.torch.onnx.fx_node"
@@ -124,6 +129,8 @@ def _static_outputs(model: onnx.ModelProto) -> tuple[int, int]:
 def export_onnx(capture: Capture, progress: Progress | None = None) -> OnnxExport:
     """Export the capture's program to ONNX. Failure is not fatal: partc still builds the OpGraph
     from FX and the cost model prices those nodes in torch, so the result says what went wrong."""
+    import onnx
+
     progress = progress or Progress()
     try:
         with progress.step("exporting to ONNX (torch.onnx, dynamo)"):
