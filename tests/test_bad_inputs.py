@@ -147,7 +147,7 @@ MODEL_CASES = [
     # a numpy draw inside forward() is one constant in the program: refused, not trained on
     ("compile", TEST_MODELS / "numpy_random_mask.py",
      "forward() makes the tensor lifted_tensor_0 (bool[2, 8]) from data outside torch, used at "
-     "numpy_random_mask.py:16 (`keep = torch.tensor(np.random.rand(*h.shape) > 0.1)`), and two "
+     "numpy_random_mask.py:16 (`keep = torch.tensor(np.random.rand(*h.shape) > 0.5)`), and two "
      "captures drew different values"),
     ("compile", TEST_MODELS / "int_output.py", "non-tensor output at [1]: int"),
     ("compile", TEST_MODELS / "string_output.py", "non-tensor output at [1]: str"),

@@ -105,24 +105,6 @@ def test_version() -> None:
     assert proc.returncode == 0 and proc.stdout.startswith("partc, version ")
 
 
-def test_profile_writes_a_profile_for_the_model(tmp_path: Path) -> None:
-    out = tmp_path / "profile.yaml"
-    proc = run("profile", str(EXAMPLES / "mlp.py"), "--batch-sizes", "2,3",
-               "--runs", "3", "--warmup", "1", "-o", str(out))
-    assert proc.returncode == 0, proc.stderr
-    assert "measured costs of mlp" in proc.stdout
-    assert "priced by: onnxruntime" in proc.stdout
-    from partc.cost.table import CostTable
-    from partc.frontend.capture import capture_graph
-
-    graph = capture_graph(EXAMPLES / "mlp.py", 4, onnx=False).graph
-    table = CostTable.load(out, graph)  # same model, another batch: accepted
-    assert table.source.batch_sizes == (2, 3)
-    # measured costs never fall with the batch (Curve.measured); whether they rise between two
-    # sizes of a tiny model is timing noise on a loaded machine (CI, 2026-11-29: equal)
-    assert table.total_forward_s(4) >= table.total_forward_s(3) >= table.total_forward_s(2) > 0
-
-
 def test_profile_analytic_and_its_errors(tmp_path: Path) -> None:
     out = tmp_path / "a100.yaml"
     proc = run("profile", str(EXAMPLES / "mlp.py"), "--analytic", "a100-80gb", "-o", str(out))
@@ -144,9 +126,12 @@ def test_profile_analytic_and_its_errors(tmp_path: Path) -> None:
 
 # (torch timing in the slow set: the default run's compiles on cpu-4 measure with it)
 @pytest.mark.parametrize("method", ["auto", pytest.param("torch", marks=pytest.mark.slow)])
-def test_profile_output_has_no_library_noise(method: str, tmp_path: Path) -> None:
-    """What partc profile prints is partc's: progress, the summary, the file it wrote; no
-    deprecation notices, profiler or tracer chatter from the libraries it drives."""
+def test_profile_writes_a_profile_for_the_model_and_no_library_noise(method: str,
+                                                                     tmp_path: Path) -> None:
+    """partc profile measures the model at the sizes asked and writes a profile that loads for
+    the same model at another batch size. What it prints is partc's: progress, the summary, the
+    file it wrote; no deprecation notices, profiler or tracer chatter from the libraries it
+    drives."""
     out = tmp_path / "p.yaml"
     # the smallest sizes: the noise is the libraries', not the sizes'
     proc = run("profile", str(EXAMPLES / "bert.py"), "--method", method, "--runs", "2",
@@ -155,6 +140,20 @@ def test_profile_output_has_no_library_noise(method: str, tmp_path: Path) -> Non
     noise = [ln for ln in proc.stderr.splitlines()
              if not ln.startswith(("  .. ", "  ok ", "wrote "))]
     assert noise == [], proc.stderr[-3000:]
+    assert "measured costs of bert" in proc.stdout
+    # auto: onnxruntime times what it can run (most operators here), torch the rest
+    priced_by = next(ln for ln in proc.stdout.splitlines() if ln.startswith("priced by: "))
+    assert ("onnxruntime " in priced_by) == (method == "auto") and "torch " in priced_by, \
+        proc.stdout
+    from partc.cost.table import CostTable
+    from partc.frontend.capture import capture_graph
+
+    graph = capture_graph(EXAMPLES / "bert.py", 3, onnx=False).graph
+    table = CostTable.load(out, graph)  # same model, another batch: accepted
+    assert table.source.batch_sizes == (1, 2)
+    # measured costs never fall with the batch (Curve.measured); whether they rise between two
+    # sizes of a small model is timing noise on a loaded machine (CI, 2026-11-29: equal)
+    assert table.total_forward_s(3) >= table.total_forward_s(2) >= table.total_forward_s(1) > 0
 
 
 def test_every_process_captures_a_set_iterating_model_alike() -> None:

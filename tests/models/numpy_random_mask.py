@@ -13,7 +13,7 @@ class NumpyMasked(nn.Module):
     def forward(self, x):
         h = self.fc(x)
         if self.training:
-            keep = torch.tensor(np.random.rand(*h.shape) > 0.1)
+            keep = torch.tensor(np.random.rand(*h.shape) > 0.5)
             h = h * keep
         return h
 
