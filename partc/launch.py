@@ -84,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
 
     @record
     def worker() -> None:
+        from partc.hardware.local import end_with_parent
+
+        end_with_parent()  # a launcher killed by SIGKILL cannot stop its workers: they stop
         try:
             from partc.run.runtime import run_rank
 

@@ -15,6 +15,8 @@ What this file guarantees:
 * `partc launch` on SIGINT (to the launcher, or to its process group as a terminal sends it)
   stops every worker, prints one line `partc launch: interrupted ...` and exits 130;
 * a launch where one rank fails names that rank and its error, not a rank torn down after it.
+* a launcher or compile killed by SIGKILL, which can stop nothing, leaves no worker or busy
+  neighbour computing: they end themselves once their parent is gone.
 """
 from __future__ import annotations
 
@@ -353,6 +355,46 @@ def test_launch_ctrl_c_stops_every_worker(target: str, mlp_plan: Path, tmp_path:
     assert "rerun with --resume to continue from step " in lines[0], context  # a checkpoint
     assert "Traceback" not in proc.stderr and "internal error" not in proc.stderr, context
     assert not [p for p in workers if _alive(p)], context  # no orphan worker
+
+
+def _gone_within(pids: list[int], seconds: float) -> list[int]:
+    """The processes of `pids` still alive after waiting up to `seconds` for them to end."""
+    end = time.monotonic() + seconds
+    while (alive := [p for p in pids if _alive(p)]) and time.monotonic() < end:
+        time.sleep(0.1)
+    return alive
+
+
+def test_launch_killed_by_sigkill_leaves_no_worker_training(mlp_plan: Path,
+                                                            tmp_path: Path) -> None:
+    """A launcher killed by SIGKILL (the OOM killer, `kill -9`, a job's hard timeout) cannot
+    stop its workers; they see their parent gone and end themselves (end_with_parent) instead
+    of training on, unaccounted for, to their last step."""
+    watched = Watched(["launch", str(mlp_plan), "--steps", "100000", "--log-every", "1"],
+                      new_session=True)
+    watched.wait_for(r"^step 3/", timeout=180)  # training
+    workers = _children(watched.proc.pid)
+    assert len(workers) == 2, (workers, watched.text())
+    watched.proc.kill()
+    watched.finish(timeout=30)
+    assert not _gone_within(workers, 15), watched.text()
+
+
+def test_busy_neighbours_end_with_a_parent_killed_by_sigkill() -> None:
+    """Busy neighbours loop until their parent kills them (partc.cost.neighbours); a compile
+    killed by SIGKILL cannot, and they end themselves rather than compute on forever."""
+    code = ("import time\nfrom partc.cost.neighbours import busy_neighbours\n"
+            "with busy_neighbours(2):\n    print('busy', flush=True)\n    time.sleep(300)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                            cwd=ROOT)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "busy"
+        neighbours = _children(proc.pid)
+        assert len(neighbours) == 2, neighbours
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    assert not _gone_within(neighbours, 15)
 
 
 def test_launch_failure_names_the_rank_that_failed_first(tmp_path: Path) -> None:

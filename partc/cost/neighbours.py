@@ -17,9 +17,11 @@ measuring process on core 0, neighbour i on core i + 1, modulo the cores.
 
 Run as `python -m partc.cost.neighbours CPUS [MODEL BATCH [PRECISION]]` it is one such neighbour,
 pinned to the logical CPUs CPUS (a comma list, or - for none): it prints "ready" once its first
-step ran and loops until killed. Nothing else reaches the parent: whatever the model or a
-library prints (a model's own prints, ONEDNN_VERBOSE) goes to /dev/null, so it neither takes
-the place of "ready" nor fills a pipe nobody reads, which would stop the neighbour silently.
+step ran and loops until killed, or until its parent is gone (`end_with_parent`: a compile
+killed by SIGKILL leaves no neighbour computing). Nothing else reaches the parent: whatever the
+model or a library prints (a model's own prints, ONEDNN_VERBOSE) goes to /dev/null, so it
+neither takes the place of "ready" nor fills a pipe nobody reads, which would stop the neighbour
+silently.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ from pathlib import Path
 from typing import Callable, Iterator, cast
 
 from partc.errors import PartcError
-from partc.hardware.local import core_cpus, set_affinity
+from partc.hardware.local import PARENT_PID_ENV, core_cpus, end_with_parent, set_affinity
 from partc.options import PRECISIONS, Precision, check_choice
 from partc.progress import Progress
 
@@ -55,7 +57,8 @@ def busy_neighbours(count: int, model: str | Path | None = None,
     imports torch and builds the model) is a `progress` step."""
     check_choice("precision", precision, PRECISIONS, PartcError)
     procs: list[subprocess.Popen[str]] = []
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+           PARENT_PID_ENV: str(os.getpid())}
     cores = core_cpus()  # this process's, before anything pins it: children inherit a pinning
     try:
         if count:
@@ -164,7 +167,8 @@ def _loop(model: str | None, batch_size: int, precision: Precision,
 
 if __name__ == "__main__":
     # python -m partc.cost.neighbours CPUS [MODEL BATCH [PRECISION]]: CPUS a comma list, or -
-    # (unpinned)
+    # (unpinned). It loops until killed: a parent killed by SIGKILL cannot, so it ends itself
+    end_with_parent()
     if sys.argv[1] != "-":
         set_affinity(frozenset(int(c) for c in sys.argv[1].split(",")))
     # the parent reads one line from our stdout: keep that pipe for it alone and send the file

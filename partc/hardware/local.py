@@ -257,6 +257,49 @@ def set_affinity(cpus: frozenset[int]) -> bool:
     return done
 
 
+# The process that starts a partc helper process (a busy neighbour, a launch worker) names
+# itself here in the child's environment, so that a child whose parent died before it looked
+# (while it imported torch) still knows whom it belonged to.
+PARENT_PID_ENV = "PARTC_PARENT_PID"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: alive
+        return True
+    return True
+
+
+def end_with_parent(poll_s: float = 0.5) -> None:
+    """End this process (SIGTERM to itself) once the process that started it is gone.
+
+    A helper process partc starts (a busy neighbour looping until it is killed, a launch worker
+    training to its last step) would otherwise outlive a parent killed by SIGKILL (the OOM
+    killer, `kill -9`, a job timeout), which gets no chance to stop it: the orphan goes on
+    computing on a core nobody accounts for. A daemon thread compares the parent's pid every
+    `poll_s`. The parent is `PARTC_PARENT_PID` from the environment where that is this process's
+    parent or no longer alive (it died while this process started), else the parent now (a
+    variable inherited from an ancestor, or a process torchrun started)."""
+    import signal
+    import threading
+    import time
+
+    parent = os.getppid()
+    named = os.environ.get(PARENT_PID_ENV, "")
+    if named.isdigit() and (int(named) == parent or not _alive(int(named))):
+        parent = int(named)
+
+    def watch() -> None:
+        while os.getppid() == parent and _alive(parent):
+            time.sleep(poll_s)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="partc-end-with-parent", daemon=True).start()
+
+
 _M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters (malloc.h)
 _M_MMAP_MAX = -4
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from partc.errors import LaunchError, summarize_exception
-from partc.hardware.local import physical_cores
+from partc.hardware.local import PARENT_PID_ENV, physical_cores
 from partc.options import ElasticOptions, TrainOptions, to_argv
 from partc.plans.plan import Plan, load_plan, refuse_plan_artifact
 from partc.run.checkpoint import CheckpointError, choose_resume
@@ -212,6 +212,8 @@ def launch(plan_path: str | Path, options: TrainOptions,
     # allocated before the profiling started", once per rank) are nothing a user can act on;
     # errors still print. A user who sets the level keeps theirs.
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    # the workers end themselves if this process dies without stopping them (SIGKILL)
+    os.environ[PARENT_PID_ENV] = str(os.getpid())
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousError
