@@ -17,7 +17,7 @@ from partc.frontend.capture import capture_graph
 from partc.hardware.configs import ConfigError, device_from_dict, load_cluster, load_device
 from partc.hardware.specs import ClusterSpec
 from partc.options import SearchOptions, TrainingConfig
-from partc.run.overhead import measure_cold_pass
+from partc.run.overhead import ColdPass, measure_cold_pass
 from partc.solve.search import search
 from partc.solve.stage_problem import PipelineShape, stage_fixed_s
 
@@ -103,11 +103,21 @@ def test_the_device_config_reads_it(tmp_path: Path) -> None:
     assert load_device(path).cold_pass_s == pytest.approx(400e-6)
 
 
+# The measurement from a real flush and real passes, in the slow set: the default run measures
+# it inside `partc calibrate` (tests/hardware/test_calibrate.py, the calibrated cold_pass_s
+# between 0 and 10 ms), which runs this same function
+@pytest.mark.slow
 def test_measured_from_a_real_flush() -> None:
     found = measure_cold_pass("cpu")
     # evicted caches cost a pass time, a bounded amount on any machine
     assert 0 <= found.forward_s < 0.05 and 0 <= found.backward_s < 0.05
     assert found.pass_s == pytest.approx((found.forward_s + found.backward_s) / 2)
     assert set(found.measurements()) == {"cold_forward_s", "cold_backward_s"}
+
+
+def test_a_cold_pass_is_the_mean_of_its_directions_and_nothing_on_a_gpu() -> None:
+    found = ColdPass(forward_s=300e-6, backward_s=500e-6)
+    assert found.pass_s == pytest.approx(400e-6)
+    assert found.measurements() == {"cold_forward_s": 300e-6, "cold_backward_s": 500e-6}
     # a GPU's host runs ahead of its kernels: nothing is measured or charged there
     assert measure_cold_pass("cuda").pass_s == 0.0
