@@ -52,3 +52,34 @@ def losses_of(metrics: Path) -> list[float]:
         row = json.loads(line)
         by_step[row["step"]] = row["loss"]
     return [by_step[s] for s in sorted(by_step)]
+
+
+def launched_ranks(launcher: int) -> dict[int, int]:
+    """{rank: pid} of the live training processes a `partc launch` process started: its
+    descendants named `partc-rank<N>` (forked from its forkserver; not zombies)."""
+    from pathlib import Path as _Path
+
+    parents: dict[int, int] = {}
+    ranks: dict[int, int] = {}
+    for entry in _Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            name = (entry / "comm").read_text().strip()
+        except (OSError, IndexError):
+            continue
+        if fields[0] == "Z":
+            continue
+        parents[int(entry.name)] = int(fields[1])
+        if name.startswith("partc-rank") and name[10:].isdigit():
+            ranks[int(name[10:])] = int(entry.name)
+
+    def descends(pid: int) -> bool:
+        while pid > 1:
+            pid = parents.get(pid, 0)
+            if pid == launcher:
+                return True
+        return False
+
+    return {rank: pid for rank, pid in ranks.items() if descends(pid)}

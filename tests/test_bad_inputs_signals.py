@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import EXAMPLES, ROOT, TEST_MODELS
+from conftest import EXAMPLES, ROOT, TEST_MODELS, launched_ranks
 from test_bad_inputs import MLP, PARTC, _context, assert_one_line_error, run
 
 WIDE = str(TEST_MODELS / "wide_dag.py")
@@ -341,7 +341,7 @@ def test_launch_ctrl_c_stops_every_worker(target: str, mlp_plan: Path, tmp_path:
                        "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2"],
                       new_session=True)
     watched.wait_for(r"^step 3/", timeout=180)  # training
-    workers = _children(watched.proc.pid)
+    workers = list(launched_ranks(watched.proc.pid).values())
     assert len(workers) == 2, (workers, watched.text())
     if target == "launcher":
         watched.proc.send_signal(signal.SIGINT)
@@ -373,7 +373,7 @@ def test_launch_killed_by_sigkill_leaves_no_worker_training(mlp_plan: Path,
     watched = Watched(["launch", str(mlp_plan), "--steps", "100000", "--log-every", "1"],
                       new_session=True)
     watched.wait_for(r"^step 3/", timeout=180)  # training
-    workers = _children(watched.proc.pid)
+    workers = list(launched_ranks(watched.proc.pid).values())
     assert len(workers) == 2, (workers, watched.text())
     watched.proc.kill()
     watched.finish(timeout=30)

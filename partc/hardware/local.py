@@ -264,16 +264,21 @@ PARENT_PID_ENV = "PARTC_PARENT_PID"
 
 
 def _alive(pid: int) -> bool:
+    """Whether `pid` runs: exists, and is not a zombie (a process killed and not yet reaped)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # another user's: alive
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):  # no /proc: what kill said
+        return True
 
 
-def end_with_parent(poll_s: float = 0.5) -> None:
+def end_with_parent(poll_s: float = 0.5, parent: int | None = None) -> None:
     """End this process (SIGTERM to itself) once the process that started it is gone.
 
     A helper process partc starts (a busy neighbour looping until it is killed, a launch worker
@@ -282,22 +287,45 @@ def end_with_parent(poll_s: float = 0.5) -> None:
     computing on a core nobody accounts for. A daemon thread compares the parent's pid every
     `poll_s`. The parent is `PARTC_PARENT_PID` from the environment where that is this process's
     parent or no longer alive (it died while this process started), else the parent now (a
-    variable inherited from an ancestor, or a process torchrun started)."""
+    variable inherited from an ancestor, or a process torchrun started). A `parent` given is
+    watched instead, whether or not it is this process's parent (a launch worker forked by the
+    launcher's forkserver watches the launcher)."""
     import signal
     import threading
     import time
 
-    parent = os.getppid()
-    named = os.environ.get(PARENT_PID_ENV, "")
-    if named.isdigit() and (int(named) == parent or not _alive(int(named))):
-        parent = int(named)
+    if parent is None:
+        parent = os.getppid()
+        named = os.environ.get(PARENT_PID_ENV, "")
+        if named.isdigit() and (int(named) == parent or not _alive(int(named))):
+            parent = int(named)
+        ours = True
+    else:
+        ours = False
+    watched = parent
 
     def watch() -> None:
-        while os.getppid() == parent and _alive(parent):
+        while (not ours or os.getppid() == watched) and _alive(watched):
             time.sleep(poll_s)
         os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=watch, name="partc-end-with-parent", daemon=True).start()
+
+
+_PR_SET_NAME = 15  # prctl's option (linux/prctl.h)
+
+
+def name_process(name: str) -> None:
+    """Set this process's name as `ps -e`, `top` and /proc/PID/comm show it (Linux, at most 15
+    bytes); nothing elsewhere. A process forked from a server (a launch worker) would otherwise
+    carry the server's name."""
+    import ctypes
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return
+    prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
 
 
 _M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters (malloc.h)

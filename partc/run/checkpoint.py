@@ -28,13 +28,14 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Mapping, cast
-
-import torch
+from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Mapping, cast
 
 from partc.errors import PartcError
 from partc.files import Content, write_atomic
 from partc.options import Optimizer
+
+if TYPE_CHECKING:  # torch at run time only where tensors are saved or loaded: `partc launch`
+    import torch  # validates a plan and its checkpoints before any worker imports torch
 
 FORMAT = "partc-checkpoint"
 VERSION = 2  # 2: files {name: {"size", "sha256"}}; 1: files {name: size}
@@ -106,6 +107,8 @@ def save_stage(root: Path, step: int, stage: int, model: dict[str, torch.Tensor]
     size and SHA-256 (of the bytes written). A stale manifest of the same step (a damaged
     checkpoint this run passed over) is removed first. CheckpointError when it cannot be
     written; nothing half-written is left behind."""
+    import torch
+
     directory = step_directory(root, step)
     path = directory / stage_file_name(stage)
     try:
@@ -204,6 +207,8 @@ class Checkpoint:
         """Model tensors and optimizer states for `names` (a tied tensor under any of its names),
         read memory-mapped from whichever stage files hold them. Missing names are absent. (The
         files were verified when the checkpoint was chosen, not again here.)"""
+        import torch
+
         model: dict[str, torch.Tensor] = {}
         optimizer: dict[str, dict[str, Any]] = {}
         for path in self.files():

@@ -2,10 +2,12 @@
 
 `launch` is the agent side: it checks the plan (schema, stage-file hashes, layout, world size
 against this machine's devices, the model file, --init-from, --resume) before any process starts,
-then hands torchrun's own entry (`torch.distributed.run`) the same flags a user would give
-torchrun (--nnodes, --node-rank, --rdzv-*, --max-restarts; --standalone on one node), with
-partc's worker entry point as the program: every worker runs `python -m partc.launch PLAN [train
-flags]` (partc/launch.py), which calls partc.run.runtime.run_rank.
+then hands torch's elastic agent the configuration torchrun's parser makes of the flags a user
+would give torchrun (--nnodes, --node-rank, --rdzv-*, --max-restarts; --standalone on one node),
+with partc.run.worker.run_forked as the entry point: every worker is forked from multiprocessing's
+forkserver, which imported torch and the runtime once, and calls partc.run.runtime.run_rank
+(what `python -m partc.launch` runs under a user's own torchrun). Nothing here imports torch
+before the plan has been checked.
 """
 from __future__ import annotations
 
@@ -15,12 +17,13 @@ import signal
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from partc.errors import LaunchError, summarize_exception
 from partc.hardware.local import PARENT_PID_ENV, physical_cores
-from partc.options import ElasticOptions, TrainOptions, to_argv
+from partc.options import ElasticOptions, TrainOptions
 from partc.plans.plan import Plan, load_plan, refuse_plan_artifact
 from partc.run.checkpoint import CheckpointError, choose_resume
 from partc.run.rank_layout import rank_layout
@@ -53,7 +56,10 @@ _AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 _TEARDOWN_SIGNALS = (signal.SIGTERM, signal.SIGKILL, signal.SIGINT)
 # torch's elastic log lines about tearing workers down, which partc's own line replaces.
 _TEARDOWN_LOGS = ("Received %s death signal", "Sending process %s closing signal",
-                  "Closing process %s via signal", "Got termination signal")
+                  "Closing process %s via signal", "Got termination signal",
+                  # a forked rank's failure, with the agent's own traceback: partc's line
+                  # names the rank and its reason (the rank printed its own traceback)
+                  "failed (exitcode: %s) local_rank: %s")
 _ELASTIC_LOGGERS = ("torch.distributed.elastic.agent.server.api",
                     "torch.distributed.elastic.multiprocessing.api")
 
@@ -99,7 +105,8 @@ def failure_reason(failure: ProcessFailure) -> str:
 
 
 class _QuietTeardown(logging.Filter):
-    """Drops torch's elastic warnings about signalling workers while they are torn down."""
+    """Drops torch's elastic warnings about signalling workers while they are torn down, and
+    its report of a failed rank, which partc's one line replaces."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not str(record.msg).startswith(_TEARDOWN_LOGS)
@@ -119,9 +126,9 @@ def _interrupted(sig: signal.Signals, nproc: int, options: TrainOptions) -> Laun
 
 
 def _stop_children(grace_s: float = 5.0) -> None:
-    """SIGTERM every child process's group (each worker is a session of its own), SIGKILL what
-    is still there after `grace_s`; further SIGINT/SIGTERM are ignored meanwhile."""
-    children = _child_pids()
+    """SIGTERM every worker's group (each worker is a session of its own), SIGKILL what is
+    still there after `grace_s`; further SIGINT/SIGTERM are ignored meanwhile."""
+    children = _worker_pids()
     if not children:
         return
     in_main = threading.current_thread() is threading.main_thread()
@@ -140,7 +147,7 @@ def _stop_children(grace_s: float = 5.0) -> None:
                         pass
             end = time.monotonic() + wait_s
             while children and time.monotonic() < end:
-                children = [p for p in children if not _reaped(p)]
+                children = [p for p in children if not _gone(p)]
                 time.sleep(0.05)
             if not children:
                 return
@@ -150,32 +157,53 @@ def _stop_children(grace_s: float = 5.0) -> None:
                 signal.signal(s, handler)
 
 
-def _child_pids() -> list[int]:
-    """This process's live child processes (from /proc; none where there is no /proc)."""
-    me = os.getpid()
+def _multiprocessing_helpers() -> set[int]:
+    """The forkserver and resource tracker multiprocessing keeps for this process (kept: the
+    next launch of the same process forks from the same server)."""
+    from multiprocessing import forkserver, resource_tracker
+
+    found = (getattr(forkserver._forkserver, "_forkserver_pid", None),
+             getattr(resource_tracker._resource_tracker, "_pid", None))
+    return {pid for pid in found if pid}
+
+
+def _worker_pids() -> list[int]:
+    """The live processes this launch started: this process's children and the forkserver's
+    (the ranks), other than multiprocessing's own helpers (from /proc; none without /proc)."""
+    helpers = _multiprocessing_helpers()
+    parents = {os.getpid(), *helpers}
     found = []
     try:
         entries = os.listdir("/proc")
     except OSError:
         return []
     for entry in entries:
-        if not entry.isdigit():
+        if not entry.isdigit() or int(entry) in helpers:
             continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if len(fields) > 1 and int(fields[1]) == me and fields[0] != b"Z":
+        state = _proc_state(int(entry))
+        if state is not None and state[1] in parents and state[0] != "Z":
             found.append(int(entry))
     return found
 
 
-def _reaped(pid: int) -> bool:
+def _proc_state(pid: int) -> tuple[str, int] | None:
+    """(state letter, parent pid) of a process from /proc, None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return fields[0].decode(), int(fields[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _gone(pid: int) -> bool:
+    """Whether a worker has ended: reaped here if it is this process's child, else (a rank the
+    forkserver forked, and reaps) no longer in /proc or a zombie."""
     try:
         done, _ = os.waitpid(pid, os.WNOHANG)
     except ChildProcessError:
-        return True
+        state = _proc_state(pid)
+        return state is None or state[0] == "Z"
     return done == pid
 
 
@@ -200,7 +228,8 @@ def launch(plan_path: str | Path, options: TrainOptions,
                  "--rdzv-endpoint", elastic.rdzv_endpoint, "--rdzv-id", elastic.rdzv_id]
     plan_file = Path(plan_path)
     plan_file = (plan_file / "plan.yaml" if plan_file.is_dir() else plan_file).resolve()
-    args += ["-m", "partc.launch", str(plan_file), *to_argv(options)]
+    # The parser wants a program; the workers run partc.run.worker.run_forked instead (below).
+    args += ["--start-method", "forkserver", "-m", "partc.launch", str(plan_file)]
     if plan.cluster.backend != "nccl" and "OMP_NUM_THREADS" not in os.environ:
         # gloo workers share the CPU: each gets its share of the cores (torchrun would set 1)
         os.environ["OMP_NUM_THREADS"] = str(max(1, physical_cores() // nproc))
@@ -214,10 +243,16 @@ def launch(plan_path: str | Path, options: TrainOptions,
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     # the workers end themselves if this process dies without stopping them (SIGKILL)
     os.environ[PARENT_PID_ENV] = str(os.getpid())
+    # a rank's print reaches the console as it happens (torchrun runs its programs `python -u`)
+    os.environ["PYTHONUNBUFFERED"] = "1"
+    _start_forkserver()  # it imports torch and the runtime while this process imports the agent
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousError
-    from torch.distributed.run import get_args_parser, run
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args, get_args_parser
+
+    from partc.run.worker import run_forked
 
     # torch's agent installs handlers raising SignalException and leaves them: put ours back
     in_main = threading.current_thread() is threading.main_thread()
@@ -229,7 +264,12 @@ def launch(plan_path: str | Path, options: TrainOptions,
     for logger in loggers:
         logger.addFilter(quiet)
     try:
-        run(get_args_parser().parse_args(args))
+        parsed = get_args_parser().parse_args(args)
+        if parsed.standalone:  # what torch.distributed.run.run does with --standalone
+            parsed.rdzv_backend, parsed.rdzv_endpoint = "c10d", "localhost:0"
+            parsed.rdzv_id = str(uuid.uuid4())
+        config, _, _ = config_from_args(parsed)
+        elastic_launch(config=config, entrypoint=run_forked)(dict(os.environ), plan_file, options)
     except ChildFailedError as exc:
         rank, failure = root_failure(exc.failures)
         # a rank's user error carries its own hint: it becomes the line's one hint
@@ -256,6 +296,18 @@ def launch(plan_path: str | Path, options: TrainOptions,
         for sig, handler in saved.items():
             if handler is not None:
                 signal.signal(sig, handler)
+
+
+def _start_forkserver() -> None:
+    """Start multiprocessing's forkserver (once per process) with what every rank imports
+    preloaded: torch's agent forks each rank, and each restart's, from it, already imported."""
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    from partc.run.worker import FORKSERVER_PRELOAD
+
+    multiprocessing.set_forkserver_preload(list(FORKSERVER_PRELOAD))
+    forkserver.ensure_running()
 
 
 def check_launch(plan: Plan, options: TrainOptions, elastic: ElasticOptions) -> int:

@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Sequence
-
-import torch
+from typing import TYPE_CHECKING, Sequence
 
 from partc.errors import LaunchError
 from partc.files import probe_writable, write_atomic
 from partc.plans.plan import PLAN_FILE
+
+if TYPE_CHECKING:  # the launcher checks --trace before any process imports torch
+    import torch
 
 TRACE_ROWS = 40  # operators in the table: enough to show every kind of kernel a stage runs
 
@@ -68,6 +69,8 @@ def write_step_trace(prof: torch.profiler.profile, directory: Path, rank: int, s
                      stages: Sequence[int], device: torch.device, plan_path: str) -> None:
     """Write `rank<R>.json` and `rank<R>.txt` for the profiled `step` (1-based) of this rank;
     LaunchError (one line) if the disk refuses them."""
+    import torch
+
     json_path, table_path = trace_paths(directory, rank)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     header = (f"partc launch --trace: {plan_path}, step {step}, rank {rank}, "

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import EXAMPLES, ROOT, TEST_MODELS, losses_of
+from conftest import EXAMPLES, ROOT, TEST_MODELS, launched_ranks, losses_of
 
 from partc.emit.compile import CompileOptions, compile_model
 from partc.hardware.configs import load_cluster
@@ -218,26 +218,6 @@ def test_bf16_mixed_trains_close_to_fp32(tmp_path: Path) -> None:
 
 # ---- checkpoints, resume, elastic restart ------------------------------------------------------
 
-def _workers(agent: int) -> list[tuple[int, dict[str, str]]]:
-    """(pid, environment) of the agent's worker processes."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            if ppid != agent:
-                continue
-            env = dict(item.split("=", 1) for item in
-                       (entry / "environ").read_bytes().decode(errors="replace").split("\0")
-                       if "=" in item)
-        except (OSError, IndexError, ValueError):
-            continue
-        if "LOCAL_RANK" in env:
-            found.append((int(entry.name), env))
-    return found
-
-
 # the sharded 2 x 2 run covers the restart path in the default run; 2 x 1 and the sharded
 # gradients' (whose restart differs only in re-hooking the new processes' stages) are the slow
 # set's
@@ -273,11 +253,10 @@ def test_killed_rank_restarts_and_resumes_from_checkpoint(tmp_path: Path, layout
     while time.monotonic() < deadline and agent.poll() is None:
         done = len(metrics.read_text().splitlines()) if metrics.exists() else 0
         if done >= 4:
-            victim = [pid for pid, env in _workers(agent.pid)
-                      if env["LOCAL_RANK"] == "1" and env.get("TORCHELASTIC_RESTART_COUNT") == "0"]
+            victim = launched_ranks(agent.pid).get(1)  # the first round's: nothing killed yet
             if victim:
                 done_at_kill = len(metrics.read_text().splitlines())
-                os.kill(victim[0], signal.SIGKILL)
+                os.kill(victim, signal.SIGKILL)
                 break
         time.sleep(0.02)
     out, err = agent.communicate(timeout=300)
@@ -597,3 +576,40 @@ def test_node_rank_under_a_dynamic_rendezvous_is_named(capsys: pytest.CaptureFix
                             rdzv_backend="static")
     check_launch(plan, options, static)
     assert "--node-rank" not in capsys.readouterr().err
+
+
+FORKED_ENVIRONMENT = """
+import json, os, sys
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
+from partc.run.launch import _start_forkserver
+from partc.run.worker import rank_environment
+
+def rank_env(rank, launch_env):
+    pc = start_processes(name="probe", entrypoint=rank_environment, args={0: (launch_env,)},
+                         envs={0: {"RANK": str(rank)}}, logs_specs=DefaultLogsSpecs(),
+                         start_method="forkserver")
+    result = pc.wait()
+    assert not result.is_failed(), result.failures
+    return result.return_values[0]
+
+os.environ["PARTC_PROBE"], os.environ["PARTC_GONE"] = "first", "x"
+_start_forkserver()
+first = rank_env(0, dict(os.environ))
+os.environ["PARTC_PROBE"] = "second"
+del os.environ["PARTC_GONE"]
+second = rank_env(1, dict(os.environ))
+print(json.dumps([{k: env.get(k) for k in ("RANK", "PARTC_PROBE", "PARTC_GONE")}
+                  for env in (first, second)]))
+"""
+
+
+def test_a_forked_rank_runs_with_the_launchers_environment_of_its_launch() -> None:
+    """Ranks are forked from one forkserver, started by a process's first launch with that
+    moment's environment: a later launch's ranks still get the launcher's environment as it is
+    then, with their own RANK over it (torch's agent sets it in the forked process)."""
+    proc = subprocess.run([sys.executable, "-c", FORKED_ENVIRONMENT], capture_output=True,
+                          text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first, second = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert first == {"RANK": "0", "PARTC_PROBE": "first", "PARTC_GONE": "x"}
+    assert second == {"RANK": "1", "PARTC_PROBE": "second", "PARTC_GONE": None}
