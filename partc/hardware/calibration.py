@@ -35,6 +35,7 @@ from partc.hardware.local import (
     physical_cores,
     pin_to_core,
     ram_bytes,
+    run_processes,
 )
 from partc.hardware.specs import OP_CLASSES, ClusterSpec, DeviceSpec, LinkSpec
 from partc.hardware.units import format_quantity, parse_quantity
@@ -814,12 +815,10 @@ def _pingpong_worker(rank: int, backend: str, port: int, threads: int, out: str,
 
 def _pingpong(backend: str, threads: int, small_reps: int, big_reps: int, nbytes: int,
               allreduce: bool) -> dict[str, float]:
-    import torch.multiprocessing as mp
-
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "link.json")
-        mp.spawn(_pingpong_worker, args=(backend, free_port(), threads, out, small_reps,
-                                         big_reps, nbytes, allreduce), nprocs=2, join=True)
+        run_processes(_pingpong_worker, (backend, free_port(), threads, out, small_reps,
+                                         big_reps, nbytes, allreduce), 2)
         found: dict[str, float] = json.loads(Path(out).read_text())
     return found
 
@@ -845,7 +844,7 @@ def measure_gloo_link(threads: int = 1, small_reps: int = GLOO_SMALL_REPS,
 
 def measure_nccl_link(small_reps: int = 200, big_reps: int = 20,
                       nbytes: int = LINK_BYTES) -> LinkCalibration:
-    """The link between GPUs 0 and 1 over NCCL (two processes, torch.multiprocessing.spawn): the
+    """The link between GPUs 0 and 1 over NCCL (two processes, run_processes): the
     LinkSpec is send/recv's (latency = half the median round trip of 1 B, bandwidth = `nbytes` /
     (half its round trip - latency)); a 2-GPU all-reduce of 4 B and of `nbytes` is recorded too,
     with the per-direction bandwidth the ring formula implies (`allreduce_ring_B_s`)."""

@@ -40,6 +40,8 @@ CPU = torch.device("cpu")
 def test_identical_layers_are_timed_alike_on_the_cpu() -> None:
     # The MLP's four 256x256 layers do the same work: clocked one by one they cost the same
     # (the profiler's figures for them differed up to 4x and skewed which stage got what).
+    # Within 2.5x: the default run times them beside the other test worker, and a 0.2 ms layer
+    # read 1.8x its twin there once (2026-12-06); the profiler's 4x skew stays well outside.
     result = captured(EXAMPLES / "mlp.py")
     module = program_module(result.capture.exported)
     to_device(module, CPU)
@@ -49,7 +51,7 @@ def test_identical_layers_are_timed_alike_on_the_cpu() -> None:
     layers = [n.name for n in result.graph.nodes if n.kind == "linear"][1:5]
     for per_node in (timing.node_forward_s, timing.node_backward_s):
         times = [per_node[n] for n in layers]
-        assert max(times) < 1.6 * min(times), times
+        assert max(times) < 2.5 * min(times), times
     # the nodes' sums are the model's times here; the totals are the program's as TorchScript,
     # timed on their own (`time_totals`), and the nodes share them out
     assert timing.model_forward_s == pytest.approx(sum(timing.node_forward_s.values()))
