@@ -357,6 +357,41 @@ def test_launch_ctrl_c_stops_every_worker(target: str, mlp_plan: Path, tmp_path:
     assert not [p for p in workers if _alive(p)], context  # no orphan worker
 
 
+FORKSERVER_SIGINT = """
+import json, multiprocessing, time
+from multiprocessing import forkserver
+from partc.hardware.forkserver import start_forkserver
+
+def sigint(pid):  # (ignored, caught by a handler) from /proc
+    fields = {line.split(":")[0]: int(line.split()[1], 16)
+              for line in open(f"/proc/{pid}/status") if line.startswith(("SigIgn", "SigCgt"))}
+    return [bool(fields["SigIgn"] & 2), bool(fields["SigCgt"] & 2)]
+
+start_forkserver(["torch", "torch.distributed"])
+server = forkserver._forkserver._forkserver_pid
+time.sleep(0.2)
+importing = sigint(server)  # importing torch: seconds
+child = multiprocessing.get_context("forkserver").Process(target=time.sleep, args=(3,))
+child.start()  # forked once the imports are done
+time.sleep(0.5)
+print(json.dumps([importing, sigint(child.pid)]))
+child.join()
+"""
+
+
+def test_the_forkserver_ignores_ctrl_c_while_it_imports_and_its_children_do_not() -> None:
+    """A terminal's Ctrl-C reaches the whole foreground group, the forkserver of launch (and of
+    calibrate) with it, which spends its first seconds importing torch: it died there with a
+    KeyboardInterrupt traceback on the user's terminal. It now starts with SIGINT ignored, and
+    the processes it forks have Python's handler again (partc.hardware.forkserver)."""
+    proc = subprocess.run([sys.executable, "-c", FORKSERVER_SIGINT], capture_output=True,
+                          text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    importing, child = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert importing == [True, False]  # ignored while it imports
+    assert child == [False, True]  # a forked process: KeyboardInterrupt, as a spawned one
+
+
 def _gone_within(pids: list[int], seconds: float) -> list[int]:
     """The processes of `pids` still alive after waiting up to `seconds` for them to end."""
     end = time.monotonic() + seconds

@@ -417,12 +417,11 @@ def run_processes(worker: Callable[..., None], args: tuple[Any, ...], nprocs: in
     measurement of this process: a spawned interpreter imports them again, 2-3.5 s of CPU per
     process here. Forked from a server that ran nothing, they start as clean as spawned ones
     (no CUDA context, no OpenMP pool)."""
-    import multiprocessing
-
     import torch.multiprocessing as mp
 
-    # applies when this call starts the server (a later call reuses it, whatever it preloaded)
-    multiprocessing.set_forkserver_preload([*MEASUREMENT_PRELOAD, worker.__module__])
+    from partc.hardware.forkserver import start_forkserver
+
+    start_forkserver([*MEASUREMENT_PRELOAD, worker.__module__])
     mp.start_processes(worker, args=args, nprocs=nprocs, join=True, start_method="forkserver")
 
 

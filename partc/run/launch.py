@@ -301,13 +301,10 @@ def launch(plan_path: str | Path, options: TrainOptions,
 def _start_forkserver() -> None:
     """Start multiprocessing's forkserver (once per process) with what every rank imports
     preloaded: torch's agent forks each rank, and each restart's, from it, already imported."""
-    import multiprocessing
-    from multiprocessing import forkserver
-
+    from partc.hardware.forkserver import start_forkserver
     from partc.run.worker import FORKSERVER_PRELOAD
 
-    multiprocessing.set_forkserver_preload(list(FORKSERVER_PRELOAD))
-    forkserver.ensure_running()
+    start_forkserver(FORKSERVER_PRELOAD)
 
 
 def check_launch(plan: Plan, options: TrainOptions, elastic: ElasticOptions) -> int:
