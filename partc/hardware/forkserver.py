@@ -32,6 +32,16 @@ def starting_server() -> bool:
     return False
 
 
+def helper_pids() -> set[int]:
+    """The forkserver and resource tracker multiprocessing keeps for this process (their pids
+    are multiprocessing's private state: none where a Python version names them otherwise)."""
+    from multiprocessing import resource_tracker
+
+    found = (getattr(forkserver._forkserver, "_forkserver_pid", None),
+             getattr(resource_tracker._resource_tracker, "_pid", None))
+    return {pid for pid in found if pid}
+
+
 def start_forkserver(preload: Sequence[str]) -> None:
     """Start this process's forkserver (once per process: a running one is kept, whatever it
     preloaded) importing `preload`, deaf to Ctrl-C until it has imported them."""

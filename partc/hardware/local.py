@@ -263,6 +263,17 @@ def set_affinity(cpus: frozenset[int]) -> bool:
 PARENT_PID_ENV = "PARTC_PARENT_PID"
 
 
+def process_state(pid: int) -> tuple[str, int] | None:
+    """(state letter, parent pid) of a process from /proc/PID/stat; None when it is gone or
+    there is no /proc."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return fields[0].decode(), int(fields[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def _alive(pid: int) -> bool:
     """Whether `pid` runs: exists, and is not a zombie (a process killed and not yet reaped)."""
     try:
@@ -271,11 +282,8 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:  # another user's: alive
         return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):  # no /proc: what kill said
-        return True
+    state = process_state(pid)
+    return state is None or state[0] != "Z"  # without /proc: what kill said
 
 
 def end_with_parent(poll_s: float = 0.5, parent: int | None = None) -> None:
@@ -294,14 +302,12 @@ def end_with_parent(poll_s: float = 0.5, parent: int | None = None) -> None:
     import threading
     import time
 
+    ours = parent is None  # this process's parent: its reparenting counts as its end too
     if parent is None:
         parent = os.getppid()
         named = os.environ.get(PARENT_PID_ENV, "")
         if named.isdigit() and (int(named) == parent or not _alive(int(named))):
             parent = int(named)
-        ours = True
-    else:
-        ours = False
     watched = parent
 
     def watch() -> None:

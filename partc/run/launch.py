@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from partc.errors import LaunchError, summarize_exception
-from partc.hardware.local import PARENT_PID_ENV, physical_cores
+from partc.hardware.local import PARENT_PID_ENV, physical_cores, process_state
 from partc.options import ElasticOptions, TrainOptions
 from partc.plans.plan import Plan, load_plan, refuse_plan_artifact
 from partc.run.checkpoint import CheckpointError, choose_resume
@@ -157,20 +157,13 @@ def _stop_children(grace_s: float = 5.0) -> None:
                 signal.signal(s, handler)
 
 
-def _multiprocessing_helpers() -> set[int]:
-    """The forkserver and resource tracker multiprocessing keeps for this process (kept: the
-    next launch of the same process forks from the same server)."""
-    from multiprocessing import forkserver, resource_tracker
-
-    found = (getattr(forkserver._forkserver, "_forkserver_pid", None),
-             getattr(resource_tracker._resource_tracker, "_pid", None))
-    return {pid for pid in found if pid}
-
-
 def _worker_pids() -> list[int]:
     """The live processes this launch started: this process's children and the forkserver's
     (the ranks), other than multiprocessing's own helpers (from /proc; none without /proc)."""
-    helpers = _multiprocessing_helpers()
+    from partc.hardware.forkserver import helper_pids
+
+    # multiprocessing's own helpers are kept: the next launch of this process forks from them
+    helpers = helper_pids()
     parents = {os.getpid(), *helpers}
     found = []
     try:
@@ -180,20 +173,10 @@ def _worker_pids() -> list[int]:
     for entry in entries:
         if not entry.isdigit() or int(entry) in helpers:
             continue
-        state = _proc_state(int(entry))
+        state = process_state(int(entry))
         if state is not None and state[1] in parents and state[0] != "Z":
             found.append(int(entry))
     return found
-
-
-def _proc_state(pid: int) -> tuple[str, int] | None:
-    """(state letter, parent pid) of a process from /proc, None when it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        return fields[0].decode(), int(fields[1])
-    except (OSError, IndexError, ValueError):
-        return None
 
 
 def _gone(pid: int) -> bool:
@@ -202,7 +185,7 @@ def _gone(pid: int) -> bool:
     try:
         done, _ = os.waitpid(pid, os.WNOHANG)
     except ChildProcessError:
-        state = _proc_state(pid)
+        state = process_state(pid)
         return state is None or state[0] == "Z"
     return done == pid
 
