@@ -1,4 +1,6 @@
-"""Bad inputs through the real `partc` CLI (one subprocess per invocation).
+"""Bad inputs through the real `partc` CLI (one process per invocation, forked from a server that
+imported partc once: tests/partc_process.py, whose fidelity to the installed script
+tests/test_cli.py checks; a command needing a fresh interpreter runs the script itself).
 
 What this suite guarantees, for every bad input a user can hand partc through the command they
 would hit it with (model files, device/cluster configs, batch flags, plan directories, stage
@@ -26,6 +28,7 @@ from typing import Callable, Sequence
 import pytest
 import yaml
 from conftest import EXAMPLES, ROOT, TEST_MODELS, captured
+from partc_process import run_partc
 
 BIN = Path(sys.executable).parent
 PARTC = str(BIN / "partc")
@@ -39,9 +42,9 @@ Proc = subprocess.CompletedProcess
 
 
 def run(*args: str, prefix: Sequence[str] = (), timeout: float = 300) -> Proc[str]:
-    """`partc ARGS...` as a user runs it, from the repository root."""
-    return subprocess.run([*prefix, PARTC, *args], capture_output=True, text=True, cwd=ROOT,
-                          timeout=timeout)
+    """`partc ARGS...` as a user runs it, from the repository root, in its own process
+    (forked from a server that imported partc: tests/partc_process.py)."""
+    return run_partc(*args, prefix=prefix, timeout=timeout)
 
 
 def _context(proc: Proc[str]) -> str:
@@ -257,10 +260,8 @@ def test_pinned_options_no_shape_fits_fail_before_the_model_is_priced(tmp_path: 
     # a batch the pinned micro-batches cannot split: the error comes before a profile is
     # measured (seconds to minutes), with nothing written to the profile cache
     cache = tmp_path / "cache"
-    proc = subprocess.run([PARTC, "compile", MLP, "-b", "10", "--microbatches", "4",
-                           "--cluster", "cpu-4", "-o", str(tmp_path / "out")],
-                          capture_output=True, text=True, cwd=ROOT, timeout=300,
-                          env={**os.environ, "PARTC_CACHE_DIR": str(cache)})
+    proc = run_partc("compile", MLP, "-b", "10", "--microbatches", "4", "--cluster", "cpu-4",
+                     "-o", str(tmp_path / "out"), env={**os.environ, "PARTC_CACHE_DIR": str(cache)})
     assert_one_line_error(proc, "global batch 10", "--microbatches 4")
     assert not cache.exists() or not any(cache.iterdir())
     assert "measur" not in proc.stderr.lower()

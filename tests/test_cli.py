@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from conftest import EXAMPLES, ROOT, TEST_MODELS
+from partc_process import run_partc
 
 from partc.graph.opgraph import OpGraph
 
@@ -191,3 +193,25 @@ def test_a_model_returning_its_own_loss_trains_with_the_defaults(tmp_path: Path)
     assert proc.returncode == 0, proc.stderr
     proc = run("launch", str(plan), "--steps", "2")
     assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("args", [
+    ("--version",),
+    ("compile", "tests/models/missing.py", "-b", "4", "-o", "out/never"),  # a user error
+    ("launch", "examples/plans/mlp/plan.yaml", "--steps", "0"),  # click's usage error
+    ("check", "examples/plans/mlp/plan.yaml"),  # captures, prices and solves: exit 0
+    ("inspect", "tests/models/exits_in_build.py", "--no-onnx"),  # the model calls sys.exit(0)
+], ids=["version", "user-error", "usage-error", "check", "model-exits"])
+def test_the_forked_cli_the_other_tests_use_behaves_as_the_script(args: tuple[str, ...]) -> None:
+    """tests/partc_process.py forks most tests' `partc` commands from a server that imported
+    partc once: what they prove holds for the installed script only where a forked command exits,
+    prints and writes as the script's does. Timings differ between runs, so lines with seconds are
+    compared without their numbers."""
+    def settled(text: str) -> str:
+        return re.sub(r"\d+(\.\d+)? ?(s|ms)\b", "<t>", text)
+
+    script = run(*args)
+    forked = run_partc(*args)
+    assert forked.returncode == script.returncode, (forked.stderr, script.stderr)
+    assert settled(forked.stdout) == settled(script.stdout)
+    assert settled(forked.stderr) == settled(script.stderr)

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import EXAMPLES, ROOT, TEST_MODELS, captured
+from conftest import EXAMPLES, TEST_MODELS, captured
+from partc_process import run_partc
 
 from partc.cost.measured import ProfileOptions, measure_costs, profile_model
 from partc.cost.ort_profiler import ProfileError, choose_provider
@@ -159,8 +160,7 @@ def test_unknown_precision_is_a_user_error() -> None:
 
 
 def _partc(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "partc", *args], capture_output=True, text=True,
-                          cwd=ROOT, timeout=300)
+    return run_partc(*args)
 
 
 def test_cli_profile_precision(tmp_path: Path) -> None:

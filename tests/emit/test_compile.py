@@ -13,6 +13,7 @@ import pytest
 import torch
 import yaml
 from conftest import EXAMPLES, ROOT, TEST_MODELS
+from partc_process import run_partc
 
 from partc.emit.compile import CompileOptions, compile_model
 from partc.emit.stage_code import load_stage
@@ -22,7 +23,6 @@ from partc.hardware.local import local_cluster
 from partc.options import CostsMode, SearchOptions
 from partc.plans.plan import PlanError, load_plan, plan_schema, validate_plan_dict
 
-PARTC = str(Path(sys.executable).parent / "partc")
 CPU4 = load_cluster("cpu-4")
 
 
@@ -38,7 +38,7 @@ def compile_to(tmp: Path, model: Path, stages: int, batch: int = 8, strategy: st
 
 
 def run(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([PARTC, *args], capture_output=True, text=True, cwd=cwd, timeout=600)
+    return run_partc(*args, cwd=cwd, timeout=600)
 
 
 # The Hugging Face examples are the slow set's: their profiles on cpu-4 (3 busy neighbours) are

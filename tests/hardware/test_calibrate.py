@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from partc_process import run_partc
 
 from partc.errors import PartcError
 from partc.hardware.calibration import (
@@ -42,12 +42,10 @@ from partc.hardware.units import parse_quantity
 from partc.hardware.wake_credit import WakeCredit
 
 ROOT = Path(__file__).resolve().parents[2]
-PARTC = str(Path(sys.executable).parent / "partc")
 
 
 def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([PARTC, *args], capture_output=True, text=True, cwd=ROOT,
-                          timeout=timeout)
+    return run_partc(*args, timeout=timeout)
 
 
 # -- synthetic calibrations (no measuring) -------------------------------------------------------

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 from conftest import ROOT, TEST_MODELS, captured
+from partc_process import run_partc
 
 from partc.cost.measured import MeasuringOutOfMemory, is_out_of_memory
 from partc.cost.plan_costs import measurement, plan_costs
@@ -23,7 +23,6 @@ from partc.plans.measurable_sizes import WholeModelMemory, check_profile_sizes, 
 from partc.plans.plan import load_plan
 from partc.solve.memory import stage_memory, usable_memory
 
-PARTC = str(Path(sys.executable).parent / "partc")
 HEAVY = TEST_MODELS / "heavy_weights.py"
 MiB = 2**20
 
@@ -73,10 +72,8 @@ def _small_cluster(tmp_path: Path, memory: str) -> Path:
 
 
 def _compile(tmp_path: Path, cluster: Path, *flags: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([PARTC, "compile", str(HEAVY), "-b", "8", "--stages", "2",
-                           "--optimizer", "sgd", "--cluster", str(cluster),
-                           "-o", str(tmp_path / "out"), *flags],
-                          capture_output=True, text=True, cwd=ROOT, timeout=600)
+    return run_partc("compile", str(HEAVY), "-b", "8", "--stages", "2", "--optimizer", "sgd",
+                     "--cluster", str(cluster), "-o", str(tmp_path / "out"), *flags, timeout=600)
 
 
 def test_a_model_no_one_device_holds_is_priced_by_the_roofline_and_checks(tmp_path: Path) -> None:
@@ -92,8 +89,7 @@ def test_a_model_no_one_device_holds_is_priced_by_the_roofline_and_checks(tmp_pa
     plan = load_plan(tmp_path / "out")
     assert plan.costs.source == "analytic" and plan.num_stages == 2
     assert not (tmp_path / "out" / "profile.yaml").exists()
-    check = subprocess.run([PARTC, "check", str(tmp_path / "out" / "plan.yaml")],
-                           capture_output=True, text=True, cwd=ROOT, timeout=600)
+    check = run_partc("check", str(tmp_path / "out" / "plan.yaml"), timeout=600)
     assert check.returncode == 0, check.stdout + check.stderr[-3000:]
 
     refused = _compile(tmp_path / "measured", cluster, "--costs", "measured")
@@ -130,9 +126,8 @@ def test_partc_profile_refuses_a_model_larger_than_this_machine(tmp_path: Path) 
     gradients, and on a CPU the OS kills such a process where no handler sees it. Profile
     refuses in one line before materialising anything, and writes nothing."""
     out = tmp_path / "profile.yaml"
-    proc = subprocess.run([PARTC, "profile", str(TEST_MODELS / "huge_meta.py"), "-b", "2",
-                           "--method", "torch", "-o", str(out)],
-                          capture_output=True, text=True, cwd=ROOT, timeout=600)
+    proc = run_partc("profile", str(TEST_MODELS / "huge_meta.py"), "-b", "2", "--method", "torch",
+                     "-o", str(out), timeout=600)
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("partc: error:")]
     assert len(errors) == 1 and "does not fit one cpu" in errors[0], proc.stderr[-3000:]

@@ -4,19 +4,18 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 from conftest import EXAMPLES, ROOT
+from partc_process import run_partc
 
-PARTC = str(Path(sys.executable).parent / "partc")
 EXAMPLE_PLANS = ROOT / "examples" / "plans"
 
 
 def run(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([PARTC, *args], capture_output=True, text=True, cwd=cwd, timeout=600)
+    return run_partc(*args, cwd=cwd, timeout=600)
 
 
 def compile_plan(out: Path, model: Path, *flags: str) -> Path:

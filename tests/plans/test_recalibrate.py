@@ -10,14 +10,13 @@ import json
 import math
 import shutil
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import pytest
 import yaml
-from conftest import EXAMPLES, ROOT
+from conftest import EXAMPLES
+from partc_process import run_partc
 
 from partc.emit.check import check_plan
 from partc.emit.compile import CompileOptions, compile_model
@@ -42,7 +41,6 @@ from partc.plans.run_metrics import (
 )
 from partc.solve.stage_problem import gradient_add_s
 
-PARTC = str(Path(sys.executable).parent / "partc")
 CPU4 = load_cluster("cpu-4")
 MLP = EXAMPLES / "mlp.py"
 STEPS = 4  # step 1 is warm-up and one is profiled (CPU peak memory): the other two are timed
@@ -77,8 +75,7 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> Launched:
     tmp = tmp_path_factory.mktemp("launched")
     plan = compile_mlp(tmp / "a")
     run = tmp / "run.jsonl"
-    result = subprocess.run([PARTC, "launch", str(plan), "--steps", str(STEPS), "--metrics",
-                             str(run)], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    result = run_partc("launch", str(plan), "--steps", str(STEPS), "--metrics", str(run))
     assert result.returncode == 0, result.stderr[-3000:]
     return Launched(plan=plan, run=run)
 
@@ -173,14 +170,12 @@ def test_calibrated_compile_predicts_the_measured_stage_times(launched: Launched
     assert (again.parent / "profile.yaml").read_bytes() == profile.read_bytes()
 
     # partc diff shows the change of cost source
-    diff = subprocess.run([PARTC, "diff", str(launched.plan), str(plan_path)],
-                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    diff = run_partc("diff", str(launched.plan), str(plan_path), timeout=120)
     assert diff.returncode == 0, diff.stderr
     assert (f"costs: analytic -> profile profile.yaml (analytic, calibrated from "
             f"{launched.run.resolve()}, sha256 {plan.costs.profile_sha256[:12]})") in diff.stdout
     # between two calibrated plans with equal profiles nothing differs
-    same = subprocess.run([PARTC, "diff", str(plan_path), str(again)], capture_output=True,
-                          text=True, cwd=ROOT, timeout=120)
+    same = run_partc("diff", str(plan_path), str(again), timeout=120)
     assert same.stdout.rstrip().endswith("no differences"), same.stdout
 
 
@@ -245,10 +240,9 @@ def test_several_runs_of_one_plan_pool_their_timed_steps(launched: Launched,
     foreign = tmp_path / "foreign.jsonl"
     foreign.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "mixed"
-    proc = subprocess.run([PARTC, "compile", str(MLP), "-b", "16", "--cluster", "cpu-4",
-                           "--costs", "analytic", "--calibrate-from", str(launched.run),
-                           "--calibrate-from", str(foreign), "-o", str(out)],
-                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    proc = run_partc("compile", str(MLP), "-b", "16", "--cluster", "cpu-4", "--costs", "analytic",
+                     "--calibrate-from", str(launched.run), "--calibrate-from", str(foreign),
+                     "-o", str(out))
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [x for x in proc.stderr.splitlines() if x.strip()]
     assert len(lines) == 1 and lines[0].startswith("partc: error:"), lines
@@ -288,10 +282,8 @@ def test_refusals(launched: Launched, mlp_capture: CaptureResult, tmp_path: Path
 
     # another model's compile, through the CLI: one line, exit 2, no plan written
     out = tmp_path / "other"
-    result = subprocess.run(
-        [PARTC, "compile", str(EXAMPLES / "transformer.py"), "-b", "16", "--cluster", "cpu-4",
-         "--costs", "analytic", "--calibrate-from", str(run), "-o", str(out)],
-        capture_output=True, text=True, cwd=ROOT, timeout=300)
+    result = run_partc("compile", str(EXAMPLES / "transformer.py"), "-b", "16", "--cluster",
+                       "cpu-4", "--costs", "analytic", "--calibrate-from", str(run), "-o", str(out))
     assert result.returncode == 2, result.stderr[-2000:]
     errors = [x for x in result.stderr.splitlines() if x.startswith("partc: error:")]
     assert len(errors) == 1 and "is a run of another model" in errors[0], result.stderr[-2000:]
@@ -317,8 +309,7 @@ def test_calibrating_from_a_run_on_shared_cores_that_shards_gradients(tmp_path: 
 
     sharded = compile_sharded(tmp_path / "a")
     run = tmp_path / "run.jsonl"
-    result = subprocess.run([PARTC, "launch", str(sharded), "--steps", str(STEPS), "--metrics",
-                             str(run)], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    result = run_partc("launch", str(sharded), "--steps", str(STEPS), "--metrics", str(run))
     assert result.returncode == 0, result.stderr[-3000:]
     old = load_plan(sharded)
     assert [s.sharding for s in old.stages] == ["gradients"] * 2
@@ -438,9 +429,8 @@ def test_compile_checks_the_run_before_capturing_and_warns_of_a_cut_short_line(
     broken = tmp_path / "broken.jsonl"
     broken.write_text("{not json\n")
     out = tmp_path / "plan"
-    proc = subprocess.run([PARTC, "compile", str(model), "-b", "16", "--cluster", "cpu-4",
-                           "--costs", "analytic", "--calibrate-from", str(broken), "-o",
-                           str(out)], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    proc = run_partc("compile", str(model), "-b", "16", "--cluster", "cpu-4", "--costs",
+                     "analytic", "--calibrate-from", str(broken), "-o", str(out))
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [x for x in proc.stderr.splitlines() if x.strip()]
     assert len(lines) == 1 and "broken.jsonl:1 is not a partc metrics line" in lines[0]
@@ -449,10 +439,9 @@ def test_compile_checks_the_run_before_capturing_and_warns_of_a_cut_short_line(
     cut = tmp_path / "cut.jsonl"
     text = launched.run.read_text()
     cut.write_text(text + text.splitlines()[-1][:120])  # a step 5 the run never finished
-    proc = subprocess.run([PARTC, "compile", str(model), "-b", "16", "--cluster", "cpu-4",
-                           "--costs", "analytic", "--stages", "2", "--microbatches", "4",
-                           "--strategy", "uniform", "--calibrate-from", str(cut), "-o", str(out)],
-                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    proc = run_partc("compile", str(model), "-b", "16", "--cluster", "cpu-4", "--costs",
+                     "analytic", "--stages", "2", "--microbatches", "4", "--strategy", "uniform",
+                     "--calibrate-from", str(cut), "-o", str(out))
     assert proc.returncode == 0, proc.stderr[-2000:]  # the same graph as the launched plan's
     warnings = [x for x in proc.stderr.splitlines() if x.startswith("partc: warning: ")]
     assert len(warnings) == 1 and f"{cut}:{STEPS + 1}, the last line, is cut short" in \

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 from conftest import ROOT
+from partc_process import run_partc
 
 from partc.plans.run_metrics import (
     CLOCK_CPU,
@@ -126,7 +127,7 @@ def test_load_errors_name_the_file_and_hint(tmp_path: Path) -> None:
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([PARTC, *args], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    return run_partc(*args)
 
 
 def test_show_with_metrics_table_and_picture(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import EXAMPLES, ROOT, TEST_MODELS, launched_ranks, losses_of
+from partc_process import run_partc
 
 from partc.emit.compile import CompileOptions, compile_model
 from partc.hardware.configs import load_cluster
@@ -43,8 +44,7 @@ def compile_plan(tmp: Path, model: Path, stages: int, replicas: int, batch: int 
 
 
 def launch(plan: Path, *flags: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([PARTC, "launch", str(plan), *flags], capture_output=True, text=True,
-                          cwd=ROOT, timeout=timeout)
+    return run_partc("launch", str(plan), *flags, timeout=timeout)
 
 
 def assert_close(got: list[float], want: list[float], rtol: float = RTOL) -> None:
@@ -142,8 +142,7 @@ def test_a_model_that_computes_its_own_loss(tmp_path: Path) -> None:
     it as launch runs it (2 x 2, data parallel too: test_two_by_two_hf_gpt2_tied, slow set)."""
     plan = compile_plan(tmp_path, TEST_MODELS / "gpt2_model_loss.py", 2, 1, batch=8)
     assert load_plan(plan).tied_parameters  # the tied lm_head spans both stages
-    verify = subprocess.run([PARTC, "verify", str(plan)], capture_output=True, text=True,
-                            cwd=ROOT, timeout=600)
+    verify = run_partc("verify", str(plan), timeout=600)
     assert verify.returncode == 0 and "verify: ok" in verify.stdout, verify.stdout[-3000:]
     train_and_compare(plan, tmp_path, steps=3)
 
@@ -178,8 +177,7 @@ def test_sharded_gradients_train_and_resume_as_the_unsharded_plan(tmp_path: Path
     assert [st.sharding for st in load_plan(sharded).stages] == ["gradients"] * 2
     assert load_plan(sharded).tied_parameters  # the tie spans both stages
     assert [st.sharding for st in load_plan(plain).stages] == ["none"] * 2
-    diff = subprocess.run([PARTC, "diff", str(plain), str(sharded)], capture_output=True,
-                          text=True, cwd=ROOT, timeout=120)
+    diff = run_partc("diff", str(plain), str(sharded), timeout=120)
     assert "sharding allowed: none -> gradients" in diff.stdout, diff.stdout + diff.stderr
     assert diff.stdout.count("- -> shard-gradients") == 2, diff.stdout
     got = train_and_compare(sharded, tmp_path, steps=3)
@@ -349,8 +347,7 @@ def test_launch_errors_are_one_line(tmp_path: Path) -> None:
         "does not divide": [str(plan), "--nnodes", "3", "--rdzv-endpoint", "localhost:1"],
     }
     for needle, args in cases.items():
-        result = subprocess.run([PARTC, "launch", *args], capture_output=True, text=True,
-                                cwd=ROOT, timeout=120)
+        result = run_partc("launch", *args, timeout=120)
         assert result.returncode == 2, (needle, result.stderr)
         lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
         assert len(lines) == 1 and needle in lines[0] and "hint:" in lines[0], (needle, lines)
@@ -412,8 +409,7 @@ def test_cpu_workers_are_pinned_one_per_core_and_compute_under_cpu_settings(
     probe = tmp_path / "probe"
     probe.mkdir()
     env = {**os.environ, "PARTC_PROBE_DIR": str(probe)}
-    result = subprocess.run([PARTC, "launch", str(plan), "--steps", "2"], capture_output=True,
-                            text=True, cwd=ROOT, timeout=300, env=env)
+    result = run_partc("launch", str(plan), "--steps", "2", env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     cores = core_cpus()
     for rank in (0, 1):
@@ -514,8 +510,7 @@ def test_metrics_per_stage_and_show_beside_the_prediction(tmp_path: Path) -> Non
     assert re.findall(r"^step (\d+)/4 ", result.stderr, re.M) == ["1", "2", "3", "4"], \
         result.stderr
 
-    shown = subprocess.run([PARTC, "show", str(plan), "--metrics", str(metrics)],
-                           capture_output=True, text=True, cwd=ROOT, timeout=120)
+    shown = run_partc("show", str(plan), "--metrics", str(metrics), timeout=120)
     assert shown.returncode == 0, shown.stderr
     out = shown.stdout
     assert "measured (4 step(s); medians over step(s) 2..4" in out
