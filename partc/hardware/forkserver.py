@@ -17,7 +17,8 @@ import multiprocessing
 import signal
 import sys
 import threading
-from multiprocessing import forkserver
+from multiprocessing import forkserver, synchronize
+from types import TracebackType
 from typing import Sequence
 
 
@@ -30,6 +31,31 @@ def starting_server() -> bool:
             return True
         frame = frame.f_back  # type: ignore[assignment]
     return False
+
+
+def _abandoned(exc: BaseException) -> bool:
+    """Whether `exc` is a forked process failing to rebuild a semaphore its requester passed it:
+    the requester (launch's agent) has already torn down and unlinked it, as it does when a
+    Ctrl-C stops a launch while its ranks are being forked."""
+    if not isinstance(exc, FileNotFoundError):
+        return False
+    tb = exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_name == "__setstate__" and code.co_filename == synchronize.__file__:
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def quiet_abandoned_starts(exc_type: type[BaseException], exc: BaseException,
+                           tb: TracebackType | None) -> None:
+    """sys.excepthook for the forkserver's processes: a process whose start its requester
+    abandoned exits without a word (with status 1; the launcher, interrupted, has already said
+    why in one line); every other failure prints its traceback, as Python's hook does."""
+    if _abandoned(exc):
+        return
+    sys.__excepthook__(exc_type, exc, tb)
 
 
 def helper_pids() -> set[int]:
