@@ -17,8 +17,10 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, NoReturn, TypeVar
 
 import click
 
+from partc.cli.entry import HELD_ACROSS_EXEC, HELD_ENV
 from partc.errors import PartcError
 from partc.files import write_atomic
+from partc.interrupts import held_interrupts
 from partc.options import (
     COSTS_MODES,
     DEFAULT_CAPTURE_BATCH,
@@ -161,9 +163,10 @@ def inspect(model: Path, batch_size: int, depth: int, json_out: Path | None,
             save_dir: Path | None, no_onnx: bool) -> None:
     """Capture MODEL (a model file) and print parameters, FLOPs and activations per module."""
     _refuse_a_bad_model_file(model)
-    from partc.frontend.capture import capture_graph
-    from partc.graph.module_summary import format_table, summarize_modules
-    from partc.progress import TerminalProgress
+    with held_interrupts():
+        from partc.frontend.capture import capture_graph
+        from partc.graph.module_summary import format_table, summarize_modules
+        from partc.progress import TerminalProgress
 
     progress = TerminalProgress()
     result = capture_graph(model, batch_size, onnx=not no_onnx, progress=progress)
@@ -240,14 +243,16 @@ def profile(model: Path, device: str, batch_size: int, batch_sizes: tuple[int, .
         from partc.hardware.configs import load_device
 
         spec = load_device(analytic_device)  # torch-free: a bad name fails before the imports
-        from partc.cost.plan_costs import plan_costs
-        from partc.frontend.capture import capture_graph
+        with held_interrupts():
+            from partc.cost.plan_costs import plan_costs
+            from partc.frontend.capture import capture_graph
 
         result = capture_graph(model, batch_size, onnx=False, progress=progress)
         table = plan_costs(result, spec, progress=progress, precision=precision)
     else:
-        from partc.cost.measured import ProfileOptions
-        from partc.plans.measurable_sizes import profile_within_memory
+        with held_interrupts():
+            from partc.cost.measured import ProfileOptions
+            from partc.plans.measurable_sizes import profile_within_memory
 
         options = ProfileOptions(device=device, batch_sizes=batch_sizes, method=method,
                                  threads=threads, warmup=warmup, runs=runs, precision=precision,
@@ -372,11 +377,12 @@ def solve(model: Path, output: Path | None, timeline: Path | None, **kw: Any) ->
     _refuse_a_bad_model_file(model)
     # the options are torch-free: a bad cluster fails before the seconds of importing torch
     cluster, training, options = _search_inputs(kw)
-    from partc.frontend.capture import capture_graph
-    from partc.plans.priced_search import priced_search
-    from partc.progress import TerminalProgress
-    from partc.solve.partition import format_comparison, format_partition
-    from partc.solve.search import compare_strategies
+    with held_interrupts():
+        from partc.frontend.capture import capture_graph
+        from partc.plans.priced_search import priced_search
+        from partc.progress import TerminalProgress
+        from partc.solve.partition import format_comparison, format_partition
+        from partc.solve.search import compare_strategies
 
     progress = TerminalProgress()
     result = capture_graph(model, kw["capture_batch"], onnx=False, progress=progress)
@@ -436,9 +442,10 @@ def compile_command(model: Path, output: Path | None, calibrate_from: tuple[Path
         for read in runs_of_plan:
             for note in read.run.notes:
                 click.echo(f"partc: warning: {note}", err=True)
-    from partc.emit.compile import CompileOptions, compile_model
-    from partc.plans.plan import format_plan
-    from partc.progress import TerminalProgress
+    with held_interrupts():
+        from partc.emit.compile import CompileOptions, compile_model
+        from partc.plans.plan import format_plan
+        from partc.progress import TerminalProgress
 
     progress = TerminalProgress()
     output = output if output is not None else Path("plans") / model.stem
@@ -498,7 +505,8 @@ def verify(plan: Path, rtol: float, atol: float, seed: int, device: str,
     """Check a plan: schema, stage file hashes, and that the stages in sequence compute the model's
     outputs, loss and every gradient (exit 1 when above tolerance)."""
     _refuse_a_bad_plan(plan, files=True)
-    from partc.emit.verify import format_report, verify_plan
+    with held_interrupts():
+        from partc.emit.verify import format_report, verify_plan
 
     report = verify_plan(plan, rtol=rtol, atol=atol, seed=seed, device=device,
                          init_from=init_from)
@@ -536,7 +544,13 @@ def check(plans: tuple[Path, ...], model: Path | None) -> None:
 
     def check_one(path: Path) -> int:
         _refuse_a_bad_plan(path)
-        from partc.emit.check import ISOLATED_ENV, check_in_child, check_plan, model_file_changed
+        with held_interrupts():
+            from partc.emit.check import (
+                ISOLATED_ENV,
+                check_in_child,
+                check_plan,
+                model_file_changed,
+            )
 
         # a model file changed since compile is checked in a child process: its code cannot
         # make this process report the plan current
@@ -645,8 +659,9 @@ def calibrate(device: str, threads: int, seconds: float, name: str | None,
     """Measure this machine's CPU or a CUDA GPU and write a device and a cluster config
     (OUT/devices/NAME.yaml, OUT/clusters/NAME.yaml) for `partc compile --cluster
     OUT/clusters/NAME.yaml`. Run it on an idle machine."""
-    from partc.hardware.calibration import format_calibration
-    from partc.run.overhead import calibrate_machine
+    with held_interrupts():
+        from partc.hardware.calibration import format_calibration
+        from partc.run.overhead import calibrate_machine
 
     result = calibrate_machine(out_dir, device, name=name, threads=threads, seconds=seconds,
                                devices=devices)
@@ -671,8 +686,14 @@ def main() -> NoReturn:
     Re-executes itself first where str hashing is not seeded with HASH_SEED."""
     if os.environ.get("PYTHONHASHSEED") != HASH_SEED:
         os.environ["PYTHONHASHSEED"] = HASH_SEED
+        # A Ctrl-C while the new interpreter starts (before partc's code can take it) waits,
+        # blocked across the exec, until partc.cli.entry lets it in
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, HELD_ACROSS_EXEC)
+        os.environ[HELD_ENV] = "1"
         with contextlib.suppress(OSError):  # where it cannot, it runs unseeded
             os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
+        del os.environ[HELD_ENV]
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
     cli.main(prog_name="partc")
 
 

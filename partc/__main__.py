@@ -1,12 +1,11 @@
 """`python -m partc`: the partc command line (the same as the `partc` console script)."""
-import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     # setup.cfg installs the top-level cli/ as partc.cli (package_dir), which mypy cannot follow;
     # it checks the same file under its source name.
-    from cli.main import main
+    from cli.entry import main
 else:
-    from partc.cli.main import main
+    from partc.cli.entry import main
 
-sys.exit(main())
+main()

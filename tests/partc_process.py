@@ -188,6 +188,6 @@ if __name__ == "__main__":
         sys.exit(0)
     _become(job)
     del job
-    from partc.cli.main import main
+    from partc.cli.entry import main
 
     _exit_as_the_script_would(main)

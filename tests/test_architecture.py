@@ -81,7 +81,8 @@ def _run_python(code: str) -> str:
     return proc.stdout.strip()
 
 
-TORCH_FREE = ("partc", "partc.options", "partc.errors", "partc.files", "partc.graph.opgraph",
+TORCH_FREE = ("partc", "partc.options", "partc.errors", "partc.files", "partc.interrupts",
+              "partc.graph.opgraph",
               "partc.graph.module_summary", "partc.hardware.configs", "partc.cost.table",
               "partc.cost.roofline", "partc.solve.search", "partc.solve.simulator",
               "partc.solve.partition", "partc.plans.plan", "partc.plans.diff",

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from partc.errors import LaunchError, summarize_exception
 from partc.hardware.local import PARENT_PID_ENV, physical_cores, process_state
+from partc.interrupts import held_interrupts
 from partc.options import ElasticOptions, TrainOptions
 from partc.plans.plan import Plan, load_plan, refuse_plan_artifact
 from partc.run.checkpoint import CheckpointError, choose_resume
@@ -228,14 +229,15 @@ def launch(plan_path: str | Path, options: TrainOptions,
     os.environ[PARENT_PID_ENV] = str(os.getpid())
     # a rank's print reaches the console as it happens (torchrun runs its programs `python -u`)
     os.environ["PYTHONUNBUFFERED"] = "1"
-    _start_forkserver()  # it imports torch and the runtime while this process imports the agent
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous import RendezvousError
-    from torch.distributed.launcher.api import elastic_launch
-    from torch.distributed.run import config_from_args, get_args_parser
+    with held_interrupts():  # a Ctrl-C inside torch's import is lost or aborts (partc.interrupts)
+        _start_forkserver()  # it imports torch and the runtime while this process imports the agent
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+        from torch.distributed.elastic.rendezvous import RendezvousError
+        from torch.distributed.launcher.api import elastic_launch
+        from torch.distributed.run import config_from_args, get_args_parser
 
-    from partc.run.worker import run_forked
+        from partc.run.worker import run_forked
 
     # torch's agent installs handlers raising SignalException and leaves them: put ours back
     in_main = threading.current_thread() is threading.main_thread()

@@ -1,0 +1,53 @@
+"""Ctrl-C and SIGTERM held while torch loads (`held_interrupts`).
+
+A KeyboardInterrupt raised inside torch's import does not reliably stop the process: torch's C
+extension imports numpy and carries on without it when that import fails, so a Ctrl-C in that
+window was lost (`partc launch` trained on to its last step: 2 of 6 launches interrupted 1.0 s
+after their start here, traced with strace: the launcher got the SIGINT, Python's handler ran, no
+KeyboardInterrupt reached partc); one raised while pybind11 runs Python code aborted the process
+with a C++ `terminate` dump (2 of 6 at 1.2 s); one in the middle of numpy's import left it half
+loaded ("cannot load module more than once per process" later). So the signal waits for the
+imports to end, a second or two, and then acts as it would have.
+"""
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from types import FrameType
+from typing import Callable, Iterator
+
+Handler = Callable[[int, "FrameType | None"], object]
+
+
+@contextlib.contextmanager
+def held_interrupts() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM while the block runs, where Python code handles them (Python's
+    KeyboardInterrupt, the CLI's SIGTERM handler): the first one takes effect when the block ends
+    (its handler runs then, raising there); a second one takes effect at once, for a block that
+    does not end. Outside the main thread, or for a signal no Python handler takes, nothing
+    changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    handlers: dict[int, Handler] = {}
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        handler = signal.getsignal(signum)
+        if callable(handler):
+            handlers[int(signum)] = handler
+    held: list[int] = []
+
+    def hold(signum: int, frame: FrameType | None) -> None:
+        if held:  # pressed again: the user will not wait for the block
+            handlers[signum](signum, frame)
+        held.append(signum)
+
+    for held_signal in handlers:
+        signal.signal(held_signal, hold)
+    try:
+        yield
+    finally:
+        for held_signal, saved in handlers.items():
+            signal.signal(held_signal, saved)
+    if held:
+        handlers[held[0]](held[0], None)
