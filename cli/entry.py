@@ -11,9 +11,7 @@ import signal
 import sys
 from typing import TYPE_CHECKING, NoReturn
 
-# Set by partc.cli.main for the interpreter it re-executes, whose start runs with these blocked.
-HELD_ENV = "PARTC_SIGNALS_HELD"
-HELD_ACROSS_EXEC = frozenset({signal.SIGINT, signal.SIGTERM})
+from partc.interrupts import HELD_ACROSS_EXEC, HELD_ENV
 
 
 def main() -> NoReturn:

@@ -17,10 +17,9 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, NoReturn, TypeVar
 
 import click
 
-from partc.cli.entry import HELD_ACROSS_EXEC, HELD_ENV
 from partc.errors import PartcError
 from partc.files import write_atomic
-from partc.interrupts import held_interrupts
+from partc.interrupts import HELD_ACROSS_EXEC, HELD_ENV, held_interrupts
 from partc.options import (
     COSTS_MODES,
     DEFAULT_CAPTURE_BATCH,

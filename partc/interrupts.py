@@ -1,4 +1,4 @@
-"""Ctrl-C and SIGTERM held while torch loads (`held_interrupts`).
+"""Ctrl-C and SIGTERM held while torch loads (`held_interrupts`) and across the CLI's re-exec.
 
 A KeyboardInterrupt raised inside torch's import does not reliably stop the process: torch's C
 extension imports numpy and carries on without it when that import fails, so a Ctrl-C in that
@@ -18,6 +18,11 @@ from types import FrameType
 from typing import Callable, Iterator
 
 Handler = Callable[[int, "FrameType | None"], object]
+
+# The CLI re-executes itself (seeded str hashing) with these blocked and HELD_ENV set: a signal
+# sent while the new interpreter starts stays pending until partc.cli.entry unblocks them.
+HELD_ENV = "PARTC_SIGNALS_HELD"
+HELD_ACROSS_EXEC = frozenset({signal.SIGINT, signal.SIGTERM})
 
 
 @contextlib.contextmanager
