@@ -1,4 +1,4 @@
-"""The `partc` console script's entry point: a module that imports nothing before `main` runs,
+"""The `partc` console script's entry point: a module importing almost nothing before `main`,
 so that a Ctrl-C while the CLI itself loads (its first ~0.2 s, twice: the CLI re-executes itself
 with seeded str hashing) ends in one line and exit 130 like any later one, not a
 KeyboardInterrupt traceback from the script's import line. Across that re-exec SIGINT and SIGTERM
@@ -6,19 +6,16 @@ are blocked (a blocked signal stays pending through exec), and let in here: a Ct
 second interpreter starts is taken here too."""
 from __future__ import annotations
 
-import os
-import signal
 import sys
 from typing import TYPE_CHECKING, NoReturn
 
-from partc.interrupts import HELD_ACROSS_EXEC, HELD_ENV
+from partc.interrupts import release_held_signals
 
 
 def main() -> NoReturn:
     """Load the CLI (partc.cli.main) and run it."""
     try:
-        if os.environ.pop(HELD_ENV, None) == "1":  # a pending Ctrl-C raises from here on
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD_ACROSS_EXEC)
+        release_held_signals()  # a Ctrl-C pending since the re-exec raises from here on
         if TYPE_CHECKING:  # installed as partc.cli (setup.cfg's package_dir); mypy reads cli/
             from cli.main import main as run
         else:

@@ -19,7 +19,12 @@ import click
 
 from partc.errors import PartcError
 from partc.files import write_atomic
-from partc.interrupts import HELD_ACROSS_EXEC, HELD_ENV, held_interrupts
+from partc.interrupts import (
+    HELD_ACROSS_EXEC,
+    HELD_ENV,
+    held_interrupts,
+    release_held_signals,
+)
 from partc.options import (
     COSTS_MODES,
     DEFAULT_CAPTURE_BATCH,
@@ -683,6 +688,7 @@ HASH_SEED = "0"
 def main() -> NoReturn:
     """The console script: click's standalone mode always exits with the command's exit code.
     Re-executes itself first where str hashing is not seeded with HASH_SEED."""
+    release_held_signals()  # entered without partc.cli.entry (python -m cli.main): here
     if os.environ.get("PYTHONHASHSEED") != HASH_SEED:
         os.environ["PYTHONHASHSEED"] = HASH_SEED
         # A Ctrl-C while the new interpreter starts (before partc's code can take it) waits,

@@ -12,6 +12,7 @@ imports to end, a second or two, and then acts as it would have.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
 from types import FrameType
@@ -56,3 +57,11 @@ def held_interrupts() -> Iterator[None]:
             signal.signal(held_signal, saved)
     if held:
         handlers[held[0]](held[0], None)
+
+
+def release_held_signals() -> None:
+    """Let in the signals the CLI's re-exec held (a Ctrl-C pending since raises from here on);
+    nothing where this process was not started so. Called first thing by the console script's
+    entry and by the CLI's main (`python -m cli.main` enters there)."""
+    if os.environ.pop(HELD_ENV, None) == "1":
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD_ACROSS_EXEC)

@@ -531,6 +531,32 @@ def test_a_ctrl_c_while_the_cli_re_executes_itself_is_taken_after_the_exec(held:
         assert proc.returncode == 0 and proc.stdout.startswith("partc, version"), proc.stderr
 
 
+MAIN_RELEASES = """
+import os, signal, sys
+os.environ["PARTC_SIGNALS_HELD"] = "1"
+os.environ["PYTHONHASHSEED"] = "0"
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+sys.argv = ["partc", "--version"]
+from partc.cli.main import main
+try:
+    main()
+except SystemExit:
+    pass
+blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+print(signal.SIGINT in blocked, signal.SIGTERM in blocked, "PARTC_SIGNALS_HELD" in os.environ)
+"""
+
+
+def test_the_clis_main_lets_in_what_the_re_exec_held_without_the_entry() -> None:
+    """`python -m cli.main` (or any caller of partc.cli.main.main) enters without the console
+    script's entry: main itself unblocks what the re-exec held, or Ctrl-C would stay blocked
+    for the whole command."""
+    proc = subprocess.run([sys.executable, "-c", MAIN_RELEASES], capture_output=True, text=True,
+                          cwd=ROOT, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "False False False", proc.stdout
+
+
 HELD_SIGTERM = """
 import os, signal, sys, time
 from partc.interrupts import held_interrupts
