@@ -60,7 +60,7 @@ def launched_ranks(launcher: int) -> dict[int, int]:
     from pathlib import Path as _Path
 
     parents: dict[int, int] = {}
-    ranks: dict[int, int] = {}
+    named: list[tuple[int, int]] = []  # (rank, pid): every launch's, concurrent tests' too
     for entry in _Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -73,7 +73,7 @@ def launched_ranks(launcher: int) -> dict[int, int]:
             continue
         parents[int(entry.name)] = int(fields[1])
         if name.startswith("partc-rank") and name[10:].isdigit():
-            ranks[int(name[10:])] = int(entry.name)
+            named.append((int(name[10:]), int(entry.name)))
 
     def descends(pid: int) -> bool:
         while pid > 1:
@@ -82,4 +82,4 @@ def launched_ranks(launcher: int) -> dict[int, int]:
                 return True
         return False
 
-    return {rank: pid for rank, pid in ranks.items() if descends(pid)}
+    return {rank: pid for rank, pid in named if descends(pid)}
