@@ -16,9 +16,7 @@ import os
 import signal
 import threading
 from types import FrameType
-from typing import Callable, Iterator
-
-Handler = Callable[[int, "FrameType | None"], object]
+from typing import Any, Iterator
 
 # The CLI re-executes itself (seeded str hashing) with these blocked and HELD_ENV set: a signal
 # sent while the new interpreter starts stays pending until partc.cli.entry unblocks them.
@@ -27,36 +25,44 @@ HELD_ACROSS_EXEC = frozenset({signal.SIGINT, signal.SIGTERM})
 
 
 @contextlib.contextmanager
-def held_interrupts() -> Iterator[None]:
-    """Hold SIGINT and SIGTERM while the block runs, where Python code handles them (Python's
-    KeyboardInterrupt, the CLI's SIGTERM handler): the first one takes effect when the block ends
-    (its handler runs then, raising there); a second one takes effect at once, for a block that
-    does not end. Outside the main thread, or for a signal no Python handler takes, nothing
-    changes."""
+def held_interrupts(*, again_acts: bool = True) -> Iterator[None]:
+    """Hold SIGINT and SIGTERM while the block runs, then deliver them to the handlers in place
+    before (whatever ended the block): torch's import (where a KeyboardInterrupt is lost or
+    aborts the process), or work that must not stop half-way (compile's swap of plan
+    directories, `again_acts=False`). With `again_acts`, a second signal while one is held takes
+    effect at once, for a block that does not end. Python-level handlers rather than
+    pthread_sigmask: with the main thread's mask alone, the kernel hands the signal to one of
+    torch's or CP-SAT's threads, whose C handler still makes the main thread raise
+    KeyboardInterrupt. Outside the main thread nothing changes."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    handlers: dict[int, Handler] = {}
+    received: list[int] = []
+    before: dict[signal.Signals, Any] = {}
+
+    def restore() -> None:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
+
+    def hold(signum: int, _frame: FrameType | None) -> None:
+        if again_acts and received:  # sent again: the user will not wait for the block
+            received.clear()
+            restore()
+            signal.raise_signal(signum)
+            return
+        received.append(signum)
+
     for signum in (signal.SIGINT, signal.SIGTERM):
         handler = signal.getsignal(signum)
-        if callable(handler):
-            handlers[int(signum)] = handler
-    held: list[int] = []
-
-    def hold(signum: int, frame: FrameType | None) -> None:
-        if held:  # pressed again: the user will not wait for the block
-            handlers[signum](signum, frame)
-        held.append(signum)
-
-    for held_signal in handlers:
-        signal.signal(held_signal, hold)
+        if handler is not None:  # None: installed outside Python, left alone
+            before[signum] = handler
+            signal.signal(signum, hold)
     try:
         yield
     finally:
-        for held_signal, saved in handlers.items():
-            signal.signal(held_signal, saved)
-    if held:
-        handlers[held[0]](held[0], None)
+        restore()
+        for pending in dict.fromkeys(received):
+            signal.raise_signal(pending)
 
 
 def release_held_signals() -> None:

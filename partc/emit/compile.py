@@ -16,16 +16,14 @@ import os
 import re
 import secrets
 import shutil
-import signal
 import stat
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
@@ -44,6 +42,7 @@ from partc.frontend.capture import CaptureResult, capture_graph
 from partc.frontend.export import export_program
 from partc.frontend.model_file import inputs_to_meta
 from partc.hardware.specs import ClusterSpec
+from partc.interrupts import held_interrupts
 from partc.options import DEFAULT_CAPTURE_BATCH, CostsMode, SearchOptions, TrainingConfig
 from partc.plans.measurable_sizes import whole_model_fits
 from partc.plans.plan import (
@@ -122,13 +121,15 @@ def compile_model(model_path: str | Path, cluster: ClusterSpec, output_dir: str 
     staging: Path | None = None
     made: list[Path] = []  # parents created for a new plan directory
     try:
-        with _signals_deferred():  # no Ctrl-C between making the directory and noting it
+        # no Ctrl-C between making the directory and noting it
+        with held_interrupts(again_acts=False):
             staging, made = _staging_directory(output_dir)
         result = _compile(model_path, cluster, output_dir, staging, options, progress)
         _carry_over(output_dir, staging, result.plan)
         _swap_in(staging, output_dir, progress)
     except BaseException:
-        with _signals_deferred():  # a second Ctrl-C must not cut the clean-up short
+        # a second Ctrl-C must not cut the clean-up short
+        with held_interrupts(again_acts=False):
             if staging is not None:
                 shutil.rmtree(staging, ignore_errors=True)
             for directory in made:
@@ -342,7 +343,7 @@ def _swap_in(new: Path, output_dir: Path, progress: Progress) -> None:
     removing the old one; SIGINT and SIGTERM wait until it is done."""
     target = output_dir.resolve()
     old: Path | None = None  # where the previous plan ends up, to be removed
-    with _signals_deferred():
+    with held_interrupts(again_acts=False):
         try:
             if not target.is_dir():
                 os.rename(new, target)
@@ -411,36 +412,6 @@ def _fsync_directory(directory: Path) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-
-
-@contextlib.contextmanager
-def _signals_deferred() -> Iterator[None]:
-    """Hold SIGINT and SIGTERM while the block runs (a swap of plan directories, the removal of
-    a temporary one must not stop half-way), then deliver them to the handlers in place before.
-    Python-level handlers rather than pthread_sigmask: with the main thread's mask alone, the
-    kernel hands the signal to one of torch's or CP-SAT's threads, whose C handler still makes
-    the main thread raise KeyboardInterrupt."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    received: list[int] = []
-
-    def hold(signum: int, _frame: object) -> None:
-        received.append(signum)
-
-    before: dict[signal.Signals, Any] = {}
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        handler = signal.getsignal(sig)
-        if handler is not None:  # None: installed outside Python, left alone
-            before[sig] = handler
-            signal.signal(sig, hold)
-    try:
-        yield
-    finally:
-        for sig, handler in before.items():
-            signal.signal(sig, handler)
-        for signum in dict.fromkeys(received):
-            signal.raise_signal(signum)
 
 
 def relative_path(path: str | Path, directory: Path) -> str:
