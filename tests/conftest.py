@@ -54,13 +54,14 @@ def losses_of(metrics: Path) -> list[float]:
     return [by_step[s] for s in sorted(by_step)]
 
 
-def launched_ranks(launcher: int) -> dict[int, int]:
-    """{rank: pid} of the live training processes a `partc launch` process started: its
-    descendants named `partc-rank<N>` (forked from its forkserver; not zombies)."""
+def named_descendants(ancestor: int, prefix: str) -> list[tuple[str, int]]:
+    """(name, pid) of the live processes below `ancestor` whose name (/proc/PID/comm) starts
+    with `prefix`: processes partc forks from a forkserver (launch's ranks, busy neighbours) are
+    its grandchildren and carry the server's command line, so they are found by name."""
     from pathlib import Path as _Path
 
     parents: dict[int, int] = {}
-    named: list[tuple[int, int]] = []  # (rank, pid): every launch's, concurrent tests' too
+    named: list[tuple[str, int]] = []  # every match, those of concurrent tests' processes too
     for entry in _Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -72,14 +73,21 @@ def launched_ranks(launcher: int) -> dict[int, int]:
         if fields[0] == "Z":
             continue
         parents[int(entry.name)] = int(fields[1])
-        if name.startswith("partc-rank") and name[10:].isdigit():
-            named.append((int(name[10:]), int(entry.name)))
+        if name.startswith(prefix):
+            named.append((name, int(entry.name)))
 
     def descends(pid: int) -> bool:
         while pid > 1:
             pid = parents.get(pid, 0)
-            if pid == launcher:
+            if pid == ancestor:
                 return True
         return False
 
-    return {rank: pid for rank, pid in named if descends(pid)}
+    return [(name, pid) for name, pid in named if descends(pid)]
+
+
+def launched_ranks(launcher: int) -> dict[int, int]:
+    """{rank: pid} of the live training processes a `partc launch` process started: its
+    descendants named `partc-rank<N>` (forked from its forkserver; not zombies)."""
+    return {int(name[10:]): pid for name, pid in named_descendants(launcher, "partc-rank")
+            if name[10:].isdigit()}

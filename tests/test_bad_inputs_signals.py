@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import EXAMPLES, ROOT, TEST_MODELS, launched_ranks
+from conftest import EXAMPLES, ROOT, TEST_MODELS, launched_ranks, named_descendants
 from test_bad_inputs import MLP, PARTC, _context, assert_one_line_error, run
 
 WIDE = str(TEST_MODELS / "wide_dag.py")
@@ -301,21 +301,6 @@ def test_cpsat_leaves_pythons_sigint_handler_in_place() -> None:
 
 
 # ---- launch: Ctrl-C and the first failure ------------------------------------------------------
-
-def _children(pid: int) -> list[int]:
-    """Live (not zombie) child processes of `pid`."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[1]) == pid and fields[0] != "Z":
-            found.append(int(entry.name))
-    return found
-
 
 def _alive(pid: int) -> bool:
     try:
@@ -627,7 +612,7 @@ def test_busy_neighbours_end_with_a_parent_killed_by_sigkill() -> None:
                             cwd=ROOT)
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "busy"
-        neighbours = _children(proc.pid)
+        neighbours = [pid for _, pid in named_descendants(proc.pid, "partc-neighbour")]
         assert len(neighbours) == 2, neighbours
     finally:
         proc.kill()

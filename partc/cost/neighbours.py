@@ -15,29 +15,25 @@ over a tensor larger than the caches).
 Processes are pinned as launch pins its workers (partc.hardware.local.pin_to_core): the
 measuring process on core 0, neighbour i on core i + 1, modulo the cores.
 
-Run as `python -m partc.cost.neighbours CPUS [MODEL BATCH [PRECISION]]` it is one such neighbour,
-pinned to the logical CPUs CPUS (a comma list, or - for none): it prints "ready" once its first
-step ran and loops until killed, or until its parent is gone (`end_with_parent`: a compile
-killed by SIGKILL leaves no neighbour computing). Nothing else reaches the parent: whatever the
-model or a library prints (a model's own prints, ONEDNN_VERBOSE) goes to /dev/null, so it
-neither takes the place of "ready" nor fills a pipe nobody reads, which would stop the neighbour
-silently.
+Each neighbour is forked from this process's forkserver (which imported torch once), named
+`partc-neighbour` (`ps -e`, /proc/PID/comm): it tells its parent once its first step ran and
+loops until killed, or until the process that started it is gone (`end_with_parent`: a compile
+killed by SIGKILL leaves no neighbour computing). Whatever the model or a library prints (a
+model's own prints, ONEDNN_VERBOSE) goes to /dev/null; "ready" comes through a pipe of its own.
 """
 from __future__ import annotations
 
 import contextlib
 import os
-import subprocess
-import sys
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from pathlib import Path
-from typing import Callable, Iterator, cast
+from typing import Callable, Iterator
 
 from partc.errors import PartcError
-from partc.hardware.local import PARENT_PID_ENV, core_cpus, end_with_parent, set_affinity
+from partc.hardware.local import core_cpus, end_with_parent, name_process, set_affinity
 from partc.options import PRECISIONS, Precision, check_choice
 from partc.progress import Progress
-
-_READY = "ready"
 
 
 def shares_core(count: int) -> bool:
@@ -47,51 +43,94 @@ def shares_core(count: int) -> bool:
     return bool(cores) and count >= len(cores)
 
 
+# What the forkserver the neighbours are forked from imports once (their model file, user code,
+# is imported by each neighbour)
+_PRELOAD = ("torch", "partc.cost.neighbours")
+# A neighbour's name in `ps -e` and /proc/PID/comm (its command line is the forkserver's)
+PROCESS_NAME = "partc-neighbour"
+
+
 @contextlib.contextmanager
 def busy_neighbours(count: int, model: str | Path | None = None,
                     batch_size: int = 2, precision: Precision = "fp32",
                     progress: Progress | None = None) -> Iterator[None]:
     """Keep `count` single-threaded neighbour processes busy training `model` (or a generic loop)
     for the duration of the block, under `precision` as the pipeline's other stages run it; they
-    are killed on exit, whatever ends the block (an error, Ctrl-C). Their start (seconds: each
-    imports torch and builds the model) is a `progress` step."""
+    are killed on exit, whatever ends the block (an error, Ctrl-C). They are forked from this
+    process's forkserver (partc.hardware.forkserver), which imports torch once: a spawned
+    neighbour imported it itself, 1.3-1.6 s of CPU each here. Their start (each builds the model
+    and runs a first step) is a `progress` step."""
     check_choice("precision", precision, PRECISIONS, PartcError)
-    procs: list[subprocess.Popen[str]] = []
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-           PARENT_PID_ENV: str(os.getpid())}
+    procs: list[BaseProcess] = []
     cores = core_cpus()  # this process's, before anything pins it: children inherit a pinning
     try:
         if count:
             with (progress or Progress()).step(f"starting {count} busy neighbour(s): the node's "
                                                "other devices, training the model"):
-                _start(procs, count, cores, model, batch_size, precision, env)
+                _start(procs, count, cores, model, batch_size, precision)
         yield
     finally:
         for p in procs:
             p.kill()
         for p in procs:
-            p.wait()
+            p.join()
 
 
-def _start(procs: list[subprocess.Popen[str]], count: int, cores: list[frozenset[int]],
-           model: str | Path | None, batch_size: int, precision: Precision,
-           env: dict[str, str]) -> None:
+def _start(procs: list[BaseProcess], count: int, cores: list[frozenset[int]],
+           model: str | Path | None, batch_size: int, precision: Precision) -> None:
     """Start the neighbours into `procs` (the caller kills them) and wait until each is busy."""
+    import multiprocessing
+
+    from partc.hardware.forkserver import start_forkserver
+
+    start_forkserver(_PRELOAD)
+    context = multiprocessing.get_context("forkserver")
+    readies = []
     for index in range(count):
         # neighbour i is the node's device i + 1: on core i + 1 (modulo the cores), as
         # launch pins its local ranks, the measuring process being device 0
-        cpus = ",".join(str(c) for c in sorted(cores[(index + 1) % len(cores)])) \
-            if cores else "-"
-        what = [cpus, str(model), str(batch_size), precision] if model is not None \
-            else [cpus]
-        procs.append(subprocess.Popen([sys.executable, "-m", "partc.cost.neighbours", *what],
-                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                      text=True, env=env))
-    for p in procs:
-        assert p.stdout is not None
-        if p.stdout.readline().strip() != _READY:
+        cpus = tuple(sorted(cores[(index + 1) % len(cores)])) if cores else ()
+        ready, told = context.Pipe(duplex=False)
+        proc = context.Process(target=_neighbour, daemon=False, args=(
+            cpus, None if model is None else str(model), batch_size, precision, os.getpid(),
+            told))
+        proc.start()
+        told.close()  # the neighbour's end: a neighbour that dies closes the last copy
+        procs.append(proc)
+        readies.append(ready)
+    for ready in readies:
+        try:
+            ready.recv()
+        except EOFError:
             raise PartcError("a busy-neighbour process for profiling did not start",
-                             hint="profile without neighbours (--neighbours 0)")
+                             hint="profile without neighbours (--neighbours 0)") from None
+        finally:
+            ready.close()
+
+
+def _neighbour(cpus: tuple[int, ...], model: str | None, batch_size: int, precision: Precision,
+               parent: int, told: Connection) -> None:
+    """A forked neighbour: pinned to `cpus` (none: unpinned), it tells `told` once its first
+    step ran and loops until killed, or until `parent` is gone (`end_with_parent`: a compile
+    killed by SIGKILL leaves no neighbour computing). Whatever the model or a library prints
+    (a model's own prints, ONEDNN_VERBOSE) goes to /dev/null."""
+    name_process(PROCESS_NAME)
+    end_with_parent(parent=parent)
+    if cpus:
+        set_affinity(frozenset(cpus))
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for fd in (1, 2):
+        os.dup2(devnull, fd)
+    os.close(devnull)
+
+    def ready() -> None:
+        told.send(True)
+        told.close()
+
+    try:
+        _loop(model, batch_size, precision, ready)
+    except KeyboardInterrupt:  # a terminal's Ctrl-C reaches the whole group: end quietly
+        pass
 
 
 def _model_step(model: str, batch_size: int,
@@ -163,30 +202,3 @@ def _loop(model: str | None, batch_size: int, precision: Precision,
         ready()
         while True:
             step()
-
-
-if __name__ == "__main__":
-    # python -m partc.cost.neighbours CPUS [MODEL BATCH [PRECISION]]: CPUS a comma list, or -
-    # (unpinned). It loops until killed: a parent killed by SIGKILL cannot, so it ends itself
-    end_with_parent()
-    if sys.argv[1] != "-":
-        set_affinity(frozenset(int(c) for c in sys.argv[1].split(",")))
-    # the parent reads one line from our stdout: keep that pipe for it alone and send the file
-    # descriptor 1 that everything else writes to (C libraries included) to /dev/null
-    signal_to_parent = os.fdopen(os.dup(1), "w")
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 1)
-    os.close(devnull)
-
-    def ready() -> None:
-        print(_READY, file=signal_to_parent, flush=True)
-        signal_to_parent.close()
-
-    precision = sys.argv[4] if len(sys.argv) > 4 else "fp32"
-    check_choice("precision", precision, PRECISIONS, PartcError)
-    try:
-        _loop(sys.argv[2] if len(sys.argv) > 3 else None,
-              int(sys.argv[3]) if len(sys.argv) > 3 else 2,
-              cast(Precision, precision), ready)
-    except KeyboardInterrupt:
-        pass

@@ -8,28 +8,17 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import EXAMPLES, captured
+from conftest import EXAMPLES, captured, named_descendants
 
 from partc.cost.measured import ProfileOptions
-from partc.cost.neighbours import busy_neighbours, generic_step
+from partc.cost.neighbours import PROCESS_NAME, busy_neighbours, generic_step
 from partc.cost.plan_costs import measurement
 from partc.cost.profile_cache import cached_profile
 
 
 def _neighbour_pids() -> set[int]:
-    """This process's neighbour children (other tests may be measuring in parallel workers)."""
-    found = set()
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                cmdline = (proc / "cmdline").read_bytes()
-                # the parent pid: the field after the parenthesised command name
-                ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            if b"partc.cost.neighbours" in cmdline and ppid == os.getpid():
-                found.add(int(proc.name))
-    return found
+    """This process's neighbours (other tests may be measuring in parallel workers)."""
+    return {pid for _, pid in named_descendants(os.getpid(), PROCESS_NAME)}
 
 
 def test_neighbours_run_for_the_block_and_are_gone_after() -> None:
