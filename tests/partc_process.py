@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import types
 from pathlib import Path
 from typing import IO, Callable, Mapping, NoReturn, Sequence
@@ -57,19 +58,28 @@ class _Server:
         self.lock = threading.Lock()
         self.process = subprocess.Popen(
             [sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            cwd=ROOT, env={**os.environ, **_SEEDED}, text=True, bufsize=1)
+            cwd=ROOT, env={**os.environ, **_SEEDED}, bufsize=0)
         assert self.process.stdin is not None and self.process.stdout is not None
-        self.requests: IO[str] = self.process.stdin
-        self.replies: IO[str] = self.process.stdout
+        self.requests: IO[bytes] = self.process.stdin
+        self.replies = self.process.stdout.fileno()
+        # read from the pipe itself: the pid and the status of a quick command can arrive
+        # together, and a buffered reader would keep the second where select cannot see it
+        self.pending = b""
 
     def reply(self, timeout: float | None) -> str | None:
-        ready, _, _ = select.select([self.replies], [], [], timeout)
-        if not ready:
-            return None
-        line = self.replies.readline()
-        if not line:
-            raise RuntimeError("the partc fork server ended (see pytest's stderr)")
-        return line.strip()
+        """The next line the server wrote; None when none came within `timeout` seconds."""
+        end = None if timeout is None else time.monotonic() + timeout
+        while b"\n" not in self.pending:
+            left = None if end is None else max(0.0, end - time.monotonic())
+            ready, _, _ = select.select([self.replies], [], [], left)
+            if not ready:
+                return None
+            chunk = os.read(self.replies, 4096)
+            if not chunk:
+                raise RuntimeError("the partc fork server ended (see pytest's stderr)")
+            self.pending += chunk
+        line, self.pending = self.pending.split(b"\n", 1)
+        return line.decode().strip()
 
 
 _server: _Server | None = None
@@ -99,8 +109,7 @@ def run_partc(*args: str, cwd: Path | str = ROOT, env: Mapping[str, str] | None 
         out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
         request = {"argv": command, "cwd": str(cwd), "env": environment, "stdout": str(out),
                    "stderr": str(err)}
-        _server.requests.write(json.dumps(request) + "\n")
-        _server.requests.flush()
+        _server.requests.write((json.dumps(request) + "\n").encode())
         pid = int(_server.reply(None) or 0)
         status = _server.reply(timeout)
         if status is None:
