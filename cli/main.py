@@ -19,12 +19,7 @@ import click
 
 from partc.errors import PartcError
 from partc.files import write_atomic
-from partc.interrupts import (
-    HELD_ACROSS_EXEC,
-    HELD_ENV,
-    held_interrupts,
-    release_held_signals,
-)
+from partc.interrupts import exec_holding_signals, held_interrupts, release_held_signals
 from partc.options import (
     COSTS_MODES,
     DEFAULT_CAPTURE_BATCH,
@@ -691,14 +686,8 @@ def main() -> NoReturn:
     release_held_signals()  # entered without partc.cli.entry (python -m cli.main): here
     if os.environ.get("PYTHONHASHSEED") != HASH_SEED:
         os.environ["PYTHONHASHSEED"] = HASH_SEED
-        # A Ctrl-C while the new interpreter starts (before partc's code can take it) waits,
-        # blocked across the exec, until partc.cli.entry lets it in
-        held = signal.pthread_sigmask(signal.SIG_BLOCK, HELD_ACROSS_EXEC)
-        os.environ[HELD_ENV] = "1"
         with contextlib.suppress(OSError):  # where it cannot, it runs unseeded
-            os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
-        del os.environ[HELD_ENV]
-        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+            exec_holding_signals([sys.executable, *sys.orig_argv[1:]])
     cli.main(prog_name="partc")
 
 

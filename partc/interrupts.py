@@ -18,8 +18,8 @@ import threading
 from types import FrameType
 from typing import Any, Iterator
 
-# The CLI re-executes itself (seeded str hashing) with these blocked and HELD_ENV set: a signal
-# sent while the new interpreter starts stays pending until partc.cli.entry unblocks them.
+# Blocked across the CLI's re-exec (seeded str hashing), with HELD_ENV set: a signal sent while
+# the new interpreter starts stays pending until `release_held_signals` lets it in.
 HELD_ENV = "PARTC_SIGNALS_HELD"
 HELD_ACROSS_EXEC = frozenset({signal.SIGINT, signal.SIGTERM})
 
@@ -63,6 +63,19 @@ def held_interrupts(*, again_acts: bool = True) -> Iterator[None]:
         restore()
         for pending in dict.fromkeys(received):
             signal.raise_signal(pending)
+
+
+def exec_holding_signals(argv: list[str]) -> None:
+    """os.execv(argv[0], argv) with SIGINT and SIGTERM blocked through the exec: a Ctrl-C while
+    the new interpreter starts, before partc's code can take it, waits for
+    `release_held_signals`. Where the exec fails (OSError, raised) this process is as before."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, HELD_ACROSS_EXEC)
+    os.environ[HELD_ENV] = "1"
+    try:
+        os.execv(argv[0], argv)
+    finally:  # reached only where the exec failed
+        del os.environ[HELD_ENV]
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def release_held_signals() -> None:

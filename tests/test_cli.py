@@ -17,7 +17,8 @@ PARTC = str(Path(sys.executable).parent / "partc")
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([PARTC, *args], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    """The installed script itself, a fresh interpreter (what this file proves)."""
+    return run_partc(*args, exec_=True)
 
 
 def test_inspect_prints_the_table_and_writes_json_and_graph(tmp_path: Path) -> None:
