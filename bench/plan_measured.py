@@ -141,11 +141,15 @@ class Plan:
     shape: dict[str, Any] = field(default_factory=dict)
     key: tuple = ()
     predicted_iteration_s: float | None = None
+    # where the device gives a speed spread, the iteration at the priced speed (the prediction
+    # without the spread's expectation, partc.solve.stragglers); None: the same as predicted
+    priced_speed_iteration_s: float | None = None
     predicted_samples_per_s: float | None = None
     same_as: str | None = None  # the strategy whose identical plan is launched instead
     profile_sha256: str | None = None  # plan.yaml's digest of the profile that priced it
     profile_path: Path | None = None  # that profile's file (plan.yaml's costs.profile)
     steps_s: list[float] = field(default_factory=list)  # measured step time per repeat
+    mean_steps_s: list[float] = field(default_factory=list)  # the mean of the same steps
     launch_s: list[float] = field(default_factory=list)  # wall time of each launch
     predicted_peaks: list[int] = field(default_factory=list)  # memory model, per stage
     peaks: list[list[int]] = field(default_factory=list)  # measured per stage, per repeat
@@ -224,6 +228,9 @@ def compile_plan(model: str, processes: int, strategy: str, out: Path,
     ranks = [s["rank"] for s in doc["stages"]]
     plan.predicted_peaks = [int(doc["predicted"]["memory"][r]["total"]) for r in ranks]
     plan.predicted_iteration_s = float(doc["predicted"]["iteration_s"])
+    spread = doc["predicted"].get("speed_spread")
+    plan.priced_speed_iteration_s = (float(spread["iteration_at_priced_speed_s"]) if spread
+                                     else None)
     plan.predicted_samples_per_s = float(doc["predicted"]["samples_per_s"])
     plan.profile_sha256 = doc["costs"].get("profile_sha256")
     if doc["costs"].get("profile"):  # relative to the plan's directory (or absolute)
@@ -322,6 +329,7 @@ def launch(plan: Plan, steps: int) -> None:
     timed = [st for st in run.steps[WARMUP:] if st.memory_method == MEMORY_NONE] or \
         list(run.timed_steps())
     plan.steps_s.append(statistics.median(st.step_s for st in timed))
+    plan.mean_steps_s.append(statistics.fmean(st.step_s for st in timed))
     loaded = load_plan(plan.directory)
     replayed = replay_measured(loaded, run)
     if replayed is not None:
@@ -467,6 +475,31 @@ def time_bounds(rows: list[dict[str, Any]]) -> None:
 
         print(f"| {n} | {len(mine)} | {cells(mine, True)} | {len(steady)} "
               f"| {cells(steady, False)} |")
+    spread_lines(rows)
+
+
+def spread_lines(rows: list[dict[str, Any]]) -> None:
+    """Where plans were priced over the devices' speed spread: the same launches against the
+    prediction at the priced speed (the model without the spread's term), and their mean step
+    (what the expectation prices) against the prediction."""
+    plans = [r for r in rows if r["error"] is None and not r["same_plan_as"]
+             and r["measured_step_s"] and r["predicted_at_priced_speed_s"]]
+    if not plans:
+        return
+    print("\n| processes | plans | measured median / at the priced speed | within 15% | median "
+          "| measured mean / predicted (expectation) | within 15% | median |")
+    print("|---|---|---|---|---|---|---|---|")
+    for n in sorted({r["processes"] for r in plans}):
+        mine = [r for r in plans if r["processes"] == n]
+        priced = [r["measured_step_s"] / r["predicted_at_priced_speed_s"] for r in mine]
+        means = [statistics.median(r["measured_mean_steps_s"]) / r["predicted_iteration_s"]
+                 for r in mine if r["measured_mean_steps_s"]]
+        cells = []
+        for got in (priced, means):
+            cells += [f"{min(got):.3f}-{max(got):.3f}",
+                      f"{sum(abs(g - 1) <= 0.15 for g in got)} of {len(got)}",
+                      f"{statistics.median(got):.3f}"] if got else ["-", "-", "-"]
+        print(f"| {n} | {len(mine)} | " + " | ".join(cells) + " |")
 
 
 def cpu_model() -> str:
@@ -604,6 +637,8 @@ def main() -> None:
                    "predicted_iteration_s": plan.predicted_iteration_s,
                    "predicted_samples_per_s": plan.predicted_samples_per_s,
                    "measured_step_s": step, "measured_steps_s": list(m.steps_s),
+                   "measured_mean_steps_s": list(m.mean_steps_s),
+                   "predicted_at_priced_speed_s": plan.priced_speed_iteration_s,
                    "measured_samples_per_s": batch / step if step else None,
                    "measured_over_predicted": (step / plan.predicted_iteration_s
                                                if step and plan.predicted_iteration_s else None),

@@ -326,6 +326,12 @@ class TrainingConfig:
         return self.precision == "bf16-mixed"
 
     @property
+    def matmul_dtype(self) -> str:
+        """The dtype the precision runs matrix products in (autocast's lower precision), whose
+        speed spread the device config gives (DeviceSpec.speed_modes)."""
+        return "bfloat16" if self.bf16 else "float32"
+
+    @property
     def optimizer_spec(self) -> OptimizerSpec:
         return OPTIMIZER_SPECS[self.optimizer]
 

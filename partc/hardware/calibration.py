@@ -38,6 +38,13 @@ from partc.hardware.local import (
     run_processes,
 )
 from partc.hardware.specs import OP_CLASSES, ClusterSpec, DeviceSpec, LinkSpec
+from partc.hardware.speed_spread import KERNEL as SPREAD_KERNEL
+from partc.hardware.speed_spread import (
+    QUICK_WINDOW_S,
+    WINDOW_S,
+    SpeedSpreadError,
+    measure_speed_spread,
+)
 from partc.hardware.units import format_quantity, parse_quantity
 from partc.hardware.wake_credit import WakeCredit, WakeCreditError, measure_wake_credit
 
@@ -52,6 +59,8 @@ BANDWIDTH_CLASSES = ("elementwise", "norm", "reduction", "gather", "copy")
 LINK_BYTES = 64 << 20  # the message that measures a link's bandwidth
 # gloo exchanges of 1 B and of LINK_BYTES a calibration means (`measure_gloo_link`)
 GLOO_SMALL_REPS, GLOO_BIG_REPS = 1500, 60
+# of calibrate's `seconds`, what the speed spread measures per dtype (every core at once)
+SPREAD_SHARE = 0.4
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
@@ -128,6 +137,8 @@ class CalibrationResult:
     # where it was tried and failed (`wake_note`)
     wake: WakeCredit | None = None
     wake_note: str = ""
+    # why the CPU's speed spread (the device's speed_spread) was not measured, where it was tried
+    spread_note: str = ""
     # `--devices N`: the same node as N devices (cores shared when N exceeds them), each
     # (cluster read back, DIR/clusters/NAME-N.yaml)
     more_clusters: tuple[tuple[ClusterSpec, Path], ...] = ()
@@ -993,6 +1004,10 @@ def _device_lines(spec: DeviceSpec, comments: dict[str, list[str]]) -> list[str]
         # what its kernels block tensors by (the memory model's CPU convolution scratch)
         lines += block("vector_bytes", "# SIMD register width torch's CPU kernels use here",
                        f"vector_bytes: {spec.vector_bytes}")
+    if spec.speed_spread:
+        lines += block("speed_spread", "speed_spread:",
+                       *(f"  {d}: [{', '.join(f'[{p:.6g}, {f:.6g}]' for p, f in modes)}]"
+                         for d, modes in sorted(spec.speed_spread.items())))
     return lines
 
 
@@ -1103,6 +1118,21 @@ def device_yaml(cal: DeviceCalibration, command: str = "partc calibrate") -> str
             f"# partc.run.overhead): forward {_q(m['cold_forward_s'], 's')}, backward "
             f"{_q(m['cold_backward_s'], 's')}. The solver adds their mean to",
             "# both passes of every stage whose process shares its core with another."]
+    spread = [d for d in spec.speed_spread if f"spread_{d}_windows" in m]
+    if spread:
+        mm = "x".join(str(x) for x in SPREAD_KERNEL)
+        comments["speed_spread"] = [
+            "# How the speed moves from step to step: one process pinned to each core, all "
+            f"timing a {mm}",
+            "# matmul in the same step-long windows; each window's median call, over the mean "
+            "of all, cut into",
+            "# equal groups: [probability, factor] (partc.hardware.speed_spread). The simulator "
+            "prices a step",
+            "# as the expectation over every core's own draw (partc.solve.stragglers).",
+            *(f"#   {d}: {int(m[f'spread_{d}_windows'])} windows on "
+              f"{int(m[f'spread_{d}_cores'])} core(s), fastest "
+              f"{_q(m[f'spread_{d}_fastest_s'], 's')}, median {_q(m[f'spread_{d}_median_s'], 's')}"
+              f", slowest {_q(m[f'spread_{d}_slowest_s'], 's')}" for d in spread)]
     return "\n".join([*header, *_device_lines(spec, comments)]) + "\n"
 
 
@@ -1330,7 +1360,7 @@ def calibrate(out_dir: str | Path, device: str = "cpu", *, name: str | None = No
     cal: DeviceCalibration
     link: LinkCalibration
     wake: WakeCredit | None = None
-    wake_note = ""
+    wake_note = spread_note = ""
     quick = seconds < 5
     if kind == "cpu":
         cpu_cal = measure_cpu(threads, seconds)
@@ -1345,6 +1375,13 @@ def calibrate(out_dir: str | Path, device: str = "cpu", *, name: str | None = No
                 wake = measure_wake_credit()
             except WakeCreditError as exc:  # the rest of the calibration still holds
                 wake_note = exc.one_line()
+            try:
+                spread = measure_speed_spread(
+                    SPREAD_SHARE * seconds, window_s=QUICK_WINDOW_S if quick else WINDOW_S)
+                cal = replace(cal, spec=replace(cal.spec, speed_spread=spread.modes),
+                              measurements={**cal.measurements, **spread.measurements()})
+            except SpeedSpreadError as exc:  # priced without a spread, as before
+                spread_note = exc.one_line()
         else:
             link = LinkCalibration(link=LinkSpec(bandwidth=1e9, latency_s=100e-6), measured=False,
                                    source="placeholder: the link was not measured")
@@ -1375,6 +1412,7 @@ def calibrate(out_dir: str | Path, device: str = "cpu", *, name: str | None = No
     return CalibrationResult(device=cal, link=link, cluster=clusters[0], device_path=device_path,
                              cluster_path=cluster_path, wall_s=wall,
                              other_processes_cores=others, wake=wake, wake_note=wake_note,
+                             spread_note=spread_note,
                              more_clusters=tuple(zip(clusters[1:], more_paths, strict=True)))
 
 
@@ -1444,6 +1482,10 @@ def format_calibration(result: CalibrationResult) -> str:
             f"  a process woken by a gloo receive runs {_q(result.cluster.wake_credit_s, 's')} "
             "ahead of a busy core-mate (where processes share cores)"]),
         *([f"  wake credit not measured: {result.wake_note}"] if result.wake_note else []),
+        *(f"  speed spread, {dtype}: " + ", ".join(f"{p:.0%} at {f:.3f}x" for p, f in modes)
+          + " of the mean (per core and step-long window)"
+          for dtype, modes in spec.speed_spread.items()),
+        *([f"  speed spread not measured: {result.spread_note}"] if result.spread_note else []),
         *(f"cluster {path}\n  {c.num_devices} device(s) on {c.busy_cores_per_node} core(s), "
           f"{c.device.memory_bytes / 2**30:.2f} GiB each" for c, path in result.more_clusters),
         f"took {result.wall_s:.1f} s",

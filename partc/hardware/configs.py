@@ -25,6 +25,7 @@ from partc.hardware.specs import (
     ClusterSpec,
     DeviceSpec,
     LinkSpec,
+    speed_modes_problem,
     vector_bytes_problem,
 )
 from partc.hardware.units import UNIT_EXAMPLES, parse_quantity
@@ -194,6 +195,7 @@ def _device_from(m: _Mapping) -> DeviceSpec:
         _fail(where, m.key("vector_bytes"), problem,
               hint="a CPU's SIMD register width in bytes: 64 AVX-512, 32 AVX2, 16 SSE or NEON "
                    "(docs/hardware.md)")
+    spread = _speed_spread_from(m)
     spec = DeviceSpec(
         name=name,
         kind=kind,
@@ -221,9 +223,32 @@ def _device_from(m: _Mapping) -> DeviceSpec:
         allow_tf32=m.boolean("allow_tf32", False),
         calibrated_on=m.string("calibrated_on", required=False),
         vector_bytes=vector,
+        speed_spread=spread,
     )
     m.finish()
     return spec
+
+
+def _speed_spread_from(m: _Mapping) -> dict[str, tuple[tuple[float, float], ...]]:
+    """`speed_spread:` (optional): dtype -> [[probability, factor], ...] (DeviceSpec)."""
+    raw = m.raw("speed_spread", required=False, default={})
+    hint = ("speed_spread maps a dtype to [[probability, factor], ...] whose probabilities sum "
+            "to 1 and whose weighted factor is 1; `partc calibrate` measures it "
+            "(docs/hardware.md)")
+    if not isinstance(raw, dict):
+        _fail(m.where, m.key("speed_spread"), f"must be a mapping, not {_type_name(raw)}", hint)
+    spread: dict[str, tuple[tuple[float, float], ...]] = {}
+    for dtype, modes in raw.items():
+        where = f"{m.key('speed_spread')}.{dtype}"
+        if dtype not in DTYPES:
+            alias = _DTYPE_ALIASES.get(str(dtype).lower())
+            _fail(m.where, where, "unknown dtype",
+                  hint=(f"did you mean '{alias}'?" if alias else _suggest(str(dtype), DTYPES))
+                  or f"dtypes: {', '.join(DTYPES)}")
+        if (problem := speed_modes_problem(modes)) is not None:
+            _fail(m.where, where, problem, hint)
+        spread[dtype] = tuple((float(p), float(f)) for p, f in modes)
+    return spread
 
 
 def _link_from(m: _Mapping) -> LinkSpec:

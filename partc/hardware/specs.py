@@ -9,7 +9,7 @@ configs/ by partc.hardware.configs (format: docs/hardware.md).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 # Operator classes the cost model prices differently. Every device gives an efficiency for each.
@@ -107,6 +107,13 @@ class DeviceSpec:
     # block tensors by it (oneDNN's convolutions pad channels to a register of floats,
     # partc.solve.memory.kernel_scratch). 0: not recorded, read as DEFAULT_CPU_VECTOR_BYTES.
     vector_bytes: int = 0
+    # How the device's speed moves from one training step to the next, per dtype key
+    # ("float32", "bfloat16", ...): (probability, factor) modes, factors of the time a profile
+    # prices with probability-weighted mean 1, each device (each core where processes share
+    # one) drawing its mode on its own (measured by partc calibrate, partc.hardware.speed_spread;
+    # the simulator's expectation over it: partc.solve.stragglers). A dtype without modes: the
+    # device runs every step at its priced speed.
+    speed_spread: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         problems = _device_problems(self)
@@ -132,6 +139,11 @@ class DeviceSpec:
         else:
             peak = min(self.peak_flops.get(key, fp32), fp32)
         return peak * self.efficiency[op_class]
+
+    def speed_modes(self, dtype: str) -> tuple[tuple[float, float], ...]:
+        """The (probability, factor) speed modes of steps computing in `dtype` (torch names
+        accepted); () where none were measured."""
+        return self.speed_spread.get(_dtype_key(dtype), ())
 
     def backward_overhead_s(self) -> float:
         """Fixed time of one operator's backward (`backward_op_overhead_s`, else the forward's)."""
@@ -175,6 +187,9 @@ class DeviceSpec:
             extra["calibrated_on"] = self.calibrated_on
         if self.vector_bytes:
             extra["vector_bytes"] = self.vector_bytes
+        if self.speed_spread:
+            extra["speed_spread"] = {k: [list(mode) for mode in self.speed_spread[k]]
+                                     for k in sorted(self.speed_spread)}
         return {
             "name": self.name,
             "kind": self.kind,
@@ -227,7 +242,38 @@ def _device_problems(d: DeviceSpec) -> list[str]:
         problems.append("cache_bytes and cache_bandwidth must be >= 0")
     elif bool(d.cache_bytes) != bool(d.cache_bandwidth):
         problems.append("cache_bytes and cache_bandwidth go together: give both or neither")
+    for dtype, modes in d.speed_spread.items():
+        if dtype not in DTYPES:
+            problems.append(f"unknown dtype {dtype!r} in speed_spread")
+        elif (problem := speed_modes_problem(modes)) is not None:
+            problems.append(f"speed_spread[{dtype!r}] {problem}")
     return problems
+
+
+SPREAD_MEAN_TOLERANCE = 0.01  # a spread's probability-weighted factor is 1 to within this
+
+
+def speed_modes_problem(modes: object) -> str | None:
+    """Why `modes` is not a device's speed modes of one dtype (DeviceSpec.speed_spread), or
+    None: a non-empty sequence of (probability, factor) pairs, probabilities in (0, 1] summing
+    to 1, factors > 0 with probability-weighted mean 1 (the profiled time is the mean one)."""
+    if not isinstance(modes, (list, tuple)) or not modes:
+        return "must be a non-empty list of [probability, factor] pairs"
+    for mode in modes:
+        if (not isinstance(mode, (list, tuple)) or len(mode) != 2
+                or any(isinstance(v, bool) or not isinstance(v, (int, float))
+                       or not math.isfinite(v) for v in mode)):
+            return f"has {mode!r}, not a [probability, factor] pair of numbers"
+        if not 0 < mode[0] <= 1 or not mode[1] > 0:
+            return f"has {list(mode)!r}: a probability in (0, 1] and a factor > 0"
+    total = sum(p for p, _ in modes)
+    if abs(total - 1) > 1e-6:
+        return f"has probabilities summing to {total:g}, not 1"
+    mean = sum(p * f for p, f in modes)
+    if abs(mean - 1) > SPREAD_MEAN_TOLERANCE:
+        return (f"has a mean factor of {mean:.4f}: factors are of the profiled (mean) time, "
+                "their probability-weighted mean 1")
+    return None
 
 
 @dataclass(frozen=True)

@@ -790,7 +790,8 @@ def format_plan(plan: Plan, solver_wall_s: float | None = None) -> str:
                      f"{stage_levers_text(plan, st):<22}  {modules}")
     p = plan.predicted
     lines.append(f"predicted: {p.iteration_s * 1e3:.3f} ms/iteration, "
-                 f"{p.samples_per_s:,.1f} samples/s, bubble {p.bubble_fraction:.1%}")
+                 f"{p.samples_per_s:,.1f} samples/s, bubble {p.bubble_fraction:.1%}"
+                 + p.spread_text())
     if plan.tied_parameters:
         lines.append("tied: " + "; ".join(f"{x.name} in stages {', '.join(map(str, x.stages))}"
                                           for x in plan.tied_parameters))

@@ -485,7 +485,7 @@ def render_html(plan: Plan, path: str | Path, png: bytes | None = None,
                           + (f"; {levers}" if levers else "")),
              ("predicted", f"{p.iteration_s * 1e3:.3f} ms/iteration, "
                            f"{p.samples_per_s:,.1f} samples/s, bubble "
-                           f"{p.bubble_fraction:.1%}"),
+                           f"{p.bubble_fraction:.1%}" + p.spread_text()),
              ("solver", f"{r.strategy} {r.status}, gap {gap}, search gap "
                         f"{r.search_gap:.2%} over {r.shapes_enumerated} shapes"),
              ("costs", f"{plan.costs.source}"

@@ -207,6 +207,15 @@ class TrainingSetup:
 
 
 @dataclass(frozen=True)
+class SpeedSpreadPrice:
+    """The step priced over the devices' speed spread (partc.solve.stragglers): the device
+    config's modes of the plan's matmul dtype and the expected iteration under them."""
+
+    modes: tuple[tuple[float, float], ...]
+    iteration_s: float
+
+
+@dataclass(frozen=True)
 class Prediction:
     """What the plan is predicted to do (plan.yaml's `predicted`): the simulated iteration, peak
     memory per rank by kind against the usable memory, and the per-rank sync times the
@@ -224,6 +233,10 @@ class Prediction:
     # per rank, the memory model's peak with none of the levers (no checkpointing, no sharding):
     # what the rank's levers save is this minus its `memory` total; () in older plans
     memory_without_levers: tuple[int, ...] = ()
+    # where the device config gives a speed spread: its modes, and the iteration at the priced
+    # speed (`iteration_s` being the expectation over the modes); None: no spread priced
+    speed_modes: tuple[tuple[float, float], ...] = ()
+    iteration_at_priced_speed_s: float | None = None
 
     @classmethod
     def of(cls, partition: "Partition") -> "Prediction":
@@ -239,7 +252,18 @@ class Prediction:
                    tied_sync=tuple(TiedSync(t.ranks, round_seconds(t.seconds))
                                    for t in partition.pipeline.tied),
                    memory_without_levers=tuple(int(x)
-                                               for x in partition.memory_without_levers))
+                                               for x in partition.memory_without_levers),
+                   speed_modes=spread.modes if (spread := partition.speed_spread) else (),
+                   iteration_at_priced_speed_s=round_seconds(partition.simulation.iteration_s)
+                   if spread else None)
+
+    def spread_text(self) -> str:
+        """Where the iteration is an expectation over the devices' speed spread, what it is at
+        the priced speed (a clause for the one-line summaries); "" otherwise."""
+        if not self.speed_modes or self.iteration_at_priced_speed_s is None:
+            return ""
+        return (f" (expected over the devices' speed spread; "
+                f"{self.iteration_at_priced_speed_s * 1e3:.3f} ms at the priced speed)")
 
     def lever_savings(self, rank: int) -> int:
         """Bytes the rank's levers save on its peak (0 when not recorded)."""
@@ -259,7 +283,11 @@ class Prediction:
                 "allreduce_s": list(self.allreduce_s), "optimizer_s": list(self.optimizer_s),
                 "tied_sync": [{"ranks": list(t.ranks), "seconds": t.seconds}
                               for t in self.tied_sync],
-                "memory_without_levers": list(self.memory_without_levers)}
+                "memory_without_levers": list(self.memory_without_levers),
+                **({"speed_spread": {"modes": [[p, f] for p, f in self.speed_modes],
+                                     "iteration_at_priced_speed_s":
+                                         self.iteration_at_priced_speed_s}}
+                   if self.speed_modes else {})}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Prediction":
@@ -271,7 +299,11 @@ class Prediction:
                    allreduce_s=tuple(d["allreduce_s"]), optimizer_s=tuple(d["optimizer_s"]),
                    tied_sync=tuple(TiedSync(tuple(t["ranks"]), t["seconds"])
                                    for t in d.get("tied_sync", ())),
-                   memory_without_levers=tuple(d.get("memory_without_levers", ())))
+                   memory_without_levers=tuple(d.get("memory_without_levers", ())),
+                   speed_modes=tuple((float(p), float(f))
+                                     for p, f in d.get("speed_spread", {}).get("modes", ())),
+                   iteration_at_priced_speed_s=d.get("speed_spread", {}).get(
+                       "iteration_at_priced_speed_s"))
 
 
 @dataclass(frozen=True)
@@ -293,9 +325,15 @@ class Partition:
     simulation: Simulation
     levers: tuple[RankLevers, ...] = ()  # per rank (partc.solve.levers); (): none anywhere
     memory_without_levers: tuple[int, ...] = ()  # per rank: the peak with no lever on
+    # the step's expectation over the device's speed spread, where its config gives one
+    speed_spread: SpeedSpreadPrice | None = None
 
     @property
     def iteration_s(self) -> float:
+        """The predicted iteration: the expectation over the devices' speed spread where the
+        device config gives one, else the simulated schedule's time."""
+        if self.speed_spread is not None:
+            return self.speed_spread.iteration_s
         return self.simulation.iteration_s
 
     @property

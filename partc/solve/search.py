@@ -66,7 +66,14 @@ from partc.solve.memory import (
     stage_boundary,
     usable_memory,
 )
-from partc.solve.partition import CutCandidate, Partition, SolverReport, StagePlan, round_seconds
+from partc.solve.partition import (
+    CutCandidate,
+    Partition,
+    SolverReport,
+    SpeedSpreadPrice,
+    StagePlan,
+    round_seconds,
+)
 from partc.solve.simulator import PipelineSpec, StageTiming, TiedSync, simulate
 from partc.solve.stage_problem import (
     PipelineShape,
@@ -77,6 +84,7 @@ from partc.solve.stage_problem import (
     sync_bytes,
     wire_bytes,
 )
+from partc.solve.stragglers import expected_iteration_s
 from partc.solve.strategies.baselines import params_assignment, uniform_assignment
 from partc.solve.strategies.chain_dp import solve_chain_dp
 from partc.solve.strategies.cpsat import solve_cpsat
@@ -816,13 +824,20 @@ def build_partition(problem: StageProblem, assignment: Sequence[int], global_bat
                             core_sharing=shape.core_sharing(cluster),
                             wake_credit_s=cluster.wake_credit_s)
     simulation = simulate(pipeline)
+    modes = cluster.device.speed_modes(problem.training.matmul_dtype)
+    expected = None
+    if modes:
+        units = [tuple(cluster.core_of(d) for d in shape.rank_devices(r)) for r in range(S)]
+        expected = SpeedSpreadPrice(modes=modes,
+                                    iteration_s=expected_iteration_s(pipeline, units, modes))
     return Partition(model=graph.model_name, graph_hash=graph.content_hash(), cluster=cluster.name,
                      num_devices=cluster.num_devices, global_batch_size=global_batch,
                      shape=shape, training=shape.training_config(problem.training),
                      stages=tuple(stages),
                      memory=tuple(memory), usable_memory_bytes=problem.usable_bytes(),
                      solver=report, pipeline=pipeline, simulation=simulation, levers=levers,
-                     memory_without_levers=tuple(m.total for m in without))
+                     memory_without_levers=tuple(m.total for m in without),
+                     speed_spread=expected)
 
 
 def _sync_times(problem: StageProblem, assignment: Sequence[int],

@@ -37,7 +37,8 @@ from partc.hardware.calibration import (
 )
 from partc.hardware.configs import device_from_dict, load_cluster, load_device
 from partc.hardware.local import cpu_model, cpu_vector_bytes, physical_cores
-from partc.hardware.specs import DeviceSpec, LinkSpec
+from partc.hardware.specs import DeviceSpec, LinkSpec, speed_modes_problem
+from partc.hardware.speed_spread import SpeedSpread, modes_of
 from partc.hardware.units import parse_quantity
 from partc.hardware.wake_credit import WakeCredit
 
@@ -89,10 +90,14 @@ def cpu_calibration() -> CpuCalibration:
              "matmul_bfloat16_512_flop_s": 222.7e9, "conv2d_fwd_bwd_flop_s": 100.8e9,
              "sdpa_fwd_bwd_flop_s": 75.9e9, **OVERHEADS, **BANDWIDTHS}
     shipped = load_device("cpu")
+    spread = SpeedSpread(modes={"float32": modes_of([1.0, 1.1, 1.2, 2.0, 0.9, 1.0])},
+                         window_s=0.25, times_s={"float32": ((1e-3, 1.1e-3, 1.2e-3),
+                                                             (2e-3, 0.9e-3, 1e-3))})
     spec = replace(shipped, name="box", op_overhead_s=1.23e-6, backward_op_overhead_s=3.3e-6,
-                   description='A "quoted" description: with colons', source="synthetic")
+                   description='A "quoted" description: with colons', source="synthetic",
+                   speed_spread=spread.modes)
     return CpuCalibration(spec=spec, cpu_model="Test CPU", physical_cores=4, ram_bytes=32 << 30,
-                          threads=2, measurements=found)
+                          threads=2, measurements={**found, **spread.measurements()})
 
 
 # -- YAML ----------------------------------------------------------------------------------------
@@ -110,6 +115,23 @@ def test_device_yaml_round_trips_to_an_equal_spec(make) -> None:  # type: ignore
     pretty = "backward_op_overhead_s: 3.3us\n" in text
     assert pretty or "backward_op_overhead_s: 3.3e-06\n" in text
     assert pretty == isinstance(cal, CudaCalibration)
+    if isinstance(cal, CpuCalibration):  # the speed spread and the windows it came from
+        assert "#   float32: 6 windows on 2 core(s), fastest 900us, median 1.05ms, slowest 2ms" \
+            in text and loaded.speed_spread == cal.spec.speed_spread
+
+
+def test_speed_modes_are_equal_groups_of_the_windows_over_their_mean() -> None:
+    """partc.hardware.speed_spread.modes_of: sorted factors of the mean, cut into equal groups,
+    each its share and mean factor; the weighted factor is 1 (the profile's time is the mean)."""
+    modes = modes_of([1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 2.0, 2.0])  # a slow mode a quarter of the time
+    assert modes == ((0.75, 0.8), (0.25, 1.6))  # equal factors merged
+    assert speed_modes_problem(modes) is None
+    spread = modes_of([float(t) for t in range(1, 101)])
+    assert [p for p, _ in spread] == [0.25] * 4 and speed_modes_problem(spread) is None
+    assert spread[0][1] < spread[-1][1]
+    assert modes_of([3.0]) == ((1.0, 1.0),)
+    with pytest.raises(ValueError, match="positive and finite"):
+        modes_of([1.0, 0.0])
 
 
 def test_cache_terms_are_the_plateau_above_the_memory_rate() -> None:
@@ -404,6 +426,11 @@ def test_calibrate_command_writes_configs_that_compile(tmp_path: Path) -> None:
     assert "a stage pass from evicted caches" in proc.stdout
     assert "# The computing thread's CPU in the same pipeline's p2p posts and waits" in text
     assert "p2p posts and waits: " in proc.stdout
+    # every core's speed from step-long window to window, per dtype: modes of mean factor 1
+    assert set(spec.speed_spread) == {"float32", "bfloat16"}
+    assert all(speed_modes_problem(modes) is None for modes in spec.speed_spread.values())
+    assert "# How the speed moves from step to step" in text
+    assert "speed spread, float32: " in proc.stdout
     # inside the passes and, on a CPU, the process's CPU between them: both in the value; the
     # posts and waits apart from both
     flat = " ".join(line.lstrip("# ") for line in text.splitlines())
@@ -420,6 +447,13 @@ def test_calibrate_command_writes_configs_that_compile(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert (plan / "plan.yaml").is_file()
     assert f"source: {spec.source}" in (plan / "plan.yaml").read_text()  # the calibrated device
+    # two devices, each with its own spread: the plan's iteration is the expectation over it,
+    # never below the schedule at the priced speed
+    predicted = yaml.safe_load((plan / "plan.yaml").read_text())["predicted"]
+    at_price = predicted["speed_spread"]["iteration_at_priced_speed_s"]
+    assert predicted["iteration_s"] >= at_price > 0
+    assert predicted["speed_spread"]["modes"] == [list(m) for m in spec.speed_spread["float32"]]
+    assert "at the priced speed" in proc.stderr + proc.stdout
     # calibrated here: compile prices this machine with it and says nothing of another machine
     assert spec.calibrated_on == cpu_model() and "was calibrated on" not in proc.stderr
     # the SIMD width this machine's kernels use (what a CPU convolution's scratch is blocked by)

@@ -506,3 +506,33 @@ def test_a_config_calibrated_on_another_machine_is_told_apart() -> None:
     assert foreign_calibration(remote) is None  # planned for, not measured here
     assert device_from_dict(elsewhere.device.to_dict(), "test") == elsewhere.device
     assert load_device("cpu").calibrated_on  # the shipped one says which machine it is of
+
+
+# -- speed spread ----------------------------------------------------------------------------
+
+def test_a_speed_spread_reads_back_and_bad_ones_are_one_line_errors() -> None:
+    """`speed_spread` (partc.solve.stragglers' input): dtype -> [[probability, factor], ...],
+    probabilities summing to 1 and a mean factor of 1; absent: nothing written, no modes."""
+    good = device_from_dict(DEVICE, "toy")
+    assert good.speed_spread == {} and "speed_spread" not in good.to_dict()
+    assert good.speed_modes("float32") == ()
+    spread = {"float32": [[0.6, 0.8], [0.4, 1.3]], "bfloat16": [[1.0, 1.0]]}
+    spec = device_from_dict({**DEVICE, "speed_spread": spread}, "toy")
+    assert spec.speed_modes("float32") == ((0.6, 0.8), (0.4, 1.3))
+    assert spec.speed_modes("torch.bfloat16") == ((1.0, 1.0),)  # torch names accepted
+    assert spec.speed_modes("float16") == ()  # a dtype not measured: none
+    assert device_from_dict(spec.to_dict(), "again") == spec
+    for bad, message in (
+            ({"float32": [[0.5, 0.8], [0.4, 1.3]]}, "summing to 0.9"),
+            ({"float32": [[0.5, 0.9], [0.5, 1.3]]}, "mean factor of 1.1000"),
+            ({"float32": [[0.5, -1.0], [0.5, 3.0]]}, "a factor > 0"),
+            ({"float32": [[1.0]]}, "not a \\[probability, factor\\] pair"),
+            ({"float32": []}, "non-empty list"),
+            ({"fp32": [[1.0, 1.0]]}, "unknown dtype"),
+            ([[1.0, 1.0]], "must be a mapping")):
+        with pytest.raises(ConfigError, match=message) as info:
+            device_from_dict({**DEVICE, "speed_spread": bad}, "toy.yaml")
+        assert "speed_spread" in info.value.message and "\n" not in info.value.message
+        assert info.value.hint
+    with pytest.raises(ValueError, match="speed_spread"):  # built in code, the same rule
+        DeviceSpec(**{**good.__dict__, "speed_spread": {"float32": ((0.5, 2.0), (0.5, 1.0))}})
