@@ -157,6 +157,11 @@ def format_measured(plan: Plan, metrics: RunMetrics) -> str:
              f"iteration {step * 1e3:.1f} ms (median), {samples / step:,.1f} samples/s; "
              f"predicted {p.iteration_s * 1e3:.1f} ms, {p.samples_per_s:,.1f} samples/s "
              f"({step / p.iteration_s if p.iteration_s else 0:.2f}x)"]
+    if p.speed_modes and p.iteration_s:
+        # an expectation over the devices' speed spread: the mean step is what it predicts
+        mean = metrics.mean_step_s()
+        lines.append(f"mean step {mean * 1e3:.1f} ms ({mean / p.iteration_s:.2f}x the predicted "
+                     "expectation over the devices' speed spread)")
     if not metrics.strictly_timed_steps():
         # the fallback of timed_steps: say so, or a warm-up's lazy allocations and a profiler's
         # slowdown read as the plan's prediction being that far off

@@ -528,6 +528,11 @@ class RunMetrics:
         """The median step time over `timed_steps`."""
         return statistics.median(s.step_s for s in self.timed_steps())
 
+    def mean_step_s(self) -> float:
+        """The mean step time over `timed_steps`: what a prediction over the devices' speed
+        spread (an expectation) is of, and what sets the run's throughput."""
+        return statistics.fmean(s.step_s for s in self.timed_steps())
+
     def stage_summaries(self, steps: tuple[StepMetrics, ...] | None = None
                         ) -> tuple[StageSummary, ...]:
         """Per stage, the median of each value over `steps` (default: `timed_steps`; see

@@ -19,6 +19,7 @@ from partc.hardware.calibration import (
     CpuCalibration,
     CudaCalibration,
     LinkCalibration,
+    _own_cpu_s,
     check_devices,
     check_name,
     cluster_yaml,
@@ -38,7 +39,7 @@ from partc.hardware.calibration import (
 from partc.hardware.configs import device_from_dict, load_cluster, load_device
 from partc.hardware.local import cpu_model, cpu_vector_bytes, physical_cores
 from partc.hardware.specs import DeviceSpec, LinkSpec, speed_modes_problem
-from partc.hardware.speed_spread import SpeedSpread, modes_of
+from partc.hardware.speed_spread import SpeedSpread, measure_speed_spread, modes_of
 from partc.hardware.units import parse_quantity
 from partc.hardware.wake_credit import WakeCredit
 
@@ -448,10 +449,11 @@ def test_calibrate_command_writes_configs_that_compile(tmp_path: Path) -> None:
     assert (plan / "plan.yaml").is_file()
     assert f"source: {spec.source}" in (plan / "plan.yaml").read_text()  # the calibrated device
     # two devices, each with its own spread: the plan's iteration is the expectation over it,
-    # never below the schedule at the priced speed
+    # not below the schedule at the priced speed (to a hair: with gloo's rendezvous copies the
+    # simulated step is not convex in the stage times, docs/simulator.md)
     predicted = yaml.safe_load((plan / "plan.yaml").read_text())["predicted"]
     at_price = predicted["speed_spread"]["iteration_at_priced_speed_s"]
-    assert predicted["iteration_s"] >= at_price > 0
+    assert predicted["iteration_s"] >= 0.99 * at_price > 0
     assert predicted["speed_spread"]["modes"] == [list(m) for m in spec.speed_spread["float32"]]
     assert "at the priced speed" in proc.stderr + proc.stdout
     # calibrated here: compile prices this machine with it and says nothing of another machine
@@ -527,3 +529,13 @@ def test_a_wake_credit_that_cannot_be_measured_leaves_the_rest_of_the_calibratio
     assert "wake_credit_s" not in result.cluster_path.read_text()
     summary = format_calibration(result)
     assert "wake credit not measured: measuring the wake credit needs processes pinned" in summary
+
+
+def test_the_cpu_of_forked_measurements_is_calibrates_own() -> None:
+    """calibrate's "other processes' CPU use meanwhile" subtracts its own: the measurement
+    workers are the forkserver's children, not this process's, and counted through it (they
+    read as 92-96% of a core of other processes' use on an idle machine before)."""
+    before = _own_cpu_s()
+    spread = measure_speed_spread(0.2, window_s=0.05)  # 2 x 4 windows of 0.05 s on each core
+    busy = sum(len(core) for times in spread.times_s.values() for core in times) * 0.05
+    assert _own_cpu_s() - before >= 0.75 * busy

@@ -63,6 +63,8 @@ def test_round_trip_and_summaries(tmp_path: Path) -> None:
     # the first step (warm-up) and the profiled one are left out of the time summaries
     assert [s.step for s in run.timed_steps()] == [3, 4, 5]
     assert run.median_step_s() == pytest.approx(0.04)
+    assert RunMetrics.load(write(tmp_path / "skew.jsonl", [*steps, step(20)])).mean_step_s() \
+        == pytest.approx((0.03 + 0.04 + 0.05 + 0.2) / 4)  # the mean, not the median
     first, second = run.stage_summaries()
     assert first.forward_s == pytest.approx(0.004) and second.forward_s == pytest.approx(0.008)
     assert first.forward_cpu_s == pytest.approx(0.0036)
