@@ -240,6 +240,19 @@ def pinned_to_core(index: int, count: int = 1) -> Iterator[frozenset[int] | None
             set_affinity(frozenset(before))
 
 
+def pinnable_cpus(what: str, error: type[PartcError]) -> list[int]:
+    """One logical CPU of each physical core this process may run on (`core_cpus`), for a
+    measurement that pins a process to each; raises `error` (one line, with a hint) where the
+    system does not let partc set CPU affinity. `what` names the measurement."""
+    cpus = [min(core) for core in core_cpus()] if hasattr(os, "sched_setaffinity") else []
+    if not cpus:
+        raise error(f"measuring {what} needs processes pinned to CPUs, and this system does not "
+                    "let partc set CPU affinity",
+                    hint="run partc calibrate on Linux, outside a container that forbids "
+                         "sched_setaffinity")
+    return cpus
+
+
 def set_affinity(cpus: frozenset[int]) -> bool:
     """Every thread of this process onto `cpus` (sched_setaffinity(0) moves the calling thread
     only; threads started later inherit it)."""

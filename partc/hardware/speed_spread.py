@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from partc.errors import PartcError
-from partc.hardware.local import core_cpus, set_affinity, spawn_measurement
+from partc.hardware.local import pinnable_cpus, set_affinity, spawn_measurement
 
 KERNEL = (512, 512, 128)  # (M, K, N): a transformer MLP's product at a small micro-batch
 WINDOW_S = 0.25  # a window: about a step of the plans this machine trains
@@ -91,12 +91,7 @@ def modes_of(times: Sequence[float], groups: int = MODES) -> Modes:
 def measure_speed_spread(seconds: float, dtypes: Sequence[str] = DTYPES,
                          window_s: float = WINDOW_S) -> SpeedSpread:
     """Measure every core's speed spread for about `seconds` per dtype (module docstring)."""
-    cpus = [min(core) for core in core_cpus()] if hasattr(os, "sched_setaffinity") else []
-    if not cpus:
-        raise SpeedSpreadError("measuring the speed spread needs processes pinned to each core, "
-                               "and this system does not let partc set CPU affinity",
-                               hint="run partc calibrate on Linux, outside a container that "
-                                    "forbids sched_setaffinity")
+    cpus = pinnable_cpus("the speed spread", SpeedSpreadError)
     windows = max(MIN_WINDOWS, round(seconds / window_s))
     per_dtype: dict[str, list[list[float]]] = spawn_measurement(
         _worker, (tuple(cpus), tuple(dtypes), windows, window_s), len(cpus), "speed spread",

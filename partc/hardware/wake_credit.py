@@ -28,8 +28,8 @@ from typing import Any
 from partc.errors import PartcError
 from partc.hardware.local import (
     batch_schedule_gloo_io,
-    core_cpus,
     free_port,
+    pinnable_cpus,
     set_affinity,
     spawn_measurement,
 )
@@ -72,12 +72,7 @@ def measure_wake_credit(repeats: int = REPEATS) -> WakeCredit:
 
 
 def _measure(compute_s: float, period_s: float, repeats: int) -> list[float]:
-    cpus = [min(core) for core in core_cpus()] if hasattr(os, "sched_setaffinity") else []
-    if not cpus:
-        raise WakeCreditError("measuring the wake credit needs processes pinned to a CPU, and "
-                              "this system does not let partc set CPU affinity",
-                              hint="run partc calibrate on Linux, outside a container that "
-                                   "forbids sched_setaffinity")
+    cpus = pinnable_cpus("the wake credit", WakeCreditError)
     # the hog and the sleeper on one logical CPU (an SMT sibling would run them side by side),
     # the sender on another core where there is one
     shared, sender = cpus[0], cpus[1 % len(cpus)]

@@ -517,10 +517,11 @@ def test_a_wake_credit_that_cannot_be_measured_leaves_the_rest_of_the_calibratio
     and the sleeper would run side by side and the credit would read as the whole of the work:
     the measurement refuses, and calibrate writes its configs without a wake credit and says
     why in its summary."""
+    import partc.hardware.local as local
     import partc.hardware.wake_credit as wake_credit
     from partc.hardware.calibration import calibrate, format_calibration
 
-    monkeypatch.setattr(wake_credit, "core_cpus", lambda: [])
+    monkeypatch.setattr(local, "core_cpus", lambda: [])  # what pinnable_cpus reads
     with pytest.raises(wake_credit.WakeCreditError, match="CPU affinity") as err:
         wake_credit.measure_wake_credit()
     assert err.value.hint
@@ -529,6 +530,10 @@ def test_a_wake_credit_that_cannot_be_measured_leaves_the_rest_of_the_calibratio
     assert "wake_credit_s" not in result.cluster_path.read_text()
     summary = format_calibration(result)
     assert "wake credit not measured: measuring the wake credit needs processes pinned" in summary
+    # the speed spread pins a process to each core too: left out the same way
+    assert result.device.spec.speed_spread == {} and "speed_spread" not in \
+        result.device_path.read_text()
+    assert "speed spread not measured: measuring the speed spread needs processes pinned" in summary
 
 
 def test_the_cpu_of_forked_measurements_is_calibrates_own() -> None:
