@@ -34,7 +34,7 @@ from partc.cost.op_classes import held_params
 from partc.errors import PartcError
 from partc.files import load_yaml, write_atomic
 from partc.graph.opgraph import INTEGER_DTYPES, OpGraph, dtype_bytes
-from partc.hardware.specs import vector_bytes_problem
+from partc.hardware.specs import speed_modes_problem, vector_bytes_problem
 from partc.options import Precision
 
 PROFILE_FORMAT = "partc-profile"
@@ -233,6 +233,11 @@ class CostTable:
     # that saves it too (partc.cost.activations); None in profiles from before it was recorded,
     # where the memory model goes by operator kind
     keeps_result: frozenset[str] | None = None
+    # how the priced times moved from step to step where they were measured, as (probability,
+    # factor) modes of each stage's priced (median) time: a launched run's spread, set by
+    # `partc compile --calibrate-from` (partc.plans.recalibrate) and priced by the solver in
+    # place of the device config's; (): none (every profile and roofline table)
+    speed_modes: tuple[tuple[float, float], ...] = ()
 
     # ---- per node ------------------------------------------------------------------------------
     def cost(self, node: str) -> NodeCost:
@@ -381,6 +386,7 @@ class CostTable:
                          gemm_scratch_bytes=max(self.gemm_scratch_bytes,
                                                 other.gemm_scratch_bytes),
                          cpu_vector_bytes=self.cpu_vector_bytes or other.cpu_vector_bytes,
+                         speed_modes=self.speed_modes or other.speed_modes,
                          keeps_result=other.keeps_result if self.keeps_result is None
                          else self.keeps_result if other.keeps_result is None
                          else self.keeps_result | other.keeps_result)
@@ -411,6 +417,8 @@ class CostTable:
             "batch_bytes": [int(round(self.batch_bytes.at(b))) for b in sizes],
             "gemm_scratch_bytes": self.gemm_scratch_bytes,
             **({"cpu_vector_bytes": self.cpu_vector_bytes} if self.cpu_vector_bytes else {}),
+            **({"speed_spread": [[p, f] for p, f in self.speed_modes]}
+               if self.speed_modes else {}),
             **({} if self.keeps_result is None
                else {"keeps_result": sorted(self.keeps_result)}),
             "nodes": {name: _row(c, sizes) for name, c in written.nodes.items()},
@@ -491,6 +499,10 @@ class CostTable:
             vector = d.get("cpu_vector_bytes", 0)  # absent in older profiles
             if (problem := vector_bytes_problem(vector)) is not None:
                 raise ValueError(f"cpu_vector_bytes {problem}")
+            spread = d.get("speed_spread")  # a run's (absent: none)
+            if spread is not None and (problem := speed_modes_problem(spread,
+                                                                      mean_one=False)):
+                raise ValueError(f"speed_spread {problem}")
             keepers = d.get("keeps_result")  # absent in older profiles
             if keepers is not None and (not isinstance(keepers, list)
                                         or not all(isinstance(k, str) for k in keepers)):
@@ -510,7 +522,8 @@ class CostTable:
                                    hint="re-create it with partc profile")
         return cls(graph=graph, source=source, nodes=nodes, loss=loss, batch_bytes=batch_bytes,
                    gemm_scratch_bytes=scratch, cpu_vector_bytes=int(vector),
-                   keeps_result=None if keepers is None else frozenset(keepers))
+                   keeps_result=None if keepers is None else frozenset(keepers),
+                   speed_modes=tuple((float(p), float(f)) for p, f in spread or ()))
 
 
 def _row(c: NodeCost, sizes: Sequence[int]) -> list[Any]:

@@ -67,7 +67,13 @@ from partc.plans.plan import (
     write_timings,
 )
 from partc.plans.priced_search import priced_search, warn_of_foreign_calibration
-from partc.plans.recalibrate import RunOfPlan, corrected_costs, load_launched_run, names_of
+from partc.plans.recalibrate import (
+    MIN_SPREAD_STEPS,
+    RunOfPlan,
+    corrected_costs,
+    load_launched_run,
+    names_of,
+)
 from partc.progress import Progress
 from partc.solve.coarsen import coarsen
 from partc.solve.partition import Partition
@@ -211,7 +217,15 @@ def calibrated_costs(result: CaptureResult, table: CostTable, cluster: ClusterSp
     where = str(runs[0].run_path) if len(runs) == 1 else f"{len(runs)} runs ({names_of(runs)})"
     with progress.step(f"calibrating costs from {where}"):
         launched = load_launched_run(runs, result, progress)
-        data = corrected_costs(table, launched, cluster.device).dumps().encode()
+        corrected = corrected_costs(table, launched, cluster.device)
+        data = corrected.dumps().encode()
+    if not corrected.speed_modes and len(launched.timed) < MIN_SPREAD_STEPS:
+        fallback = ("the device config's is priced"
+                    if cluster.device.speed_modes(options.training.matmul_dtype)
+                    else "none is priced")
+        progress.warn(f"{len(launched.timed)} timed step(s) in {where}, fewer than the "
+                      f"{MIN_SPREAD_STEPS} a speed spread is taken from: {fallback} (launch "
+                      "with more --steps for one)")
     with tempfile.TemporaryDirectory(prefix="partc-calibrated-") as tmp:
         path = Path(tmp) / PROFILE_FILE
         path.write_bytes(data)

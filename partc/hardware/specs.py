@@ -253,10 +253,12 @@ def _device_problems(d: DeviceSpec) -> list[str]:
 SPREAD_MEAN_TOLERANCE = 0.01  # a spread's probability-weighted factor is 1 to within this
 
 
-def speed_modes_problem(modes: object) -> str | None:
+def speed_modes_problem(modes: object, mean_one: bool = True) -> str | None:
     """Why `modes` is not a device's speed modes of one dtype (DeviceSpec.speed_spread), or
     None: a non-empty sequence of (probability, factor) pairs, probabilities in (0, 1] summing
-    to 1, factors > 0 with probability-weighted mean 1 (the profiled time is the mean one)."""
+    to 1, factors > 0 with probability-weighted mean 1 (the profiled time is the mean one).
+    `mean_one=False`: any mean (a launched run's spread, whose factors are of the stages'
+    median times: partc.plans.recalibrate)."""
     if not isinstance(modes, (list, tuple)) or not modes:
         return "must be a non-empty list of [probability, factor] pairs"
     for mode in modes:
@@ -270,7 +272,7 @@ def speed_modes_problem(modes: object) -> str | None:
     if abs(total - 1) > 1e-6:
         return f"has probabilities summing to {total:g}, not 1"
     mean = sum(p * f for p, f in modes)
-    if abs(mean - 1) > SPREAD_MEAN_TOLERANCE:
+    if mean_one and abs(mean - 1) > SPREAD_MEAN_TOLERANCE:
         return (f"has a mean factor of {mean:.4f}: factors are of the profiled (mean) time, "
                 "their probability-weighted mean 1")
     return None

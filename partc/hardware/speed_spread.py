@@ -66,13 +66,17 @@ class SpeedSpread:
         return found
 
 
-def modes_of(times: Sequence[float], groups: int = MODES) -> Modes:
-    """The (probability, factor) modes of window times: factors of their mean, sorted, cut into
-    `groups` runs of (nearly) equal count, each the run's share (4 digits) and mean factor (3
-    digits; equal factors merged). Their weighted factor is 1 to rounding."""
+def modes_of(times: Sequence[float], groups: int = MODES, reference: float | None = None
+             ) -> Modes:
+    """The (probability, factor) modes of window times: factors of `reference` (default: their
+    mean, so that the weighted factor is 1 to rounding), sorted, cut into `groups` runs of
+    (nearly) equal count, each the run's share (4 digits) and mean factor (3 digits; equal
+    factors merged)."""
     if not times or any(not (t > 0 and math.isfinite(t)) for t in times):
         raise ValueError("window times must be positive and finite")
-    mean = math.fsum(times) / len(times)
+    if reference is not None and not (reference > 0 and math.isfinite(reference)):
+        raise ValueError("the reference time must be positive and finite")
+    mean = math.fsum(times) / len(times) if reference is None else reference
     factors = sorted(t / mean for t in times)
     n = len(factors)
     groups = max(1, min(groups, n))

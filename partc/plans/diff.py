@@ -422,6 +422,9 @@ def format_diff(diff: LayoutDiff, old_name: str = "a", new_name: str = "b",
                  f"{old.samples_per_s:,.1f} -> {new.samples_per_s:,.1f} samples/s "
                  f"({_change(old.samples_per_s, new.samples_per_s)}), bubble "
                  f"{old.predicted.bubble_fraction:.1%} -> {new.predicted.bubble_fraction:.1%}")
+    spreads = (_spread_text(old.predicted), _spread_text(new.predicted))
+    if spreads[0] != spreads[1]:
+        lines.append(f"speed spread: {spreads[0]} -> {spreads[1]}")
     a, b = old.solver, new.solver
 
     def gap(r: SolverReport) -> str:
@@ -431,6 +434,14 @@ def format_diff(diff: LayoutDiff, old_name: str = "a", new_name: str = "b",
         lines.append(f"solver: {a.strategy} {a.status} (gap {gap(a)}) -> "
                      f"{b.strategy} {b.status} (gap {gap(b)})")
     return "\n".join(indent + line for line in lines)
+
+
+def _spread_text(p: Prediction) -> str:
+    """The speed spread a prediction is an expectation over, in brief: its source and range."""
+    if not p.speed_modes:
+        return "none"
+    factors = [f for _, f in p.speed_modes]
+    return f"{p.speed_spread_source}'s, {min(factors):.3f}-{max(factors):.3f}x"
 
 
 def _stage_row(k: int, a: LayoutStage | None, b: LayoutStage | None) -> str:

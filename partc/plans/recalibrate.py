@@ -35,6 +35,19 @@ times are the stages' CPU times (launch records them beside the wall times), not
 which hold the core-mates' turns: the profile prices the work there by CPU time, and the
 simulator shares the cores out itself. A run without CPU times (an older partc's) is refused.
 
+The runs also give the spread of the stages' speed from step to step, which the corrected costs
+(medians) leave out and a pipeline pays: a step waits for its slowest stage. `run_speed_spread`
+takes, per stage and timed step, the stage's own work (forward + backward per micro-batch, as
+above) over its median; where a stage's replicas run on R speed units (devices, or cores where
+processes share them: ClusterSpec.core_of) the run reports their slowest, whose distribution is
+a unit's raised to the R-th power if units draw on their own, so a unit's quantile q is the
+sample's quantile q^R. Every stage's unit samples, pooled, cut into 4 modes
+(partc.hardware.speed_spread.modes_of), are the table's `speed_modes`, which the solver prices
+in place of the device config's (partc.solve.stragglers): the prediction becomes the expected
+(mean) step of the launches, its priced speed the median stage work. With fewer than
+`MIN_SPREAD_STEPS` timed steps pooled there is no spread (the device config's, if any, is
+priced). Assumed, as for a calibrated spread: units draw on their own.
+
 The corrected table keeps its `kind` (what distributed time over nodes: "measured" or
 "analytic") and records the correction in `calibration["calibrated_from"]` (CALIBRATED_FROM):
 run and plan paths, the plan's sha256, the steps used and each stage's factors and times. Plans
@@ -52,6 +65,7 @@ from partc.cost.table import CostTable, NodeCost
 from partc.errors import PartcError
 from partc.files import sha256_file
 from partc.hardware.specs import DeviceSpec
+from partc.hardware.speed_spread import modes_of
 from partc.plans.check import recorded_profile, solve_as_recorded
 from partc.plans.diff import layout_of_partition, layout_of_plan
 from partc.plans.plan import Plan, load_plan
@@ -61,6 +75,9 @@ from partc.solve.stage_problem import gradient_add_s, p2p_posts_priced, stage_fi
 
 if TYPE_CHECKING:  # annotations only: the caller captures the model
     from partc.frontend.capture import CaptureResult
+
+# Pooled timed steps of the runs below which they give no speed spread: two per mode.
+MIN_SPREAD_STEPS = 8
 
 # The key of CostSource.calibration that marks a table corrected from a run (and of the profile
 # file's `calibration` mapping).
@@ -268,15 +285,10 @@ def stage_calibrations(table: CostTable, launched: LaunchedRun,
     # what every stage pays besides its operators: the runtime's overhead, the loss on the last
     priced_on = replace(plan.cluster, device=device)
     fixed = stage_fixed_s(table, priced_on, plan.training.shape)
-    # the passes' p2p posts at the price `fixed` holds (a run cannot part them from the
-    # copies of the bytes, which the link prices: host_per_pass_s)
-    posts = p2p_posts_priced(priced_on, plan.training.shape)
+    posts, shared = _posts_and_sharing(plan, device)
     # the medians over every run's timed steps; the summaries' memory (the first run's) is not
     # calibrated
     summaries = launched.runs[0].run.stage_summaries(launched.timed)
-    # Where ranks share a core their wall times hold the core-mates' turns, which the simulator
-    # adds itself: the stages' own work is their CPU time, as the profile prices it there.
-    shared = plan.pipeline_spec().shares_cores
     S = plan.training.shape.stages
     kept_whole = frozenset(n for t in plan.tied_parameters for n in (t.name, *t.aliases)
                            if len({k % S for k in t.stages}) > 1)
@@ -326,6 +338,69 @@ def stage_calibrations(table: CostTable, launched: LaunchedRun,
     return tuple(out)
 
 
+def _posts_and_sharing(plan: Plan, device: DeviceSpec) -> tuple[list[float | None], bool]:
+    """Per stage, its passes' p2p posts at the price the stage's fixed costs hold (a run cannot
+    part them from the copies of the bytes, which the link prices: host_per_pass_s); and whether
+    the plan's ranks share cores: their wall times then hold the core-mates' turns, which the
+    simulator adds itself, and the stages' own work is their CPU time, as the profile prices it
+    there."""
+    priced_on = replace(plan.cluster, device=device)
+    return (list(p2p_posts_priced(priced_on, plan.training.shape)),
+            plan.pipeline_spec().shares_cores)
+
+
+@dataclass(frozen=True)
+class RunSpeedSpread:
+    """What `run_speed_spread` found: the modes of a speed unit's time over the stages' median
+    times, and how many timed steps and unit samples they were cut from."""
+
+    modes: tuple[tuple[float, float], ...]
+    steps: int
+    samples: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"modes": [[p, f] for p, f in self.modes], "steps": self.steps,
+                "samples": self.samples}
+
+
+def unit_samples_of_maxima(maxima: Sequence[float], units: int) -> list[float]:
+    """As many samples of one unit's factor as `maxima`, samples of the largest of `units`
+    independent units' (a stage's slowest replica, as a run reports it): the distribution of the
+    max is a unit's raised to the power `units`, so a unit's quantile q is the maxima's quantile
+    q**units, read at the midpoints q = (i + 1/2) / n. One unit: the maxima, sorted."""
+    if units < 1:
+        raise ValueError(f"units must be >= 1, got {units}")
+    ordered = sorted(maxima)
+    n = len(ordered)
+    return [ordered[min(n - 1, int(((i + 0.5) / n) ** units * n))] for i in range(n)]
+
+
+def run_speed_spread(launched: LaunchedRun, device: DeviceSpec) -> RunSpeedSpread | None:
+    """The speed spread of the launched runs' stages (module docstring), or None with fewer than
+    MIN_SPREAD_STEPS timed steps pooled or no stage whose work was timed."""
+    plan, timed = launched.plan, launched.timed
+    if len(timed) < MIN_SPREAD_STEPS:
+        return None
+    posts, shared = _posts_and_sharing(plan, device)
+    summaries = launched.runs[0].run.stage_summaries(timed)
+    samples: list[float] = []
+    for stage, summary in zip(plan.stages, summaries, strict=True):
+        k = stage.index
+        median = summary.compute_s(shared, posts[k])
+        works = [step.stages[k].compute_s(shared, posts[k]) for step in timed]
+        if median is None or median[0] + median[1] <= 0 or \
+                any(w is None or w[0] + w[1] <= 0 for w in works):
+            continue  # no timed work (a run without CPU times on shared cores: refused before)
+        reference = median[0] + median[1]
+        units = len({plan.cluster.core_of(d) for d in stage.devices}) or 1
+        samples += unit_samples_of_maxima([(w[0] + w[1]) / reference
+                                           for w in works if w is not None], units)
+    if not samples:
+        return None
+    return RunSpeedSpread(modes=modes_of(samples, reference=1.0), steps=len(timed),
+                          samples=len(samples))
+
+
 def _factor(measured_work: float, predicted_work: float, stage: int, what: str,
             launched: LaunchedRun) -> float:
     if predicted_work <= 0:
@@ -346,13 +421,15 @@ def _factor(measured_work: float, predicted_work: float, stage: int, what: str,
 
 def corrected_costs(table: CostTable, launched: LaunchedRun, device: DeviceSpec) -> CostTable:
     """`table` (the new compile's costs) with every node's forward and backward `Linear` scaled by
-    its stage's factor in the launched plan (`stage_calibrations`); saved bytes unchanged. The
+    its stage's factor in the launched plan (`stage_calibrations`), and the runs' speed spread
+    as its `speed_modes` where they give one (`run_speed_spread`); saved bytes unchanged. The
     source keeps its kind and records the correction under calibration[CALIBRATED_FROM]."""
     stages = stage_calibrations(table, launched, device)
     factor_of: dict[str, StageCalibration] = {}
     for stage, members in zip(stages, launched.stage_nodes, strict=True):
         for n in members:
             factor_of[n] = stage
+    spread = run_speed_spread(launched, device)
     nodes: dict[str, NodeCost] = {}
     for name, cost in table.nodes.items():
         st = factor_of.get(name)
@@ -366,11 +443,13 @@ def corrected_costs(table: CostTable, launched: LaunchedRun, device: DeviceSpec)
                        for r in launched.runs],
               "plan": str(launched.plan_path), "plan_sha256": launched.plan_sha256,
               "microbatch_size": launched.microbatch_size,
-              "stages": [st.to_dict() for st in stages]}
+              "stages": [st.to_dict() for st in stages],
+              **({"speed_spread": spread.to_dict()} if spread is not None else {})}
     source = replace(table.source, calibration={**table.source.calibration,
                                                 CALIBRATED_FROM: record})
     # everything else the table knows (saved-result nodes, kernel scratch) stays as measured
-    return replace(table, source=source, nodes=nodes)
+    return replace(table, source=source, nodes=nodes,
+                   speed_modes=spread.modes if spread is not None else ())
 
 
 def calibrated_from(calibration: dict[str, Any]) -> dict[str, Any] | None:

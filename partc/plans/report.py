@@ -28,6 +28,7 @@ from partc.files import write_atomic
 from partc.options import SHARDED_STATE
 from partc.plans.plan import Plan, format_plan, stage_levers_text
 from partc.plans.run_metrics import RunMetrics
+from partc.solve.partition import spread_clause
 from partc.solve.simulator import Simulation, simulate
 
 # One colour per kind of work; micro-batches alternate between two shades of it.
@@ -161,7 +162,7 @@ def format_measured(plan: Plan, metrics: RunMetrics) -> str:
         # an expectation over the devices' speed spread: the mean step is what it predicts
         mean = metrics.mean_step_s()
         lines.append(f"mean step {mean * 1e3:.1f} ms ({mean / p.iteration_s:.2f}x the predicted "
-                     "expectation over the devices' speed spread)")
+                     f"expectation over {spread_clause(p.speed_spread_source)})")
     if not metrics.strictly_timed_steps():
         # the fallback of timed_steps: say so, or a warm-up's lazy allocations and a profiler's
         # slowdown read as the plan's prediction being that far off

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping
 
 import yaml
 
@@ -206,13 +206,26 @@ class TrainingSetup:
         return cls(global_batch_size=d["global_batch_size"], shape=shape, config=config)
 
 
+SpreadSource = Literal["device", "run"]
+"""Where a priced speed spread comes from: the device config's (partc calibrate), or the
+launched runs a compile was calibrated from (--calibrate-from, partc.plans.recalibrate)."""
+
+
+def spread_clause(source: SpreadSource) -> str:
+    """What an expectation is over, for the one-line summaries."""
+    return ("the devices' speed spread" if source == "device"
+            else "the speed spread of the runs calibrated from")
+
+
 @dataclass(frozen=True)
 class SpeedSpreadPrice:
-    """The step priced over the devices' speed spread (partc.solve.stragglers): the device
-    config's modes of the plan's matmul dtype and the expected iteration under them."""
+    """The step priced over a speed spread (partc.solve.stragglers): the device config's modes of
+    the plan's matmul dtype, or the launched runs' (the cost table's), and the expected
+    iteration under them."""
 
     modes: tuple[tuple[float, float], ...]
     iteration_s: float
+    source: SpreadSource = "device"
 
 
 @dataclass(frozen=True)
@@ -233,10 +246,12 @@ class Prediction:
     # per rank, the memory model's peak with none of the levers (no checkpointing, no sharding):
     # what the rank's levers save is this minus its `memory` total; () in older plans
     memory_without_levers: tuple[int, ...] = ()
-    # where the device config gives a speed spread: its modes, and the iteration at the priced
-    # speed (`iteration_s` being the expectation over the modes); None: no spread priced
+    # where a speed spread was priced: its modes, and the iteration at the priced speed
+    # (`iteration_s` being the expectation over the modes); None: no spread priced. Its source
+    # is written only when it is the runs' (plans priced over a device's read as before).
     speed_modes: tuple[tuple[float, float], ...] = ()
     iteration_at_priced_speed_s: float | None = None
+    speed_spread_source: SpreadSource = "device"
 
     @classmethod
     def of(cls, partition: "Partition") -> "Prediction":
@@ -255,14 +270,15 @@ class Prediction:
                                                for x in partition.memory_without_levers),
                    speed_modes=spread.modes if (spread := partition.speed_spread) else (),
                    iteration_at_priced_speed_s=round_seconds(partition.simulation.iteration_s)
-                   if spread else None)
+                   if spread else None,
+                   speed_spread_source=spread.source if spread else "device")
 
     def spread_text(self) -> str:
         """Where the iteration is an expectation over the devices' speed spread, what it is at
         the priced speed (a clause for the one-line summaries); "" otherwise."""
         if not self.speed_modes or self.iteration_at_priced_speed_s is None:
             return ""
-        return (f" (expected over the devices' speed spread; "
+        return (f" (expected over {spread_clause(self.speed_spread_source)}; "
                 f"{self.iteration_at_priced_speed_s * 1e3:.3f} ms at the priced speed)")
 
     def lever_savings(self, rank: int) -> int:
@@ -286,7 +302,9 @@ class Prediction:
                 "memory_without_levers": list(self.memory_without_levers),
                 **({"speed_spread": {"modes": [[p, f] for p, f in self.speed_modes],
                                      "iteration_at_priced_speed_s":
-                                         self.iteration_at_priced_speed_s}}
+                                         self.iteration_at_priced_speed_s,
+                                     **({"source": self.speed_spread_source}
+                                        if self.speed_spread_source != "device" else {})}}
                    if self.speed_modes else {})}
 
     @classmethod
@@ -303,7 +321,8 @@ class Prediction:
                    speed_modes=tuple((float(p), float(f))
                                      for p, f in d.get("speed_spread", {}).get("modes", ())),
                    iteration_at_priced_speed_s=d.get("speed_spread", {}).get(
-                       "iteration_at_priced_speed_s"))
+                       "iteration_at_priced_speed_s"),
+                   speed_spread_source=d.get("speed_spread", {}).get("source", "device"))
 
 
 @dataclass(frozen=True)

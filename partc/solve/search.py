@@ -824,12 +824,14 @@ def build_partition(problem: StageProblem, assignment: Sequence[int], global_bat
                             core_sharing=shape.core_sharing(cluster),
                             wake_credit_s=cluster.wake_credit_s)
     simulation = simulate(pipeline)
-    modes = cluster.device.speed_modes(problem.training.matmul_dtype)
+    # a launched run's spread (compile --calibrate-from) over the device config's
+    modes = table.speed_modes or cluster.device.speed_modes(problem.training.matmul_dtype)
     expected = None
     if modes:
         units = [tuple(cluster.core_of(d) for d in shape.rank_devices(r)) for r in range(S)]
         expected = SpeedSpreadPrice(modes=modes,
-                                    iteration_s=expected_iteration_s(pipeline, units, modes))
+                                    iteration_s=expected_iteration_s(pipeline, units, modes),
+                                    source="run" if table.speed_modes else "device")
     return Partition(model=graph.model_name, graph_hash=graph.content_hash(), cluster=cluster.name,
                      num_devices=cluster.num_devices, global_batch_size=global_batch,
                      shape=shape, training=shape.training_config(problem.training),

@@ -1,7 +1,9 @@
 """CostTable: measured (real onnxruntime + torch profiling on this CPU) and analytic costs."""
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -174,6 +176,27 @@ def test_profile_of_another_model_is_refused(mlp_profile: CostTable, tmp_path: P
     (tmp_path / "absurd.yaml").write_text(text.replace(first, f"{name}: {json.dumps(absurd)}"))
     with pytest.raises(ProfileFileError, match="beyond any measurement's"):
         CostTable.load(tmp_path / "absurd.yaml", mlp_profile.graph)
+
+
+def test_a_profiles_speed_spread_round_trips_and_is_checked(mlp_profile: CostTable,
+                                                           tmp_path: Path) -> None:
+    """A run's speed spread (compile --calibrate-from) is written with the costs and read back;
+    a profile without one writes no key (older profiles' bytes unchanged), and an edited one
+    whose modes are not a spread is refused as a malformed profile."""
+    assert "speed_spread" not in mlp_profile.dumps()
+    spread = dataclasses.replace(mlp_profile, speed_modes=((0.75, 1.0), (0.25, 1.5)))
+    path = spread.save(tmp_path / "spread.yaml")
+    loaded = CostTable.load(path, mlp_profile.graph)
+    assert loaded.speed_modes == ((0.75, 1.0), (0.25, 1.5))  # a mean of 1.125: a run's may
+    assert loaded.dumps() == path.read_text()
+    for bad, why in (("[[0.5, 1.0]]", "summing to 0.5"), ("[[1.0, -1.0]]", "a factor > 0"),
+                     ("[]", "non-empty")):
+        text = path.read_text().replace("speed_spread:\n- - 0.75\n  - 1.0\n- - 0.25\n  - 1.5\n",
+                                        f"speed_spread: {bad}\n")
+        assert text != path.read_text()
+        (tmp_path / "bad_spread.yaml").write_text(text)
+        with pytest.raises(ProfileFileError, match=f"speed_spread .*{re.escape(why)}"):
+            CostTable.load(tmp_path / "bad_spread.yaml", mlp_profile.graph)
 
 
 def test_model_without_onnx_is_priced_in_torch() -> None:

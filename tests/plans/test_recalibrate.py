@@ -26,11 +26,13 @@ from partc.hardware.configs import load_cluster
 from partc.options import SearchOptions, TrainingConfig
 from partc.plans.plan import load_plan
 from partc.plans.recalibrate import (
+    MIN_SPREAD_STEPS,
     CalibrationError,
     RunOfPlan,
     load_launched_run,
     read_run_of_plan,
     read_runs_of_plan,
+    unit_samples_of_maxima,
 )
 from partc.plans.run_metrics import (
     CLOCK_CUDA,
@@ -161,6 +163,10 @@ def test_calibrated_compile_predicts_the_measured_stage_times(launched: Launched
     assert record["plan_sha256"] == sha256_file(launched.plan)
     assert len(record["runs"][0]["steps"]) >= 1 and len(record["stages"]) == 2
     assert all(s["forward_factor"] > 0 and s["backward_factor"] > 0 for s in record["stages"])
+    # two timed steps give no speed spread (and cpu-4's config has none): none is priced
+    assert STEPS - 2 < MIN_SPREAD_STEPS
+    assert "speed_spread" not in source and "speed_spread" not in record
+    assert plan.predicted.speed_modes == () and plan.predicted.iteration_at_priced_speed_s is None
     # partc check re-solves from the calibrated profile to the same plan
     report = check_plan(plan_path)
     assert report.current, report.reasons
@@ -186,6 +192,80 @@ def _rewrite(src: Path, dst: Path, **changes: object) -> Path:
              for x in src.read_text().splitlines()]
     dst.write_text("".join(s.to_json() + "\n" for s in steps))
     return dst
+
+
+def _lengthened(src: Path, dst: Path, factors: Sequence[float]) -> Path:
+    """A run of the same plan with one timed step per factor: the source's warm-up step, then
+    copies of its first timed step with every time scaled by the factor (the stages ran that
+    much slower in that step)."""
+    run = RunMetrics.load(src)
+    timed = run.strictly_timed_steps()[0]
+    keys = ("forward_s", "backward_s", "forward_cpu_s", "backward_cpu_s", "between_cpu_s",
+            "p2p_cpu_s")
+    steps = [run.steps[0]]
+    for i, f in enumerate(factors):
+        stages = tuple(dataclasses.replace(st, **{k: getattr(st, k) * f for k in keys
+                                                  if getattr(st, k) is not None})
+                       for st in timed.stages)
+        steps.append(dataclasses.replace(timed, step=i + 2, step_s=timed.step_s * f,
+                                         stages=stages))
+    dst.write_text("".join(s.to_json() + "\n" for s in steps))
+    return dst
+
+
+def test_a_run_long_enough_prices_its_own_speed_spread(launched: Launched,
+                                                       tmp_path: Path) -> None:
+    """A pipeline step waits for its slowest stage; the corrected costs (medians) leave the
+    stages' slow steps out. A run of 12 timed steps in which both stages ran 1.5x in 3 of them
+    gives the spread [[0.75, 1.0], [0.25, 1.5]] of the stages' median times, which the
+    calibrated compile prices in place of the device config's: its prediction is the expected
+    step (between the priced one and 1.5x it), plan.yaml says the spread is the run's, check
+    re-solves it, diff shows it, and compile's summary says what the expectation is over."""
+    factors = [1.0, 1.0, 1.5, 1.0, 1.0, 1.0, 1.5, 1.0, 1.0, 1.5, 1.0, 1.0]
+    long_run = _lengthened(launched.run, tmp_path / "long.jsonl", factors)
+    out = tmp_path / "b"
+    proc = run_partc("compile", str(MLP), "-b", "16", "--cluster", "cpu-4", "--costs", "analytic",
+                     "--stages", "2", "--replicas", "1", "--microbatches", "4", "--strategy",
+                     "uniform", "--calibrate-from", str(long_run), "-o", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "expected over the speed spread of the runs calibrated from; " in proc.stdout
+    assert "partc: warning" not in proc.stderr
+    profile = yaml.safe_load((out / "profile.yaml").read_text())
+    modes = [[0.75, 1.0], [0.25, 1.5]]
+    assert profile["speed_spread"] == modes
+    assert profile["calibration"]["calibrated_from"]["speed_spread"] == {
+        "modes": modes, "steps": len(factors), "samples": 2 * len(factors)}
+    plan = load_plan(out / "plan.yaml")
+    p = plan.predicted
+    assert p.speed_modes == ((0.75, 1.0), (0.25, 1.5)) and p.speed_spread_source == "run"
+    assert p.iteration_at_priced_speed_s is not None
+    assert p.iteration_at_priced_speed_s < p.iteration_s < 1.5 * p.iteration_at_priced_speed_s
+    assert "source: run" in (out / "plan.yaml").read_text()
+    report = check_plan(out / "plan.yaml")
+    assert report.current, report.reasons
+    diff = run_partc("diff", str(launched.plan), str(out / "plan.yaml"), timeout=120)
+    assert diff.returncode == 0, diff.stderr
+    assert "speed spread: none -> run's, 1.000-1.500x" in diff.stdout, diff.stdout
+
+    # the same steps without the slow ones: a spread of one mode at the median, priced as is
+    steady = _lengthened(launched.run, tmp_path / "steady.jsonl", [1.0] * MIN_SPREAD_STEPS)
+    even = load_plan(compile_mlp(tmp_path / "c", calibrate_from=steady))
+    assert even.predicted.speed_modes == ((1.0, 1.0),)
+    assert even.predicted.iteration_s == even.predicted.iteration_at_priced_speed_s
+
+
+def test_a_units_spread_is_recovered_from_its_replicas_slowest() -> None:
+    """A run reports each stage at the slowest of its replicas; with R independent units the
+    slowest is slow with probability 1 - (1 - p)**R. unit_samples_of_maxima reads a unit's
+    quantile q at the maxima's q**R: from maxima of two units slow 1.5x a quarter of the time
+    (slow 7 times in 16), a quarter of its samples are slow again."""
+    maxima = [1.0] * 9 + [1.5] * 7  # 16 draws of max(unit, unit)
+    unit = unit_samples_of_maxima(maxima, 2)
+    assert len(unit) == len(maxima) and unit == sorted(unit)
+    assert unit.count(1.5) == 4  # 0.25 of 16 (the maxima's 7/16 ~ 1 - 0.75**2)
+    assert unit_samples_of_maxima([1.2, 1.0, 1.1], 1) == [1.0, 1.1, 1.2]  # one unit: as is
+    with pytest.raises(ValueError, match="units must be >= 1"):
+        unit_samples_of_maxima([1.0], 0)
 
 
 def test_several_runs_of_one_plan_pool_their_timed_steps(launched: Launched,
@@ -446,4 +526,8 @@ def test_compile_checks_the_run_before_capturing_and_warns_of_a_cut_short_line(
     warnings = [x for x in proc.stderr.splitlines() if x.startswith("partc: warning: ")]
     assert len(warnings) == 1 and f"{cut}:{STEPS + 1}, the last line, is cut short" in \
         warnings[0], proc.stderr[-2000:]
+    # and its two timed steps are too few for a speed spread: said, with what is priced instead
+    assert (f"warning: {STEPS - 2} timed step(s) in {cut}, fewer than the {MIN_SPREAD_STEPS} a "
+            "speed spread is taken from: none is priced (launch with more --steps for one)"
+            ) in proc.stderr.splitlines(), proc.stderr[-2000:]
     assert marker.exists()  # captured after the check passed
