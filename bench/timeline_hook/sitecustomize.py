@@ -1,19 +1,19 @@
 """A launch worker's per-pass timeline, for bench/launch_timeline.py (not part of partc).
 
 Python imports `sitecustomize` at start-up from PYTHONPATH; bench/launch_timeline.py puts this
-folder there and sets PARTC_TIMELINE_DIR for a `partc launch`, and in each worker (LOCAL_RANK
-set) this wraps, from outside partc, what a step is made of: every stage forward and backward
-(`TimedStage`, with its thread's CPU time), every p2p post and wait of torch's schedules, the
-tied-gradient sum, launch's per-step metrics gather (its post at a step's end and its wait
-a step later), the step's other parts (its inputs, the early receives, the schedule's step), and
-the step itself (`partc.run.runtime._step`, with the CPU time the process and its main thread
-spent in it). Each pass also records its thread's time runnable but waiting for the core and
-its count of times scheduled in (/proc schedstat), and each timed call its main-thread CPU time.
-Times are CLOCK_MONOTONIC, one clock for every process of the machine, so the ranks' timelines
-line up. After each step the rank's events of that step are appended to
-PARTC_TIMELINE_DIR/rank<R>.jsonl as one JSON line of [kind, start_s, end_s, detail] rows: appending
-only the new rows keeps the hook's own cost per step constant (rewriting the whole log after each
-step grew the gap between steps by ~0.4 ms a step, 2.7 -> 13 ms over 26 MLP steps).
+folder there and sets PARTC_TIMELINE_DIR for a `partc launch`, and in each worker (LOCAL_RANK set,
+or, for ranks forked from launch's forkserver, once the rank starts) this wraps, from outside
+partc, what a step is made of: every stage forward and backward (`TimedStage`, with its thread's
+CPU time), every p2p post and wait of torch's schedules, the tied-gradient sum, launch's per-step
+metrics gather (its post at a step's end and its wait a step later), the step's other parts (its
+inputs, the early receives, the schedule's step), and the step itself (`partc.run.runtime._step`,
+with the CPU time the process and its main thread spent in it). Each pass also records its thread's
+time runnable but waiting for the core and its count of times scheduled in (/proc schedstat), and
+each timed call its main-thread CPU time. Times are CLOCK_MONOTONIC, one clock for every process of
+the machine, so the ranks' timelines line up. After each step the rank's events of that step are
+appended to PARTC_TIMELINE_DIR/rank<R>.jsonl as one JSON line of [kind, start_s, end_s, detail]
+rows: appending only the new rows keeps the hook's own cost per step constant (rewriting the whole
+log after each step grew the gap between steps by ~0.4 ms a step, 2.7 -> 13 ms over 26 MLP steps).
 """
 from __future__ import annotations
 
@@ -113,5 +113,23 @@ def _install(out: str, rank: str) -> None:
     runtime._step = timed_step  # type: ignore[assignment]
 
 
-if os.environ.get("PARTC_TIMELINE_DIR") and os.environ.get("LOCAL_RANK") is not None:
-    _install(os.environ["PARTC_TIMELINE_DIR"], os.environ.get("RANK", "0"))
+def _install_at_rank_start() -> None:
+    """`partc launch` forks its ranks from a forkserver, which imported this at its own start,
+    before any rank's variables were set: wrap the rank's entry point instead, which installs
+    the hook once the rank knows its RANK."""
+    import partc.run.worker as worker
+
+    run_worker = worker.run_worker
+
+    def hooked(*args: Any, **kwargs: Any) -> Any:
+        _install(os.environ["PARTC_TIMELINE_DIR"], os.environ.get("RANK", "0"))
+        return run_worker(*args, **kwargs)
+
+    worker.run_worker = hooked  # type: ignore[assignment]
+
+
+if os.environ.get("PARTC_TIMELINE_DIR"):
+    if os.environ.get("LOCAL_RANK") is not None:  # a rank torchrun started itself
+        _install(os.environ["PARTC_TIMELINE_DIR"], os.environ.get("RANK", "0"))
+    else:  # the launcher, or the forkserver its ranks are forked from
+        _install_at_rank_start()
