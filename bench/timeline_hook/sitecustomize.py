@@ -125,7 +125,7 @@ def _install_at_rank_start() -> None:
         _install(os.environ["PARTC_TIMELINE_DIR"], os.environ.get("RANK", "0"))
         return run_worker(*args, **kwargs)
 
-    worker.run_worker = hooked  # type: ignore[assignment]
+    worker.run_worker = hooked
 
 
 if os.environ.get("PARTC_TIMELINE_DIR"):

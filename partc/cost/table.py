@@ -238,6 +238,9 @@ class CostTable:
     # `partc compile --calibrate-from` (partc.plans.recalibrate) and priced by the solver in
     # place of the device config's; (): none (every profile and roofline table)
     speed_modes: tuple[tuple[float, float], ...] = ()
+    # the launched runs' optimizer step over its price (compile --calibrate-from), which the
+    # solver multiplies every parameter's step by; 1: not calibrated
+    optimizer_factor: float = 1.0
 
     # ---- per node ------------------------------------------------------------------------------
     def cost(self, node: str) -> NodeCost:
@@ -387,6 +390,8 @@ class CostTable:
                                                 other.gemm_scratch_bytes),
                          cpu_vector_bytes=self.cpu_vector_bytes or other.cpu_vector_bytes,
                          speed_modes=self.speed_modes or other.speed_modes,
+                         optimizer_factor=self.optimizer_factor
+                         if self.optimizer_factor != 1.0 else other.optimizer_factor,
                          keeps_result=other.keeps_result if self.keeps_result is None
                          else self.keeps_result if other.keeps_result is None
                          else self.keeps_result | other.keeps_result)
@@ -419,6 +424,8 @@ class CostTable:
             **({"cpu_vector_bytes": self.cpu_vector_bytes} if self.cpu_vector_bytes else {}),
             **({"speed_spread": [[p, f] for p, f in self.speed_modes]}
                if self.speed_modes else {}),
+            **({"optimizer_factor": self.optimizer_factor}
+               if self.optimizer_factor != 1.0 else {}),
             **({} if self.keeps_result is None
                else {"keeps_result": sorted(self.keeps_result)}),
             "nodes": {name: _row(c, sizes) for name, c in written.nodes.items()},
@@ -503,6 +510,10 @@ class CostTable:
             if spread is not None and (problem := speed_modes_problem(spread,
                                                                       mean_one=False)):
                 raise ValueError(f"speed_spread {problem}")
+            optimizer = d.get("optimizer_factor", 1.0)  # a run's (absent: 1)
+            if isinstance(optimizer, bool) or not isinstance(optimizer, (int, float)) or \
+                    not (math.isfinite(optimizer) and optimizer > 0):
+                raise ValueError(f"optimizer_factor must be a number > 0, got {optimizer!r}")
             keepers = d.get("keeps_result")  # absent in older profiles
             if keepers is not None and (not isinstance(keepers, list)
                                         or not all(isinstance(k, str) for k in keepers)):
@@ -523,7 +534,8 @@ class CostTable:
         return cls(graph=graph, source=source, nodes=nodes, loss=loss, batch_bytes=batch_bytes,
                    gemm_scratch_bytes=scratch, cpu_vector_bytes=int(vector),
                    keeps_result=None if keepers is None else frozenset(keepers),
-                   speed_modes=tuple((float(p), float(f)) for p, f in spread or ()))
+                   speed_modes=tuple((float(p), float(f)) for p, f in spread or ()),
+                   optimizer_factor=float(optimizer))
 
 
 def _row(c: NodeCost, sizes: Sequence[int]) -> list[Any]:

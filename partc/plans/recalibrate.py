@@ -48,6 +48,14 @@ in place of the device config's (partc.solve.stragglers): the prediction becomes
 `MIN_SPREAD_STEPS` timed steps pooled there is no spread (the device config's, if any, is
 priced). Assumed, as for a calibrated spread: units draw on their own.
 
+The runs' optimizer step is corrected too, by one factor for the whole model
+(`run_optimizer_step`): the ranks' measured steps (their stages' median optimizer time, CPU time
+on shared cores) summed over the priced ones (every held parameter's step on the device,
+partc.solve.levers.step_seconds, before any run's factor), over the ranks whose optimizer state
+is not sharded; the table's `optimizer_factor`, by which the solver multiplies every
+parameter's step. One factor, not one per rank: a parameter's step costs the same wherever a
+cut puts it.
+
 The corrected table keeps its `kind` (what distributed time over nodes: "measured" or
 "analytic") and records the correction in `calibration["calibrated_from"]` (CALIBRATED_FROM):
 run and plan paths, the plan's sha256, the steps used and each stage's factors and times. Plans
@@ -71,7 +79,13 @@ from partc.plans.diff import layout_of_partition, layout_of_plan
 from partc.plans.plan import Plan, load_plan
 from partc.plans.run_metrics import RunMetrics, StepMetrics, host_per_pass_s
 from partc.progress import Progress
-from partc.solve.stage_problem import gradient_add_s, p2p_posts_priced, stage_fixed_s
+from partc.solve.stage_problem import (
+    gradient_add_s,
+    p2p_posts_priced,
+    stage_fixed_s,
+    step_dispatch_s,
+    step_seconds_of,
+)
 
 if TYPE_CHECKING:  # annotations only: the caller captures the model
     from partc.frontend.capture import CaptureResult
@@ -325,8 +339,7 @@ def stage_calibrations(table: CostTable, launched: LaunchedRun,
             if stage.sharding == "gradients" and not shared else 0.0
         # and adds each micro-batch's gradients into the held ones, which the prediction prices
         # beside the operators (StageProblem's gradient_add_s), not in them
-        params = dict.fromkeys(p for n in nodes for p in held_params(graph.node(n))
-                               if graph.param(p).kind == "parameter")
+        params = _stage_parameters(table, nodes)
         adds = gradient_add_s((graph.param(p) for p in params), plan.training.config, device,
                               plan.training.shape, stage.sharding, kept_whole)
         b = _factor(backward_s - bwd_fixed - recompute - reduces - adds, bwd_work, stage.index,
@@ -336,6 +349,64 @@ def stage_calibrations(table: CostTable, launched: LaunchedRun,
             measured_backward_s=backward_s, predicted_forward_s=stage.forward_s,
             predicted_backward_s=stage.backward_s, forward_factor=f, backward_factor=b))
     return tuple(out)
+
+
+def _stage_parameters(table: CostTable, nodes: Sequence[str]) -> list[str]:
+    """The parameters (not buffers) a stage's nodes hold, in order, each once."""
+    graph = table.graph
+    return list(dict.fromkeys(p for n in nodes for p in held_params(graph.node(n))
+                              if graph.param(p).kind == "parameter"))
+
+
+@dataclass(frozen=True)
+class RunOptimizerStep:
+    """What `run_optimizer_step` found: the runs' optimizer step over its price, and per
+    pipeline rank it was taken from the measured and the priced step (seconds)."""
+
+    factor: float
+    ranks: tuple[int, ...]
+    measured_s: tuple[float, ...]
+    priced_s: tuple[float, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"factor": _round(self.factor), "ranks": list(self.ranks),
+                "measured_s": [_round(x) for x in self.measured_s],
+                "priced_s": [_round(x) for x in self.priced_s]}
+
+
+def run_optimizer_step(table: CostTable, launched: LaunchedRun,
+                       device: DeviceSpec) -> RunOptimizerStep | None:
+    """The launched runs' optimizer step over its price on `device` (module docstring), over the
+    pipeline ranks whose optimizer state is not sharded (a sharded step holds the weights'
+    broadcast, the link's); None where no such rank steps a parameter or timed its step."""
+    plan = launched.plan
+    training = plan.training.config
+    posts, shared = _posts_and_sharing(plan, device)
+    summaries = launched.runs[0].run.stage_summaries(launched.timed)
+    dispatch = step_dispatch_s(training, device)
+    measured: dict[int, float] = {}
+    priced: dict[int, float] = {}
+    sharded: set[int] = set()
+    for stage, summary, nodes in zip(plan.stages, summaries, launched.stage_nodes, strict=True):
+        work = summary.compute_s(shared, posts[stage.index])
+        if work is None:
+            return None
+        if stage.sharding != "none":
+            sharded.add(stage.rank)
+        # each stage steps its own parameters (a tied one in every stage holding it), as
+        # partc.solve.levers.step_seconds prices a rank's step before any run's factor
+        steps = [step_seconds_of(table.graph.param(p), training, device)
+                 for p in _stage_parameters(table, nodes)]
+        priced[stage.rank] = priced.get(stage.rank, 0.0) + sum(s + dispatch for s in steps if s)
+        measured[stage.rank] = measured.get(stage.rank, 0.0) + work[2]
+    ranks = tuple(r for r in sorted(priced)
+                  if r not in sharded and priced[r] > 0 and measured[r] > 0)
+    if not ranks:
+        return None
+    return RunOptimizerStep(
+        factor=math.fsum(measured[r] for r in ranks) / math.fsum(priced[r] for r in ranks),
+        ranks=ranks, measured_s=tuple(measured[r] for r in ranks),
+        priced_s=tuple(priced[r] for r in ranks))
 
 
 def _posts_and_sharing(plan: Plan, device: DeviceSpec) -> tuple[list[float | None], bool]:
@@ -421,8 +492,9 @@ def _factor(measured_work: float, predicted_work: float, stage: int, what: str,
 
 def corrected_costs(table: CostTable, launched: LaunchedRun, device: DeviceSpec) -> CostTable:
     """`table` (the new compile's costs) with every node's forward and backward `Linear` scaled by
-    its stage's factor in the launched plan (`stage_calibrations`), and the runs' speed spread
-    as its `speed_modes` where they give one (`run_speed_spread`); saved bytes unchanged. The
+    its stage's factor in the launched plan (`stage_calibrations`), the runs' speed spread as
+    its `speed_modes` where they give one (`run_speed_spread`) and their optimizer step over its
+    price as its `optimizer_factor` (`run_optimizer_step`); saved bytes unchanged. The
     source keeps its kind and records the correction under calibration[CALIBRATED_FROM]."""
     stages = stage_calibrations(table, launched, device)
     factor_of: dict[str, StageCalibration] = {}
@@ -430,6 +502,7 @@ def corrected_costs(table: CostTable, launched: LaunchedRun, device: DeviceSpec)
         for n in members:
             factor_of[n] = stage
     spread = run_speed_spread(launched, device)
+    optimizer = run_optimizer_step(table, launched, device)
     nodes: dict[str, NodeCost] = {}
     for name, cost in table.nodes.items():
         st = factor_of.get(name)
@@ -444,12 +517,14 @@ def corrected_costs(table: CostTable, launched: LaunchedRun, device: DeviceSpec)
               "plan": str(launched.plan_path), "plan_sha256": launched.plan_sha256,
               "microbatch_size": launched.microbatch_size,
               "stages": [st.to_dict() for st in stages],
-              **({"speed_spread": spread.to_dict()} if spread is not None else {})}
+              **({"speed_spread": spread.to_dict()} if spread is not None else {}),
+              **({"optimizer": optimizer.to_dict()} if optimizer is not None else {})}
     source = replace(table.source, calibration={**table.source.calibration,
                                                 CALIBRATED_FROM: record})
     # everything else the table knows (saved-result nodes, kernel scratch) stays as measured
     return replace(table, source=source, nodes=nodes,
-                   speed_modes=spread.modes if spread is not None else ())
+                   speed_modes=spread.modes if spread is not None else (),
+                   optimizer_factor=_round(optimizer.factor) if optimizer is not None else 1.0)
 
 
 def calibrated_from(calibration: dict[str, Any]) -> dict[str, Any] | None:

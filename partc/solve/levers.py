@@ -72,9 +72,12 @@ def step_seconds(problem: StageProblem, params: Sequence[Param], rank: int,
     `_sync_params`: one broadcast per owner on the replicas' group, one after the other)."""
     training = problem.training
     device = problem.cluster.device
-    dispatch = step_dispatch_s(training, device)
+    # the price of each parameter's step, as launched runs measured it where the costs were
+    # calibrated from them (CostTable.optimizer_factor; 1 otherwise)
+    factor = problem.table.optimizer_factor
+    dispatch = step_dispatch_s(training, device) * factor
     # (0 for buffers and frozen parameters, which the step does not update)
-    optimized = [(p, seconds) for p in params
+    optimized = [(p, seconds * factor) for p in params
                  if (seconds := step_seconds_of(p, training, device))]
     shape = problem.shape
     if levers.sharding == "none" or shape.replicas < 2 or not optimized:

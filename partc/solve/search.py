@@ -345,7 +345,9 @@ def shape_lower_bound(blocks: BlockGraph, table: CostTable, cluster: ClusterSpec
         sync = min(cluster.allreduce_s(max(1, totals.grad_bytes // S), shape.rank_devices(d))
                    for d in range(S))
     # at the fastest rate a step can stream (cached, where the device has a cache term): a bound
-    sync += totals.step_bytes / S / shape.shards / cluster.device.stream_bytes_per_s(1.0)
+    # (scaled as every step is where the costs were calibrated from launched runs)
+    sync += totals.step_bytes / S / shape.shards / cluster.device.stream_bytes_per_s(1.0) \
+        * table.optimizer_factor
     bound = (M - 1) * T + sync + T + (W - T) / v
     usable = usable_memory(cluster.device.memory_bytes, shape.training_config(training))
     static, block_static = totals.static_with(shape.shards, shape.sharding == "gradients")

@@ -657,9 +657,11 @@ class _BlockTerms:
             once = shards / (2 * (shards - 1) or 1)
             reduced = gbytes * (shape.num_microbatches * once
                                 if training.gradient_shards > 1 and not p.aliases else 1.0)
+            # (times the runs' factor where the costs were calibrated from launches, as
+            # partc.solve.levers.step_seconds prices it)
             step = (_memo(memo, ("step", name, training, cluster.device.name),
                           lambda: step_seconds_of(p, training, cluster.device))
-                    + (dispatch if gbytes else 0.0)) / shards
+                    + (dispatch if gbytes else 0.0)) * table.optimizer_factor / shards
             return tuple(units.time(reduced * per_byte[d] + gather * per_byte[d] * once + step)
                          for d in range(S))
 

@@ -197,6 +197,17 @@ def test_a_profiles_speed_spread_round_trips_and_is_checked(mlp_profile: CostTab
         (tmp_path / "bad_spread.yaml").write_text(text)
         with pytest.raises(ProfileFileError, match=f"speed_spread .*{re.escape(why)}"):
             CostTable.load(tmp_path / "bad_spread.yaml", mlp_profile.graph)
+    # and a run's optimizer step over its price, likewise
+    stepped = dataclasses.replace(mlp_profile, optimizer_factor=1.3)
+    path = stepped.save(tmp_path / "stepped.yaml")
+    assert "optimizer_factor: 1.3\n" in path.read_text()
+    assert CostTable.load(path, mlp_profile.graph).optimizer_factor == 1.3
+    assert "optimizer_factor" not in mlp_profile.dumps()
+    for bad in ("0", "-1.0", ".nan", "true", "fast"):
+        (tmp_path / "bad_step.yaml").write_text(path.read_text().replace(
+            "optimizer_factor: 1.3\n", f"optimizer_factor: {bad}\n"))
+        with pytest.raises(ProfileFileError, match="optimizer_factor must be a number > 0"):
+            CostTable.load(tmp_path / "bad_step.yaml", mlp_profile.graph)
 
 
 def test_model_without_onnx_is_priced_in_torch() -> None:

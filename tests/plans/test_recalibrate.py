@@ -163,6 +163,17 @@ def test_calibrated_compile_predicts_the_measured_stage_times(launched: Launched
     assert record["plan_sha256"] == sha256_file(launched.plan)
     assert len(record["runs"][0]["steps"]) >= 1 and len(record["stages"]) == 2
     assert all(s["forward_factor"] > 0 and s["backward_factor"] > 0 for s in record["stages"])
+    # the optimizer step: one factor, the ranks' measured steps over their price (the launched
+    # plan's, the same cut on the same device), which every step of the new plan is priced at
+    own = [m.compute_s(False) for m in measured]  # 2 processes on cpu-4's 2 cores: wall times
+    step = record["optimizer"]
+    assert step["ranks"] == [0, 1]
+    assert step["priced_s"] == pytest.approx(list(old.predicted.optimizer_s), rel=1e-8)
+    assert step["measured_s"] == pytest.approx([w[2] for w in own if w is not None], rel=1e-9)
+    factor = sum(step["measured_s"]) / sum(step["priced_s"])
+    assert source["optimizer_factor"] == step["factor"] == pytest.approx(factor, rel=1e-9)
+    assert list(plan.predicted.optimizer_s) == pytest.approx(
+        [x * factor for x in old.predicted.optimizer_s], rel=1e-6)
     # two timed steps give no speed spread (and cpu-4's config has none): none is priced
     assert STEPS - 2 < MIN_SPREAD_STEPS
     assert "speed_spread" not in source and "speed_spread" not in record
