@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
@@ -100,10 +101,17 @@ def rank_steps(path: Path) -> dict[int, RankStep]:
     return steps
 
 
-def hop_lags(plan: Plan, by_rank: dict[int, RankStep]) -> dict[str, list[float]]:
-    """Each pass's wait for its input beyond its producer's end and its own rank's last pass."""
+Lags = dict[str, list[tuple[float, float | None]]]  # per pass kind: (lag, core-mate's elapsed)
+
+
+def hop_lags(plan: Plan, by_rank: dict[int, RankStep]) -> Lags:
+    """Each pass's wait for its input beyond its producer's end and its own rank's last pass (its
+    ready time), with how long a core-mate had been in the pass it was computing at that ready
+    time (None: no core-mate was computing; where ranks share cores, the scheduler decides
+    whether the woken rank takes the core from a core-mate mid-pass)."""
     S = plan.num_stages
     rank_of = [plan.stages[k].devices[0] for k in range(S)]
+    core = [plan.cluster.core_of(d) for d in rank_of]
     found: dict[tuple[int, str, int], Pass] = {}
     previous: dict[tuple[int, str, int], float] = {}
     for k in range(S):
@@ -112,13 +120,36 @@ def hop_lags(plan: Plan, by_rank: dict[int, RankStep]) -> dict[str, list[float]]
             found[(k, p.kind, p.microbatch)] = p
             previous[(k, p.kind, p.microbatch)] = last
             last = p.end_s
-    lags: dict[str, list[float]] = {"F": [], "B": []}
+    lags: Lags = {"F": [], "B": []}
     for (k, kind, mb), p in found.items():
         producer = found.get((k - 1, "F", mb)) if kind == "F" else found.get((k + 1, "B", mb))
         if producer is None:  # the first stage's forwards, the last stage's backwards
             continue
-        lags[kind].append(p.start_s - max(producer.end_s, previous[(k, kind, mb)]))
+        ready = max(producer.end_s, previous[(k, kind, mb)])
+        mates = [q for (j, _, _), q in found.items()
+                 if j != k and core[j] == core[k] and q.start_s <= ready < q.end_s]
+        elapsed = max((ready - q.start_s for q in mates), default=None)
+        lags[kind].append((p.start_s - ready, elapsed))
     return lags
+
+
+# how long a core-mate had been computing when a pass's input arrived, in bins (ms)
+MATE_BINS = ((0.0, 2.0), (2.0, 5.0), (5.0, math.inf))
+
+
+def lag_by_mate(values: list[tuple[float, float | None]]) -> str:
+    """The hop lags' medians by what the receiving rank's core-mate was doing."""
+    parts = []
+    idle = [lag for lag, mate in values if mate is None]
+    if idle:
+        parts.append(f"mate idle {statistics.median(idle) * 1e3:.2f} ms (n {len(idle)})")
+    for low, high in MATE_BINS:
+        got = [lag for lag, mate in values if mate is not None and low <= mate * 1e3 < high]
+        if got:
+            span = f"{low:.0f}+" if high == math.inf else f"{low:.0f}-{high:.0f}"
+            parts.append(f"mate {span} ms into a pass {statistics.median(got) * 1e3:.2f} ms "
+                          f"(n {len(got)})")
+    return "; ".join(parts)
 
 
 def show_step(plan: Plan, by_rank: dict[int, RankStep], replay: Simulation) -> None:
@@ -175,12 +206,12 @@ def main() -> None:
     timed = range(WARMUP, args.steps)
     show = args.steps - 1 if args.show_step is None else args.show_step
     show_step(plan, {r: t[show] for r, t in timelines.items()}, replay)
-    lags: dict[str, list[float]] = {"F": [], "B": []}
+    lags: Lags = {"F": [], "B": []}
     spans, tails, gathers = [], [], []
     for i in timed:
         by_rank = {r: t[i] for r, t in timelines.items()}
-        for kind, values in hop_lags(plan, by_rank).items():
-            lags[kind] += values
+        for kind, found in hop_lags(plan, by_rank).items():
+            lags[kind] += found
         spans.append(max(s.end_s for s in by_rank.values()) -
                      min(s.start_s for s in by_rank.values()))
         first = by_rank[plan.stages[0].devices[0]]
@@ -197,15 +228,19 @@ def main() -> None:
     summary: dict[str, Any] = {"plan": str(plan_path), "schedule": shape.schedule,
                                "span_s": spans, "replayed_s": replay.iteration_s,
                                "tail_s": tails, "gather_s": gathers}
-    for kind, values in lags.items():
-        if values:
-            late = sum(v > 1e-3 for v in values)
-            per_step = sum(values) / len(timed)
+    for kind, pairs in lags.items():
+        lag_values = [lag for lag, _ in pairs]
+        if lag_values:
+            late = sum(v > 1e-3 for v in lag_values)
+            per_step = sum(lag_values) / len(timed)
             print(f"hop lag, {'forward' if kind == 'F' else 'backward'} inputs: median "
-                  f"{statistics.median(values) * 1e3:.2f} ms, mean "
-                  f"{statistics.mean(values) * 1e3:.2f}, max {max(values) * 1e3:.2f}; "
-                  f"{late} of {len(values)} over 1 ms; per step {per_step * 1e3:.1f} ms")
-        summary[f"lag_{kind}_s"] = values
+                  f"{statistics.median(lag_values) * 1e3:.2f} ms, mean "
+                  f"{statistics.mean(lag_values) * 1e3:.2f}, max {max(lag_values) * 1e3:.2f}; "
+                  f"{late} of {len(lag_values)} over 1 ms; per step {per_step * 1e3:.1f} ms")
+            if plan.pipeline_spec().shares_cores:
+                print(f"  by the receiving rank's core-mate: {lag_by_mate(pairs)}")
+        summary[f"lag_{kind}_s"] = lag_values
+        summary[f"lag_{kind}_mate_elapsed_s"] = [mate for _, mate in pairs]
     if args.json is not None:
         args.json.write_text(json.dumps(summary, indent=1) + "\n")
 
