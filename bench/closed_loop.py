@@ -42,6 +42,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from plan_measured import (  # noqa: E402  (a sibling script, not a package)
     BATCH,
@@ -55,6 +57,7 @@ from plan_measured import (  # noqa: E402  (a sibling script, not a package)
 )
 
 from partc.options import PRECISIONS  # noqa: E402
+from partc.plans.recalibrate import calibrated_from  # noqa: E402
 
 
 def compile_calibrated(a: Plan, runs: list[Path], out: Path, precision: str) -> Plan:
@@ -65,6 +68,16 @@ def compile_calibrated(a: Plan, runs: list[Path], out: Path, precision: str) -> 
     if b.error:
         b.error = f"calibrated {b.error}"
     return b
+
+
+def calibration_record(plan: Plan) -> dict[str, Any] | None:
+    """What B's profile says it was corrected from (the runs, the speed spread, the optimizer
+    factor: partc.plans.recalibrate's record), or None where it has none."""
+    if plan.profile_path is None or not plan.profile_path.is_file():
+        return None
+    d = yaml.safe_load(plan.profile_path.read_text())
+    calibration = d.get("calibration") if isinstance(d, dict) else None
+    return calibrated_from(calibration) if isinstance(calibration, dict) else None
 
 
 def launch_keeping(plan: Plan, steps: int, keep: Path) -> bool:
@@ -181,8 +194,8 @@ def run_case(model: str, n: int, tmp: Path, args: argparse.Namespace) -> dict[st
         print(f"{model} x{n} A before {r + 1}/{args.repeats}: {a.steps_s[-1] * 1e3:.1f} ms/step",
               file=sys.stderr, flush=True)
     before = list(a.steps_s)
-    calibrated_from = kept if args.calibrate_runs == "all" else kept[-1:]
-    b = compile_calibrated(a, calibrated_from, tmp / f"{model}-{n}-B", args.precision)
+    runs_used = kept if args.calibrate_runs == "all" else kept[-1:]
+    b = compile_calibrated(a, runs_used, tmp / f"{model}-{n}-B", args.precision)
     if b.error:
         return {**row, "error": b.error}
     print(f"{model} x{n} B: {shape_text(b.shape)}, predicted "
@@ -201,7 +214,8 @@ def run_case(model: str, n: int, tmp: Path, args: argparse.Namespace) -> dict[st
             "a_predicted_s": a.predicted_iteration_s, "b_predicted_s": b.predicted_iteration_s,
             "a_before_s": before, "a_after_s": list(a.steps_s), "b_s": list(b.steps_s),
             "b_mean_s": list(b.mean_steps_s), "b_priced_speed_s": b.priced_speed_iteration_s,
-            "calibrated_from": [str(p) for p in calibrated_from]}
+            "calibrated_from": [str(p) for p in runs_used],
+            "calibration": calibration_record(b)}
 
 
 if __name__ == "__main__":
