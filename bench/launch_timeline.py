@@ -20,7 +20,7 @@ It prints one step's per-rank timeline beside the replay's events, then the lags
 the timed steps, by pass kind. One stage per rank and one replica (GPipe or 1F1B plans).
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/launch_timeline.py PLAN_DIR [--steps 14]
-        [--show-step K] [--json out.json] [--keep DIR]
+        [--show-step K] [--json out.json] [--keep DIR] [--gloo-io batch|other]
 """
 from __future__ import annotations
 
@@ -69,11 +69,13 @@ class RankStep:
     rows: tuple[tuple[str, float, float, Any], ...]  # every event of the step, for the listing
 
 
-def launch(plan_dir: Path, steps: int, out: Path) -> Path:
-    """Launch the plan with the hook; returns its metrics file."""
+def launch(plan_dir: Path, steps: int, out: Path, gloo_io: str = "batch") -> Path:
+    """Launch the plan with the hook; returns its metrics file. `gloo_io` "other": gloo's socket
+    loops stay at the default scheduling policy instead of launch's SCHED_BATCH (an
+    experiment)."""
     metrics = out / "metrics.jsonl"
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-           "PARTC_TIMELINE_DIR": str(out),
+           "PARTC_TIMELINE_DIR": str(out), "PARTC_TIMELINE_GLOO_IO": gloo_io,
            "PYTHONPATH": os.pathsep.join(filter(None, [str(HOOK),
                                                         os.environ.get("PYTHONPATH")]))}
     subprocess.run([PARTC, "launch", str(plan_dir), "--steps", str(steps), "--metrics",
@@ -182,6 +184,9 @@ def main() -> None:
     parser.add_argument("--show-step", type=int, default=None,
                         help="the step (0-based) whose timeline is printed; default the last")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--gloo-io", choices=("batch", "other"), default="batch",
+                        help="gloo's socket loops under launch's SCHED_BATCH (default) or left "
+                             "at the default policy (an experiment: what batching costs hops)")
     parser.add_argument("--keep", type=Path, default=None,
                         help="a folder to copy the run's metrics and per-rank timelines into")
     args = parser.parse_args()
@@ -194,7 +199,7 @@ def main() -> None:
         raise SystemExit(f"launch_timeline: --steps must be over {WARMUP}")
     with tempfile.TemporaryDirectory(prefix="partc-timeline-") as tmp:
         out = Path(tmp)
-        metrics = launch(plan_path, args.steps, out)
+        metrics = launch(plan_path, args.steps, out, args.gloo_io)
         replay = replay_measured(plan, RunMetrics.load(metrics))
         timelines = {r: rank_steps(out / f"rank{r}.jsonl") for r in range(plan.num_stages)}
         if args.keep is not None:

@@ -47,6 +47,10 @@ def _install(out: str, rank: str) -> None:
     log: list[tuple[str, float, float, Any]] = []
     path = os.path.join(out, f"rank{rank}.jsonl")
     post, wait = schedules._batch_p2p, schedules._wait_batch_p2p
+    if os.environ.get("PARTC_TIMELINE_GLOO_IO") == "other":
+        # an experiment: leave gloo's socket loops at the default policy (launch moves them to
+        # SCHED_BATCH, partc.hardware.local.batch_schedule_gloo_io)
+        runtime.batch_schedule_gloo_io = lambda: 0
 
     # each timed call also logs its main-thread CPU time as a zero-length "cpu:<kind>" row, so
     # the step's main-thread CPU outside the passes splits into its parts; `detail` is the
