@@ -62,5 +62,5 @@ class TerminalProgress(Progress):
             self.stream.flush()
 
     def warn(self, message: str) -> None:
-        self.stream.write(f"warning: {message}\n")
+        self.stream.write(f"partc: warning: {message}\n")
         self.stream.flush()

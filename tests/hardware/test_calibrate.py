@@ -473,10 +473,10 @@ def test_calibrate_command_writes_configs_that_compile(tmp_path: Path) -> None:
                "-b", "8", "--costs", "analytic")
     assert proc.returncode == 0, proc.stderr
     warnings = [line for line in proc.stderr.splitlines() if "was calibrated on" in line]
-    assert warnings == [f"warning: the cpu device config was calibrated on Imaginary CPU 9000, "
-                        f"and this machine is {cpu_model()}: its overheads, optimizer and link "
-                        f"costs are that machine's (hint: run `partc calibrate -o DIR` here and "
-                        f"compile with --cluster DIR/clusters/cpu.yaml)"]
+    assert warnings == [f"partc: warning: the cpu device config was calibrated on Imaginary "
+                        f"CPU 9000, and this machine is {cpu_model()}: its overheads, optimizer "
+                        f"and link costs are that machine's (hint: run `partc calibrate -o DIR` "
+                        f"here and compile with --cluster DIR/clusters/cpu.yaml)"]
 
 
 @pytest.mark.parametrize(("args", "message"), [
