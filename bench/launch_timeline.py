@@ -14,7 +14,8 @@ the timed steps after warm-up, measures:
   and launch's per-step metrics gather, which the prediction does not have), and the gather
   alone (rank 0's time in it: posting the step's rows and waiting for the last step's, which
   have arrived while the step ran unless some rank lags);
-- the step's span (first rank's start to the last rank's end) against the replayed iteration.
+- the step's period (the first rank's step end to step end: the run's throughput) and span (first
+  rank's start to the last rank's end) against the replayed iteration.
 
 It prints one step's per-rank timeline beside the replay's events, then the lags' medians over
 the timed steps, by pass kind. One stage per rank and one replica (GPipe or 1F1B plans).
@@ -212,27 +213,35 @@ def main() -> None:
     show = args.steps - 1 if args.show_step is None else args.show_step
     show_step(plan, {r: t[show] for r, t in timelines.items()}, replay)
     lags: Lags = {"F": [], "B": []}
-    spans, tails, gathers = [], [], []
+    spans, periods, tails, gathers = [], [], [], []
+    first_rank = plan.stages[0].devices[0]
     for i in timed:
         by_rank = {r: t[i] for r, t in timelines.items()}
         for kind, found in hop_lags(plan, by_rank).items():
             lags[kind] += found
         spans.append(max(s.end_s for s in by_rank.values()) -
                      min(s.start_s for s in by_rank.values()))
-        first = by_rank[plan.stages[0].devices[0]]
+        first = by_rank[first_rank]
+        # the step's period, what a run's throughput is: the first rank's step end to step end
+        # (the span over-counts it where ranks without a tied sum start the next step early)
+        periods.append(first.end_s - timelines[first_rank][i - 1].end_s)
         tails.append(first.end_s - max(p.end_s for p in first.passes))
         gathers.append(first.gather_s)
     shape = plan.training.shape
     print(f"\n{plan_path}: {plan.num_stages} stages, {shape.schedule}, "
           f"{shape.num_microbatches} micro-batches; steps {timed.start}..{timed.stop - 1}")
-    print(f"step span median {statistics.median(spans) * 1e3:.1f} ms "
+    print(f"step period (rank {first_rank}'s step end to step end) median "
+          f"{statistics.median(periods) * 1e3:.1f} ms ({min(periods) * 1e3:.1f}-"
+          f"{max(periods) * 1e3:.1f}); span (first rank's start to last rank's end) median "
+          f"{statistics.median(spans) * 1e3:.1f} ms "
           f"({min(spans) * 1e3:.1f}-{max(spans) * 1e3:.1f}); replayed "
           f"{replay.iteration_s * 1e3:.1f} ms; rank 0's tail after its last pass (tied sum, "
           f"optimizer, metrics gather) median {statistics.median(tails) * 1e3:.1f} ms, the "
           f"gather {statistics.median(gathers) * 1e3:.1f} ms")
     summary: dict[str, Any] = {"plan": str(plan_path), "schedule": shape.schedule,
-                               "span_s": spans, "replayed_s": replay.iteration_s,
-                               "tail_s": tails, "gather_s": gathers}
+                               "span_s": spans, "period_s": periods,
+                               "replayed_s": replay.iteration_s, "tail_s": tails,
+                               "gather_s": gathers}
     for kind, pairs in lags.items():
         lag_values = [lag for lag, _ in pairs]
         if lag_values:
