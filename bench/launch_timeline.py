@@ -34,17 +34,19 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from partc.hardware.speed_spread import modes_of  # noqa: E402
 from partc.plans.plan import Plan, load_plan  # noqa: E402
 from partc.plans.report import replay_measured  # noqa: E402
-from partc.plans.run_metrics import RunMetrics  # noqa: E402
-from partc.solve.simulator import Simulation  # noqa: E402
+from partc.plans.run_metrics import RunMetrics, StepMetrics  # noqa: E402
+from partc.solve.simulator import PipelineSpec, Simulation, simulate  # noqa: E402
+from partc.solve.stragglers import expected_iteration_s  # noqa: E402
 
 PARTC = str(Path(sys.executable).parent / "partc")
 HOOK = ROOT / "bench" / "timeline_hook"
@@ -68,6 +70,43 @@ class RankStep:
     tied: tuple[float, float] | None
     gather_s: float  # the per-step metrics gather: its post, and the wait for the last step's
     rows: tuple[tuple[str, float, float, Any], ...]  # every event of the step, for the listing
+
+
+def replay_spec(plan: Plan, run: RunMetrics, steps: tuple[StepMetrics, ...]
+                ) -> tuple[PipelineSpec, list[float]]:
+    """The plan's schedule with the stages' work of `steps` (medians over them, as
+    partc.plans.report.replay_measured takes over all timed steps), and each stage's forward +
+    backward work so taken."""
+    spec, posts = plan.pipeline_spec(), plan.p2p_posts_priced()
+    work = [w.compute_s(spec.shares_cores, posts[w.index]) for w in run.stage_summaries(steps)]
+    if any(w is None for w in work):
+        raise SystemExit("launch_timeline: the run has no CPU times to replay")
+    done = [w for w in work if w is not None]
+    optimizer = [0.0] * spec.num_ranks
+    for summary, (_, _, step) in zip(run.stage_summaries(steps), done, strict=True):
+        optimizer[summary.pipeline_rank] += step
+    spec = replace(spec, stages=tuple(replace(t, forward_s=f, backward_s=b)
+                                      for t, (f, b, _) in zip(spec.stages, done, strict=True)),
+                   optimizer_s=tuple(optimizer))
+    return spec, [f + b for f, b, _ in done]
+
+
+def step_variation(plan: Plan, run: RunMetrics) -> tuple[float, float, float]:
+    """Where the replay's gap goes: (the replay of the stages' median work, the mean of every
+    timed step replayed with its own stages' work, the replay's expectation over the speed
+    modes of those steps' work over the medians, as compile --calibrate-from prices them with
+    one core per unit)."""
+    steps = run.timed_steps()
+    median_spec, median_work = replay_spec(plan, run, steps)
+    per_step, samples = [], []
+    for step in steps:
+        spec, work = replay_spec(plan, run, (step,))
+        per_step.append(simulate(spec).iteration_s)
+        samples += [w / m for w, m in zip(work, median_work, strict=True) if m > 0]
+    units = [tuple(plan.cluster.core_of(d) for d in plan.training.shape.rank_devices(r))
+             for r in range(median_spec.num_ranks)]
+    expected = expected_iteration_s(median_spec, units, modes_of(samples, reference=1.0))
+    return simulate(median_spec).iteration_s, statistics.mean(per_step), expected
 
 
 def launch(plan_dir: Path, steps: int, out: Path, gloo_io: str = "batch") -> Path:
@@ -201,7 +240,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="partc-timeline-") as tmp:
         out = Path(tmp)
         metrics = launch(plan_path, args.steps, out, args.gloo_io)
-        replay = replay_measured(plan, RunMetrics.load(metrics))
+        run = RunMetrics.load(metrics)
+        replay = replay_measured(plan, run)
         timelines = {r: rank_steps(out / f"rank{r}.jsonl") for r in range(plan.num_stages)}
         if args.keep is not None:
             args.keep.mkdir(parents=True, exist_ok=True)
@@ -238,7 +278,15 @@ def main() -> None:
           f"{replay.iteration_s * 1e3:.1f} ms; rank 0's tail after its last pass (tied sum, "
           f"optimizer, metrics gather) median {statistics.median(tails) * 1e3:.1f} ms, the "
           f"gather {statistics.median(gathers) * 1e3:.1f} ms")
+    of_medians, per_step_mean, expected = step_variation(plan, run)
+    print(f"the stages' work varying from step to step: each timed step replayed with its own, "
+          f"mean {per_step_mean * 1e3:.1f} ms (the medians' replay {of_medians * 1e3:.1f}); "
+          f"the medians' replay over those steps' speed modes {expected * 1e3:.1f} ms; the run's "
+          f"mean step {run.mean_step_s() * 1e3:.1f} ms")
     summary: dict[str, Any] = {"plan": str(plan_path), "schedule": shape.schedule,
+                               "step_replays_mean_s": per_step_mean,
+                               "expected_over_steps_s": expected,
+                               "mean_step_s": run.mean_step_s(),
                                "span_s": spans, "period_s": periods,
                                "replayed_s": replay.iteration_s, "tail_s": tails,
                                "gather_s": gathers}
