@@ -68,6 +68,7 @@ from partc.plans.plan import (
 )
 from partc.plans.priced_search import priced_search, warn_of_foreign_calibration
 from partc.plans.recalibrate import (
+    MIN_RUN_SPREAD_STEPS,
     MIN_SPREAD_STEPS,
     RunOfPlan,
     corrected_costs,
@@ -219,13 +220,15 @@ def calibrated_costs(result: CaptureResult, table: CostTable, cluster: ClusterSp
         launched = load_launched_run(runs, result, progress)
         corrected = corrected_costs(table, launched, cluster.device)
         data = corrected.dumps().encode()
+    fallback = ("the device config's is priced"
+                if cluster.device.speed_modes(options.training.matmul_dtype) else "none is priced")
     if not corrected.speed_modes and len(launched.timed) < MIN_SPREAD_STEPS:
-        fallback = ("the device config's is priced"
-                    if cluster.device.speed_modes(options.training.matmul_dtype)
-                    else "none is priced")
         progress.warn(f"{len(launched.timed)} timed step(s) in {where}, fewer than the "
                       f"{MIN_SPREAD_STEPS} a speed spread is taken from: {fallback} (launch "
                       "with more --steps for one)")
+    elif not corrected.speed_modes and all(len(r.timed) < MIN_RUN_SPREAD_STEPS for r in runs):
+        progress.warn(f"no run in {where} has the {MIN_RUN_SPREAD_STEPS} timed steps a speed "
+                      f"spread is read within: {fallback} (launch with more --steps for one)")
     with tempfile.TemporaryDirectory(prefix="partc-calibrated-") as tmp:
         path = Path(tmp) / PROFILE_FILE
         path.write_bytes(data)

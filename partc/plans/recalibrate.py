@@ -38,8 +38,10 @@ simulator shares the cores out itself. A run without CPU times (an older partc's
 The runs also give the spread of the stages' speed from step to step, which the corrected costs
 (medians) leave out and a pipeline pays: a step waits for its slowest stage. `run_speed_spread`
 takes, per stage and timed step, the stage's own work (forward + backward per micro-batch, as
-above) over its median; where a stage's replicas run on R speed units (devices, or cores where
-processes share them: ClusterSpec.core_of) the run reports their slowest, whose distribution is
+above) over its median in that step's run (a run slower as a whole, all stages together, is the
+machine's minute, which the pooled medians take in, not units drawing on their own); where a
+stage's replicas run on R speed units (devices, or cores where processes share them:
+ClusterSpec.core_of) the run reports their slowest, whose distribution is
 a unit's raised to the R-th power if units draw on their own, so a unit's quantile q is the
 sample's quantile q^R. Every stage's unit samples, pooled, cut into 4 modes
 (partc.hardware.speed_spread.modes_of), are the table's `speed_modes`, which the solver prices
@@ -92,6 +94,9 @@ if TYPE_CHECKING:  # annotations only: the caller captures the model
 
 # Pooled timed steps of the runs below which they give no speed spread: two per mode.
 MIN_SPREAD_STEPS = 8
+# A run's timed steps below which it has no median of its own to read its steps' spread against
+# (its steps still count in the pooled medians).
+MIN_RUN_SPREAD_STEPS = 4
 
 # The key of CostSource.calibration that marks a table corrected from a run (and of the profile
 # file's `calibration` mapping).
@@ -448,17 +453,36 @@ def unit_samples_of_maxima(maxima: Sequence[float], units: int) -> list[float]:
 
 def run_speed_spread(launched: LaunchedRun, device: DeviceSpec) -> RunSpeedSpread | None:
     """The speed spread of the launched runs' stages (module docstring), or None with fewer than
-    MIN_SPREAD_STEPS timed steps pooled or no stage whose work was timed."""
-    plan, timed = launched.plan, launched.timed
-    if len(timed) < MIN_SPREAD_STEPS:
+    MIN_SPREAD_STEPS timed steps pooled or no stage whose work was timed. Each run's steps are
+    read against that run's own medians, so a run slower or faster as a whole (the machine's
+    minute, all stages alike) moves the pooled medians, not the spread; runs with fewer than
+    MIN_RUN_SPREAD_STEPS timed steps have no median of their own to read them against."""
+    if len(launched.timed) < MIN_SPREAD_STEPS:
         return None
-    posts, shared = _posts_and_sharing(plan, device)
-    summaries = launched.runs[0].run.stage_summaries(timed)
+    posts, shared = _posts_and_sharing(launched.plan, device)
     samples: list[float] = []
-    for stage, summary in zip(plan.stages, summaries, strict=True):
+    steps = 0
+    for run in launched.runs:
+        if len(run.timed) >= MIN_RUN_SPREAD_STEPS:
+            found = _unit_samples(launched.plan, run, posts, shared)
+            steps += len(run.timed) if found else 0
+            samples += found
+    if not samples:
+        return None
+    return RunSpeedSpread(modes=modes_of(samples, reference=1.0), steps=steps,
+                          samples=len(samples))
+
+
+def _unit_samples(plan: Plan, run: RunOfPlan, posts: Sequence[float | None],
+                  shared: bool) -> list[float]:
+    """One run's samples of a speed unit's factor: per stage and timed step, the stage's own
+    work over its median in this run, read through `unit_samples_of_maxima` where its replicas
+    run on several units."""
+    samples: list[float] = []
+    for stage, summary in zip(plan.stages, run.run.stage_summaries(run.timed), strict=True):
         k = stage.index
         median = summary.compute_s(shared, posts[k])
-        works = [step.stages[k].compute_s(shared, posts[k]) for step in timed]
+        works = [step.stages[k].compute_s(shared, posts[k]) for step in run.timed]
         if median is None or median[0] + median[1] <= 0 or \
                 any(w is None or w[0] + w[1] <= 0 for w in works):
             continue  # no timed work (a run without CPU times on shared cores: refused before)
@@ -466,10 +490,7 @@ def run_speed_spread(launched: LaunchedRun, device: DeviceSpec) -> RunSpeedSprea
         units = len({plan.cluster.core_of(d) for d in stage.devices}) or 1
         samples += unit_samples_of_maxima([(w[0] + w[1]) / reference
                                            for w in works if w is not None], units)
-    if not samples:
-        return None
-    return RunSpeedSpread(modes=modes_of(samples, reference=1.0), steps=len(timed),
-                          samples=len(samples))
+    return samples
 
 
 def _factor(measured_work: float, predicted_work: float, stage: int, what: str,

@@ -26,6 +26,7 @@ from partc.hardware.configs import load_cluster
 from partc.options import SearchOptions, TrainingConfig
 from partc.plans.plan import load_plan
 from partc.plans.recalibrate import (
+    MIN_RUN_SPREAD_STEPS,
     MIN_SPREAD_STEPS,
     CalibrationError,
     RunOfPlan,
@@ -41,6 +42,7 @@ from partc.plans.run_metrics import (
     RunMetricsError,
     StepMetrics,
 )
+from partc.progress import Progress
 from partc.solve.stage_problem import gradient_add_s
 
 CPU4 = load_cluster("cpu-4")
@@ -270,6 +272,38 @@ def test_a_run_long_enough_prices_its_own_speed_spread(launched: Launched,
     even = load_plan(compile_mlp(tmp_path / "c", calibrate_from=steady))
     assert even.predicted.speed_modes == ((1.0, 1.0),)
     assert even.predicted.iteration_s == even.predicted.iteration_at_priced_speed_s
+
+    # a second steady run, 1.3x slower in every step (the machine's slower minute, all stages
+    # together): the pooled medians move, the spread does not (each run's steps are read against
+    # its own medians; pooled they were a 1.3x mode that units drew on their own)
+    slower = _lengthened(launched.run, tmp_path / "slower.jsonl", [1.3] * MIN_SPREAD_STEPS)
+    both = compile_mlp(tmp_path / "d", calibrate_from=[steady, slower])
+    assert load_plan(both).predicted.speed_modes == ((1.0, 1.0),)
+    record = yaml.safe_load((tmp_path / "d" / "profile.yaml").read_text())
+    assert record["calibration"]["calibrated_from"]["speed_spread"]["steps"] == \
+        2 * MIN_SPREAD_STEPS
+
+    # runs too short to have medians of their own give none, and compile says so
+    short = [_lengthened(launched.run, tmp_path / f"short{i}.jsonl", [1.0, 1.5, 1.0])
+             for i in range(3)]
+    said = _Said()
+    compile_model(MLP, CPU4, tmp_path / "e", CompileOptions(
+        batch_size=16, search=SHAPE, costs="analytic", calibrate_from=run_of(short)), said)
+    assert load_plan(tmp_path / "e" / "plan.yaml").predicted.speed_modes == ()
+    assert [w for w in said.warnings if "speed spread" in w] == [
+        f"no run in 3 runs ({', '.join(p.name for p in short)}) has the "
+        f"{MIN_RUN_SPREAD_STEPS} timed steps a speed spread is read within: none is priced "
+        "(launch with more --steps for one)"]
+
+
+class _Said(Progress):
+    """Progress that keeps its warnings."""
+
+    def __init__(self) -> None:
+        self.warnings: list[str] = []
+
+    def warn(self, message: str) -> None:
+        self.warnings.append(message)
 
 
 def test_a_units_spread_is_recovered_from_its_replicas_slowest() -> None:
