@@ -29,11 +29,12 @@ at the priced speed, the median stage work).
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/closed_loop.py [--models bert,gpt2]
         [--processes 2,4] [--repeats 3] [--steps 12] [--precision fp32] [--calibrate DIR]
-        [--calibrate-runs all|last] [--json rows.json]
+        [--calibrate-runs all|last] [--json rows.json] [--keep DIR]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shutil
 import statistics
 import sys
@@ -117,6 +118,9 @@ def main() -> None:
     parser.add_argument("--calibrate-runs", choices=("all", "last"), default="all",
                         help="calibrate B from all of A's launches before (pooled) or the last")
     parser.add_argument("--json", type=Path, help="write the raw rows here")
+    parser.add_argument("--keep", type=Path, metavar="DIR",
+                        help="keep the plans and every launch's metrics in DIR (a new folder), "
+                             "so another calibration can be compared on the same runs")
     args = parser.parse_args()
     models = [m for m in args.models.split(",") if m]
     processes = [int(p) for p in args.processes.split(",") if p]
@@ -133,8 +137,13 @@ def main() -> None:
 
     began = time.perf_counter()
     rows: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory() as tmp_name:
-        tmp = Path(tmp_name)
+    if args.keep is not None:  # a new folder: runs of another invocation stay apart
+        if args.keep.exists():
+            raise SystemExit(f"closed_loop: --keep {args.keep} exists (give a new folder)")
+        args.keep.mkdir(parents=True)
+    with contextlib.ExitStack() as stack:
+        tmp = args.keep if args.keep is not None else \
+            Path(stack.enter_context(tempfile.TemporaryDirectory()))
         for model in models:
             for n in processes:
                 rows.append(run_case(model, n, tmp, args))
@@ -172,9 +181,9 @@ def main() -> None:
     print(f"\n\n{len(rows)} cases in {total_s / 60:.1f} min")
     if args.json:
         import json
-        args.json.write_text(json.dumps({"config": vars(args) | {"json": str(args.json),
-                                                                 "calibrate": str(args.calibrate)},
-                                         "rows": rows, "total_s": total_s}, indent=1))
+        paths = {"json": str(args.json), "keep": str(args.keep), "calibrate": str(args.calibrate)}
+        args.json.write_text(json.dumps({"config": vars(args) | paths, "rows": rows,
+                                         "total_s": total_s}, indent=1))
 
 
 def run_case(model: str, n: int, tmp: Path, args: argparse.Namespace) -> dict[str, Any]:
