@@ -5,14 +5,19 @@ partc prices a parameter's step (partc.solve.stage_problem.step_seconds_of) as i
 one parameter at a time: where that parameter's working set (weights, gradient, states, the
 step's temporary) fits the device's cache, its later passes run at the cache's rate. launch
 builds its optimizers with foreach kernels (partc.run.training.build_optimizer), and on a CPU a
-foreach kernel runs one operation over every tensor of the group before the next operation: a
-pass reuses the cache only where the whole group's working set fits.
+foreach kernel runs one operation over every tensor of the group before the next operation:
+does a pass then find its data in the cache only where the whole group's working set fits?
 
-This times the step as launch builds it, on core 0, over groups of n parameters of `numel`
-elements from a few MiB of working set up to 200 MiB, and prints it beside two prices from the
-device config given: the per-parameter criterion (what partc prices) and the same formula with
-the whole group's working set deciding, and the bytes the step moves over the measured time
-less its dispatch: the stream rate the step reaches where it does not fit.
+This times the step as launch builds and runs it (`cpu_settings`: freed memory kept), on core
+0, over groups of n parameters of `numel` elements from a few MiB of working set up to 200 MiB,
+and prints it beside two prices from the device config given: the per-parameter criterion (what
+partc prices) and the same formula with the whole group's working set deciding, and the bytes
+the step moves over the measured time less its dispatch: the rate its streams reach.
+
+Measured on an AMD EPYC VM (2026-12-07, docs/benchmarks.md runs BM-BN): the per-parameter price
+0.89-1.28x, the whole-group one 0.33-0.73x beyond the cache (streams of 24-51 GB/s where the
+DRAM add streams 25): partc's criterion holds for the step alone. Without `cpu_settings` the
+step's temporaries page-fault in every step and the same groups ran 1.0-1.9x slower.
 
 Usage: OMP_NUM_THREADS=1 python bench/optimizer_stream.py DEVICE_YAML [--optimizer adamw]
            [--json out.json]
@@ -33,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from partc.cost.torch_profiler import cpu_settings  # noqa: E402
 from partc.graph.opgraph import Param  # noqa: E402
 from partc.hardware.configs import load_device  # noqa: E402
 from partc.hardware.specs import DeviceSpec  # noqa: E402
@@ -102,6 +108,10 @@ def main() -> None:
           f"{device.cache_bandwidth / 1e9:.1f} GB/s, memory {device.bytes_per_s() / 1e9:.1f} "
           f"GB/s priced ({device.memory_bandwidth / 1e9:.1f} x {device.bandwidth_efficiency})")
     rows: list[dict[str, Any]] = []
+    # as launch's ranks run: freed memory kept, so the step's temporaries do not page-fault in
+    # again every step (without it the same steps measured 1.1-1.7x slower here)
+    settings = cpu_settings(torch.device("cpu"))
+    settings.__enter__()
     for n, numel in GROUPS:
         got = measured_step_s(args.optimizer, n, numel)
         price = priced(n, numel, training, device)

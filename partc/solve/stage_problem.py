@@ -781,11 +781,7 @@ def step_seconds_of(p: Param, training: TrainingConfig, device: DeviceSpec) -> f
     from memory (the forward and backward left other data in the cache) and the others run at
     the cache's rate; else every pass streams from memory. Measured on an Intel Xeon VM, a
     BERT stage's AdamW step: 7.8-8.7 ms launched, predicted 14.1 all from memory, 6.0 all from
-    the cache, 7.7-8.3 so. Known wrong on an AMD EPYC VM (bench/optimizer_stream.py,
-    docs/benchmarks.md runs BM-BN): launch's foreach kernels run each operation over the whole
-    group, so beyond the cache it is the group's working set that decides, and the step streams
-    at 0.76-1.0 of the best stream, not `bytes_per_s`: priced 1.3-2.1x low there (the closed
-    loop's optimizer factor corrects a launched plan)."""
+    the cache, 7.7-8.3 so."""
     moved = sync_bytes(p, training)[1]
     if not moved:
         return 0.0
