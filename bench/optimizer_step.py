@@ -36,9 +36,10 @@ TENSORS = 256  # tiny tensors added to one: their steps are all fixed cost
 NUMEL = 16
 
 
-def step_s(name: Optimizer, tensors: int, steps: int = 30) -> float:
-    """Median time of one optimizer step over `tensors` tiny parameters (s)."""
-    params = [torch.nn.Parameter(torch.randn(NUMEL)) for _ in range(tensors)]
+def step_s(name: Optimizer, tensors: int, steps: int = 30, numel: int = NUMEL) -> float:
+    """Median time of one optimizer step over `tensors` parameters of `numel` elements (s),
+    built as launch builds its optimizers."""
+    params = [torch.nn.Parameter(torch.randn(numel)) for _ in range(tensors)]
     for p in params:
         p.grad = torch.randn_like(p)
     optimizer = build_optimizer(name, params)

@@ -27,9 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -37,13 +35,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+from optimizer_step import step_s  # noqa: E402  (a sibling script, not a package)
 
 from partc.cost.torch_profiler import cpu_settings  # noqa: E402
 from partc.graph.opgraph import Param  # noqa: E402
 from partc.hardware.configs import load_device  # noqa: E402
 from partc.hardware.specs import DeviceSpec  # noqa: E402
 from partc.options import OPTIMIZER_SPECS, TrainingConfig  # noqa: E402
-from partc.run.training import build_optimizer  # noqa: E402
 from partc.solve.stage_problem import (  # noqa: E402
     param_memory,
     step_dispatch_s,
@@ -55,24 +53,6 @@ from partc.solve.stage_problem import (  # noqa: E402
 GROUPS = ((4, 1 << 14), (20, 1 << 14), (100, 1 << 12), (50, 1 << 14), (5, 1 << 18),
           (400, 1 << 12), (200, 1 << 14), (3, 1 << 20), (40, 1 << 18), (10, 1 << 20))
 STEPS = 15
-
-
-def measured_step_s(optimizer: str, n: int, numel: int) -> float:
-    """Median time of one step over n parameters of `numel` elements, built as launch builds
-    its optimizers."""
-    params = [torch.nn.Parameter(torch.randn(numel)) for _ in range(n)]
-    for p in params:
-        p.grad = torch.randn_like(p)
-    step = build_optimizer(optimizer, params)  # type: ignore[arg-type]
-    assert step is not None
-    for _ in range(3):
-        step.step()
-    times = []
-    for _ in range(STEPS):
-        t0 = time.perf_counter()
-        step.step()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def priced(n: int, numel: int, training: TrainingConfig, device: DeviceSpec
@@ -113,7 +93,7 @@ def main() -> None:
     settings = cpu_settings(torch.device("cpu"))
     settings.__enter__()
     for n, numel in GROUPS:
-        got = measured_step_s(args.optimizer, n, numel)
+        got = step_s(args.optimizer, n, STEPS, numel)
         price = priced(n, numel, training, device)
         rate = price["moved_bytes"] / max(got - price["dispatch_s"], 1e-9)
         rows.append({"parameters": n, "numel": numel, "measured_s": got, **price,
