@@ -41,14 +41,14 @@ takes, per stage and timed step, the stage's own work (forward + backward per mi
 above) over its median in that step's run (a run slower as a whole, all stages together, is the
 machine's minute, which the pooled medians take in, not units drawing on their own); where a
 stage's replicas run on R speed units (devices, or cores where processes share them:
-ClusterSpec.core_of) the run reports their slowest, whose distribution is
-a unit's raised to the R-th power if units draw on their own, so a unit's quantile q is the
-sample's quantile q^R. Every stage's unit samples, pooled, cut into 4 modes
-(partc.hardware.speed_spread.modes_of), are the table's `speed_modes`, which the solver prices
-in place of the device config's (partc.solve.stragglers): the prediction becomes the expected
-(mean) step of the launches, its priced speed the median stage work. With fewer than
-`MIN_SPREAD_STEPS` timed steps pooled there is no spread (the device config's, if any, is
-priced). Assumed, as for a calibrated spread: units draw on their own.
+ClusterSpec.core_of) the run reports their slowest, whose distribution is a unit's raised to
+the R-th power if units draw on their own, so a unit's quantile q is the sample's quantile q^R.
+Every stage's unit samples, pooled, cut into 4 modes (partc.hardware.speed_spread.modes_of),
+are the table's `speed_modes`, which the solver prices in place of the device config's
+(partc.solve.stragglers): the prediction becomes the expected (mean) step of the launches, its
+priced speed the median stage work. With fewer than `MIN_SPREAD_STEPS` timed steps pooled, or
+no run of `MIN_RUN_SPREAD_STEPS`, there is no spread (the device config's, if any, is priced).
+Assumed, as for a calibrated spread: units draw on their own.
 
 The runs' optimizer step is corrected too, by one factor for the whole model
 (`run_optimizer_step`): the ranks' measured steps (their stages' median optimizer time, CPU time
