@@ -20,7 +20,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -36,9 +36,10 @@ TENSORS = 256  # tiny tensors added to one: their steps are all fixed cost
 NUMEL = 16
 
 
-def step_s(name: Optimizer, tensors: int, steps: int = 30, numel: int = NUMEL) -> float:
+def step_s(name: Optimizer, tensors: int, steps: int = 30, numel: int = NUMEL,
+           before: Callable[[], None] | None = None) -> float:
     """Median time of one optimizer step over `tensors` parameters of `numel` elements (s),
-    built as launch builds its optimizers."""
+    built as launch builds its optimizers; `before` runs ahead of each timed step, untimed."""
     params = [torch.nn.Parameter(torch.randn(numel)) for _ in range(tensors)]
     for p in params:
         p.grad = torch.randn_like(p)
@@ -48,6 +49,8 @@ def step_s(name: Optimizer, tensors: int, steps: int = 30, numel: int = NUMEL) -
         optimizer.step()
     times = []
     for _ in range(steps):
+        if before is not None:
+            before()
         t0 = time.perf_counter()
         optimizer.step()
         times.append(time.perf_counter() - t0)

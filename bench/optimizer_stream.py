@@ -20,7 +20,7 @@ DRAM add streams 25): partc's criterion holds for the step alone. Without `cpu_s
 step's temporaries page-fault in every step and the same groups ran 1.0-1.9x slower.
 
 Usage: OMP_NUM_THREADS=1 python bench/optimizer_stream.py DEVICE_YAML [--optimizer adamw]
-           [--json out.json]
+           [--cold] [--json out.json]
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from optimizer_step import step_s  # noqa: E402  (a sibling script, not a package)
 
-from partc.cost.torch_profiler import cpu_settings  # noqa: E402
+from partc.cost.torch_profiler import cpu_settings, flush_cpu_caches  # noqa: E402
 from partc.graph.opgraph import Param  # noqa: E402
 from partc.hardware.configs import load_device  # noqa: E402
 from partc.hardware.specs import DeviceSpec  # noqa: E402
@@ -78,6 +78,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("device", help="a device config (partc calibrate's devices/cpu.yaml)")
     parser.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_SPECS))
+    parser.add_argument("--cold", action="store_true",
+                        help="flush the CPU caches before each timed step, as launch's step "
+                             "follows the backward's and the transfers' work")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     os.sched_setaffinity(0, {0})
@@ -93,10 +96,11 @@ def main() -> None:
     settings = cpu_settings(torch.device("cpu"))
     settings.__enter__()
     for n, numel in GROUPS:
-        got = step_s(args.optimizer, n, STEPS, numel)
+        got = step_s(args.optimizer, n, STEPS, numel,
+                     before=flush_cpu_caches if args.cold else None)
         price = priced(n, numel, training, device)
         rate = price["moved_bytes"] / max(got - price["dispatch_s"], 1e-9)
-        rows.append({"parameters": n, "numel": numel, "measured_s": got, **price,
+        rows.append({"parameters": n, "numel": numel, "cold": args.cold, "measured_s": got, **price,
                      "stream_bytes_per_s": rate})
         per = price["per_parameter_s"]
         print(f"{n:4d} x {numel:8d}, working set {price['working_set_bytes'] / 2**20:6.1f} MiB: "
