@@ -114,6 +114,8 @@ class RuntimeCalibration:
     cold_pass_s: float | None = None
     p2p_post_cpu_s: float | None = None
     measurements: dict[str, float] = field(default_factory=dict)
+    # an optimizer step's extra time from evicted caches (the device's `step_cold_s`)
+    step_cold_s: float | None = None
 
 
 DeviceCalibration = Union[CpuCalibration, CudaCalibration]
@@ -1000,6 +1002,13 @@ def _device_lines(spec: DeviceSpec, comments: dict[str, list[str]]) -> list[str]
     if spec.cache_bytes:
         lines += block("cache_bytes", f"cache_bytes: {spec.cache_bytes}",
                        f"cache_bandwidth: {_quantity_text(spec.cache_bandwidth, 'B/s')}")
+    if spec.step_cold_s:
+        lines += block("step_cold_s",
+                       "# An AdamW step over a group within the cache, after a flush of the "
+                       "last-level cache, over",
+                       "# the same step warm (partc.run.overhead.measure_cold_step): a rank's "
+                       "optimizer step starts cold.",
+                       f"step_cold_s: {_quantity_text(spec.step_cold_s, 's')}")
     if spec.vector_bytes:
         # what its kernels block tensors by (the memory model's CPU convolution scratch)
         lines += block("vector_bytes", "# SIMD register width torch's CPU kernels use here",
@@ -1410,11 +1419,12 @@ def calibrate(out_dir: str | Path, device: str = "cpu", *, name: str | None = No
         else:
             link = shipped_cuda_link(cal.gpu_name, cal.spec.memory_bytes)
     if runtime is not None:
-        cold, posts = runtime.cold_pass_s, runtime.p2p_post_cpu_s
+        cold, posts, step_cold = runtime.cold_pass_s, runtime.p2p_post_cpu_s, runtime.step_cold_s
         cal = replace(cal, spec=replace(
             cal.spec, microbatch_overhead_s=_snap(runtime.microbatch_overhead_s, "s", 3),
             cold_pass_s=cal.spec.cold_pass_s if cold is None else _snap(cold, "s", 3),
-            p2p_post_cpu_s=cal.spec.p2p_post_cpu_s if posts is None else _snap(posts, "s", 3)),
+            p2p_post_cpu_s=cal.spec.p2p_post_cpu_s if posts is None else _snap(posts, "s", 3),
+            step_cold_s=cal.spec.step_cold_s if step_cold is None else _snap(step_cold, "s", 3)),
             measurements={**cal.measurements, **runtime.measurements})
     wall = time.perf_counter() - t0
     busy1, own1 = _cpu_clock()
@@ -1491,6 +1501,8 @@ def format_calibration(result: CalibrationResult) -> str:
            "receives or sends"] if spec.p2p_post_cpu_s else []),
         *([f"  a stage pass from evicted caches: {_q(spec.cold_pass_s, 's')} more"]
           if spec.cold_pass_s else []),
+        *([f"  an optimizer step from evicted caches: {_q(spec.step_cold_s, 's')} more"]
+          if spec.step_cold_s else []),
         f"cluster {result.cluster_path}",
         f"  {result.cluster.num_devices} device(s), {result.cluster.backend}, intra_node "
         f"{_q(link.bandwidth, 'B/s')}, {_q(link.latency_s, 's')}"

@@ -218,6 +218,7 @@ def _device_from(m: _Mapping) -> DeviceSpec:
                                          default=0.0))),
         cache_bandwidth=m.quantity("cache_bandwidth", "B/s", positive=False, required=False,
                                    default=0.0),
+        step_cold_s=m.quantity("step_cold_s", "s", positive=False, required=False, default=0.0),
         description=m.string("description", required=False),
         source=m.string("source", required=False),
         allow_tf32=m.boolean("allow_tf32", False),

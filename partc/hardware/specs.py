@@ -99,6 +99,12 @@ class DeviceSpec:
     # before the next, so a parameter whose step working set fits steps at this rate.
     cache_bytes: int = 0
     cache_bandwidth: float = 0.0
+    # The extra time of a rank's optimizer step that starts from evicted caches, as launch's
+    # steps follow the backward's and the transfers' work: the step's code and its temporaries'
+    # memory fetched again (beyond each parameter's first pass from memory, which the bytes term
+    # prices). `partc calibrate` times an AdamW step over a group within the cache, warm and
+    # after a flush (measured on an AMD EPYC VM: 0.5-0.7 ms); 0: not measured.
+    step_cold_s: float = 0.0
     # The machine a calibrated config was measured on (`partc calibrate` writes its CPU model or
     # GPU name); "" for a datasheet config. A config used to price this machine says, through
     # it, when its overheads and link are another machine's (partc.hardware.local).
@@ -183,6 +189,8 @@ class DeviceSpec:
         if self.cache_bytes or self.cache_bandwidth:
             extra["cache_bytes"] = self.cache_bytes
             extra["cache_bandwidth"] = self.cache_bandwidth
+        if self.step_cold_s:
+            extra["step_cold_s"] = self.step_cold_s
         if self.calibrated_on:
             extra["calibrated_on"] = self.calibrated_on
         if self.vector_bytes:
@@ -234,6 +242,8 @@ def _device_problems(d: DeviceSpec) -> list[str]:
         problems.append("cold_pass_s must be >= 0")
     if not d.p2p_post_cpu_s >= 0:
         problems.append("p2p_post_cpu_s must be >= 0")
+    if not d.step_cold_s >= 0:
+        problems.append("step_cold_s must be >= 0")
     if d.dispatch_overhead_s is not None and not d.dispatch_overhead_s >= 0:
         problems.append("dispatch_overhead_s must be >= 0")
     if (vector := vector_bytes_problem(d.vector_bytes, d.kind)) is not None:

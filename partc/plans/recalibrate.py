@@ -52,8 +52,9 @@ Assumed, as for a calibrated spread: units draw on their own.
 
 The runs' optimizer step is corrected too, by one factor for the whole model
 (`run_optimizer_step`): the ranks' measured steps (their stages' median optimizer time, CPU time
-on shared cores) summed over the priced ones (every held parameter's step on the device,
-partc.solve.levers.step_seconds, before any run's factor), over the ranks whose optimizer state
+on shared cores) summed over the priced ones (every held parameter's step on the device and
+each stage optimizer's cold start, `step_cold_s`, as partc.solve.levers.step_seconds prices
+them, before any run's factor), over the ranks whose optimizer state
 is not sharded; the table's `optimizer_factor`, by which the solver multiplies every
 parameter's step. One factor, not one per rank: a parameter's step costs the same wherever a
 cut puts it.
@@ -402,7 +403,9 @@ def run_optimizer_step(table: CostTable, launched: LaunchedRun,
         # partc.solve.levers.step_seconds prices a rank's step before any run's factor
         steps = [step_seconds_of(table.graph.param(p), training, device)
                  for p in _stage_parameters(table, nodes)]
-        priced[stage.rank] = priced.get(stage.rank, 0.0) + sum(s + dispatch for s in steps if s)
+        cold = device.step_cold_s if any(steps) else 0.0  # its optimizer's start from cold
+        priced[stage.rank] = priced.get(stage.rank, 0.0) + sum(s + dispatch for s in steps if s) \
+            + cold
         measured[stage.rank] = measured.get(stage.rank, 0.0) + work[2]
     ranks = tuple(r for r in sorted(priced)
                   if r not in sharded and priced[r] > 0 and measured[r] > 0)

@@ -182,6 +182,45 @@ def measure_cold_pass(device: str = "cpu") -> ColdPass:
     return ColdPass(forward_s=fwd, backward_s=bwd)
 
 
+# The group a cold optimizer step is timed over: 20 parameters of 16K float32 elements, AdamW's
+# working set 6.3 MiB, within any cache partc prices (the step's bytes term is the cache's there)
+STEP_PARAMS, STEP_NUMEL = 20, 1 << 14
+
+
+def measure_cold_step(device: str = "cpu") -> float:
+    """Measure, in this process, the extra CPU time of an optimizer step (AdamW, as launch
+    builds it) over a group within the cache when the last-level cache is flushed before it,
+    against the same step warm, in alternating blocks; the medians' difference: the device's
+    `step_cold_s`. launch's steps follow the backward's and the transfers' work, so they start
+    cold; the step's bytes term prices each parameter's first pass from memory, and what comes
+    back besides (the step's code, its temporaries' memory) is this. Measured on an AMD EPYC VM
+    (bench/optimizer_stream.py --cold, docs/benchmarks.md runs BM-BN): groups within the cache
+    0.5-0.7 ms slower cold. CPU only (0 on a GPU: the host's fetch hides behind the kernels)."""
+    from partc.run.training import build_optimizer
+
+    if not device.startswith("cpu"):
+        return 0.0
+    cpu = torch.device("cpu")
+    with cpu_settings(cpu):
+        params = [torch.nn.Parameter(torch.randn(STEP_NUMEL)) for _ in range(STEP_PARAMS)]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        step = build_optimizer("adamw", params)
+        assert step is not None  # every parameter requires grad
+        times: dict[bool, list[float]] = {False: [], True: []}
+        for block in range(COLD_BLOCKS + 1):  # the first block (states, allocator) left out
+            for cold in (False, True):
+                for i in range(COLD_BLOCK_PAIRS):
+                    if cold:
+                        flush_cpu_caches()
+                    start = CPU_CLOCK()
+                    step.step()
+                    took = CPU_CLOCK() - start
+                    if block and (cold or i >= WARM_SETTLE):
+                        times[cold].append(took)
+    return max(0.0, statistics.median(times[True]) - statistics.median(times[False]))
+
+
 def _stage_module(seed: int) -> torch.jit.ScriptModule:
     torch.manual_seed(seed)
     module = torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU(),
@@ -319,14 +358,16 @@ def calibrate_machine(out_dir: str | Path, device: str = "cpu", *, name: str | N
         found = measure_microbatch_overhead(kind)
         # the cold start is a host cost: on a GPU it hides behind the kernels (not measured)
         cold = measure_cold_pass(kind) if kind == "cpu" else None
+        cold_step = measure_cold_step(kind) if kind == "cpu" else None
         runtime = RuntimeCalibration(
             found.microbatch_overhead_s, None if cold is None else cold.pass_s,
             found.p2p_post_cpu_s if kind == "cpu" else None,
-            {**found.measurements(), **({} if cold is None else cold.measurements())})
+            {**found.measurements(), **({} if cold is None else cold.measurements())},
+            step_cold_s=cold_step)
     return calibrate(out_dir, device, name=name, threads=threads, seconds=seconds,
                      measure_link=measure_link, command=command, runtime=runtime,
                      devices=devices)
 
 
 __all__ = ["ColdPass", "PipelineOverhead", "OverheadError", "calibrate_machine",
-           "measure_cold_pass", "measure_microbatch_overhead"]
+           "measure_cold_pass", "measure_cold_step", "measure_microbatch_overhead"]

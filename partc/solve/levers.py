@@ -80,10 +80,13 @@ def step_seconds(problem: StageProblem, params: Sequence[Param], rank: int,
     optimized = [(p, seconds * factor) for p in params
                  if (seconds := step_seconds_of(p, training, device))]
     shape = problem.shape
+    # each of the rank's optimizers (one per chunk it holds) starts its step from caches the
+    # backward and the transfers evicted (DeviceSpec.step_cold_s; 0 where not measured)
+    cold = device.step_cold_s * shape.chunks * factor if optimized else 0.0
     if levers.sharding == "none" or shape.replicas < 2 or not optimized:
-        return sum(seconds + dispatch for _, seconds in optimized)
+        return sum(seconds + dispatch for _, seconds in optimized) + cold
     owned = optimizer_partition([p.numel for p, _ in optimized], shape.replicas)
-    step = max(sum(optimized[i][1] + dispatch for i in part) for part in owned)
+    step = max(sum(optimized[i][1] + dispatch for i in part) for part in owned) + cold
     group = shape.rank_devices(rank)
     broadcasts = sum(problem.cluster.broadcast_s(
         sum(param_memory(optimized[i][0], training)[0] for i in part), group) for part in owned)

@@ -414,6 +414,10 @@ def test_calibrate_command_writes_configs_that_compile(tmp_path: Path) -> None:
     # and the posts and waits of the tensor each pass receives or sends (gloo's calls, on the
     # computing thread)
     assert 0 < spec.p2p_post_cpu_s < 0.01
+    # and an optimizer step's start from evicted caches (may read 0 on a quiet cache: never <0)
+    assert 0 <= spec.step_cold_s < 0.01
+    assert ("# the same step warm (partc.run.overhead.measure_cold_step)" in
+            device_path.read_text()) == (spec.step_cold_s > 0)
     # the scheduler's credit for a process woken by a gloo receive, measured on one CPU: at
     # most the work each wake computed (partc.hardware.wake_credit)
     assert 0 <= cluster.wake_credit_s <= 0.25

@@ -385,6 +385,33 @@ def test_optimizer_step_pays_a_dispatch_per_tensor_on_cpu_only() -> None:
                 assert abs(units[d] * unit - got) <= len(stepped) * unit, (d, units[d] * unit, got)
 
 
+def test_each_ranks_step_starts_cold_once() -> None:
+    """launch's optimizer steps follow the backward's and the transfers' work: each starts from
+    evicted caches and pays the device's measured `step_cold_s` once (per optimizer: one per
+    chunk a rank holds), on top of its parameters' steps; a rank without trainable parameters
+    steps nothing and pays nothing. The closed loop's priced step holds the same term, so its
+    optimizer factor corrects what is left."""
+    from partc.solve.coarsen import coarsen
+    from partc.solve.levers import rank_parameters
+    from partc.solve.stage_problem import StageProblem
+
+    table = table_of("resnet")
+    blocks = coarsen(table, 16)
+    shape = PipelineShape(stages=2, replicas=1, num_microbatches=2, microbatch_size=4)
+    training = TrainingConfig(optimizer="adamw")
+    cold = replace(CPU8, device=replace(CPU8.device, step_cold_s=0.6e-3))
+    a = tuple(i * 2 // len(blocks.blocks) for i in range(len(blocks.blocks)))
+    warm_problem = StageProblem.build(blocks, table, CPU8, training, shape)
+    cold_problem = StageProblem.build(blocks, table, cold, training, shape)
+    for d, params in enumerate(rank_parameters(warm_problem, a)):
+        warm = step_seconds(warm_problem, params, d, RankLevers())
+        assert step_seconds(cold_problem, params, d, RankLevers()) == \
+            pytest.approx(warm + 0.6e-3, rel=1e-9)
+    assert step_seconds(cold_problem, [], 0, RankLevers()) == 0.0
+    frozen = [replace(p, trainable=False) for p in rank_parameters(cold_problem, a)[0]]
+    assert step_seconds(cold_problem, frozen, 0, RankLevers()) == 0.0
+
+
 def test_a_cpu_steps_a_parameter_from_its_cache_when_its_working_set_fits() -> None:
     """A CPU optimizer steps one parameter at a time. Where the parameter's step working set
     (weights, gradient, states, temporary) fits the device's cache, its first pass reads them
