@@ -326,7 +326,8 @@ def plan_options(default_cluster: str, compare: bool = False) -> Callable[[F], F
     options = [
         click.option("--cluster", "-c", "cluster_name", default=default_cluster, show_default=True,
                      help="Cluster config: 'local' (this machine: its GPUs, or its CPU cores as "
-                          "gloo processes), a name from configs/clusters/, or a YAML path."),
+                          "gloo processes), a name from configs/clusters/, a YAML path, or a "
+                          "plan (its plan.yaml or directory: the cluster it was compiled for)."),
         click.option("--batch-size", "-b", type=click.IntRange(min=1), required=True,
                      help="Global batch size (samples per training iteration over all replicas)."),
         click.option("--profile", "profile_path",
@@ -354,9 +355,9 @@ def plan_options(default_cluster: str, compare: bool = False) -> Callable[[F], F
 
 def _search_inputs(kw: dict[str, Any]) -> tuple[Any, TrainingConfig, SearchOptions]:
     """(cluster, TrainingConfig, SearchOptions) from the plan options."""
-    from partc.hardware.local import resolve_cluster
+    from partc.plans.plan import cluster_of
 
-    cluster = resolve_cluster(kw["cluster_name"])
+    cluster = cluster_of(kw["cluster_name"])
     compare = kw["strategy"] == "all"
     options = from_flags(SearchOptions, {**kw, "strategy": "cpsat"} if compare else kw)
     return cluster, from_flags(TrainingConfig, kw), options

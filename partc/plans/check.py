@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING
 
 from partc.errors import PartcError
 from partc.graph.opgraph import OpGraph
+from partc.hardware.local import LOCAL_CLUSTER
+from partc.hardware.specs import ClusterSpec
 from partc.options import DEFAULT_CAPTURE_BATCH, to_argv
 from partc.plans.diff import (
     Layout,
@@ -167,19 +169,35 @@ def solve_as_recorded(plan: Plan, result: CaptureResult, profile: Path | None,
 
 def note_cluster_config(plan: Plan, report: CheckReport) -> None:
     """A named cluster config that now says something else than the plan recorded is worth a
-    note: the check uses the recorded cluster, a recompile would use the config."""
+    note: the check uses the recorded cluster, a recompile by that name would use the config
+    (shipped configs change; `partc calibrate` writes its own under the shipped names)."""
+    name = plan.cluster.name
+    if name == LOCAL_CLUSTER or named_cluster(plan) in (None, plan.cluster):
+        return
+    report.notes.append(f"configs/clusters/{name}.yaml differs from the cluster recorded in "
+                        f"the plan; the check used the recorded one (--cluster "
+                        f"{_shown(report.plan_path)} recompiles for it, --cluster {name} for "
+                        "the config)")
+
+
+def named_cluster(plan: Plan) -> ClusterSpec | None:
+    """The cluster config the plan's cluster name gives now (None: no config has that name)."""
     from partc.hardware.configs import load_cluster
 
-    name = plan.cluster.name
-    if name == "local":  # this machine: differs between machines by design
-        return
     try:
-        current = load_cluster(name)
+        return load_cluster(plan.cluster.name)
     except PartcError:
-        return
-    if current != plan.cluster:
-        report.notes.append(f"configs/clusters/{name}.yaml differs from the cluster recorded in "
-                            "the plan; the check used the recorded one (recompile to adopt it)")
+        return None
+
+
+def cluster_argument(plan: Plan, plan_path: Path) -> str:
+    """`--cluster` for a recompile of `plan` to the cluster it records: `local` (this machine,
+    whichever it is), its config's name where that config still says the same, else the plan
+    itself (`cluster_of`): a calibrated cluster, or a config changed since."""
+    name = plan.cluster.name
+    if name == LOCAL_CLUSTER or named_cluster(plan) == plan.cluster:
+        return name
+    return _shown(plan_path)
 
 
 def compile_command(plan: Plan, plan_path: Path, model_path: Path | None = None) -> str:
@@ -189,7 +207,7 @@ def compile_command(plan: Plan, plan_path: Path, model_path: Path | None = None)
     directory = plan_path.parent
     model = model_path if model_path is not None else plan.model_path
     args = ["partc", "compile", _shown(model), "-b", str(plan.training.global_batch_size),
-            "--cluster", plan.cluster.name, *to_argv(costs.search)]
+            "--cluster", cluster_argument(plan, plan_path), *to_argv(costs.search)]
     if costs.source == "profile":
         args += ["--profile", _shown(directory / str(costs.profile))]
     else:  # said outright: on this machine the default (auto) would measure instead

@@ -25,6 +25,7 @@ import yaml
 from partc.errors import PartcError
 from partc.files import load_yaml, write_atomic
 from partc.hardware.configs import cluster_from_dict
+from partc.hardware.local import resolve_cluster
 from partc.hardware.specs import ClusterSpec
 from partc.hardware.units import format_quantity
 from partc.options import SHARDINGS, SearchOptions, Sharding, from_dict, to_dict
@@ -540,6 +541,31 @@ def validate_plan_dict(data: Any, where: str) -> None:
         raise PlanError(f"{where} is not a valid plan: at {at}: {first.message}"
                         + (f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""),
                         hint="re-run partc compile; see docs/plan-format.md for the format")
+
+
+def cluster_of(name_or_path: str | Path) -> ClusterSpec:
+    """The cluster `--cluster` names: `local` (this machine), a cluster config (a name from
+    configs/clusters/ or a YAML path), or a plan (its plan.yaml or directory): the cluster that
+    plan was compiled for, as it records it. A plan is how a recompile reproduces a cluster no
+    config name gives back, such as one calibrated into a directory under a shipped config's name
+    (`partc check`'s stale hint, `compile_command`)."""
+    text, path = str(name_or_path), Path(name_or_path)
+    # a bare word is a config name, as configs' own lookup reads it (`local`, `cpu`)
+    if ("/" in text or os.sep in text or text.endswith((".yaml", ".yml"))) and (
+            (path / PLAN_FILE).is_file() or (path.is_file() and _is_plan_file(path))):
+        return load_plan(path).cluster
+    return resolve_cluster(name_or_path)
+
+
+def _is_plan_file(path: Path) -> bool:
+    """Whether a YAML file is a plan (its top level has plan.yaml's `schema_version`, `cluster`
+    and `stages`) rather than a cluster config; unreadable files are left to the config loader,
+    whose error names them."""
+    try:
+        data = load_yaml(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return False
+    return isinstance(data, dict) and {"schema_version", "cluster", "stages"} <= data.keys()
 
 
 def load_plan(path: str | Path) -> Plan:

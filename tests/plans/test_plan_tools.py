@@ -143,6 +143,51 @@ def test_check_re_solves_and_shows_what_moves(plan_copy: Path) -> None:
     assert run("check", str(plan_copy)).returncode == 0
 
 
+def test_a_cluster_under_a_shipped_name_is_recompiled_as_recorded(tmp_path: Path) -> None:
+    """A cluster config under a shipped config's name that says something else (what `partc
+    calibrate -o DIR` writes: DIR/clusters/cpu-4.yaml): check notes that the name now gives
+    another cluster, and a stale plan's fix recompiles for the cluster the plan records (the
+    plan itself as `--cluster`), not for the shipped config of that name."""
+    clusters = tmp_path / "cal" / "clusters"
+    clusters.mkdir(parents=True)
+    shipped = (ROOT / "configs" / "clusters" / "cpu-4.yaml").read_text()
+    assert "bandwidth: 1.39GB/s" in shipped
+    (clusters / "cpu-4.yaml").write_text(shipped.replace("bandwidth: 1.39GB/s",
+                                                         "bandwidth: 0.5GB/s"))
+    out = tmp_path / "plan"
+    proc = run("compile", str(EXAMPLES / "mlp.py"), "-b", "16", "--cluster",
+               str(clusters / "cpu-4.yaml"), "--costs", "analytic", "-o", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    recorded = yaml.safe_load((out / "plan.yaml").read_text())["cluster"]
+    assert recorded["name"] == "cpu-4" and recorded["intra_node"]["bandwidth"] == 5e8
+
+    proc = run("check", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+    assert (f"configs/clusters/cpu-4.yaml differs from the cluster recorded in the plan; the "
+            f"check used the recorded one (--cluster {out / 'plan.yaml'} recompiles for it, "
+            "--cluster cpu-4 for the config)") in proc.stdout
+
+    # a plan (its directory or plan.yaml) as --cluster is the cluster it records
+    again = tmp_path / "again"
+    proc = run("compile", str(EXAMPLES / "mlp.py"), "-b", "16", "--cluster", str(out),
+               "--costs", "analytic", "-o", str(again))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert yaml.safe_load((again / "plan.yaml").read_text())["cluster"] == recorded
+
+    def stale(data: dict) -> None:  # as after a cost-model change: another build's prediction
+        data["partc_build"] = "0123456789abcdef"
+        data["stages"][0]["predicted"]["forward_s"] *= 0.5
+
+    edit_plan(out, stale)
+    proc = run("check", str(out))
+    assert proc.returncode == 1, proc.stdout + proc.stderr[-2000:]
+    fix = next(line for line in proc.stdout.splitlines() if line.strip().startswith("fix: "))
+    assert f"--cluster {out / 'plan.yaml'}" in fix
+    assert run(*fix.strip().removeprefix("fix: partc ").split()).returncode == 0
+    assert yaml.safe_load((out / "plan.yaml").read_text())["cluster"] == recorded
+    assert run("check", str(out)).returncode == 0
+
+
 def test_check_when_memory_no_longer_fits(plan_copy: Path) -> None:
     def shrink(data: dict) -> None:
         data["cluster"]["device"]["memory_bytes"] = 1 << 20
