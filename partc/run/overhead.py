@@ -53,7 +53,7 @@ import json
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
@@ -140,6 +140,17 @@ class ColdPass:
         return {"cold_forward_s": self.forward_s, "cold_backward_s": self.backward_s}
 
 
+def _cold_and_warm_runs() -> Iterator[tuple[bool, bool]]:
+    """The order `measure_cold_pass` and `measure_cold_step` run in: blocks of warm runs then
+    blocks of cold ones (flushed before), so the machine's speed that second is in both; per run
+    (cold, kept). The first block is left out (the allocator, the interpreter, optimizer states
+    being made), and so are each warm block's first runs, half cold after a cold block."""
+    for block in range(COLD_BLOCKS + 1):
+        for cold in (False, True):
+            for i in range(COLD_BLOCK_PAIRS):
+                yield cold, bool(block) and (cold or i >= WARM_SETTLE)
+
+
 def measure_cold_pass(device: str = "cpu") -> ColdPass:
     """Measure, in this process, the extra time of a pass of the calibration's small stage
     (launch's StageRunner, the computing thread's CPU time) when the last-level cache is flushed
@@ -157,25 +168,22 @@ def measure_cold_pass(device: str = "cpu") -> ColdPass:
                              last=False)
         x = torch.randn(MICROBATCH, WIDTH, requires_grad=True)
         times: dict[bool, tuple[list[float], list[float]]] = {False: ([], []), True: ([], [])}
-        # the first block is slow (allocator, interpreter): left out
-        for block in range(COLD_BLOCKS + 1):
-            for cold in (False, True):
-                for i in range(COLD_BLOCK_PAIRS):
-                    if cold:
-                        flush_cpu_caches()
-                    start = CPU_CLOCK()
-                    out = runner(x)
-                    out = out[0] if isinstance(out, tuple) else out
-                    mid = CPU_CLOCK()
-                    if cold:
-                        flush_cpu_caches()
-                    mid2 = CPU_CLOCK()
-                    torch.autograd.backward(out, torch.ones_like(out))
-                    end = CPU_CLOCK()
-                    x.grad = None
-                    if block and (cold or i >= WARM_SETTLE):
-                        times[cold][0].append(mid - start)
-                        times[cold][1].append(end - mid2)
+        for cold, kept in _cold_and_warm_runs():
+            if cold:
+                flush_cpu_caches()
+            start = CPU_CLOCK()
+            out = runner(x)
+            out = out[0] if isinstance(out, tuple) else out
+            mid = CPU_CLOCK()
+            if cold:
+                flush_cpu_caches()
+            mid2 = CPU_CLOCK()
+            torch.autograd.backward(out, torch.ones_like(out))
+            end = CPU_CLOCK()
+            x.grad = None
+            if kept:
+                times[cold][0].append(mid - start)
+                times[cold][1].append(end - mid2)
         runner.zero_grad(set_to_none=True)
     fwd, bwd = (max(0.0, statistics.median(times[True][k]) - statistics.median(times[False][k]))
                 for k in (0, 1))
@@ -208,16 +216,14 @@ def measure_cold_step(device: str = "cpu") -> float:
         step = build_optimizer("adamw", params)
         assert step is not None  # every parameter requires grad
         times: dict[bool, list[float]] = {False: [], True: []}
-        for block in range(COLD_BLOCKS + 1):  # the first block (states, allocator) left out
-            for cold in (False, True):
-                for i in range(COLD_BLOCK_PAIRS):
-                    if cold:
-                        flush_cpu_caches()
-                    start = CPU_CLOCK()
-                    step.step()
-                    took = CPU_CLOCK() - start
-                    if block and (cold or i >= WARM_SETTLE):
-                        times[cold].append(took)
+        for cold, kept in _cold_and_warm_runs():
+            if cold:
+                flush_cpu_caches()
+            start = CPU_CLOCK()
+            step.step()
+            took = CPU_CLOCK() - start
+            if kept:
+                times[cold].append(took)
     return max(0.0, statistics.median(times[True]) - statistics.median(times[False]))
 
 
