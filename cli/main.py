@@ -379,6 +379,7 @@ def solve(model: Path, output: Path | None, timeline: Path | None, **kw: Any) ->
     cluster, training, options = _search_inputs(kw)
     with held_interrupts():
         from partc.frontend.capture import capture_graph
+        from partc.hardware.specs import priced_by_text
         from partc.plans.priced_search import priced_search
         from partc.progress import TerminalProgress
         from partc.solve.partition import format_comparison, format_partition
@@ -399,7 +400,10 @@ def solve(model: Path, output: Path | None, timeline: Path | None, **kw: Any) ->
         if isinstance(chosen, PartcError):
             raise chosen
         partition = chosen
-    click.echo(format_partition(partition))
+    profile = kw["profile_path"] or priced.profile
+    click.echo(format_partition(partition, priced_by_text(
+        cluster.device, None if priced.table.source.kind == "analytic"
+        else f"{profile or '(in memory)'}, on {priced.table.source.device}")))
     if output is not None:
         with writing_to(output, "--output", (model,)):
             output.parent.mkdir(parents=True, exist_ok=True)

@@ -223,6 +223,7 @@ def _device_from(m: _Mapping) -> DeviceSpec:
         source=m.string("source", required=False),
         allow_tf32=m.boolean("allow_tf32", False),
         calibrated_on=m.string("calibrated_on", required=False),
+        checked_against=m.string("checked_against", required=False),
         vector_bytes=vector,
         speed_spread=spread,
     )

@@ -109,6 +109,12 @@ class DeviceSpec:
     # GPU name); "" for a datasheet config. A config used to price this machine says, through
     # it, when its overheads and link are another machine's (partc.hardware.local).
     calibrated_on: str = ""
+    # Where a datasheet config's predictions were last compared with measurements on its device
+    # (which device, when, what held and what did not, and where it is written up); "" for one
+    # never compared. Said beside every prediction priced with it (`pricing_text`), so that a
+    # plan for hardware partc has not measured reads as an estimate. Not a number the pricing
+    # uses: equality and `partc diff` ignore it, like `description` and `source`.
+    checked_against: str = field(default="", compare=False)
     # A CPU's SIMD register width in bytes (64: AVX-512, 32: AVX2, 16: SSE, NEON); its kernels
     # block tensors by it (oneDNN's convolutions pad channels to a register of floats,
     # partc.solve.memory.kernel_scratch). 0: not recorded, read as DEFAULT_CPU_VECTOR_BYTES.
@@ -150,6 +156,18 @@ class DeviceSpec:
         """The (probability, factor) speed modes of steps computing in `dtype` (torch names
         accepted); () where none were measured."""
         return self.speed_spread.get(_dtype_key(dtype), ())
+
+    def pricing_text(self) -> str:
+        """How far this config's numbers are known to hold, for the line beside a prediction:
+        measured on a machine (`calibrated_on`), a datasheet's compared with a measured device
+        (`checked_against`), or a datasheet's never compared (unverified)."""
+        if self.calibrated_on:
+            return f"{self.name}, calibrated on {self.calibrated_on}"
+        if self.checked_against:
+            return f"{self.name}'s datasheet numbers, compared with measurements: " \
+                   f"{self.checked_against}"
+        return (f"{self.name}'s datasheet numbers, never compared with a measured "
+                f"{self.name}: unverified")
 
     def backward_overhead_s(self) -> float:
         """Fixed time of one operator's backward (`backward_op_overhead_s`, else the forward's)."""
@@ -193,6 +211,8 @@ class DeviceSpec:
             extra["step_cold_s"] = self.step_cold_s
         if self.calibrated_on:
             extra["calibrated_on"] = self.calibrated_on
+        if self.checked_against:
+            extra["checked_against"] = self.checked_against
         if self.vector_bytes:
             extra["vector_bytes"] = self.vector_bytes
         if self.speed_spread:
@@ -212,6 +232,14 @@ class DeviceSpec:
             "op_overhead_s": self.op_overhead_s,
             **extra,
         }
+
+
+def priced_by_text(device: DeviceSpec, profile: str | None) -> str:
+    """The `priced by:` line beside a prediction: a measured `profile` (what it names), else the
+    roofline of `device` and how far its numbers are known to hold (`DeviceSpec.pricing_text`)."""
+    if profile is not None:
+        return f"priced by: the measured profile {profile}"
+    return f"priced by: the roofline of {device.pricing_text()}"
 
 
 def _device_problems(d: DeviceSpec) -> list[str]:

@@ -327,9 +327,11 @@ def _cluster_keys_that_differ(old: Layout, new: Layout) -> tuple[str, ...]:
     if old.cluster_config is None or new.cluster_config is None:
         return ()
     was, now = old.cluster_config, new.cluster_config
-    # the description and source texts follow the numbers; the name is shown as the cluster
+    # the description, source and checked_against texts follow the numbers; the name is shown
+    # as the cluster
     return tuple(sorted(k for k in set(was) | set(now) if was.get(k) != now.get(k)
-                        and k.rsplit(".", 1)[-1] not in ("description", "source", "name")))
+                        and k.rsplit(".", 1)[-1] not in ("description", "source",
+                                                         "checked_against", "name")))
 
 
 def _files_that_differ(old: Layout, new: Layout) -> tuple[str, ...]:

@@ -26,7 +26,7 @@ from partc.errors import PartcError
 from partc.files import load_yaml, write_atomic
 from partc.hardware.configs import cluster_from_dict
 from partc.hardware.local import resolve_cluster
-from partc.hardware.specs import ClusterSpec
+from partc.hardware.specs import ClusterSpec, priced_by_text
 from partc.hardware.units import format_quantity
 from partc.options import SHARDINGS, SearchOptions, Sharding, from_dict, to_dict
 from partc.solve.partition import Prediction, SolverReport, TrainingSetup, round_seconds
@@ -818,6 +818,8 @@ def format_plan(plan: Plan, solver_wall_s: float | None = None) -> str:
     lines.append(f"predicted: {p.iteration_s * 1e3:.3f} ms/iteration, "
                  f"{p.samples_per_s:,.1f} samples/s, bubble {p.bubble_fraction:.1%}"
                  + p.spread_text())
+    lines.append(priced_by_text(c.device, plan.costs.profile if plan.costs.source == "profile"
+                                else None))
     if plan.tied_parameters:
         lines.append("tied: " + "; ".join(f"{x.name} in stages {', '.join(map(str, x.stages))}"
                                           for x in plan.tied_parameters))

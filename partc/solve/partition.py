@@ -398,8 +398,9 @@ def round_seconds(x: float) -> float:
     return float(f"{x:.9g}") if x else 0.0
 
 
-def format_partition(p: Partition) -> str:
-    """A terminal table: one row per stage, then the prediction and the solver's report."""
+def format_partition(p: Partition, priced_by: str | None = None) -> str:
+    """A terminal table: one row per stage, then the prediction (and `priced_by`, the line saying
+    what priced it: partc.hardware.specs.priced_by_text) and the solver's report."""
     s = p.shape
     lines = [f"{p.model}: {s.label()} on {s.num_devices}/{p.num_devices} devices of {p.cluster}, "
              f"global batch {p.global_batch_size}"]
@@ -421,6 +422,8 @@ def format_partition(p: Partition) -> str:
     lines.append(f"predicted: {p.iteration_s * 1e3:.3f} ms/iteration, {p.samples_per_s:,.1f} "
                  f"samples/s, bubble {p.simulation.bubble_fraction:.1%}; usable memory "
                  f"{_gib(p.usable_memory_bytes)} per device")
+    if priced_by is not None:
+        lines.append(priced_by)
     cut = "" if r.chosen_cut == r.strategy else f" ({r.chosen_cut}'s cut simulates faster)"
     lines.append(f"solver: {r.strategy} {r.status}{cut}, objective {r.objective_s * 1e3:.3f} ms, "
                  f"gap {gap}, search gap {r.search_gap:.2%} ({r.shapes_evaluated} of "

@@ -91,6 +91,34 @@ def test_shipped_cluster_loads(name: str) -> None:
     assert cluster.inter_node.bandwidth <= cluster.intra_node.bandwidth
 
 
+def test_a_config_says_how_far_it_was_checked() -> None:
+    """`checked_against`: where a datasheet config was compared with its device. It travels
+    with a plan's recorded cluster, and prices nothing: equality ignores it."""
+    from dataclasses import replace
+
+    from partc.hardware.specs import priced_by_text
+
+    h100, a100, cpu = load_device("h100-80gb"), load_device("a100-80gb"), load_device("cpu")
+    assert "2026-11-27" in h100.checked_against and "docs/benchmarks.md#" in h100.checked_against
+    assert not any(load_device(n).checked_against for n in ("a100-40gb", "a100-80gb",
+                                                            "v100-32gb", "h200-141gb"))
+    assert h100.pricing_text() == (f"h100-80gb's datasheet numbers, compared with measurements: "
+                                   f"{h100.checked_against}")
+    assert a100.pricing_text() == ("a100-80gb's datasheet numbers, never compared with a "
+                                   "measured a100-80gb: unverified")
+    assert cpu.calibrated_on and cpu.pricing_text() == f"cpu, calibrated on {cpu.calibrated_on}"
+    assert priced_by_text(a100, None) == "priced by: the roofline of " + a100.pricing_text()
+    assert priced_by_text(a100, "profile.yaml") == "priced by: the measured profile profile.yaml"
+    again = device_from_dict(h100.to_dict(), "plan.yaml")
+    assert again.checked_against == h100.checked_against and again == h100
+    assert "checked_against" not in a100.to_dict()
+    assert replace(h100, checked_against="") == h100
+    data = copy.deepcopy(a100.to_dict())
+    data["checked_against"] = 3
+    error = error_of(device_from_dict, data, "mine.yaml")
+    assert "checked_against" in str(error) and "expected a string" in str(error)
+
+
 def test_shipped_numbers() -> None:
     h100 = load_device("h100-80gb")
     assert h100.peak_flops["bfloat16"] == 989.5e12

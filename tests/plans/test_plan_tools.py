@@ -297,6 +297,10 @@ def test_diff_shows_a_changed_cluster_config_under_the_same_name() -> None:
     assert "cluster config cpu-4 (2 key(s) differ):" in text
     assert f"  wake_credit_s: {plan.cluster.wake_credit_s} -> -" in text
     assert "  intra_node.bandwidth: " in text and "-> 2000000000.0" in text
+    # where the config was compared with its device is not a number the pricing uses
+    noted = replace(plan, cluster=replace(plan.cluster, device=replace(
+        plan.cluster.device, checked_against="one imaginary CPU, 2026-12-07")))
+    assert diff_layouts(layout_of_plan(plan), layout_of_plan(noted)).cluster_config == ()
 
 
 # ---- show --------------------------------------------------------------------------------------

@@ -433,11 +433,40 @@ def test_solve_cli_writes_byte_identical_partitions(tmp_path: Path) -> None:
                              capture_output=True, text=True, cwd=ROOT)
         assert run.returncode == 0, run.stderr
         assert "predicted:" in run.stdout and "solver: cpsat" in run.stdout
+        assert "\npriced by: the roofline of cpu, calibrated on " in run.stdout
         outs.append(out.read_bytes())
     assert outs[0] == outs[1]
     bad = subprocess.run(partc + ["solve", str(MODELS["bert"]), "-b", "8", "--cluster",
                                   "no-such-cluster"], capture_output=True, text=True, cwd=ROOT)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
+
+
+def test_a_prediction_says_how_far_the_config_behind_it_was_checked() -> None:
+    """Beside a prediction for a GPU, `priced by:` says whether the datasheet config was ever
+    compared with its device: h100-80gb was (its `checked_against`), a100-80gb never; a plan
+    priced by a measured profile names it."""
+    from partc_process import run_partc
+
+    from partc.plans.plan import format_plan, load_plan
+
+    lines = {}
+    for cluster in ("8xa100-80gb", "4x8xh100-80gb"):
+        proc = run_partc("solve", str(MODELS["mlp"]), "-b", "64", "--cluster", cluster)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        out = proc.stdout.splitlines()
+        lines[cluster] = [ln for ln in out if ln.startswith("priced by: ")]
+        assert len(lines[cluster]) == 1
+        assert out.index(lines[cluster][0]) == 1 + next(
+            i for i, ln in enumerate(out) if ln.startswith("predicted: "))
+    assert lines["8xa100-80gb"] == ["priced by: the roofline of a100-80gb's datasheet numbers, "
+                                    "never compared with a measured a100-80gb: unverified"]
+    h100 = load_cluster("4x8xh100-80gb").device
+    assert lines["4x8xh100-80gb"] == [f"priced by: the roofline of h100-80gb's datasheet "
+                                      f"numbers, compared with measurements: "
+                                      f"{h100.checked_against}"]
+    plan = load_plan(ROOT / "examples" / "plans" / "mlp" / "plan.yaml")
+    assert plan.costs.source == "profile"
+    assert f"\npriced by: the measured profile {plan.costs.profile}\n" in format_plan(plan)
 
 
 def test_solve_cli_reports_infeasible_memory_in_one_line(tmp_path: Path) -> None:
