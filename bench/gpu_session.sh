@@ -5,7 +5,8 @@
 # GPT-2-medium (whole model), each priced with the calibrated and the shipped config; with time
 # left, a launch priced from a profile measured on the GPU. Run from the repo root:
 #
-#     OUT=DIR BUDGET=530 bash bench/gpu_session.sh     # DIR: log.txt, *_truth.md, results.tgz
+#     OUT=DIR BUDGET=530 bash bench/gpu_session.sh     # DIR: log.txt, *_truth.md, results.tgz,
+#                                                     # checked_against.txt (for the config)
 #     OUT=DIR SMOKE=1 PYTHON=.venv/bin/python bash bench/gpu_session.sh   # the same on this CPU,
 #                                                     # tiny models, no wheels installed
 #
@@ -49,6 +50,8 @@ if [ "$(left)" -gt 240 ]; then
   echo "[$(el)] $BERT launch from a measured profile" >> "$L"
   timeout "$(left)" $PY bench/gpu_truth.py --device $DEVICE $QUICK --out "$W/bert-measured" --models $BERT --batch-size $BERT_B --precisions bf16-mixed --stages 0 --launch first:bf16-mixed --launch-costs measured --no-forms $CFG >> "$L" 2>&1; echo "[$(el)] measured launch rc=$?" >> "$L"
 fi
+# the shipped config's `checked_against` line, from what both reports measured
+$PY bench/gpu_truth.py --checked-against $(ls "$W"/bert/gpu_truth.json "$W"/gpt/gpu_truth.json 2>/dev/null) --config-name $SHIPPED > "$OUT/checked_against.txt" 2>> "$L"; echo "[$(el)] checked_against rc=$?" >> "$L"
 cp "$W/bert/gpu_truth.md" "$OUT/bert_truth.md" 2>/dev/null; cp "$W/gpt/gpu_truth.md" "$OUT/gpt2_truth.md" 2>/dev/null
 cp "$W/bert-measured/gpu_truth.md" "$OUT/bert_measured_truth.md" 2>/dev/null
 # the reports, the calibrated configs, the metrics, every plan.yaml (not the stage files), the

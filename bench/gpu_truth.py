@@ -23,6 +23,8 @@ partc; onnxruntime is not used (the capture skips ONNX). A few minutes on one GP
     python bench/gpu_truth.py --out results/gpu-truth          # cuda, shipped device config
     python bench/gpu_truth.py --out DIR --device-config DIR2/devices/NAME.yaml   # calibrated
     python bench/gpu_truth.py --out /tmp/t --device cpu --quick --stages 0       # smoke test
+    python bench/gpu_truth.py --checked-against DIR/gpu_truth.json ... --config-name h100-80gb
+                                        # the config's checked_against line from the reports
 """
 from __future__ import annotations
 
@@ -730,6 +732,70 @@ def forms_table(forms: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def config_label(report: dict[str, Any], name: str) -> str | None:
+    """The label the report priced with the config named `name` under: the one passed by that
+    name where a calibrated config shares it (`config_labels`), or None."""
+    labels = [label for label, spec in report.get("device_configs", {}).items()
+              if spec.get("name") == name]
+    return labels[0] if len(labels) == 1 else \
+        next((label for label in labels if label.endswith(f"({name})")), None)
+
+
+def checked_against_line(reports: list[dict[str, Any]], name: str) -> str:
+    """What these reports show of device config `name`'s predictions, worst first, as the
+    config's `checked_against` text (DeviceSpec.checked_against): the whole-model fwd+bwd
+    errors, the peak memory over the measured, and, where the report's stage plans and launch
+    were priced with this config, their errors."""
+    fwd_bwd: list[tuple[float, str]] = []
+    memory: list[float] = []
+    stages: list[float] = []
+    launches: list[str] = []
+    failed = 0
+    seen: set[tuple[str, str, str]] = set()
+    for report in reports:
+        label = config_label(report, name)
+        if label is None:
+            raise SystemExit(f"a report was not priced with the device config {name!r} "
+                             f"(it has {sorted(report.get('device_configs', {}))})")
+        seen.add((report["device_name"], report["torch"], report.get("date", "undated")))
+        # the first config priced the stage plans and the launch (report["device_config"])
+        primary = report["device_configs"][label] == report["device_config"]
+        for row in report["results"]:
+            if "error" in row:
+                failed += 1
+                continue
+            measured = row["measured"]["forward_backward"]["median_s"]
+            predicted = row["predicted_by"][label]
+            fwd_bwd.append((predicted["forward_backward_s"] / measured - 1,
+                            f"{row['model']} {row['precision']}"))
+            if row["measured"]["peak_memory_bytes"]:
+                memory.append(predicted["peak_memory_bytes"] / row["measured"]["peak_memory_bytes"])
+            if primary:
+                stages += [st[f"predicted_{k}_s"] / st[k]["median_s"] - 1
+                           for st in row.get("stages") or [] for k in ("forward", "backward")]
+        for launch in report.get("launch") or []:
+            if primary and "error" not in launch:
+                ratio = launch["measured"]["iteration"]["median_s"] / \
+                    launch["predicted"]["iteration_s"]
+                launches.append(f"a launched one-stage {launch['model']} {launch['precision']} "
+                                f"plan ran {ratio:.2f}x its predicted iteration")
+    if not fwd_bwd:
+        raise SystemExit("no measured row to summarise")
+    where = "; ".join(f"{device}, torch {torch_}, {date}" for device, torch_, date in sorted(seen))
+    worst = max(fwd_bwd, key=lambda e: abs(e[0]))
+    parts = [f"whole-model fwd+bwd {min(e for e, _ in fwd_bwd):+.0%}.."
+             f"{max(e for e, _ in fwd_bwd):+.0%} over {len(fwd_bwd)} model x precision rows "
+             f"(worst {worst[1]} {worst[0]:+.0%})"]
+    if memory:
+        parts.append(f"peak memory {min(memory):.2f}-{max(memory):.2f}x the measured")
+    if stages:
+        parts.append(f"pinned plans' stages {min(stages):+.0%}..{max(stages):+.0%}")
+    parts += launches
+    if failed:
+        parts.append(f"{failed} row(s) failed to run")
+    return f"{where}: " + ", ".join(parts) + " (bench/gpu_truth.py)"
+
+
 def save(report: dict[str, Any], out: Path) -> str:
     """Write the report so far (after each row: a run stopped midway keeps what it measured)."""
     write_atomic(out / "gpu_truth.json", json.dumps(report, indent=1, sort_keys=True) + "\n")
@@ -740,7 +806,13 @@ def save(report: dict[str, Any], out: Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True, help="folder for the report")
+    parser.add_argument("--out", type=Path, help="folder for the report")
+    parser.add_argument("--checked-against", nargs="+", type=Path, metavar="JSON",
+                        help="instead of measuring: print what these gpu_truth.json reports "
+                             "show of --config-name's predictions, as that device config's "
+                             "checked_against line")
+    parser.add_argument("--config-name", default="h100-80gb",
+                        help="the datasheet device config --checked-against summarises")
     parser.add_argument("--device", default="cuda", help="cuda, cuda:N, or cpu (smoke tests)")
     parser.add_argument("--device-config", action="append", default=None,
                         help="device config name or YAML path to price with; repeat it to "
@@ -771,6 +843,12 @@ def main(argv: list[str] | None = None) -> int:
                              "config), 'measured' (`--cluster local`: profiled on this device, "
                              "compile's default here); one launch each")
     args = parser.parse_args(argv)
+    if args.checked_against:
+        reports = [json.loads(path.read_text()) for path in args.checked_against]
+        print(f"checked_against: {json.dumps(checked_against_line(reports, args.config_name))}")
+        return 0
+    if args.out is None:
+        parser.error("--out is required (or --checked-against JSON...)")
     started = time.perf_counter()
 
     device = torch.device(args.device)
@@ -813,7 +891,8 @@ def main(argv: list[str] | None = None) -> int:
         "device_configs": {label: sp.to_dict() for label, sp in zip(labels, specs, strict=True)},
         "torch": torch.__version__,
         "transformers": transformers.__version__, "repeats": args.repeats,
-        "warmup": args.warmup, "stages": args.stages, "quick": args.quick, "results": []}
+        "warmup": args.warmup, "stages": args.stages, "quick": args.quick,
+        "date": time.strftime("%Y-%m-%d", time.gmtime()), "results": []}
     for case in cases:
         batch = args.batch_size or case.batch_size
         path = write_model_file(case, args.out / "models")
