@@ -400,10 +400,10 @@ def solve(model: Path, output: Path | None, timeline: Path | None, **kw: Any) ->
         if isinstance(chosen, PartcError):
             raise chosen
         partition = chosen
-    profile = kw["profile_path"] or priced.profile
+    profile, source = kw["profile_path"] or priced.profile, priced.table.source
+    how = "measured on" if source.kind == "measured" else "analytic, for"
     click.echo(format_partition(partition, priced_by_text(
-        cluster.device, None if priced.table.source.kind == "analytic"
-        else f"{profile or '(in memory)'}, on {priced.table.source.device}")))
+        cluster.device, None if profile is None else f"{profile} ({how} {source.device})")))
     if output is not None:
         with writing_to(output, "--output", (model,)):
             output.parent.mkdir(parents=True, exist_ok=True)

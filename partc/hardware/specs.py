@@ -235,10 +235,10 @@ class DeviceSpec:
 
 
 def priced_by_text(device: DeviceSpec, profile: str | None) -> str:
-    """The `priced by:` line beside a prediction: a measured `profile` (what it names), else the
+    """The `priced by:` line beside a prediction: a profile file (`profile` names it), else the
     roofline of `device` and how far its numbers are known to hold (`DeviceSpec.pricing_text`)."""
     if profile is not None:
-        return f"priced by: the measured profile {profile}"
+        return f"priced by: the profile {profile}"
     return f"priced by: the roofline of {device.pricing_text()}"
 
 

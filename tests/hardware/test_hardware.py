@@ -108,7 +108,7 @@ def test_a_config_says_how_far_it_was_checked() -> None:
                                    "measured a100-80gb: unverified")
     assert cpu.calibrated_on and cpu.pricing_text() == f"cpu, calibrated on {cpu.calibrated_on}"
     assert priced_by_text(a100, None) == "priced by: the roofline of " + a100.pricing_text()
-    assert priced_by_text(a100, "profile.yaml") == "priced by: the measured profile profile.yaml"
+    assert priced_by_text(a100, "profile.yaml") == "priced by: the profile profile.yaml"
     again = device_from_dict(h100.to_dict(), "plan.yaml")
     assert again.checked_against == h100.checked_against and again == h100
     assert "checked_against" not in a100.to_dict()

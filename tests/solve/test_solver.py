@@ -444,7 +444,7 @@ def test_solve_cli_writes_byte_identical_partitions(tmp_path: Path) -> None:
 def test_a_prediction_says_how_far_the_config_behind_it_was_checked() -> None:
     """Beside a prediction for a GPU, `priced by:` says whether the datasheet config was ever
     compared with its device: h100-80gb was (its `checked_against`), a100-80gb never; a plan
-    priced by a measured profile names it."""
+    priced by a profile names it, and solve says whether it was measured."""
     from partc_process import run_partc
 
     from partc.plans.plan import format_plan, load_plan
@@ -464,9 +464,13 @@ def test_a_prediction_says_how_far_the_config_behind_it_was_checked() -> None:
     assert lines["4x8xh100-80gb"] == [f"priced by: the roofline of h100-80gb's datasheet "
                                       f"numbers, compared with measurements: "
                                       f"{h100.checked_against}"]
+    here = run_partc("solve", str(MODELS["mlp"]), "-b", "8", "--stages", "2")
+    assert here.returncode == 0, here.stderr[-2000:]
+    assert re.search(r"\npriced by: the profile \S+\.yaml \(measured on cpu \(.+\)\)\n",
+                     here.stdout), here.stdout
     plan = load_plan(ROOT / "examples" / "plans" / "mlp" / "plan.yaml")
     assert plan.costs.source == "profile"
-    assert f"\npriced by: the measured profile {plan.costs.profile}\n" in format_plan(plan)
+    assert f"\npriced by: the profile {plan.costs.profile}\n" in format_plan(plan)
 
 
 def test_solve_cli_reports_infeasible_memory_in_one_line(tmp_path: Path) -> None:
