@@ -462,11 +462,15 @@ class ClusterSpec:
             raise ValueError(f"group has repeated devices: {list(group)}")
         if n <= 1:
             return None
-        nodes = [self.node_of(i) for i in group]
+        if min(group) < 0 or max(group) >= self.num_devices:
+            raise ValueError(f"group {list(group)} is outside devices 0..{self.num_devices - 1}")
+        # one pass in C, not node_of per device: the search asks this of groups of every
+        # replica count, up to the cluster's size
+        nodes = len({i // self.devices_per_node for i in group})
         links = []
-        if len(set(nodes)) < n:  # some two devices share a node: the ring uses an intra link
+        if nodes < n:  # some two devices share a node: the ring uses an intra link
             links.append(self.intra_node)
-        if len(set(nodes)) > 1:
+        if nodes > 1:
             links.append(self.inter_node)
         return min(links, key=lambda link: link.bandwidth)
 

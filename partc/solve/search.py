@@ -176,9 +176,13 @@ def enumerate_shapes(cluster: ClusterSpec, global_batch: int, num_blocks: int,
             raise SearchError(f"--sharding {options.sharding} with --schedule interleaved-1f1b is "
                               "not supported", hint="use --sharding none, or another schedule")
     stage_counts = [options.stages] if options.stages else range(1, min(N, num_blocks) + 1)
+    # replicas split the global batch: only its divisors, not every count up to N (a cluster of
+    # 10^5 devices made that loop the search's slowest step, and 10^9 never ended)
+    batch_divisors = _divisors(global_batch, N)
     shapes: list[PipelineShape] = []
     for S in stage_counts:
-        replica_counts = [options.replicas] if options.replicas else range(1, N // S + 1)
+        replica_counts = [options.replicas] if options.replicas else \
+            [R for R in batch_divisors if R <= N // S]
         for R in replica_counts:
             if S * R > N or global_batch % R:
                 continue
@@ -211,6 +215,26 @@ def enumerate_shapes(cluster: ClusterSpec, global_batch: int, num_blocks: int,
                           hint="the per-replica batch must split into the micro-batches; 1F1B "
                                "needs at least as many micro-batches as stages")
     return shapes
+
+
+def _divisors(n: int, limit: int) -> list[int]:
+    """The divisors of n up to limit, ascending: from n's prime factors (trial division stops
+    at the square root of what is left, so a batch of 2^60 factors at once, and at limit:
+    a larger prime divides no divisor up to it)."""
+    factors: dict[int, int] = {}
+    rest, p = n, 2
+    while p * p <= rest and p <= limit:
+        while rest % p == 0:
+            factors[p] = factors.get(p, 0) + 1
+            rest //= p
+        p += 1 if p == 2 else 2
+    if rest > 1:
+        factors[rest] = factors.get(rest, 0) + 1
+    divisors = [1] if limit >= 1 else []
+    for prime, power in factors.items():
+        divisors = [d * prime ** e for d in divisors for e in range(power + 1)
+                    if d * prime ** e <= limit]
+    return sorted(divisors)
 
 
 def require_shapes(cluster: ClusterSpec, global_batch: int, max_blocks: int,
@@ -319,13 +343,17 @@ class ParameterTotals:
 
 def shape_lower_bound(blocks: BlockGraph, table: CostTable, cluster: ClusterSpec,
                       training: TrainingConfig, shape: PipelineShape,
-                      totals: ParameterTotals | None = None) -> tuple[float, bool]:
+                      totals: ParameterTotals | None = None,
+                      sync_memo: dict[tuple[Any, ...], float] | None = None
+                      ) -> tuple[float, bool]:
     """(lower bound of the objective in seconds, whether the parameters can fit at all).
 
     Time: perfectly balanced ranks, no transfers, the all-reduce and step of the average rank.
     Memory: every rank needs its parameters' static bytes, so their total over the ranks and the
     largest single block must fit. `totals` (ParameterTotals.of the same blocks, table and
-    training) saves recomputing the parameters' sizes per shape."""
+    training) saves recomputing the parameters' sizes per shape; `sync_memo` (a dict kept over
+    one search's shapes) the fastest rank's gradient sync, which depends on the stages, replicas
+    and placement only, and walks every replica's device."""
     totals = totals or ParameterTotals.of(blocks, table, training)
     m = shape.microbatch_size
     ckpt = shape.activation_checkpointing
@@ -336,14 +364,19 @@ def shape_lower_bound(blocks: BlockGraph, table: CostTable, cluster: ClusterSpec
     S, v, M = shape.stages, shape.chunks, shape.num_microbatches
     T = max(W / S, max(comp) if v == 1 or S == 1 else 0.0)
     sync = 0.0
-    if shape.replicas > 1 and shape.sharding == "gradients":
-        # a reduce per micro-batch streams the rank's gradients once (at least its even share
-        # of the model's)
-        sync = M * min(cluster.reduce_s(max(1, totals.grad_bytes // S), shape.rank_devices(d))
-                       for d in range(S))
-    elif shape.replicas > 1:
-        sync = min(cluster.allreduce_s(max(1, totals.grad_bytes // S), shape.rank_devices(d))
-                   for d in range(S))
+    if shape.replicas > 1:
+        reduces = shape.sharding == "gradients"
+        key = (S, shape.replicas, shape.placement, reduces)
+        fastest = sync_memo.get(key) if sync_memo is not None else None
+        if fastest is None:
+            # a reduce per micro-batch streams the rank's gradients once, else one all-reduce
+            # (at least its even share of the model's)
+            collective = cluster.reduce_s if reduces else cluster.allreduce_s
+            fastest = min(collective(max(1, totals.grad_bytes // S), shape.rank_devices(d))
+                          for d in range(S))
+            if sync_memo is not None:
+                sync_memo[key] = fastest
+        sync = M * fastest if reduces else fastest
     # at the fastest rate a step can stream (cached, where the device has a cache term): a bound
     # (scaled as every step is where the costs were calibrated from launched runs)
     sync += totals.step_bytes / S / shape.shards / cluster.device.stream_bytes_per_s(1.0) \
@@ -383,8 +416,10 @@ def search(table: CostTable, cluster: ClusterSpec, global_batch: int,
     candidates = []
     totals = ParameterTotals.of(blocks, table, training)
     memo: dict[tuple, Any] = {}  # StageProblem.build's shape-independent pieces
+    sync_memo: dict[tuple[Any, ...], float] = {}
     for shape in shapes:
-        bound, fits = shape_lower_bound(blocks, table, cluster, training, shape, totals)
+        bound, fits = shape_lower_bound(blocks, table, cluster, training, shape, totals,
+                                        sync_memo)
         if fits:
             candidates.append(_Candidate(shape, bound))
     candidates.sort(key=lambda c: (c.lower_bound_s, c.shape.label()))

@@ -174,7 +174,10 @@ class PipelineShape:
 
     def rank_devices(self, rank: int) -> tuple[int, ...]:
         """The devices running pipeline rank `rank`, one per replica."""
-        return tuple(self.device(rank, r) for r in range(self.replicas))
+        # `device` over every replica, as one range (the search asks this of every shape)
+        if self.placement == "stage-major":
+            return tuple(range(rank * self.replicas, (rank + 1) * self.replicas))
+        return tuple(range(rank, self.stages * self.replicas, self.stages))
 
     def boundary_links(self, cluster: ClusterSpec) -> list[LinkSpec | None]:
         """Per boundary k (1..V-1; index 0 is None): the link between the ranks of virtual

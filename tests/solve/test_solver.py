@@ -324,6 +324,46 @@ def test_enumerated_shapes_are_ones_torch_can_run() -> None:
         SearchOptions(strategy="greedy")
 
 
+def test_replica_counts_are_the_batchs_divisors_on_a_cluster_of_any_size() -> None:
+    # Replicas split the global batch, so the shapes of a cluster larger than any shape can use
+    # are those of the smallest one holding them all; enumerating walks the batch's divisors,
+    # not the devices (a cluster of 10^9 nodes never finished, 65,536 devices took 30 s).
+    node = load_cluster("8xa100-80gb")
+    batch, blocks = 720, 12  # 2^4 x 3^2 x 5: 30 divisors
+    enough = replace(node, num_nodes=batch * blocks // 8)
+    for cluster in (replace(node, num_nodes=10**9), replace(node, num_nodes=2**40)):
+        assert [s.label() for s in enumerate_shapes(cluster, batch, blocks, SearchOptions())] \
+            == [s.label() for s in enumerate_shapes(enough, batch, blocks, SearchOptions())]
+    for devices in (1, 7, 8, 24, 100):
+        small = replace(node, devices_per_node=devices)
+        found = {(s.stages, s.replicas) for s in enumerate_shapes(small, batch, blocks,
+                                                                   SearchOptions())}
+        assert found == {(S, R) for S in range(1, min(devices, blocks) + 1)
+                         for R in range(1, devices // S + 1) if batch % R == 0}, devices
+
+
+def test_a_shapes_gradient_sync_bound_is_the_same_remembered() -> None:
+    # the search remembers each (stages, replicas, placement)'s fastest rank sync across shapes:
+    # every shape's bound must be what it is computed afresh, on a cluster of several nodes where
+    # replica groups straddle nodes in some shapes and not in others
+    table = table_of("gpt2")
+    blocks = coarsen(table, 12)
+    cluster = replace(load_cluster("4x8xh100-80gb"), devices_per_node=6, num_nodes=5)
+    training = TrainingConfig()
+    totals = ParameterTotals.of(blocks, table, training)
+    memo: dict[tuple, float] = {}
+    shapes = enumerate_shapes(cluster, 60, len(blocks.blocks), SearchOptions())
+    assert {s.placement for s in shapes} == {"stage-major", "pipeline-major"}
+    assert {s.sharding for s in shapes} >= {"none", "gradients"}
+    for shape in shapes:
+        assert shape_lower_bound(blocks, table, cluster, training, shape, totals, memo) == \
+            shape_lower_bound(blocks, table, cluster, training, shape, totals), shape.label()
+        for rank in range(shape.stages):
+            assert shape.rank_devices(rank) == tuple(shape.device(rank, r)
+                                                     for r in range(shape.replicas))
+    assert 1 < len(memo) < len(shapes)
+
+
 def test_search_pins_and_reports_bound_and_gap() -> None:
     table = table_of("bert")
     p = search(table, CPU, 8, options=SearchOptions(stages=2, num_microbatches=4,
