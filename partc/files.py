@@ -74,20 +74,67 @@ def probe_writable(directory: str | Path) -> None:
     probe.unlink()
 
 
+def _refuse_repeated_keys(loader: yaml.constructor.BaseConstructor,
+                         node: yaml.MappingNode) -> None:
+    """A ConstructorError where a mapping repeats a key. YAML says keys are unique, and PyYAML
+    keeps the last of repeated ones silently: a plan.yaml whose reviewer reads one
+    `num_microbatches:` while partc runs the other is what reviewing plans is there to prevent.
+    Keys a merge (`<<: *base`) brings may be overridden, as YAML allows."""
+    seen: set[Any] = set()
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue
+        key = loader.construct_object(key_node, deep=True)
+        try:
+            repeated = key in seen
+        except TypeError:  # unhashable: the constructor refuses it as PyYAML does
+            return
+        if repeated:
+            raise yaml.constructor.ConstructorError(
+                "while reading a mapping", node.start_mark, f"key {key!r} appears twice",
+                key_node.start_mark)
+        seen.add(key)
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses repeated keys."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        _refuse_repeated_keys(self, node)
+        return super().construct_mapping(node, deep=deep)
+
+
+class _FastUniqueKeyLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # type: ignore[misc]
+    """libyaml's parser where built (else PyYAML's), refusing repeated keys alike."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        _refuse_repeated_keys(self, node)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_yaml(text: str, fast: bool = False) -> Any:
     """YAML text as data (yaml.SafeLoader; `fast`: libyaml's C one where built, for profiles).
     A document no partc file is fails as a yaml.YAMLError like any malformed one, so the
-    callers' one-line errors cover it: an integer of more digits than Python converts, or a
-    date that is no date (ValueError), or nesting deeper than the pure-Python parser recurses
-    (RecursionError). Both were internal errors (exit 3) of `partc check` on such a plan.yaml."""
+    callers' one-line errors cover it: a key repeated in one mapping (`_unique_keys`), an
+    integer of more digits than Python converts, or a date that is no date (ValueError), or
+    nesting deeper than the pure-Python parser recurses (RecursionError). Both were internal
+    errors (exit 3) of `partc check` on such a plan.yaml."""
     try:
-        loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader) if fast else yaml.SafeLoader
+        loader = _FastUniqueKeyLoader if fast else _UniqueKeyLoader
         return yaml.load(text, Loader=loader)
     except RecursionError:
         raise yaml.YAMLError("nested too deeply") from None
     except ValueError as exc:
         # int()'s digit-limit message ends in advice for Python programmers: cut it there
         raise yaml.YAMLError(f"a value that cannot be read: {str(exc).split(';')[0]}") from None
+
+
+def yaml_problem(exc: yaml.YAMLError) -> str:
+    """What `load_yaml` found wrong, on one line: 'at line L, column C: problem'."""
+    mark = getattr(exc, "problem_mark", None)
+    at = f"at line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    problem = getattr(exc, "problem", None) or " ".join(str(exc).split())[:200]
+    return at + problem
 
 
 def sha256_file(path: str | Path) -> str:

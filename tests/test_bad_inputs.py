@@ -211,6 +211,12 @@ def _text(tmp: Path, name: str, text: str) -> Path:
     return path
 
 
+def _bytes(tmp: Path, name: str, data: bytes) -> Path:
+    path = tmp / name
+    path.write_bytes(data)
+    return path
+
+
 def _compile(*flags: str) -> Callable[[Path], list[str]]:
     return lambda tmp: ["compile", MLP, *flags, "-o", str(tmp / "out")]
 
@@ -235,6 +241,17 @@ CONFIG_CASES: dict[str, tuple[Callable[[Path], list[str]], tuple[str | tuple[str
     "cluster-not-a-mapping": (
         _with_cluster(lambda tmp: _text(tmp, "c.yaml", "- a\n- b\n")),
         ("c.yaml", "must be a mapping")),
+    "cluster-repeated-key": (  # PyYAML keeps the last silently; a reader sees the first
+        _with_cluster(lambda tmp: _text(tmp, "c.yaml", (ROOT / "configs" / "clusters" /
+                                                        "cpu-4.yaml").read_text()
+                                        + "devices_per_node: 64\n")),
+        ("c.yaml", "key 'devices_per_node' appears twice")),
+    "cluster-not-text": (
+        _with_cluster(lambda tmp: _bytes(tmp, "c.yaml", bytes(range(256)) * 4)),
+        ("c.yaml", "not a text file")),
+    "cluster-without-a-name": (
+        _with_cluster(lambda tmp: _cluster_yaml(tmp, lambda d: d.update(name=" "))),
+        ("cluster.yaml", "'name'", "a name on one line")),
     "cluster-missing-key": (
         _with_cluster(lambda tmp: _cluster_yaml(tmp, lambda d: d.pop("intra_node"))),
         ("cluster.yaml", "'intra_node'", "missing")),
@@ -305,12 +322,22 @@ def _huge_number(plan_dir: Path) -> None:
     path.write_text(text)
 
 
+def _repeated_key(plan_dir: Path) -> None:
+    # a reviewer reads the first `num_microbatches:`, PyYAML alone would run the second
+    path = plan_dir / "plan.yaml"
+    text, n = re.subn(r"\n(  num_microbatches: \d+\n)", r"\n  num_microbatches: 1\n\1",
+                      path.read_text(), count=1)
+    assert n == 1
+    path.write_text(text)
+
+
 PLAN_DAMAGE: dict[str, tuple[Callable[[Path], None] | None, tuple[str | tuple[str, ...], ...]]] = {
     "missing": (None, ("no-such-plan", "not found")),
     # cut in half: not YAML, or YAML that lacks half the plan, depending on where the cut falls
     "truncated": (_truncate, ("plan.yaml", ("not valid YAML", "not a valid plan"))),
     "binary": (_binary, ("plan.yaml", "not valid YAML")),
     "not-a-mapping": (_a_list, ("plan.yaml", "not a valid plan")),
+    "repeated-key": (_repeated_key, ("plan.yaml", "key 'num_microbatches' appears twice")),
     "schema-99": (_schema_99, ("schema_version 99",)),
     # int() refuses 4300+ digits with a ValueError the YAML reader let through: exit 3
     "huge-number": (_huge_number, ("plan.yaml", "not valid YAML", "5000 digits")),
@@ -342,9 +369,10 @@ def test_bad_plan(damage: str, command: str, mlp_plan: Path, tmp_path: Path) -> 
 HOSTILE_YAML = {
     "huge-integer": ("version: " + "9" * 5000 + "\n", "5000 digits"),
     "no-such-date": ("when: 2026-13-45\n", r"month must be in 1\.\.12"),
-    # (the profile reader's C parser stops at its own depth limit, "while increasing flow level")
+    # (the profile reader's C parser stops at its own depth limit, "exceeded maximum nesting depth")
     "nested-too-deeply": ("a: " + "[" * 50_000 + "]" * 50_000 + "\n",
-                          "nested too deeply|flow level"),
+                          "nested too deeply|nesting depth"),
+    "repeated-key": ("name: a\nkind: cpu\nname: b\n", "key 'name' appears twice"),
 }
 
 

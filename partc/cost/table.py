@@ -32,7 +32,7 @@ import yaml
 from partc.cost.autocast import AutocastDtypes, autocast_dtypes
 from partc.cost.op_classes import held_params
 from partc.errors import PartcError
-from partc.files import load_yaml, write_atomic
+from partc.files import load_yaml, write_atomic, yaml_problem
 from partc.graph.opgraph import INTEGER_DTYPES, OpGraph, dtype_bytes
 from partc.hardware.specs import speed_modes_problem, vector_bytes_problem
 from partc.options import Precision
@@ -465,8 +465,12 @@ class CostTable:
             raise ProfileFileError(
                 f"profile not found: {path}",
                 hint="create one with: partc profile MODEL -o profile.yaml") from None
-        except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        except (OSError, UnicodeDecodeError) as exc:
             raise ProfileFileError(f"cannot read profile {path}: {str(exc).splitlines()[0]}",
+                                   hint="re-create it with partc profile") from exc
+        except yaml.YAMLError as exc:
+            raise ProfileFileError(f"cannot read profile {path}: not valid YAML "
+                                   f"{yaml_problem(exc)}",
                                    hint="re-create it with partc profile") from exc
         if not isinstance(d, dict) or d.get("format") != PROFILE_FORMAT:
             raise ProfileFileError(f"{path} is not a partc profile",

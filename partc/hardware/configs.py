@@ -16,7 +16,7 @@ from typing import Any, Mapping, NoReturn, Sequence
 import yaml
 
 from partc.errors import PartcError
-from partc.files import load_yaml
+from partc.files import load_yaml, yaml_problem
 from partc.hardware.specs import (
     BACKENDS,
     DEVICE_KINDS,
@@ -98,6 +98,14 @@ class _Mapping:
                   hint=_suggest(value, choices) or _UNITS_HINT)
         return value
 
+    def label(self, name: str) -> str:
+        """A required name shown in plans and every prediction's lines: one line of text."""
+        value = self.string(name)
+        if not value.strip() or not value.isprintable():
+            _fail(self.where, self.key(name), f"expected a name on one line, got {value!r}",
+                  hint="name it like its file, e.g. 'h100-80gb'")
+        return value
+
     def boolean(self, name: str, default: bool) -> bool:
         value = self.raw(name, False, default)
         if not isinstance(value, bool):
@@ -167,7 +175,7 @@ def device_from_dict(d: dict[str, Any], where: str) -> DeviceSpec:
 
 def _device_from(m: _Mapping) -> DeviceSpec:
     where = m.where
-    name = m.string("name")
+    name = m.label("name")
     kind = m.string("kind", choices=DEVICE_KINDS)
     memory = m.quantity("memory_bytes", "B")
     peaks_in = m.sub("peak_flops")
@@ -269,7 +277,7 @@ def cluster_from_dict(d: dict[str, Any], where: str) -> ClusterSpec:
     `device_memory_bytes` overrides the device's memory_bytes (e.g. measured free memory).
     """
     m = _Mapping(d, where)
-    name = m.string("name")
+    name = m.label("name")
     device_value = m.raw("device")
     if isinstance(device_value, Mapping):
         device = _device_from(_Mapping(device_value, where, "device"))
@@ -385,13 +393,13 @@ def _read_yaml(path: Path) -> Any:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"cannot read {path}: {exc.strerror or exc}", "check the path") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not a text file ({exc.reason} at byte {exc.start})",
+                          "a device or cluster config is UTF-8 YAML; " + _UNITS_HINT) from None
     try:
         data = load_yaml(text)
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ConfigError(f"{path}: not valid YAML{at}: {problem}",
+        raise ConfigError(f"{path}: not valid YAML {yaml_problem(exc)}",
                           "check indentation and quoting; " + _UNITS_HINT) from None
     if isinstance(data, Mapping) and "name" not in data:
         # The file's stem is its name; writing it again inside is optional.

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import yaml
 
 from partc.errors import PartcError
-from partc.files import load_yaml, write_atomic
+from partc.files import load_yaml, write_atomic, yaml_problem
 from partc.hardware.configs import cluster_from_dict
 from partc.hardware.local import resolve_cluster
 from partc.hardware.specs import ClusterSpec, priced_by_text
@@ -584,8 +584,11 @@ def load_plan(path: str | Path) -> Plan:
     raw = _read(path, "plan file")
     try:
         data = load_yaml(raw.decode())
-    except (yaml.YAMLError, UnicodeDecodeError) as exc:
-        raise PlanError(f"plan file {path} is not valid YAML: {' '.join(str(exc).split())[:200]}",
+    except UnicodeDecodeError as exc:
+        raise PlanError(f"plan file {path} is not valid YAML: {exc}",
+                        hint="re-run partc compile to regenerate it") from exc
+    except yaml.YAMLError as exc:
+        raise PlanError(f"plan file {path} is not valid YAML {yaml_problem(exc)}",
                         hint="re-run partc compile to regenerate it") from exc
     validate_plan_dict(data, str(path))
     plan = Plan.from_dict(data, directory=path.parent, where=str(path))
