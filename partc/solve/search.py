@@ -344,38 +344,44 @@ class ParameterTotals:
 def shape_lower_bound(blocks: BlockGraph, table: CostTable, cluster: ClusterSpec,
                       training: TrainingConfig, shape: PipelineShape,
                       totals: ParameterTotals | None = None,
-                      sync_memo: dict[tuple[Any, ...], float] | None = None
-                      ) -> tuple[float, bool]:
+                      memo: dict[tuple[Any, ...], Any] | None = None) -> tuple[float, bool]:
     """(lower bound of the objective in seconds, whether the parameters can fit at all).
 
-    Time: perfectly balanced ranks, no transfers, the all-reduce and step of the average rank.
-    Memory: every rank needs its parameters' static bytes, so their total over the ranks and the
-    largest single block must fit. `totals` (ParameterTotals.of the same blocks, table and
-    training) saves recomputing the parameters' sizes per shape; `sync_memo` (a dict kept over
-    one search's shapes) the fastest rank's gradient sync, which depends on the stages, replicas
-    and placement only, and walks every replica's device."""
+    Time: perfectly balanced ranks, no transfers, the fastest rank's gradient sync and the
+    average rank's step. Memory: every rank needs its parameters' static bytes, so their total
+    over the ranks and the largest single block must fit. `totals` (ParameterTotals.of the same
+    blocks, table and training) saves recomputing the parameters' sizes per shape; `memo` (a
+    dict kept over one search's shapes, of the same blocks, table, cluster and training) the
+    terms many shapes share: the blocks' work per micro-batch size, the sync per stages,
+    replicas and placement (it walks every replica's device), the in-flight counts per
+    schedule. A cluster of a thousand devices has tens of thousands of shapes."""
     totals = totals or ParameterTotals.of(blocks, table, training)
+    memo = {} if memo is None else memo
     m = shape.microbatch_size
     ckpt = shape.activation_checkpointing
-    comp = [b.forward.at(m) * (2.0 if ckpt else 1.0) + b.backward.at(m) for b in blocks.blocks]
+    S, v, M = shape.stages, shape.chunks, shape.num_microbatches
+
+    work = memo.get(("work", m, ckpt))
+    if work is None:
+        comp = [b.forward.at(m) * (2.0 if ckpt else 1.0) + b.backward.at(m)
+                for b in blocks.blocks]
+        work = memo[("work", m, ckpt)] = (sum(comp), max(comp))
     # every virtual stage's fixed work (runtime overhead, the loss on the last) is paid whatever
     # the cut
-    W = sum(comp) + sum(f + b for f, b in stage_fixed_s(table, cluster, shape))
-    S, v, M = shape.stages, shape.chunks, shape.num_microbatches
-    T = max(W / S, max(comp) if v == 1 or S == 1 else 0.0)
+    W = work[0] + sum(f + b for f, b in stage_fixed_s(table, cluster, shape))
+    T = max(W / S, work[1] if v == 1 or S == 1 else 0.0)
     sync = 0.0
     if shape.replicas > 1:
         reduces = shape.sharding == "gradients"
-        key = (S, shape.replicas, shape.placement, reduces)
-        fastest = sync_memo.get(key) if sync_memo is not None else None
+        key = ("sync", S, shape.replicas, shape.placement, reduces)
+        fastest = memo.get(key)
         if fastest is None:
             # a reduce per micro-batch streams the rank's gradients once, else one all-reduce
             # (at least its even share of the model's)
             collective = cluster.reduce_s if reduces else cluster.allreduce_s
-            fastest = min(collective(max(1, totals.grad_bytes // S), shape.rank_devices(d))
-                          for d in range(S))
-            if sync_memo is not None:
-                sync_memo[key] = fastest
+            fastest = memo[key] = min(
+                collective(max(1, totals.grad_bytes // S), shape.rank_devices(d))
+                for d in range(S))
         sync = M * fastest if reduces else fastest
     # at the fastest rate a step can stream (cached, where the device has a cache term): a bound
     # (scaled as every step is where the costs were calibrated from launched runs)
@@ -383,15 +389,23 @@ def shape_lower_bound(blocks: BlockGraph, table: CostTable, cluster: ClusterSpec
         * table.optimizer_factor
     bound = (M - 1) * T + sync + T + (W - T) / v
     usable = usable_memory(cluster.device.memory_bytes, shape.training_config(training))
-    static, block_static = totals.static_with(shape.shards, shape.sharding == "gradients")
+    key = ("static", shape.shards, shape.sharding == "gradients")
+    static, block_static = memo.get(key) or memo.setdefault(
+        key, totals.static_with(shape.shards, shape.sharding == "gradients"))
     # The fullest rank holds at least static_d + coef_d * saved_d (StageProblem.rank_memory; coef
     # = in-flight micro-batches / chunks, 1 / chunks with checkpointing). Summing
     # saved_d <= (X - static_d) / coef_d over ranks bounds the peak X from below; without this,
     # large models screened every shape whose weights alone fit, all infeasible, before pruning.
-    saved = sum(b.saved.at(m) for b in blocks.blocks)
-    coef = [(1.0 if ckpt else in_flight_microbatches(shape.schedule, d, S, M, v)) / v
-            for d in range(S)]
-    peak = max(static / S, (saved + static / max(coef)) / sum(1.0 / c for c in coef))
+    saved = memo.get(("saved", m))
+    if saved is None:
+        saved = memo[("saved", m)] = sum(b.saved.at(m) for b in blocks.blocks)
+    key = ("in flight", shape.schedule, S, M, v, ckpt)
+    coefs = memo.get(key)
+    if coefs is None:
+        coef = [(1.0 if ckpt else in_flight_microbatches(shape.schedule, d, S, M, v)) / v
+                for d in range(S)]
+        coefs = memo[key] = (max(coef), sum(1.0 / c for c in coef))
+    peak = max(static / S, (saved + static / coefs[0]) / coefs[1])
     slack = usable * 1e-6 + 1.0  # float rounding must never exclude a feasible shape
     fits = peak <= usable + slack and block_static <= usable + slack
     return bound, fits
@@ -416,10 +430,10 @@ def search(table: CostTable, cluster: ClusterSpec, global_batch: int,
     candidates = []
     totals = ParameterTotals.of(blocks, table, training)
     memo: dict[tuple, Any] = {}  # StageProblem.build's shape-independent pieces
-    sync_memo: dict[tuple[Any, ...], float] = {}
+    bound_memo: dict[tuple[Any, ...], Any] = {}  # shape_lower_bound's shared terms
     for shape in shapes:
         bound, fits = shape_lower_bound(blocks, table, cluster, training, shape, totals,
-                                        sync_memo)
+                                        bound_memo)
         if fits:
             candidates.append(_Candidate(shape, bound))
     candidates.sort(key=lambda c: (c.lower_bound_s, c.shape.label()))

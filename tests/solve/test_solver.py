@@ -342,10 +342,11 @@ def test_replica_counts_are_the_batchs_divisors_on_a_cluster_of_any_size() -> No
                          for R in range(1, devices // S + 1) if batch % R == 0}, devices
 
 
-def test_a_shapes_gradient_sync_bound_is_the_same_remembered() -> None:
-    # the search remembers each (stages, replicas, placement)'s fastest rank sync across shapes:
-    # every shape's bound must be what it is computed afresh, on a cluster of several nodes where
-    # replica groups straddle nodes in some shapes and not in others
+def test_a_shapes_bound_is_the_same_with_the_terms_shapes_share_remembered() -> None:
+    # the search remembers terms across shapes (the blocks' work per micro-batch size, each
+    # (stages, replicas, placement)'s fastest rank sync, in-flight counts): every shape's bound
+    # must be what it is computed afresh, on a cluster of several nodes where replica groups
+    # straddle nodes in some shapes and not in others
     table = table_of("gpt2")
     blocks = coarsen(table, 12)
     cluster = replace(load_cluster("4x8xh100-80gb"), devices_per_node=6, num_nodes=5)
