@@ -444,15 +444,25 @@ class ClusterSpec:
         """Pipelined (chunked) broadcast of `nbytes` from one device of `group` to the others:
         nbytes / B + (n-1) * L on the slowest link of the ring over `group` (the data streams
         once along it). 0 when the group has at most one device or nothing is sent."""
+        return self.broadcasts_s((nbytes,), group)
+
+    def broadcasts_s(self, sizes: Sequence[int], group: Sequence[int]) -> float:
+        """`broadcast_s` of each of `sizes` over the same group, one after the other: their sum,
+        the ring's link found once (a ZeRO step broadcasts once per replica, over all of them)."""
         link = self._ring_link(group)
-        if link is None or nbytes == 0:
+        if link is None:
             return 0.0
-        return nbytes / link.bandwidth + (len(group) - 1) * link.latency_s
+        latency = (len(group) - 1) * link.latency_s
+        return sum(nbytes / link.bandwidth + latency if nbytes else 0.0 for nbytes in sizes)
 
     def reduce_s(self, nbytes: int, group: Sequence[int]) -> float:
         """Pipelined reduce of `nbytes` from every device of `group` onto one of them: the
         mirror of `broadcast_s` (the partial sums stream once along the ring), the same time."""
         return self.broadcast_s(nbytes, group)
+
+    def reduces_s(self, sizes: Sequence[int], group: Sequence[int]) -> float:
+        """`reduce_s` of each of `sizes` over the same group, one after the other."""
+        return self.broadcasts_s(sizes, group)
 
     def _ring_link(self, group: Sequence[int]) -> LinkSpec | None:
         """The slowest link a ring over `group` uses (inter-node as soon as it spans nodes);

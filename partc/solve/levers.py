@@ -88,8 +88,8 @@ def step_seconds(problem: StageProblem, params: Sequence[Param], rank: int,
     owned = optimizer_partition([p.numel for p, _ in optimized], shape.replicas)
     step = max(sum(optimized[i][1] + dispatch for i in part) for part in owned) + cold
     group = shape.rank_devices(rank)
-    broadcasts = sum(problem.cluster.broadcast_s(
-        sum(param_memory(optimized[i][0], training)[0] for i in part), group) for part in owned)
+    broadcasts = problem.cluster.broadcasts_s(
+        [sum(param_memory(optimized[i][0], training)[0] for i in part) for part in owned], group)
     return step + broadcasts
 
 
@@ -110,9 +110,10 @@ def gradient_reduce_seconds(problem: StageProblem, params: Sequence[Param], rank
     order = [i for i in reversed(range(len(optimized))) if optimized[i][0].name not in kept_whole]
     group = problem.shape.rank_devices(rank)
     sizes = [optimized[i][1] for i in order]
-    return sum(problem.cluster.reduce_s(sum(sizes[j] for j in bucket), group)
-               for bucket in gradient_buckets(sizes, [owners[i] for i in order],
-                                              problem.shape.replicas))
+    return problem.cluster.reduces_s(
+        [sum(sizes[j] for j in bucket)
+         for bucket in gradient_buckets(sizes, [owners[i] for i in order],
+                                        problem.shape.replicas)], group)
 
 
 def allreduce_seconds(problem: StageProblem, params: Sequence[Param], rank: int,

@@ -499,9 +499,9 @@ def gradient_window(sizes: Sequence[int], owners: Sequence[int], replicas: int) 
         if bucket is None:
             continue
         flat = sum(sizes[j] for j in bucket) if len(bucket) > 1 else 0
+        pending_total = sum(pending)  # once per bucket, not per replica: R^2 at 512 replicas
         for me in range(replicas):
-            others = sum(pending) - pending[me]
-            peaks[me] = max(peaks[me], others + flat)
+            peaks[me] = max(peaks[me], pending_total - pending[me] + flat)
         pending[r] -= sum(sizes[j] for j in bucket)
     return peaks
 

@@ -373,13 +373,13 @@ def shape_lower_bound(blocks: BlockGraph, table: CostTable, cluster: ClusterSpec
     sync = 0.0
     if shape.replicas > 1:
         reduces = shape.sharding == "gradients"
-        key = ("sync", S, shape.replicas, shape.placement, reduces)
-        fastest = memo.get(key)
+        sync_key = ("sync", S, shape.replicas, shape.placement, reduces)
+        fastest = memo.get(sync_key)
         if fastest is None:
             # a reduce per micro-batch streams the rank's gradients once, else one all-reduce
             # (at least its even share of the model's)
             collective = cluster.reduce_s if reduces else cluster.allreduce_s
-            fastest = memo[key] = min(
+            fastest = memo[sync_key] = min(
                 collective(max(1, totals.grad_bytes // S), shape.rank_devices(d))
                 for d in range(S))
         sync = M * fastest if reduces else fastest
@@ -389,9 +389,9 @@ def shape_lower_bound(blocks: BlockGraph, table: CostTable, cluster: ClusterSpec
         * table.optimizer_factor
     bound = (M - 1) * T + sync + T + (W - T) / v
     usable = usable_memory(cluster.device.memory_bytes, shape.training_config(training))
-    key = ("static", shape.shards, shape.sharding == "gradients")
-    static, block_static = memo.get(key) or memo.setdefault(
-        key, totals.static_with(shape.shards, shape.sharding == "gradients"))
+    static_key = ("static", shape.shards, shape.sharding == "gradients")
+    static, block_static = memo.get(static_key) or memo.setdefault(
+        static_key, totals.static_with(shape.shards, shape.sharding == "gradients"))
     # The fullest rank holds at least static_d + coef_d * saved_d (StageProblem.rank_memory; coef
     # = in-flight micro-batches / chunks, 1 / chunks with checkpointing). Summing
     # saved_d <= (X - static_d) / coef_d over ranks bounds the peak X from below; without this,
@@ -399,12 +399,12 @@ def shape_lower_bound(blocks: BlockGraph, table: CostTable, cluster: ClusterSpec
     saved = memo.get(("saved", m))
     if saved is None:
         saved = memo[("saved", m)] = sum(b.saved.at(m) for b in blocks.blocks)
-    key = ("in flight", shape.schedule, S, M, v, ckpt)
-    coefs = memo.get(key)
+    flight_key = ("in flight", shape.schedule, S, M, v, ckpt)
+    coefs = memo.get(flight_key)
     if coefs is None:
         coef = [(1.0 if ckpt else in_flight_microbatches(shape.schedule, d, S, M, v)) / v
                 for d in range(S)]
-        coefs = memo[key] = (max(coef), sum(1.0 / c for c in coef))
+        coefs = memo[flight_key] = (max(coef), sum(1.0 / c for c in coef))
     peak = max(static / S, (saved + static / coefs[0]) / coefs[1])
     slack = usable * 1e-6 + 1.0  # float rounding must never exclude a feasible shape
     fits = peak <= usable + slack and block_static <= usable + slack
