@@ -81,6 +81,7 @@ bench-measured: install
 
 bench-scale: install
 	$(PY) bench/compile_scale.py --json $(RESULTS)/compile_scale.json
+	OMP_NUM_THREADS=1 $(PY) bench/search_cluster_size.py --json $(RESULTS)/search_cluster_size.json
 
 bench-runtime: install
 	$(PY) bench/launch.py --repeats 3 --json $(RESULTS)/launch.json
