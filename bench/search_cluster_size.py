@@ -8,7 +8,7 @@ and range over the repeats, the shapes enumerated, and the plan chosen (which mu
 with the cluster once the cluster holds every shape the batch allows).
 
     .venv/bin/python bench/search_cluster_size.py [--model bench/models/scale/gpt_1b.py]
-        [--cluster 8x8xh100-80gb] [--batch 1024] [--nodes 1,16,128,1024,8192] [--repeats 3]
+        [--cluster 8x8xh100-80gb] [--batch 1024] [--nodes 1,16,128,1024] [--repeats 3]
         [--json J]
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ def main() -> None:
     parser.add_argument("--cluster", default="8x8xh100-80gb",
                         help="the node type: its devices per node, device and links")
     parser.add_argument("--batch", type=int, default=1024)
-    parser.add_argument("--nodes", default="1,16,128,1024,8192")
+    parser.add_argument("--nodes", default="1,16,128,1024")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
