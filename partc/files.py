@@ -115,7 +115,7 @@ class _FastUniqueKeyLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # ty
 def load_yaml(text: str, fast: bool = False) -> Any:
     """YAML text as data (yaml.SafeLoader; `fast`: libyaml's C one where built, for profiles).
     A document no partc file is fails as a yaml.YAMLError like any malformed one, so the
-    callers' one-line errors cover it: a key repeated in one mapping (`_unique_keys`), an
+    callers' one-line errors cover it: a key repeated in one mapping (`_refuse_repeated_keys`), an
     integer of more digits than Python converts, or a date that is no date (ValueError), or
     nesting deeper than the pure-Python parser recurses (RecursionError). Both were internal
     errors (exit 3) of `partc check` on such a plan.yaml."""
