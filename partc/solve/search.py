@@ -753,9 +753,9 @@ def _infeasible(blocks: BlockGraph, table: CostTable, cluster: ClusterSpec,
         f"{' and activation checkpointing' if ckpt else ''}"
         f"{f' and the {SHARDED_STATE[sharding]} sharded' if sharding != 'none' else ''}"
         f"{f' ({pinned})' if pinned else ''}, the fullest device needs at least "
-        f"{format_quantity(need, 'B')} but a {dev.name} has {format_quantity(usable, 'B')} usable "
-        f"({format_quantity(dev.memory_bytes, 'B')} minus the {training.memory_margin:.0%} "
-        "margin)",
+        f"{format_quantity(need, 'B')} but one {dev.name} has "
+        f"{format_quantity(usable, 'B')} usable ({format_quantity(dev.memory_bytes, 'B')} minus "
+        f"the {training.memory_margin:.0%} margin)",
         hint="use more or larger devices (--cluster), --precision bf16-mixed or a lighter "
              "--optimizer, a smaller batch, or leave stages/replicas/micro-batches/"
              "checkpointing/sharding to the search")

@@ -422,7 +422,7 @@ def test_infeasible_memory_error_names_the_smallest_need() -> None:
     assert "does not fit" in text and "hint:" in text
     assert "more or larger devices" in text
     # Sizes in units that show them (1 MiB devices are not "0.00 GiB").
-    assert re.search(r"needs at least [0-9.]+[kMG]B but a cpu has 943\.7kB usable \(1\.049MB ",
+    assert re.search(r"needs at least [0-9.]+[kMG]B but one cpu has 943\.7kB usable \(1\.049MB ",
                      text), text
 
 
