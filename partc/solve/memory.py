@@ -431,12 +431,13 @@ def _static_bytes(table: CostTable, nodes: Collection[str], config: TrainingConf
     order = [i for i in reversed(range(len(per_param))) if not per_param[i][4]]
     windows = gradient_window([per_param[i][1] for i in order], [owner[i] for i in order],
                               shards) if sharded_grads else [0] * shards
+    kept = sum(x[1] for x in per_param if x[4])  # every replica holds these whole
     best: tuple[int, int, int] | None = None
     for r, part in enumerate(owned):
         state = sum(per_param[i][2] for i in part)
         temps = sum(per_param[i][3] for i in part)
-        held = grads if not sharded_grads else windows[r] + sum(
-            x[1] for i, x in enumerate(per_param) if x[4] or owner[i] == r)
+        held = grads if not sharded_grads else windows[r] + kept + sum(
+            per_param[i][1] for i in part if not per_param[i][4])
         if best is None or (held + state + temps, state) > (sum(best), best[1]):
             best = (held, state, temps)
     assert best is not None
