@@ -96,20 +96,23 @@ def _refuse_repeated_keys(loader: yaml.constructor.BaseConstructor,
         seen.add(key)
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
+class _RefusingRepeatedKeys:
+    """A loader mixin: mappings built through `_refuse_repeated_keys`."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        _refuse_repeated_keys(self, node)  # type: ignore[arg-type]
+        return super().construct_mapping(node, deep=deep)  # type: ignore[misc]
+
+
+class _UniqueKeyLoader(_RefusingRepeatedKeys, yaml.SafeLoader):
     """yaml.SafeLoader that refuses repeated keys."""
 
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        _refuse_repeated_keys(self, node)
-        return super().construct_mapping(node, deep=deep)
+
+_FAST_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
-class _FastUniqueKeyLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # type: ignore[misc]
+class _FastUniqueKeyLoader(_RefusingRepeatedKeys, _FAST_LOADER):  # type: ignore[misc, valid-type]
     """libyaml's parser where built (else PyYAML's), refusing repeated keys alike."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        _refuse_repeated_keys(self, node)
-        return super().construct_mapping(node, deep=deep)
 
 
 def load_yaml(text: str, fast: bool = False) -> Any:
