@@ -34,7 +34,7 @@ import math
 import time
 from dataclasses import dataclass, field, replace
 from itertools import product
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from partc.cost.table import CostTable
 from partc.errors import PartcError, SearchError
@@ -341,6 +341,14 @@ class ParameterTotals:
         return static, block
 
 
+def _remembered(memo: dict[tuple[Any, ...], Any], key: tuple[Any, ...],
+                compute: Callable[[], Any]) -> Any:
+    """memo[key], computed once."""
+    if key not in memo:
+        memo[key] = compute()
+    return memo[key]
+
+
 def shape_lower_bound(blocks: BlockGraph, table: CostTable, cluster: ClusterSpec,
                       training: TrainingConfig, shape: PipelineShape,
                       totals: ParameterTotals | None = None,
@@ -361,11 +369,12 @@ def shape_lower_bound(blocks: BlockGraph, table: CostTable, cluster: ClusterSpec
     ckpt = shape.activation_checkpointing
     S, v, M = shape.stages, shape.chunks, shape.num_microbatches
 
-    work = memo.get(("work", m, ckpt))
-    if work is None:
+    def work_of() -> tuple[float, float]:
         comp = [b.forward.at(m) * (2.0 if ckpt else 1.0) + b.backward.at(m)
                 for b in blocks.blocks]
-        work = memo[("work", m, ckpt)] = (sum(comp), max(comp))
+        return sum(comp), max(comp)
+
+    work = _remembered(memo, ("work", m, ckpt), work_of)
     # every virtual stage's fixed work (runtime overhead, the loss on the last) is paid whatever
     # the cut
     W = work[0] + sum(f + b for f, b in stage_fixed_s(table, cluster, shape))
@@ -373,15 +382,13 @@ def shape_lower_bound(blocks: BlockGraph, table: CostTable, cluster: ClusterSpec
     sync = 0.0
     if shape.replicas > 1:
         reduces = shape.sharding == "gradients"
-        sync_key = ("sync", S, shape.replicas, shape.placement, reduces)
-        fastest = memo.get(sync_key)
-        if fastest is None:
-            # a reduce per micro-batch streams the rank's gradients once, else one all-reduce
-            # (at least its even share of the model's)
-            collective = cluster.reduce_s if reduces else cluster.allreduce_s
-            fastest = memo[sync_key] = min(
-                collective(max(1, totals.grad_bytes // S), shape.rank_devices(d))
-                for d in range(S))
+        # a reduce per micro-batch streams the rank's gradients once, else one all-reduce (at
+        # least its even share of the model's)
+        collective = cluster.reduce_s if reduces else cluster.allreduce_s
+        fastest = _remembered(
+            memo, ("sync", S, shape.replicas, shape.placement, reduces),
+            lambda: min(collective(max(1, totals.grad_bytes // S), shape.rank_devices(d))
+                        for d in range(S)))
         sync = M * fastest if reduces else fastest
     # at the fastest rate a step can stream (cached, where the device has a cache term): a bound
     # (scaled as every step is where the costs were calibrated from launched runs)
@@ -389,22 +396,21 @@ def shape_lower_bound(blocks: BlockGraph, table: CostTable, cluster: ClusterSpec
         * table.optimizer_factor
     bound = (M - 1) * T + sync + T + (W - T) / v
     usable = usable_memory(cluster.device.memory_bytes, shape.training_config(training))
-    static_key = ("static", shape.shards, shape.sharding == "gradients")
-    static, block_static = memo.get(static_key) or memo.setdefault(
-        static_key, totals.static_with(shape.shards, shape.sharding == "gradients"))
+    gradients = shape.sharding == "gradients"
+    static, block_static = _remembered(memo, ("static", shape.shards, gradients),
+                                       lambda: totals.static_with(shape.shards, gradients))
     # The fullest rank holds at least static_d + coef_d * saved_d (StageProblem.rank_memory; coef
     # = in-flight micro-batches / chunks, 1 / chunks with checkpointing). Summing
     # saved_d <= (X - static_d) / coef_d over ranks bounds the peak X from below; without this,
     # large models screened every shape whose weights alone fit, all infeasible, before pruning.
-    saved = memo.get(("saved", m))
-    if saved is None:
-        saved = memo[("saved", m)] = sum(b.saved.at(m) for b in blocks.blocks)
-    flight_key = ("in flight", shape.schedule, S, M, v, ckpt)
-    coefs = memo.get(flight_key)
-    if coefs is None:
+    saved = _remembered(memo, ("saved", m), lambda: sum(b.saved.at(m) for b in blocks.blocks))
+
+    def coefs_of() -> tuple[float, float]:
         coef = [(1.0 if ckpt else in_flight_microbatches(shape.schedule, d, S, M, v)) / v
                 for d in range(S)]
-        coefs = memo[flight_key] = (max(coef), sum(1.0 / c for c in coef))
+        return max(coef), sum(1.0 / c for c in coef)
+
+    coefs = _remembered(memo, ("in flight", shape.schedule, S, M, v, ckpt), coefs_of)
     peak = max(static / S, (saved + static / coefs[0]) / coefs[1])
     slack = usable * 1e-6 + 1.0  # float rounding must never exclude a feasible shape
     fits = peak <= usable + slack and block_static <= usable + slack
