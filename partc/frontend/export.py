@@ -320,15 +320,79 @@ def _raising_model_line(exc: BaseException) -> str:
 
 
 def _user_line(stack_trace: str) -> str:
-    """'file.py:14 (`h = h[h.sum(-1) > 0]`)' for the innermost frame of an FX stack trace."""
+    """'file.py:14 (`h = h[h.sum(-1) > 0]`)' for the innermost frame of an FX stack trace that
+    is the model's code (not torch's `F.embedding` inside nn.Embedding), else the innermost."""
     lines = stack_trace.strip().splitlines()
+    frames: list[str] = []
     for i in range(len(lines) - 1, -1, -1):
         found = re.match(r'\s*File "([^"]+)", line (\d+)', lines[i])
         if found:
             code = lines[i + 1].strip() if i + 1 < len(lines) else ""
             where = f"{Path(found.group(1)).name}:{found.group(2)}"
-            return f"{where} (`{code}`)" if code else where
-    return ""
+            shown = f"{where} (`{code}`)" if code else where
+            if _is_model_code(found.group(1)):
+                return shown
+            frames.append(shown)
+    return frames[0] if frames else ""
+
+
+def refuse_sparse_gradients(exported: ExportedProgram, trainable: dict[str, bool],
+                            where: str) -> None:
+    """CaptureError for a trainable parameter that an operator would give a sparse gradient
+    (`nn.Embedding(..., sparse=True)`, `nn.EmbeddingBag(..., sparse=True)`: any operator with a
+    `sparse` flag set). partc trains dense gradients: its optimizers (Adam and AdamW refuse
+    sparse ones), the data-parallel gradient sync and ZeRO sharding all read a gradient's
+    storage, which a sparse tensor has none of (the launch failed on its first backward)."""
+    parameters = exported.graph_signature.inputs_to_parameters
+    for node in exported.graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        if node.op != "call_function" or schema is None:
+            continue
+        for i, argument in enumerate(schema.arguments):
+            if argument.name != "sparse":
+                continue
+            value = node.args[i] if i < len(node.args) else \
+                node.kwargs.get("sparse", argument.default_value)
+            weight = node.args[0] if node.args else None
+            name = parameters.get(getattr(weight, "name", ""))
+            if value is True and name is not None and trainable.get(name, True):
+                source = _user_line(node.meta.get("stack_trace") or "")
+                raise CaptureError(
+                    f"{where}: parameter {name} would get a sparse gradient "
+                    f"({_operator_name(node)} with sparse=True"
+                    + (f" at {source}" if source else "") + "): partc trains dense gradients "
+                    "(its optimizers, data-parallel sync and ZeRO sharding need them)",
+                    hint="build the embedding with sparse=False (the same gradient values, "
+                         "stored dense), or freeze that parameter")
+
+
+def _input_tensors(inputs: Inputs) -> list[tuple[str, torch.Tensor]]:
+    """The tensors of (args, kwargs) with where each sits: 'args[0]', "kwargs['mask']"."""
+    found: list[tuple[str, torch.Tensor]] = []
+    for label, part in zip(("args", "kwargs"), inputs, strict=True):
+        leaves, _ = pytree.tree_flatten_with_path(part)
+        found += [(label + pytree.keystr(path), leaf) for path, leaf in leaves
+                  if isinstance(leaf, torch.Tensor)]
+    return found
+
+
+def refuse_inputs_without_a_batch(inputs: Inputs, scaled_inputs: Inputs, batch: int,
+                                  scaled_batch: int, file_name: str) -> None:
+    """CaptureError when example_inputs returns the same tensor shapes at two batch sizes: it
+    ignores its batch_size, and a plan for batch B would be compiled, priced and split into
+    micro-batches on inputs of some other size, with no dimension to split them along."""
+    before, after = _input_tensors(inputs), _input_tensors(scaled_inputs)
+    if not before or [n for n, _ in before] != [n for n, _ in after]:
+        return  # no tensors, or a different structure: export and the batch-dim search judge
+    if any(a.shape != b.shape for (_, a), (_, b) in zip(before, after, strict=True)):
+        return
+    shown = ", ".join(f"{n} {list(t.shape)}" for n, t in before[:3])
+    raise CaptureError(
+        f"example_inputs({batch}) and example_inputs({scaled_batch}) in {file_name} return "
+        f"tensors of the same shapes ({shown}{', ...' if len(before) > 3 else ''}): it ignores "
+        "its batch_size, and partc splits a batch into micro-batches along the dimension that "
+        "grows with it",
+        hint="make example_inputs(batch_size) build batch_size samples (docs/model-files.md)")
 
 
 def output_paths(exported: ExportedProgram) -> list[str]:
@@ -381,12 +445,15 @@ def capture(model_file: ModelFile, batch_size: int, progress: Progress | None = 
     with progress.step(f"capturing with torch.export at batch size {batch_size}"):
         exported = export_program(model, inputs, where)
         _check_outputs(exported, where)
+        refuse_sparse_gradients(exported, trainable, where)
     scaled_batch = 2 * batch_size
     scaled: ExportedProgram | None = None
     with progress.step(f"capturing at batch size {scaled_batch} to find batch dimensions"):
         scaled_inputs = model_file.inputs(scaled_batch)
         if on_meta:
             scaled_inputs = inputs_to_meta(scaled_inputs)
+        refuse_inputs_without_a_batch(inputs, scaled_inputs, batch_size, scaled_batch,
+                                      model_file.path.name)
         try:
             scaled = export_program(model, scaled_inputs,
                                     f"{model_file.name} (batch size {scaled_batch})")

@@ -132,3 +132,31 @@ def test_numbers_drawn_in_python_are_refused(model: str, fragment: str) -> None:
     message = str(refused.value)
     assert fragment in message and "two captures drew different values" in message
     assert f"at {model}:" in message and "random." in message
+
+
+def test_a_frozen_sparse_embedding_is_captured(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sparse gradient is refused (tests/test_bad_inputs.py); a frozen sparse embedding gets
+    no gradient, so it is an ordinary lookup."""
+    monkeypatch.setenv("PARTC_TEST_FROZEN_EMBEDDING", "1")
+    result = capture(load_model_file(TEST_MODELS / "sparse_embedding.py"), 2)
+    assert result.trainable == {"embed.weight": False, "head.weight": True, "head.bias": True}
+    monkeypatch.setenv("PARTC_TEST_FROZEN_EMBEDDING", "0")
+    with pytest.raises(CaptureError, match="embed.weight would get a sparse gradient"):
+        capture(load_model_file(TEST_MODELS / "sparse_embedding.py"), 2)
+
+
+def test_inputs_that_follow_the_batch_anywhere_are_not_refused(tmp_path) -> None:
+    """The batch may sit in any dimension of any input, and other inputs may be fixed: only
+    inputs that all keep their shapes from B to 2B are refused."""
+    src = tmp_path / "batch_second.py"
+    src.write_text("import torch, torch.nn as nn\n"
+                   "class M(nn.Module):\n"
+                   "    def __init__(self):\n        super().__init__()\n"
+                   "        self.fc = nn.Linear(4, 4)\n"
+                   "    def forward(self, x, table):\n"
+                   "        return self.fc(x.transpose(0, 1)) + table.sum()\n"
+                   "def build_model():\n    return M()\n"
+                   "def example_inputs(batch_size):\n"
+                   "    return ((torch.randn(7, batch_size, 4),), {'table': torch.ones(3)})\n")
+    result = capture(load_model_file(src), 2)
+    assert result.scaled is not None
