@@ -84,7 +84,7 @@ from partc.cost.torch_profiler import (
 from partc.errors import ModelFileError, PartcError, summarize_exception
 from partc.frontend.capture import CaptureResult, capture_graph
 from partc.frontend.export import export_program
-from partc.frontend.model_file import Inputs, ModelFile, inputs_to_meta
+from partc.frontend.model_file import Inputs, ModelFile, inputs_to_meta, is_out_of_memory
 from partc.frontend.onnx_export import OnnxExport, export_onnx
 from partc.graph.opgraph import OpGraph
 from partc.hardware.local import cpu_vector_bytes, pinned_to_core
@@ -280,16 +280,6 @@ class MeasuringOutOfMemory(ProfileError):
     """The whole model at a measured batch size does not fit the measuring device's memory (a
     model too large for one device is what partc plans for: compile prices it by the roofline
     instead, partc.cost.plan_costs.solve_costs)."""
-
-
-def is_out_of_memory(exc: BaseException) -> bool:
-    """torch's out-of-memory errors: CUDA's OutOfMemoryError, a CPU allocation the OS refused
-    (DefaultCPUAllocator's "can't allocate memory"), Python's MemoryError."""
-    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
-        return True
-    text = str(exc).lower()
-    return isinstance(exc, RuntimeError) and any(
-        s in text for s in ("can't allocate memory", "not enough memory", "out of memory"))
 
 
 def _within_memory(result: CaptureResult, device: torch.device, b: int,

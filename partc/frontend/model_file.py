@@ -80,16 +80,22 @@ class ModelFile:
         return normalize_inputs(raw, where=f"example_inputs({batch_size}) in {self.path}")
 
     def loss(self) -> Callable[[Any, Any], torch.Tensor]:
-        """The model file's loss_fn (a call that exits or raises a BaseException becomes a
-        ModelFileError), or `default_loss_fn` when it defines none."""
+        """The model file's loss_fn, or `default_loss_fn` when it defines none. What it raises
+        (out of memory aside: the size's, not the code's) and a result that is not one floating
+        number (`reduction="none"`) become a ModelFileError naming loss_fn: raised on a
+        pipeline's last stage, torch's own words ("grad can be implicitly created only for
+        scalar outputs") never said which code was wrong."""
         fn = self.loss_fn
         if fn is None:
             return default_loss_fn
         where = f"loss_fn in {self.path}"
 
         def loss(output: Any, target: Any) -> torch.Tensor:
-            with model_code(where, exceptions=False):
-                return fn(output, target)
+            with model_code(where, prints=False, passes=is_out_of_memory,
+                            hint="call loss_fn on the model's output and a batch's target in "
+                                 "Python to see the traceback"):
+                value = fn(output, target)
+            return _one_number(value, where)
         return loss
 
     def data(self, batch_size: int,
@@ -162,14 +168,40 @@ class _BoundedPrints(io.TextIOBase):
         self.target.flush()
 
 
+def is_out_of_memory(exc: BaseException) -> bool:
+    """torch's out-of-memory errors: CUDA's OutOfMemoryError, a CPU allocation the OS refused
+    (DefaultCPUAllocator's "can't allocate memory"), Python's MemoryError."""
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(
+        s in text for s in ("can't allocate memory", "not enough memory", "out of memory"))
+
+
+def _one_number(value: Any, where: str) -> torch.Tensor:
+    """`value` if it is a floating tensor of one element (what backward() starts from), else a
+    ModelFileError saying what loss_fn returned."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and \
+            (value.is_floating_point() or value.is_complex()):
+        return value
+    if isinstance(value, torch.Tensor):
+        what = f"a {str(value.dtype).removeprefix('torch.')} tensor of shape {list(value.shape)}"
+    else:
+        what = f"a {type(value).__name__}"
+    raise ModelFileError(f"{where} returned {what}, not one floating-point number",
+                         hint="return the loss reduced to a scalar tensor (e.g. .mean(), or "
+                              "reduction='mean') that backward() can start from")
+
+
 @contextlib.contextmanager
 def model_code(where: str, when: str = "", hint: str = "pass --debug for the traceback",
-               exceptions: bool = True, prints: bool | None = None) -> Iterator[None]:
+               exceptions: bool = True, prints: bool | None = None,
+               passes: Callable[[BaseException], bool] | None = None) -> Iterator[None]:
     """Run code of the user's model file: what it raises (Exception when `exceptions`, and
     always SystemExit and the other BaseExceptions: a model file must not end or fake the
     outcome of a partc command) becomes a ModelFileError naming `where`. KeyboardInterrupt
-    passes (Ctrl-C), as does a PartcError. Set-up calls (`prints`, default: `exceptions`) print
-    to stderr, at most PRINT_LINES lines."""
+    passes (Ctrl-C), as does a PartcError, and an Exception for which `passes` is true. Set-up
+    calls (`prints`, default: `exceptions`) print to stderr, at most PRINT_LINES lines."""
     bounded = _BoundedPrints(sys.stderr) if (exceptions if prints is None else prints) else None
     try:
         if bounded is None:
@@ -185,7 +217,7 @@ def model_code(where: str, when: str = "", hint: str = "pass --debug for the tra
                              hint="model code must not exit the process; raise an exception "
                                   "instead") from exc
     except Exception as exc:
-        if not exceptions:
+        if not exceptions or (passes is not None and passes(exc)):
             raise
         raise ModelFileError(f"{where} raised {summarize_exception(exc)}"
                              + (f" {when}" if when else ""), hint=hint) from exc

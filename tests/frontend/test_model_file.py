@@ -122,3 +122,43 @@ def test_model_file_batches_are_normalised() -> None:
     (args, kwargs), (mlm, nsp) = next(iter(mf.data(3)))
     assert args == () and set(kwargs) == {"input_ids", "attention_mask", "token_type_ids"}
     assert mlm.shape == (3, 32) and nsp.shape == (3,)
+
+
+def _loss_file(tmp_path, body: str):
+    src = tmp_path / "own_loss_fn.py"
+    src.write_text("import torch, torch.nn as nn\n"
+                   "def build_model():\n    return nn.Linear(4, 3)\n"
+                   "def example_inputs(batch_size):\n    return (torch.randn(batch_size, 4),)\n"
+                   f"def loss_fn(output, target):\n{body}\n")
+    return load_model_file(src).loss()
+
+
+@pytest.mark.parametrize("body, fragment", [
+    ("    return nn.functional.cross_entropy(output, target, reduction='none')",
+     "returned a float32 tensor of shape [2], not one floating-point number"),
+    ("    return nn.functional.cross_entropy(output, target).item()",
+     "returned a float, not one floating-point number"),
+    ("    return (output.argmax(-1) == target).sum()",
+     "returned a int64 tensor of shape [], not one floating-point number"),
+    ("    return nn.functional.cross_entropy(output, target[:, None])",
+     "raised RuntimeError: "),
+], ids=["vector", "python-float", "integer", "raises"])
+def test_a_loss_fn_that_is_no_loss_is_named(tmp_path, body: str, fragment: str) -> None:
+    """What loss_fn returns must be one floating number, what it raises is named as its own:
+    on a pipeline's last stage torch's words alone ("grad can be implicitly created only for
+    scalar outputs") never said which code was wrong."""
+    loss = _loss_file(tmp_path, body)
+    with pytest.raises(ModelFileError) as raised:
+        loss(torch.randn(2, 3, requires_grad=True), torch.tensor([0, 2]))
+    assert raised.value.message.startswith("loss_fn in ") and fragment in raised.value.message
+
+
+def test_a_loss_fn_of_one_number_passes_and_out_of_memory_stays_itself(tmp_path) -> None:
+    """A loss of shape [1] is one number (backward() starts from it); out of memory is the
+    size's, not the code's, and reaches the size search unchanged."""
+    loss = _loss_file(tmp_path, "    return nn.functional.cross_entropy(output, target)[None]")
+    value = loss(torch.randn(2, 3, requires_grad=True), torch.tensor([0, 2]))
+    value.backward()
+    oom = _loss_file(tmp_path, "    raise torch.OutOfMemoryError('CUDA out of memory. Tried')")
+    with pytest.raises(torch.OutOfMemoryError):
+        oom(torch.randn(2, 3), torch.tensor([0, 2]))

@@ -15,8 +15,9 @@ import yaml
 from conftest import ROOT, TEST_MODELS, captured
 from partc_process import run_partc
 
-from partc.cost.measured import MeasuringOutOfMemory, is_out_of_memory
+from partc.cost.measured import MeasuringOutOfMemory
 from partc.cost.plan_costs import measurement, plan_costs
+from partc.frontend.model_file import is_out_of_memory
 from partc.hardware.configs import load_cluster
 from partc.options import TrainingConfig
 from partc.plans.measurable_sizes import WholeModelMemory, check_profile_sizes, whole_model_fits
