@@ -447,6 +447,10 @@ class TrainOptions:
     allow_other_model: bool = option(False, flag="--allow-other-model", help="--resume from a "
                                      "checkpoint written by a plan of another model (graph "
                                      "hash); its tensors are still matched by name and shape.")
+    allow_nonfinite_loss: bool = option(
+        False, flag="--allow-nonfinite-loss",
+        help="Train on through steps whose loss is NaN or infinite (by default the run stops at "
+             "the first, before a checkpoint can keep the weights it updated).")
 
     def __post_init__(self) -> None:
         if self.steps < 1:

@@ -10,6 +10,7 @@ carrying a `(hint: ...)`, no traceback, and no training step run; a failure duri
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -19,7 +20,7 @@ from typing import Sequence
 
 import pytest
 import torch
-from conftest import ROOT, losses_of
+from conftest import ROOT, TEST_MODELS, losses_of
 from test_bad_inputs import (
     ERROR,
     MLP,
@@ -379,6 +380,32 @@ def test_failed_save_is_one_line_and_keeps_the_previous_checkpoint(
     assert not leftovers(ckpt)
     assert {p: p.read_bytes() for p in ckpt.rglob("*") if p.is_file()} == before
     assert good(ckpt, 6)
+
+
+# ---- (g) a loss that turns NaN ------------------------------------------------------------------
+
+def test_a_nan_loss_stops_the_run_and_no_checkpoint_keeps_its_weights(tmp_path: Path) -> None:
+    """tests/models/nan_loss.py's third batch is all padding (loss 0/0). The run stops at step
+    3 in one line, the step-3 checkpoint that the first stage's rank may already be writing is
+    discarded, and the checkpoints of steps 1-2 stay good; with --allow-nonfinite-loss it
+    trains through (the metrics record the NaN)."""
+    plan = _compile(TEST_MODELS / "nan_loss.py", tmp_path / "plan")
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    proc = launch(plan, "--steps", "5", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1",
+                  "--metrics", str(metrics))
+    assert_run_failed(proc, "the loss is nan at step 3", "--allow-nonfinite-loss",
+                      "the checkpoint of step 2 is kept")
+    assert good(ckpt, 1) and good(ckpt, 2)
+    assert not (ckpt / STEP.format(3)).exists() and not leftovers(ckpt)
+    assert [json.loads(ln)["step"] for ln in metrics.read_text().splitlines()] == [1, 2, 3]
+    # between checkpoints: the last stage's ranks stop at once, the launcher ends the others
+    proc = launch(plan, "--steps", "5")
+    assert_run_failed(proc, "the loss is nan at step 3", same_on_every_rank=False)
+    proc = launch(plan, "--steps", "4", "--metrics", str(tmp_path / "through.jsonl"),
+                  "--allow-nonfinite-loss")
+    assert proc.returncode == 0, _context(proc)
+    losses = losses_of(tmp_path / "through.jsonl")
+    assert len(losses) == 4 and math.isnan(losses[2]) and math.isfinite(losses[0])
 
 
 # ---- checkpoint.py in-process: manifests, verification, pruning ---------------------------------

@@ -30,6 +30,7 @@ Per rank, in order:
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -246,13 +247,21 @@ def _train(run: RankRun, reporter: Reporter | None) -> RunSummary | None:
         report(previous)
         reported = _Reported(step, step_s, method, traced)
         done = step + 1
+        # known on the last stage's ranks only (their rows are posted: rank 0 waits for none)
+        stop = _nonfinite_loss(run, step, metrics.row)
         if options.checkpoint_dir is not None and (
                 done == options.steps
                 or (options.checkpoint_every and done % options.checkpoint_every == 0)):
             report(metrics.collect())  # the step's line before its checkpoint's
-            save_checkpoint(run.plan, options, done, run.stages, run.replica, run.rank)
+            # every rank takes part, the first stage's writers maybe already writing: the
+            # step's checkpoint is refused for all of them and every rank raises `stop`
+            save_checkpoint(run.plan, options, done, run.stages, run.replica, run.rank,
+                            stop=stop)
             if reporter is not None:
                 reporter.note(f"checkpoint step {done} -> {options.checkpoint_dir}")
+        elif stop is not None:
+            # no rank writes a checkpoint of this step: the launcher ends them all
+            raise stop
     report(metrics.collect())
     if reporter is not None:
         reporter.finish(summary)
@@ -476,6 +485,19 @@ def _step(run: RankRun, step: int, memory_method: str, metrics: _MetricsRows,
                                 else 0.0)
     metrics.post()
     return previous
+
+
+def _nonfinite_loss(run: RankRun, step: int, row: torch.Tensor) -> LaunchError | None:
+    """The error that stops a run whose loss (this rank's, posted in `row`) is NaN or infinite,
+    unless --allow-nonfinite-loss: before more steps spend a cluster's time on it (Megatron
+    stops likewise), and before a checkpoint keeps the weights the step updated."""
+    loss = float(row[_LOSS])
+    if not row[_HAS_LOSS] or math.isfinite(loss) or run.options.allow_nonfinite_loss:
+        return None
+    replica = f" (replica {run.replica})" if run.replicas > 1 else ""
+    return LaunchError(f"the loss is {loss} at step {step + 1}{replica}: the run stops there",
+                       hint="lower --lr or check the data and loss_fn, then --resume from the "
+                            "newest checkpoint; --allow-nonfinite-loss trains on")
 
 
 def _step_metrics(run: RankRun, rows: list[list[float]], reported: _Reported) -> StepMetrics:

@@ -30,7 +30,7 @@ from partc.emit.stage_weights import (
     set_stage_tensors,
     stage_state,
 )
-from partc.errors import LaunchError
+from partc.errors import LaunchError, PartcError
 from partc.frontend.model_file import ModelFile
 from partc.options import TrainOptions
 from partc.plans.plan import Plan, PlanStage, TensorRef
@@ -493,18 +493,21 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, names: list[str],
 
 
 def save_checkpoint(plan: Plan, options: TrainOptions, step: int, locals_: list[LocalStage],
-                     replica: int, rank: int) -> None:
+                     replica: int, rank: int, stop: PartcError | None = None) -> None:
     """Replica 0 of each stage writes it (its SHA-256 taken as it is written); rank 0 gathers
     every rank's files and failures, writes the manifest, reads the checkpoint back and prunes.
     A failure anywhere (a read-only directory, a full disk, a file size limit) removes the
     step's half-written directory, keeps the previous checkpoint, and every rank raises the same
-    one-line CheckpointError (no rank is left waiting in a collective)."""
+    one-line CheckpointError (no rank is left waiting in a collective). A rank's `stop` (the
+    run must end at this step: a NaN loss) is such a failure, raised as itself on every rank."""
     root = options.checkpoint_dir
     assert root is not None
     written: dict[int, StageFile] = {}
     failure: tuple[str, str] | None = None
+    if stop is not None:
+        failure = (stop.message, stop.hint)
     consolidate_optimizers(locals_)
-    if replica == 0:
+    if replica == 0 and stop is None:
         try:
             for local in locals_:
                 keep = set(local.spec.parameter_names) | set(local.spec.buffer_names)
@@ -518,15 +521,16 @@ def save_checkpoint(plan: Plan, options: TrainOptions, step: int, locals_: list[
             failure = (exc.message, exc.hint)
     release_consolidated(locals_)
     gathered: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None
-    dist.gather_object((written, failure), gathered, dst=0)
+    dist.gather_object((written, failure, stop is not None), gathered, dst=0)
     outcome: list[Any] = [None]
     if rank == 0:
         assert gathered is not None
+        stopped = next((f for _, f, s in gathered if s), None)
         try:
-            failed = next((f for _, f in gathered if f is not None), None)
+            failed = stopped or next((f for _, f, _ in gathered if f is not None), None)
             if failed is not None:
                 raise CheckpointError(failed[0], hint=failed[1])
-            files = {k: f for w, _ in gathered for k, f in w.items()}
+            files = {k: f for w, _, _ in gathered for k, f in w.items()}
             info = {"model": plan.model.name, "graph_hash": plan.model.graph_hash,
                     "stages": plan.num_stages, "optimizer": plan.training.config.optimizer,
                     "plan_stage_sha256": [s.sha256 for s in plan.stages],
@@ -535,7 +539,8 @@ def save_checkpoint(plan: Plan, options: TrainOptions, step: int, locals_: list[
         except CheckpointError as exc:
             discard_step(root, step)
             kept, _ = newest_good_checkpoint(root)
-            outcome[0] = (f"the checkpoint of step {step} failed: {exc.message}",
+            outcome[0] = ((exc.message if stopped else
+                           f"the checkpoint of step {step} failed: {exc.message}"),
                           f"{exc.hint}; " + ("no earlier checkpoint" if kept is None else
                                              f"the checkpoint of step {kept.step} is kept"))
     dist.broadcast_object_list(outcome, src=0)
