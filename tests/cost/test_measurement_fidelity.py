@@ -42,16 +42,24 @@ def test_identical_layers_are_timed_alike_on_the_cpu() -> None:
     # (the profiler's figures for them differed up to 4x and skewed which stage got what).
     # Within 2.5x: the default run times them beside the other test worker, and a 0.2 ms layer
     # read 1.8x its twin there once (2026-12-06); the profiler's 4x skew stays well outside.
+    # Up to 3 timings: the skew was the same in every one, while the other worker's launches
+    # (4 processes on 2 cores) once held one layer's runs at 12.8x its twins' (2026-12-07).
     result = captured(EXAMPLES / "mlp.py")
     module = program_module(result.capture.exported)
     to_device(module, CPU)
     inputs = inputs_on(result.capture.model_file.inputs(64), CPU)
     torch.set_num_threads(1)
-    timing = time_nodes(module, inputs, 64, CPU, warmup=2, runs=7)
     layers = [n.name for n in result.graph.nodes if n.kind == "linear"][1:5]
-    for per_node in (timing.node_forward_s, timing.node_backward_s):
-        times = [per_node[n] for n in layers]
-        assert max(times) < 2.5 * min(times), times
+    seen: list[list[float]] = []
+    for _ in range(3):
+        timing = time_nodes(module, inputs, 64, CPU, warmup=2, runs=7)
+        per_pass = [[per_node[n] for n in layers]
+                    for per_node in (timing.node_forward_s, timing.node_backward_s)]
+        seen += per_pass
+        if all(max(times) < 2.5 * min(times) for times in per_pass):
+            break
+    else:
+        raise AssertionError(f"identical layers timed apart in 3 of 3 timings: {seen}")
     # the nodes' sums are the model's times here; the totals are the program's as TorchScript,
     # timed on their own (`time_totals`), and the nodes share them out
     assert timing.model_forward_s == pytest.approx(sum(timing.node_forward_s.values()))
