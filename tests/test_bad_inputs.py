@@ -153,6 +153,15 @@ MODEL_CASES = [
      "numpy_random_mask.py:16 (`keep = torch.tensor(np.random.rand(*h.shape) > 0.5)`), and two "
      "captures drew different values"),
     ("compile", TEST_MODELS / "int_output.py", "non-tensor output at [1]: int"),
+    # a plan for batch B compiled on 3 samples, with no dimension to split micro-batches along
+    ("compile", TEST_MODELS / "ignores_batch_size.py",
+     "example_inputs(2) and example_inputs(4) in ignores_batch_size.py return tensors of the "
+     "same shapes (args[0] [3, 4]): it ignores its batch_size"),
+    # trained, the first backward failed on every rank ("Cannot access storage of
+    # SparseTensorImpl"); the model's own line, not torch's F.embedding inside nn.Embedding
+    ("compile", TEST_MODELS / "sparse_embedding.py",
+     "parameter embed.weight would get a sparse gradient (aten.embedding.default with "
+     "sparse=True at sparse_embedding.py:18 (`return self.head(self.embed(ids).mean(1))`))"),
     ("compile", TEST_MODELS / "string_output.py", "non-tensor output at [1]: str"),
     ("inspect", TEST_MODELS / "string_output.py", "non-tensor output at [1]: str"),
     ("inspect", TEST_MODELS, "is a directory"),
