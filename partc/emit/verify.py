@@ -114,7 +114,9 @@ def verify_plan(path: str | Path, *, rtol: float = DEFAULT_RTOL, atol: float = D
 
     # ---- eager ----------------------------------------------------------------------------
     torch.manual_seed(seed)
-    args, kwargs = inputs
+    # a copy: forward() may change its inputs in place (`x.mul_(2)`), and the stages get them next
+    args, kwargs = pytree.tree_map(
+        lambda t: t.clone() if isinstance(t, torch.Tensor) else t, inputs)
     try:
         out = model(*args, **kwargs)
         loss = loss_fn(out, target)
@@ -134,7 +136,10 @@ def verify_plan(path: str | Path, *, rtol: float = DEFAULT_RTOL, atol: float = D
     boundary_inputs: list[list[torch.Tensor]] = []
     boundary_outputs: list[tuple[torch.Tensor, ...]] = []
     for st, module in zip(plan.stages, stages, strict=True):
-        taken = [t.detach().requires_grad_(t.is_floating_point()) for t in current]
+        # as launch runs them (stage_runner.boundary_tensors): the model's inputs need no
+        # gradient (forward() may change them in place, as eagerly), a boundary's do
+        taken = [t.detach().requires_grad_(t.is_floating_point() and st.index > 0)
+                 for t in current]
         if len(taken) != len(st.inputs):
             report.problems.append(f"stage {st.index} gets {len(taken)} tensors, plan.yaml lists "
                                    f"{len(st.inputs)} inputs")

@@ -328,6 +328,17 @@ def test_awkward_inputs_and_outputs_compile_and_verify(tmp_path: Path, stages: i
     assert any(c.what == "buffer norm.running_mean" for c in report.comparisons)
 
 
+def test_a_forward_that_changes_its_input_in_place_verifies(tmp_path: Path) -> None:
+    """verify failed such a model twice over: the first stage's inputs required grad ("a leaf
+    Variable that requires grad is being used in an in-place operation"; launch gives them none),
+    and the whole model's eager run doubled the inputs the stages then got."""
+    out = compile_to(tmp_path, TEST_MODELS / "mutates_input.py", 2, batch=4, strategy="uniform",
+                     costs="analytic")
+    report = verify_plan(out)
+    assert report.ok, report.problems + [c for c in report.comparisons if not c.ok]
+    assert any(c.what == "loss" for c in report.comparisons)
+
+
 def test_stage_files_hold_the_buffers_build_model_made(tmp_path: Path) -> None:
     """Tracing runs forward in training mode; batch-norm statistics must not leak into files.
     Priced as compile prices it here (measured): measuring runs training forwards too (the
