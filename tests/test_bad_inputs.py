@@ -854,6 +854,25 @@ def test_outputs_never_overwrite_a_plan(flag: str, target: str, mlp_plan: Path,
     assert (plan_dir / target).read_bytes() == before
 
 
+def test_data_unlike_example_inputs_is_refused_by_verify_and_launch(tmp_path: Path) -> None:
+    """batches() giving `scale=3.0` where the plan was captured with example_inputs' 2.0 (baked
+    into the program: training would silently use 2.0); verify was an internal error (exit 3)
+    for data with other keyword arguments."""
+    plan_dir = tmp_path / "plan"
+    proc = run("compile", str(TEST_MODELS / "data_scale.py"), "-b", "8", "--stages", "2",
+               "--replicas", "1", "--cluster", "cpu-4", "--costs", "analytic", "-o",
+               str(plan_dir))
+    assert proc.returncode == 0, _context(proc)
+    env = {**os.environ, "PARTC_TEST_DATA_SCALE": "3.0"}
+    fragment = "kwargs['scale'] is 3.0, example_inputs gives 2.0"
+    proc = run_partc("verify", str(plan_dir), env=env)
+    assert_one_line_error(proc, "yields inputs unlike example_inputs", fragment)
+    proc = run_partc("launch", str(plan_dir), "--steps", "2", env=env)
+    assert_one_line_error(proc, "rank 0 failed", fragment, stdout_empty=False, code=1)
+    proc = run("launch", str(plan_dir), "--steps", "2")  # the data as captured: trains
+    assert proc.returncode == 0, _context(proc)
+
+
 def test_launch_given_a_model_file(tmp_path: Path) -> None:
     proc = run("launch", MLP, "--steps", "1")
     assert_one_line_error(proc, "is a Python file, not a plan")

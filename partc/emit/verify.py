@@ -106,8 +106,8 @@ def verify_plan(path: str | Path, *, rtol: float = DEFAULT_RTOL, atol: float = D
         set_stage_tensors(module, mine)
         module.train()
 
-    inputs, target = next(iter(model_file.data(plan.microbatch_size,
-                                               output_shape=plan.model.outputs[0].shape)))
+    inputs, target = model_file.first_batch(plan.microbatch_size,
+                                            output_shape=plan.model.outputs[0].shape)
     inputs = _to(inputs, dev)
     target = _to(target, dev)
     loss_fn = model_file.loss()

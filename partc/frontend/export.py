@@ -28,7 +28,13 @@ from torch.export import ExportedProgram
 
 from partc.errors import CaptureError, summarize_exception
 from partc.frontend.attention_masks import simplify_attention_masks
-from partc.frontend.model_file import Inputs, ModelFile, inputs_to_meta, is_on_meta
+from partc.frontend.model_file import (
+    Inputs,
+    ModelFile,
+    input_leaves,
+    inputs_to_meta,
+    is_on_meta,
+)
 from partc.progress import Progress
 
 
@@ -367,13 +373,7 @@ def refuse_sparse_gradients(exported: ExportedProgram, trainable: dict[str, bool
 
 
 def _input_tensors(inputs: Inputs) -> list[tuple[str, torch.Tensor]]:
-    """The tensors of (args, kwargs) with where each sits: 'args[0]', "kwargs['mask']"."""
-    found: list[tuple[str, torch.Tensor]] = []
-    for label, part in zip(("args", "kwargs"), inputs, strict=True):
-        leaves, _ = pytree.tree_flatten_with_path(part)
-        found += [(label + pytree.keystr(path), leaf) for path, leaf in leaves
-                  if isinstance(leaf, torch.Tensor)]
-    return found
+    return [(n, t) for n, t in input_leaves(inputs) if isinstance(t, torch.Tensor)]
 
 
 def refuse_inputs_without_a_batch(inputs: Inputs, scaled_inputs: Inputs, batch: int,

@@ -25,6 +25,7 @@ from types import ModuleType
 from typing import Any, Callable, Iterable, Iterator, TextIO
 
 import torch
+import torch.utils._pytree as pytree
 
 from partc.errors import ModelFileError, PartcError, summarize_exception
 from partc.frontend.model_source import read_model_source, syntax_error
@@ -131,7 +132,22 @@ class ModelFile:
         if item is None:
             raise ModelFileError(f"{where} yielded nothing",
                                  hint="make batches() yield at least one (inputs, target) pair")
+        if self.batches is not None:
+            self.check_like_examples(item[0], batch_size)
         return item
+
+    def check_like_examples(self, inputs: Inputs, batch_size: int) -> None:
+        """ModelFileError unless `inputs`, drawn from batches(batch_size), have what the plan was
+        captured from at that size, example_inputs(batch_size): the same arguments, tensor
+        shapes and dtypes, and non-tensor values (export bakes those into the program, so a
+        `scale=3.0` in the data would silently train with example_inputs' 2.0)."""
+        problem = inputs_difference(inputs, self.inputs(batch_size))
+        if problem:
+            raise ModelFileError(
+                f"batches({batch_size}) in {self.path} yields inputs unlike "
+                f"example_inputs({batch_size}): {problem}",
+                hint="make batches(batch_size) yield the arguments example_inputs(batch_size) "
+                     "gives, with their shapes and dtypes and the same non-tensor values")
 
 
 _END = object()
@@ -229,6 +245,46 @@ def model_code(where: str, when: str = "", hint: str = "pass --debug for the tra
         if bounded is not None and bounded.dropped:
             print(f"partc: {where} printed {bounded.dropped} more line(s), not shown",
                   file=sys.stderr)
+
+
+def input_leaves(inputs: Inputs) -> list[tuple[str, Any]]:
+    """The leaves of (args, kwargs) with where each sits: 'args[0]', "kwargs['mask']" (keyword
+    arguments by name, whatever order they come in)."""
+    args, kwargs = inputs
+    found: list[tuple[str, Any]] = []
+    for label, part in (("args", tuple(args)), ("kwargs", dict(sorted(kwargs.items())))):
+        leaves, _ = pytree.tree_flatten_with_path(part)
+        found += [(label + pytree.keystr(path), leaf) for path, leaf in leaves]
+    return found
+
+
+def _described(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{list(value.shape)} {str(value.dtype).removeprefix('torch.')}"
+    return repr(value)[:60]
+
+
+def inputs_difference(inputs: Inputs, examples: Inputs) -> str:
+    """How `inputs` differ from `examples` in what a captured program depends on (which
+    arguments, tensor shapes and dtypes, non-tensor values), '' when they do not."""
+    mine, theirs = dict(input_leaves(inputs)), dict(input_leaves(examples))
+    extra, lacking = sorted(mine.keys() - theirs.keys()), sorted(theirs.keys() - mine.keys())
+    if extra or lacking:
+        return "; ".join(part for part in (
+            f"{', '.join(extra)} not in example_inputs" if extra else "",
+            f"no {', '.join(lacking)}" if lacking else "") if part)
+    for name, value in mine.items():
+        example = theirs[name]
+        if isinstance(value, torch.Tensor) and isinstance(example, torch.Tensor):
+            same = value.shape == example.shape and value.dtype == example.dtype
+        else:
+            try:
+                same = bool(value == example)  # 2 for 2.0: the same number to the program
+            except Exception:  # a value whose == is no bool: compared by what it shows
+                same = repr(value) == repr(example)
+        if not same:
+            return f"{name} is {_described(value)}, example_inputs gives {_described(example)}"
+    return ""
 
 
 def normalize_inputs(raw: Any, where: str = "example_inputs") -> Inputs:

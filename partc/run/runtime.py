@@ -178,6 +178,8 @@ def _set_up(plan: Plan, layout: RankLayout, env: RankEnv, device: torch.device,
     batched: tuple[bool, ...] = ()
     chunk_spec = None
     if first and pending is not None:
+        if model_file.batches is not None:  # the values export baked in are the data's too
+            model_file.check_like_examples(pending[0], plan.training.global_batch_size)
         # which inputs carry the batch in dim 0, from real data: a shared [1, S] input at
         # micro-batch 1 looks batched in the plan's shapes
         batched = batched_flags(flat_model_inputs(pending[0], in_spec),

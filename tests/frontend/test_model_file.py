@@ -162,3 +162,46 @@ def test_a_loss_fn_of_one_number_passes_and_out_of_memory_stays_itself(tmp_path)
     oom = _loss_file(tmp_path, "    raise torch.OutOfMemoryError('CUDA out of memory. Tried')")
     with pytest.raises(torch.OutOfMemoryError):
         oom(torch.randn(2, 3), torch.tensor([0, 2]))
+
+
+def _with_batches(tmp_path, inputs: str, batch: str):
+    src = tmp_path / "own_batches.py"
+    src.write_text("import torch, torch.nn as nn\n"
+                   "def build_model():\n    return nn.Linear(4, 3)\n"
+                   f"def example_inputs(b):\n    return {inputs}\n"
+                   f"def batches(b):\n    while True:\n        yield {batch}, torch.zeros(b)\n")
+    return load_model_file(src)
+
+
+EXAMPLE = "((torch.randn(b, 4),), {'mask': torch.ones(b, 4), 'scale': 2.0})"
+
+
+@pytest.mark.parametrize("batch, fragment", [
+    ("((torch.randn(b, 4),), {'mask': torch.ones(b, 4), 'scale': 3.0})",
+     "kwargs['scale'] is 3.0, example_inputs gives 2.0"),
+    ("((torch.randn(b, 4),), {'mask': torch.ones(b, 4), 'scale': 2.0, 'extra': 1})",
+     "kwargs['extra'] not in example_inputs"),
+    ("((torch.randn(b, 4),), {'scale': 2.0})", "no kwargs['mask']"),
+    ("((torch.randn(b, 5),), {'mask': torch.ones(b, 4), 'scale': 2.0})",
+     "args[0] is [2, 5] float32, example_inputs gives [2, 4] float32"),
+    ("((torch.randn(b, 4).double(),), {'mask': torch.ones(b, 4), 'scale': 2.0})",
+     "args[0] is [2, 4] float64, example_inputs gives [2, 4] float32"),
+    ("((torch.randn(b, 4),), {'mask': None, 'scale': 2.0})",
+     "kwargs['mask'] is None, example_inputs gives [2, 4] float32"),
+], ids=["value", "extra", "missing", "shape", "dtype", "none-for-tensor"])
+def test_batches_unlike_example_inputs_are_named(tmp_path, batch: str, fragment: str) -> None:
+    """The plan is captured from example_inputs: data with other arguments, shapes, dtypes or
+    non-tensor values (which export bakes in: a 3.0 would train with the 2.0) is refused where
+    a batch is first drawn (compile, verify, launch) in one line."""
+    mf = _with_batches(tmp_path, EXAMPLE, batch)
+    with pytest.raises(ModelFileError) as raised:
+        mf.first_batch(2)
+    assert "yields inputs unlike example_inputs(2): " in raised.value.message
+    assert fragment in raised.value.message
+
+
+def test_batches_like_example_inputs_pass_in_any_keyword_order(tmp_path) -> None:
+    mf = _with_batches(tmp_path, EXAMPLE,  # 2 for 2.0: the same number to the program
+                       "((torch.zeros(b, 4),), {'scale': 2, 'mask': torch.zeros(b, 4)})")
+    (args, kwargs), _ = mf.first_batch(3)
+    assert args[0].shape == (3, 4) and set(kwargs) == {"mask", "scale"}
