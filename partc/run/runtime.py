@@ -179,7 +179,10 @@ def _set_up(plan: Plan, layout: RankLayout, env: RankEnv, device: torch.device,
     chunk_spec = None
     if first and pending is not None:
         if model_file.batches is not None:  # the values export baked in are the data's too
-            model_file.check_like_examples(pending[0], plan.training.global_batch_size)
+            # (shapes: every batch against the plan's, RankRun.next_inputs; examples made at the
+            # micro-batch size, not a whole global batch more per rank)
+            model_file.check_like_examples(pending[0], plan.training.global_batch_size,
+                                           examples_at=plan.microbatch_size)
         # which inputs carry the batch in dim 0, from real data: a shared [1, S] input at
         # micro-batch 1 looks batched in the plan's shapes
         batched = batched_flags(flat_model_inputs(pending[0], in_spec),
