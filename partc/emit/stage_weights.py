@@ -145,8 +145,22 @@ def load_state_dict_file(path: str | Path) -> dict[str, torch.Tensor]:
     path = Path(path)
     if not path.is_file():
         raise WeightsError(f"weights file {path} not found", hint="pass a torch.save'd state_dict")
+    with open(path, "rb") as f:
+        head = f.read(4)
+    # torch.save writes a zip archive, or (legacy format) a pickle, whose first byte is PROTO
+    if not head.startswith((b"PK\x03\x04", b"\x80")):
+        raise WeightsError(f"weights file {path} is not a file torch.save writes (it begins "
+                           f"{head!r})", hint="pass a file written by "
+                                               "torch.save(model.state_dict(), path)")
     try:
-        data = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        try:
+            data = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        except RuntimeError as exc:
+            if "_use_new_zipfile_serialization" not in str(exc):
+                raise
+            # torch.save's legacy format (before torch 1.6, or asked for) cannot be mapped: read
+            # whole; a file that is no torch.save output at all fails here, with its own reason
+            data = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
         raise WeightsError(f"cannot load weights file {path}: {type(exc).__name__}: "
                            f"{str(exc).splitlines()[0] if str(exc) else ''}",
@@ -182,15 +196,24 @@ def pick_state(state: Mapping[str, torch.Tensor], names: Iterable[str],
     return picked
 
 
-def check_shapes(stage: torch.nn.Module, values: Mapping[str, torch.Tensor], where: str) -> None:
-    """Raise unless every value has the shape and dtype of the stage's tensor of the same name."""
+def fit_to_stage(stage: torch.nn.Module, values: Mapping[str, torch.Tensor],
+                 where: str) -> dict[str, torch.Tensor]:
+    """`values` in the stage's dtypes: each must have the shape of the stage's tensor of the
+    same name, and its dtype, or a floating dtype that is cast to the stage's (as torch's
+    load_state_dict copies: a bf16-saved Hugging Face checkpoint into an fp32 plan); raises
+    for another shape, or an integer/floating mismatch (other data, not other precision)."""
     current = stage_tensors(stage)
+    fitted: dict[str, torch.Tensor] = {}
     for name, value in values.items():
         want = current[name]
-        if tuple(value.shape) != tuple(want.shape) or value.dtype != want.dtype:
+        castable = value.dtype.is_floating_point and want.dtype.is_floating_point
+        if tuple(value.shape) != tuple(want.shape) or (value.dtype != want.dtype
+                                                       and not castable):
             raise WeightsError(f"{where}: {name} is {tuple(value.shape)} {value.dtype}, the stage "
                                f"needs {tuple(want.shape)} {want.dtype}",
                                hint="the weights are of another model or configuration")
+        fitted[name] = value.to(want.dtype)
+    return fitted
 
 
 def stage_state(stage: torch.nn.Module, parameter_names: Iterable[str],
@@ -214,8 +237,7 @@ def stage_state(stage: torch.nn.Module, parameter_names: Iterable[str],
             raise WeightsError(f"the stage has no values for {', '.join(missing[:3])}",
                                hint="pass the model file or --init-from")
         values.update(initial_state(model_file, missing, device, seed))
-    check_shapes(stage, values, where)
-    return values
+    return fit_to_stage(stage, values, where)
 
 
 def whole_model_weights(model: torch.nn.Module, model_file: ModelFile, on_meta: bool,
