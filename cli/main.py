@@ -72,6 +72,24 @@ def _sigterm_interrupts() -> Iterator[None]:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
+class UserPath(click.Path):
+    """A path option or argument: click never reads it (partc does, with its own errors), it
+    arrives as a pathlib.Path, and one that cannot be resolved (a symbolic-link loop) is a
+    usage error here: partc resolved such a path later, as an internal error (exit 3)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(readable=False, path_type=Path, **kwargs)
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> Any:
+        path = super().convert(value, param, ctx)
+        try:
+            Path(os.fsdecode(path)).resolve()
+        except (RuntimeError, OSError) as exc:  # RuntimeError: Python < 3.13's symlink loop
+            self.fail(f"{os.fsdecode(value)!r} cannot be resolved: {exc}", param, ctx)
+        return path
+
+
 class PartcGroup(click.Group):
     """Turns partc errors into one clear line and an exit code instead of a traceback."""
 
@@ -144,16 +162,16 @@ def cli() -> None:
 
 
 @cli.command()
-@click.argument("model", type=click.Path(readable=False, path_type=Path))
+@click.argument("model", type=UserPath())
 @click.option("--batch-size", "-b", type=click.IntRange(min=1), default=1, show_default=True,
               help="Batch size to capture the model at.")
 @click.option("--depth", "-d", type=click.IntRange(min=0), default=1, show_default=True,
               help="Module-tree depth of the table (0: whole model, 1: the root's children, ...).")
 @click.option("--json", "json_out",
-              type=click.Path(readable=False, dir_okay=False, path_type=Path),
+              type=UserPath(dir_okay=False),
               help="Also write the summary as JSON to this file.")
 @click.option("--save", "save_dir",
-              type=click.Path(readable=False, file_okay=False, path_type=Path),
+              type=UserPath(file_okay=False),
               help="Write the OpGraph (graph.json) and the weightless ONNX model (model.onnx) "
                    "here.")
 @click.option("--no-onnx", is_flag=True, help="Skip the ONNX export (FX-only OpGraph).")
@@ -197,7 +215,7 @@ def _batch_sizes(_ctx: click.Context, _param: click.Parameter,
 
 
 @cli.command()
-@click.argument("model", type=click.Path(readable=False, path_type=Path))
+@click.argument("model", type=UserPath())
 @click.option("--device", default="cpu", show_default=True,
               help="Device to measure on: cpu, cuda or cuda:N.")
 @click.option("--batch-size", "-b", type=click.IntRange(min=1), default=2, show_default=True,
@@ -225,7 +243,7 @@ def _batch_sizes(_ctx: click.Context, _param: click.Parameter,
               help="Timed runs per measurement (median).")
 @click.option("--warmup", type=click.IntRange(min=0), default=3, show_default=True,
               help="Untimed warm-up runs before timing.")
-@click.option("--output", "-o", type=click.Path(readable=False, dir_okay=False, path_type=Path),
+@click.option("--output", "-o", type=UserPath(dir_okay=False),
               default=Path("profile.yaml"), show_default=True, help="Profile file to write.")
 @debug_option
 def profile(model: Path, device: str, batch_size: int, batch_sizes: tuple[int, ...],
@@ -304,7 +322,7 @@ def _click_type(f: FlaggedField) -> Any:
         return click.FloatRange(min=flag.min, max=flag.max, min_open=flag.min_open,
                                 max_open=flag.max_open) if ranged else float
     if kind is Path:
-        return click.Path(readable=False, path_type=Path, dir_okay=flag.path != "file",
+        return UserPath(dir_okay=flag.path != "file",
                           file_okay=flag.path != "dir")
     return kind
 
@@ -331,7 +349,7 @@ def plan_options(default_cluster: str, compare: bool = False) -> Callable[[F], F
         click.option("--batch-size", "-b", type=click.IntRange(min=1), required=True,
                      help="Global batch size (samples per training iteration over all replicas)."),
         click.option("--profile", "profile_path",
-                     type=click.Path(readable=False, dir_okay=False, path_type=Path),
+                     type=UserPath(dir_okay=False),
                      help="Measured costs from `partc profile` (overrides --costs)."),
         click.option("--costs", type=click.Choice(COSTS_MODES), default="auto",
                      show_default=True,
@@ -364,11 +382,11 @@ def _search_inputs(kw: dict[str, Any]) -> tuple[Any, TrainingConfig, SearchOptio
 
 
 @cli.command()
-@click.argument("model", type=click.Path(readable=False, path_type=Path))
+@click.argument("model", type=UserPath())
 @plan_options(default_cluster="local", compare=True)
-@click.option("--output", "-o", type=click.Path(readable=False, dir_okay=False, path_type=Path),
+@click.option("--output", "-o", type=UserPath(dir_okay=False),
               help="Write the partition (YAML) here.")
-@click.option("--timeline", type=click.Path(readable=False, dir_okay=False, path_type=Path),
+@click.option("--timeline", type=UserPath(dir_okay=False),
               help="Write the simulated schedule (events, memory over time) as JSON here.")
 @debug_option
 def solve(model: Path, output: Path | None, timeline: Path | None, **kw: Any) -> None:
@@ -418,12 +436,12 @@ def solve(model: Path, output: Path | None, timeline: Path | None, **kw: Any) ->
 
 
 @cli.command(name="compile")
-@click.argument("model", type=click.Path(readable=False, path_type=Path))
+@click.argument("model", type=UserPath())
 @plan_options(default_cluster="local")
-@click.option("--output", "-o", type=click.Path(readable=False, file_okay=False, path_type=Path),
+@click.option("--output", "-o", type=UserPath(file_okay=False),
               help="Plan directory to write (plan.yaml + stage_<k>.pt) [default: plans/<model>].")
 @click.option("--calibrate-from", "calibrate_from", multiple=True,
-              type=click.Path(readable=False, dir_okay=False, path_type=Path),
+              type=UserPath(dir_okay=False),
               help="A `partc launch --metrics` file of a plan of this model: scale each stage's "
                    "operator costs so they predict what that run measured; the corrected costs "
                    "are written as the plan's profile.yaml. Repeat it to pool several runs of "
@@ -490,7 +508,7 @@ def _refuse_a_bad_plan(plan: Path, *, files: bool = False, expect: str | None = 
 
 
 @cli.command()
-@click.argument("plan", type=click.Path(readable=False, path_type=Path))
+@click.argument("plan", type=UserPath())
 @click.option("--rtol", type=click.FloatRange(min=0), default=1e-4, show_default=True,
               help="Relative tolerance (of the largest reference magnitude per tensor).")
 @click.option("--atol", type=click.FloatRange(min=0), default=1e-5, show_default=True,
@@ -499,7 +517,7 @@ def _refuse_a_bad_plan(plan: Path, *, files: bool = False, expect: str | None = 
               help="RNG seed of both runs (dropout) and of a meta model's initialisation.")
 @click.option("--device", default="cpu", show_default=True,
               help="Device both runs use (cpu, cuda, cuda:N).")
-@click.option("--init-from", type=click.Path(readable=False, dir_okay=False, path_type=Path),
+@click.option("--init-from", type=UserPath(dir_okay=False),
               help="A torch.save'd state_dict of the model: both runs take their weights from it "
                    "by FQN (as launch --init-from does) instead of the stage files or, for a "
                    "meta-device model, the model's own initialisation.")
@@ -520,7 +538,7 @@ def verify(plan: Path, rtol: float, atol: float, seed: int, device: str,
 
 
 @cli.command()
-@click.argument("plan", type=click.Path(readable=False, path_type=Path))
+@click.argument("plan", type=UserPath())
 @dataclass_options(TrainOptions)
 @dataclass_options(ElasticOptions)
 @debug_option
@@ -534,8 +552,8 @@ def launch(plan: Path, **kw: Any) -> None:
 
 
 @cli.command()
-@click.argument("plans", nargs=-1, required=True, type=click.Path(readable=False, path_type=Path))
-@click.option("--model", type=click.Path(readable=False, dir_okay=False, path_type=Path),
+@click.argument("plans", nargs=-1, required=True, type=UserPath())
+@click.option("--model", type=UserPath(dir_okay=False),
               help="The model file (default: the one recorded in the plan, relative to it).")
 @debug_option
 def check(plans: tuple[Path, ...], model: Path | None) -> None:
@@ -581,8 +599,8 @@ def check(plans: tuple[Path, ...], model: Path | None) -> None:
 
 
 @cli.command()
-@click.argument("old", type=click.Path(readable=False, path_type=Path))
-@click.argument("new", type=click.Path(readable=False, path_type=Path))
+@click.argument("old", type=UserPath())
+@click.argument("new", type=UserPath())
 @debug_option
 def diff(old: Path, new: Path) -> None:
     """Show how plan NEW differs from plan OLD: shape, modules that change stage, per-stage
@@ -596,13 +614,13 @@ def diff(old: Path, new: Path) -> None:
 
 
 @cli.command()
-@click.argument("plan", type=click.Path(readable=False, path_type=Path))
-@click.option("--png", type=click.Path(readable=False, dir_okay=False, path_type=Path),
+@click.argument("plan", type=UserPath())
+@click.option("--png", type=UserPath(dir_okay=False),
               help="Write the report picture here: simulated schedule (Gantt), memory and time "
                    "per stage.")
-@click.option("--html", type=click.Path(readable=False, dir_okay=False, path_type=Path),
+@click.option("--html", type=UserPath(dir_okay=False),
               help="Write a self-contained HTML report (the picture and the plan summary).")
-@click.option("--metrics", type=click.Path(readable=False, dir_okay=False, path_type=Path),
+@click.option("--metrics", type=UserPath(dir_okay=False),
               help="The metrics file of a run of PLAN (`partc launch --metrics`): add measured "
                    "vs predicted times and memory per stage, and measured bars to the picture.")
 @debug_option
@@ -655,7 +673,7 @@ def show(plan: Path, png: Path | None, html: Path | None, metrics: Path | None) 
               help="(--device cpu, repeatable) Also write clusters/NAME-N.yaml: this machine as "
                    "N processes; more than its cores (at --threads 1) share them.")
 @click.option("--output", "-o", "out_dir", required=True,
-              type=click.Path(readable=False, file_okay=False, path_type=Path),
+              type=UserPath(file_okay=False),
               help="Configs folder to write devices/NAME.yaml and clusters/NAME.yaml into.")
 @debug_option
 def calibrate(device: str, threads: int, seconds: float, name: str | None,

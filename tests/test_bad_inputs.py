@@ -517,6 +517,28 @@ def test_missing_arguments_are_usage_errors(args: list[str], missing: str,
     assert "Traceback" not in proc.stderr and proc.stdout == "", context
 
 
+@pytest.mark.parametrize("args", [
+    ["compile", MLP, "-b", "8", "--cluster", "cpu-4", "--costs", "analytic", "-o", "LOOP"],
+    ["profile", MLP, "-o", "LOOP"],
+    ["show", "PLAN", "--png", "LOOP"],
+    ["check", "LOOP"],
+], ids=["compile-output", "profile-output", "show-png", "check-plan"])
+def test_a_symlink_loop_is_a_usage_error(args: list[str], mlp_plan: Path,
+                                         tmp_path: Path) -> None:
+    """A path that cannot be resolved was an internal error (exit 3: `RuntimeError: Symlink loop
+    from ...`) wherever partc resolved an output path."""
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    args = [str(mlp_plan) if a == "PLAN" else str(tmp_path / "a") if a == "LOOP" else a
+            for a in args]
+    proc = run(*args)
+    context = _context(proc)
+    assert proc.returncode == 2, context
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and "cannot be resolved" in errors[0], context
+    assert "Traceback" not in proc.stderr and "internal error" not in proc.stderr, context
+
+
 @pytest.mark.parametrize("flag", ["--png", "--html"])
 def test_show_to_an_unwritable_path(flag: str, mlp_plan: Path, tmp_path: Path) -> None:
     blocker = tmp_path / "a-file"
