@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import os
 import secrets
+import stat
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Union
 
@@ -138,6 +139,21 @@ def yaml_problem(exc: yaml.YAMLError) -> str:
     at = f"at line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
     problem = getattr(exc, "problem", None) or " ".join(str(exc).split())[:200]
     return at + problem
+
+
+_SPECIAL_KINDS = ((stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket"),
+                  (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def special_file(path: str | Path) -> str:
+    """What `path` is when it exists and is neither a regular file nor a directory ('a named
+    pipe'), else ''. Reading a named pipe waits for a writer, forever: readers of the files a
+    user names check this first."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return ""
+    return next((kind for test, kind in _SPECIAL_KINDS if test(mode)), "")
 
 
 def sha256_file(path: str | Path) -> str:

@@ -204,6 +204,31 @@ def test_unreadable_model_file(tmp_path: Path) -> None:
     assert_one_line_error(proc, str(model), ("Permission denied", "not readable"))
 
 
+@pytest.mark.parametrize("args, fragment", [
+    (["compile", "PIPE", "-b", "4"], "model file PIPE is a named pipe, not a file"),
+    (["check", "PLAN", "--model", "PIPE"], "--model PIPE is not a file"),
+    (["show", "PLAN", "--metrics", "PIPE"], "metrics file PIPE is a named pipe, not a file"),
+    (["compile", MLP, "-b", "8", "--cluster", "cpu-4", "--calibrate-from", "PIPE"],
+     "is a named pipe, not a file"),
+], ids=["model", "check-model", "show-metrics", "calibrate-from"])
+def test_a_named_pipe_is_refused_not_waited_on(args: list[str], fragment: str, mlp_plan: Path,
+                                               tmp_path: Path) -> None:
+    """Reading a named pipe waits for a writer: these readers waited forever."""
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    args = [str(pipe) if a == "PIPE" else str(mlp_plan) if a == "PLAN" else a for a in args]
+    proc = run(*args, timeout=120)
+    assert_one_line_error(proc, fragment.replace("PIPE", str(pipe)))
+
+
+def test_a_binary_model_file_is_not_python_source(tmp_path: Path) -> None:
+    model = tmp_path / "weights.py"
+    model.write_bytes(b"\x00\x01binary" * 10)
+    proc = run("inspect", str(model), "--no-onnx")
+    assert_one_line_error(proc, f"model file {model} is not Python source")
+    assert "line None" not in proc.stderr
+
+
 # ---- devices, clusters, batch flags ------------------------------------------------------------
 
 def _cluster_yaml(tmp: Path, edit: Callable[[dict], None]) -> Path:

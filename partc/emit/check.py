@@ -20,7 +20,7 @@ import yaml
 
 from partc.emit.compile import emit_plan, torch_version
 from partc.errors import ModelFileError
-from partc.files import sha256_file
+from partc.files import sha256_file, special_file
 from partc.frontend.capture import CaptureResult, capture_graph
 from partc.plans.check import (
     TAMPERED_EXIT,
@@ -216,8 +216,11 @@ def model_file_changed(plan_path: str | Path, model: str | Path | None = None) -
     (its sha256 differs from plan.yaml's); False when it cannot be read (check_plan says why).
     Reads plan.yaml and the file's bytes only: imports nothing."""
     plan = load_plan(plan_path)
+    path = Path(model) if model is not None else plan.model_path
+    if special_file(path):  # a named pipe would wait forever; the model's reader says what it is
+        return False
     try:
-        data = (Path(model) if model is not None else plan.model_path).read_bytes()
+        data = path.read_bytes()
     except OSError:
         return False
     return hashlib.sha256(data).hexdigest() != plan.model.sha256

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from partc.errors import ModelFileError
+from partc.files import special_file
 
 _PATH_HINT = ("pass the path of a .py file that defines build_model() and "
               "example_inputs(batch_size)")
@@ -22,6 +23,10 @@ def read_model_source(path: str | Path) -> bytes:
         raise ModelFileError(f"model file not found: {path}", hint=_PATH_HINT)
     if path.is_dir():
         raise ModelFileError(f"model file {path} is a directory",
+                             hint="pass the path of a .py file")
+    kind = special_file(path)
+    if kind:  # a named pipe would wait for a writer forever; a plan records a file's hash
+        raise ModelFileError(f"model file {path} is {kind}, not a file",
                              hint="pass the path of a .py file")
     try:
         return path.read_bytes()
@@ -44,6 +49,9 @@ def check_model_syntax(path: str | Path, source: bytes) -> None:
 
 def syntax_error(path: str | Path, exc: SyntaxError) -> ModelFileError:
     """The one-line error for a model file's syntax error."""
+    if exc.lineno is None:  # NUL bytes: a binary file, no line to name
+        return ModelFileError(f"model file {path} is not Python source: {exc.msg}",
+                              hint="pass a .py file")
     return ModelFileError(f"model file {path} has a syntax error at line {exc.lineno}: {exc.msg}",
                           hint="fix the file; `python -m py_compile FILE` shows the same")
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import IO, Any, Iterable, Iterator
 
 from partc.errors import PartcError
-from partc.files import sha256_file
+from partc.files import sha256_file, special_file
 from partc.plans.plan import Plan, load_plan
 
 METRICS_VERSION = 1
@@ -398,6 +398,9 @@ class RunMetrics:
         p = Path(path)
         notes: list[str] = []
         by_step: dict[int, StepMetrics] = {}
+        kind = special_file(p)
+        if kind:  # a named pipe would wait for a writer forever
+            raise RunMetricsError(f"metrics file {p} is {kind}, not a file", hint=_hint(p))
         try:
             with open(p, "rb") as f:  # line by line: a long run's file need not fit twice
                 for n, text, complete in _lines(f, p):
