@@ -292,6 +292,10 @@ CONFIG_CASES: dict[str, tuple[Callable[[Path], list[str]], tuple[str | tuple[str
     "batch-not-divisible": (
         _compile("-b", "10", "--microbatches", "4", "--cluster", "cpu-4"),
         ("global batch 10", "--microbatches 4")),
+    "interleaved-on-one-stage": (  # the hint says what interleaving needs, not 1F1B's alone
+        _compile("-b", "8", "--stages", "1", "--schedule", "interleaved-1f1b", "--cluster",
+                 "cpu-4", "--costs", "analytic"),
+        ("no pipeline shape fits", "interleaved 1F1B needs 2 stages or more")),
     "infeasible-memory": (  # priced by the roofline: the refusal is the solve's, not a profile's
         _with_cluster(lambda tmp: _cluster_yaml(
             tmp, lambda d: d.update(device_memory_bytes="1MiB")), "--costs", "analytic"),

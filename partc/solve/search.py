@@ -210,10 +210,13 @@ def enumerate_shapes(cluster: ClusterSpec, global_batch: int, num_blocks: int,
                                 placement=placement, sharding=sharding))
     if not shapes:
         pinned = _pinned(options)
+        hint = "the per-replica batch must split into the micro-batches; 1F1B needs at least " \
+               "as many micro-batches as stages"
+        if options.schedule == "interleaved-1f1b":
+            hint = ("interleaved 1F1B needs 2 stages or more, a micro-batch count that is a "
+                    "multiple of the stages, and 2 blocks per stage (--max-blocks); " + hint)
         raise SearchError(f"no pipeline shape fits global batch {global_batch} on {N} devices"
-                          + (f" with {pinned}" if pinned else ""),
-                          hint="the per-replica batch must split into the micro-batches; 1F1B "
-                               "needs at least as many micro-batches as stages")
+                          + (f" with {pinned}" if pinned else ""), hint=hint)
     return shapes
 
 
