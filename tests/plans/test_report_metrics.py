@@ -352,17 +352,24 @@ def test_a_line_cut_short_by_a_killed_run_is_skipped_with_a_warning(tmp_path: Pa
     assert "measured (3 step(s)" in proc.stdout
 
 
-def test_a_file_without_newlines_is_refused_without_reading_it_whole() -> None:
-    """/dev/zero (or a binary) as the metrics file: one line after MAX_LINE_BYTES, not the whole
-    memory (the process is capped at 1 GiB to show it)."""
+def test_a_file_without_newlines_is_refused_without_reading_it_whole(tmp_path: Path) -> None:
+    """A binary without newlines as the metrics file (here 65 MiB of zeros, sparse): one line
+    after MAX_LINE_BYTES, not the whole memory (the process is capped at 1 GiB to show it).
+    /dev/zero, which never ends, is refused before it is read (a device, not a file)."""
     import resource
 
     def cap() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
 
+    zeros = tmp_path / "zeros.jsonl"
+    with open(zeros, "wb") as f:
+        f.truncate(65 << 20)
+    proc = subprocess.run([PARTC, "show", str(MLP), "--metrics", str(zeros)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120, preexec_fn=cap)
+    _one_error_line(proc, f"{zeros}:1 is longer than 64 MiB")
     proc = subprocess.run([PARTC, "show", str(MLP), "--metrics", "/dev/zero"],
                           capture_output=True, text=True, cwd=ROOT, timeout=120, preexec_fn=cap)
-    _one_error_line(proc, "/dev/zero:1 is longer than 64 MiB")
+    _one_error_line(proc, "metrics file /dev/zero is a character device, not a file")
 
 
 def test_show_with_only_warm_up_and_profiled_steps_says_they_are_not_timed(
