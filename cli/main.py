@@ -322,8 +322,7 @@ def _click_type(f: FlaggedField) -> Any:
         return click.FloatRange(min=flag.min, max=flag.max, min_open=flag.min_open,
                                 max_open=flag.max_open) if ranged else float
     if kind is Path:
-        return UserPath(dir_okay=flag.path != "file",
-                          file_okay=flag.path != "dir")
+        return UserPath(dir_okay=flag.path != "file", file_okay=flag.path != "dir")
     return kind
 
 
