@@ -119,7 +119,14 @@ class ModelFile:
                     f"batches({batch_size}) in {self.path} yielded {type(item).__name__} "
                     f"at item {i}, expected an (inputs, target) pair", hint=_CONTRACT_HINT)
             inputs, target = item
-            yield normalize_inputs(inputs, where=f"batches({batch_size}) item {i}"), target
+            normalized = normalize_inputs(inputs, where=f"batches({batch_size}) item {i}")
+            if any(isinstance(t, torch.Tensor) and t.is_meta
+                   for t in pytree.tree_leaves((normalized, target))):
+                raise ModelFileError(
+                    f"batches({batch_size}) in {self.path} yielded tensors on the meta device "
+                    f"at item {i}: they hold no data to train on",
+                    hint="build the batches' tensors on cpu (only the model may be on meta)")
+            yield normalized, target
 
     def first_batch(self, batch_size: int,
                     output_shape: tuple[int, ...] | None = None) -> tuple[Inputs, Any]:

@@ -205,3 +205,12 @@ def test_batches_like_example_inputs_pass_in_any_keyword_order(tmp_path) -> None
                        "((torch.zeros(b, 4),), {'scale': 2, 'mask': torch.zeros(b, 4)})")
     (args, kwargs), _ = mf.first_batch(3)
     assert args[0].shape == (3, 4) and set(kwargs) == {"mask", "scale"}
+
+
+def test_batches_on_the_meta_device_are_refused(tmp_path) -> None:
+    """Data built under a meta device context has no values: verify was an internal error
+    ("Cannot copy out of meta tensor") and launch failed on its first copy."""
+    mf = _with_batches(tmp_path, "(torch.randn(b, 4),)", "(torch.randn(b, 4, device='meta'),)")
+    with pytest.raises(ModelFileError, match=r"batches\(2\) in .* yielded tensors on the meta "
+                                             r"device at item 0"):
+        mf.first_batch(2)
