@@ -489,6 +489,11 @@ def test_calibrate_command_writes_configs_that_compile(tmp_path: Path) -> None:
     (["--threads", "2", "--devices", str(physical_cores() + 1)],
      f"partc: error: --devices {physical_cores() + 1} shares"),
     (["--device", "cuda", "--devices", "4"], "partc: error: --devices is for --device cpu"),
+    # a device of more cores than the machine has: measured oversubscribed, and its memory
+    # (RAM * threads / cores) was written as more than the machine's RAM
+    (["--threads", str(physical_cores() + 1)],
+     f"partc: error: --threads {physical_cores() + 1} is more than this machine's "
+     f"{physical_cores()} physical cores"),
 ])
 def test_calibrate_bad_options_are_one_line_errors(tmp_path: Path, args: list[str],
                                                    message: str) -> None:
