@@ -428,9 +428,10 @@ class TrainOptions:
                           "checkpoint in --checkpoint-dir.")
     init_from: Path | None = option(
         None, flag="--init-from", path="file",
-        help="A torch.save'd state_dict of the model (or a partc checkpoint's stage file): "
-             "initial weights by FQN, instead of the stage files' or a meta model's own "
-             "initialisation.")
+        help="Initial weights by FQN, instead of the stage files' or a meta model's own "
+             "initialisation: a torch.save'd state_dict (or a checkpoint dict holding one, or a "
+             "partc checkpoint's stage file), a safetensors file, or a sharded checkpoint's "
+             "*.index.json. A wrapper's prefix (module., _orig_mod.) is read away.")
     metrics: Path | None = option(None, flag="--metrics", path="file", help="Append one JSON "
                                   "line per step (loss, samples/s, per-stage times) here.")
     trace: Path | None = option(

@@ -5,8 +5,9 @@ Stage files of a real model carry its weights (`weights: stage-files` in plan.ya
 model's stage files carry code and parameter shapes only (`weights: initialise-at-launch`); before
 it runs, each stage gets real tensors by FQN, from one of:
 
-- a state dict (`--init-from model.pt`: a torch.save'd state_dict of the original model; loaded with
-  mmap, so a process reads only its stage's tensors; tied weights may appear under any alias), or
+- a weights file (`--init-from model.pt`: a torch.save'd state_dict of the original model, a
+  safetensors file or a sharded checkpoint's index, `partc.emit.weights_file`; mapped or read
+  lazily, so a process reads only its stage's tensors; tied weights may appear under any alias), or
 - the model's own initialisation (`initial_state`): build_model() on meta, give real storage to just
   the modules that own the stage's tensors, and initialise each of them with the model's own code:
   Hugging Face models through their `_init_weights(module)`, other modules through their
@@ -22,14 +23,10 @@ from typing import Iterable, Mapping, Sequence
 
 import torch
 
-from partc.errors import PartcError
+from partc.emit.weights_file import ModelWeights, WeightsError, for_model, read_weights_file
 from partc.frontend.export import tied_groups
 from partc.frontend.model_file import ModelFile
-from partc.plans.plan import PlanError, PlanStage
-
-
-class WeightsError(PartcError):
-    """A stage's weights cannot be found or initialised."""
+from partc.plans.plan import Plan, PlanError, PlanStage
 
 
 def stage_tensors(stage: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -139,51 +136,36 @@ def initial_state(model_file: ModelFile, names: Iterable[str], device: torch.dev
     return {n: state[n].detach() for n in names}
 
 
-def load_state_dict_file(path: str | Path) -> dict[str, torch.Tensor]:
-    """A torch.save'd state dict (or {'model': state_dict}), memory-mapped: tensors are read from
-    disk only when a stage takes them."""
-    path = Path(path)
-    if not path.is_file():
-        raise WeightsError(f"weights file {path} not found", hint="pass a torch.save'd state_dict")
-    with open(path, "rb") as f:
-        head = f.read(4)
-    # torch.save writes a zip archive, or (legacy format) a pickle, whose first byte is PROTO
-    if not head.startswith((b"PK\x03\x04", b"\x80")):
-        raise WeightsError(f"weights file {path} is not a file torch.save writes (it begins "
-                           f"{head!r})", hint="pass a file written by "
-                                               "torch.save(model.state_dict(), path)")
-    try:
-        try:
-            data = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-        except RuntimeError as exc:
-            if "_use_new_zipfile_serialization" not in str(exc):
-                raise
-            # torch.save's legacy format (before torch 1.6, or asked for) cannot be mapped: read
-            # whole; a file that is no torch.save output at all fails here, with its own reason
-            data = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise WeightsError(f"cannot load weights file {path}: {type(exc).__name__}: "
-                           f"{str(exc).splitlines()[0] if str(exc) else ''}",
-                           hint="pass a file written by "
-                                "torch.save(model.state_dict(), path)") from exc
-    if isinstance(data, dict) and isinstance(data.get("model"), dict):
-        data = data["model"]
-    if not isinstance(data, dict) or not all(isinstance(v, torch.Tensor) for v in data.values()):
-        raise WeightsError(f"weights file {path} is not a state dict of tensors",
-                           hint="pass a file written by torch.save(model.state_dict(), path)")
-    return data
+def plan_weights(path: str | Path, plan: Plan) -> ModelWeights:
+    """A weights file's tensors named as `plan`'s model names them (a wrapper's prefix read
+    away, `partc.emit.weights_file.for_model`)."""
+    return for_model(read_weights_file(path), _plan_names(plan), plan.model.aliases(), str(path))
 
 
-def pick_state(state: Mapping[str, torch.Tensor], names: Iterable[str],
-               aliases: Mapping[str, Iterable[str]], where: str) -> dict[str, torch.Tensor]:
-    """The tensors `names` from a state dict, accepting any alias of a tied tensor. Raises with
-    the missing names; shapes are checked by the caller against the stage."""
-    picked: dict[str, torch.Tensor] = {}
+def check_weights_file(path: str | Path, plan: Plan) -> str | None:
+    """Raise unless a weights file holds every tensor `plan`'s stages take from it (reading the
+    names, not the tensors: launch asks before any process starts); returns the note that a
+    wrapper's prefix was read away, or None."""
+    weights = plan_weights(path, plan)
+    where = f"{path} (read without the prefix {weights.prefix!r})" if weights.prefix else str(path)
+    stored_names(weights.state, _plan_names(plan), plan.model.aliases(), where)
+    return weights.note(str(path))
+
+
+def _plan_names(plan: Plan) -> list[str]:
+    return [n for st in plan.stages for n in (*st.parameter_names, *st.buffer_names)]
+
+
+def stored_names(state: Mapping[str, torch.Tensor], names: Iterable[str],
+                 aliases: Mapping[str, Iterable[str]], where: str) -> dict[str, str]:
+    """For each of `names`, the name `state` holds it under (itself, or any alias of a tied
+    tensor); raises naming the missing ones. Reads no tensor."""
+    found: dict[str, str] = {}
     missing: list[str] = []
     for name in names:
         for candidate in (name, *aliases.get(name, ())):
             if candidate in state:
-                picked[name] = state[candidate]
+                found[name] = candidate
                 break
         else:
             others = tuple(aliases.get(name, ()))
@@ -193,7 +175,15 @@ def pick_state(state: Mapping[str, torch.Tensor], names: Iterable[str],
                            f"{', '.join(missing[:5])}",
                            hint="save the full state_dict of the same model (torch.save("
                                 "model.state_dict(), path))")
-    return picked
+    return found
+
+
+def pick_state(state: Mapping[str, torch.Tensor], names: Iterable[str],
+               aliases: Mapping[str, Iterable[str]], where: str) -> dict[str, torch.Tensor]:
+    """The tensors `names` from a state dict, accepting any alias of a tied tensor. Raises with
+    the missing names; shapes are checked by the caller against the stage."""
+    return {name: state[stored] for name, stored in stored_names(state, names, aliases,
+                                                                 where).items()}
 
 
 def fit_to_stage(stage: torch.nn.Module, values: Mapping[str, torch.Tensor],
@@ -260,7 +250,9 @@ def whole_model_weights(model: torch.nn.Module, model_file: ModelFile, on_meta: 
                 whole.setdefault(name, t.detach())
     keys = set(model.state_dict())
     if checkpoint is not None:
-        model.load_state_dict({k: v for k, v in checkpoint.items() if k in keys}, strict=False)
+        # by the model's names: a lazily read file reads no tensor the model lacks
+        model.load_state_dict({k: checkpoint[k] for k in sorted(keys) if k in checkpoint},
+                              strict=False)
         return {}
     values = {n: t for n, t in whole.items() if n in keys}
     for name, t in whole.items():  # a tied tensor under every name the model has for it

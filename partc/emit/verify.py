@@ -29,7 +29,7 @@ from partc.emit.stage_code import load_stage
 from partc.emit.stage_graph import flatten_inputs
 from partc.emit.stage_weights import (
     check_stage_tensors,
-    load_state_dict_file,
+    plan_weights,
     set_stage_tensors,
     stage_state,
     whole_model_weights,
@@ -60,6 +60,7 @@ class VerifyReport:
     plan: Plan
     comparisons: list[Comparison] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)  # structural failures (missing grads, ...)
+    notes: list[str] = field(default_factory=list)  # what was read differently than stored
 
     @property
     def ok(self) -> bool:
@@ -89,7 +90,10 @@ def verify_plan(path: str | Path, *, rtol: float = DEFAULT_RTOL, atol: float = D
     model = model_file.build().train()
     aliases = plan.model.aliases()
     report = VerifyReport(plan=plan)
-    checkpoint = load_state_dict_file(init_from) if init_from is not None else None
+    weights = plan_weights(init_from, plan) if init_from is not None else None
+    if weights is not None and weights.note(str(init_from)):
+        report.notes.append(str(weights.note(str(init_from))))
+    checkpoint = weights.state if weights is not None else None
     whole = whole_model_weights(model, model_file, plan.model.on_meta, stages, aliases, dev, seed,
                                 checkpoint=checkpoint)
     for st, module in zip(plan.stages, stages, strict=True):
@@ -250,6 +254,7 @@ def format_report(report: VerifyReport) -> str:
     """The summary `partc verify` prints: max errors per kind, failures listed."""
     plan = report.plan
     lines = [f"{plan.model.name}: {plan.num_stages} stage files match plan.yaml (sha256)"]
+    lines += [f"  note: {n}" for n in report.notes]
     for kind, label in (("output", "outputs"), ("loss", "loss"), ("grad", "gradients"),
                         ("buffer", "buffers")):
         rows = [c for c in report.comparisons if c.what.startswith(kind)]

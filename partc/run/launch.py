@@ -320,9 +320,15 @@ def check_launch(plan: Plan, options: TrainOptions, elastic: ElasticOptions) -> 
                               f"{have}", hint="run it on the plan's cluster, or compile for this "
                               "machine: partc compile MODEL --cluster local")
     plan.existing_model_path()
-    if options.init_from is not None and not options.init_from.is_file():
-        raise LaunchError(f"--init-from {options.init_from} is not a file",
-                          hint="pass a torch.save'd state_dict of the model")
+    if options.init_from is not None:
+        if not options.init_from.is_file():
+            raise LaunchError(f"--init-from {options.init_from} is not a file",
+                              hint="pass a torch.save'd state_dict of the model")
+        from partc.emit.stage_weights import check_weights_file  # imports torch
+
+        note = check_weights_file(options.init_from, plan)
+        if note:
+            print(f"partc launch: note: {note}", file=sys.stderr)
     if options.metrics is not None:  # rank 0 appends to it; found out now, not after a step
         metrics = options.metrics
         # appending to a plan file (or the model file) would change what the plan pins

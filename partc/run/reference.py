@@ -24,7 +24,7 @@ from partc.cost.torch_profiler import (
     program_module,
 )
 from partc.emit.stage_code import load_stage
-from partc.emit.stage_weights import load_state_dict_file, whole_model_weights
+from partc.emit.stage_weights import plan_weights, whole_model_weights
 from partc.frontend.export import Capture
 from partc.options import Optimizer, TrainOptions
 from partc.plans.plan import Plan
@@ -51,7 +51,7 @@ def train_single_process(plan: Plan, options: TrainOptions, chunks: int = 1,
     model = model_file.build().train()
     stages = [] if plan.model.on_meta else [load_stage(plan.stage_bytes(s), map_location=dev)
                                             for s in plan.stages]
-    checkpoint = load_state_dict_file(options.init_from) if options.init_from else None
+    checkpoint = plan_weights(options.init_from, plan).state if options.init_from else None
     whole_model_weights(model, model_file, plan.model.on_meta, stages, plan.model.aliases(),
                         dev, options.seed, checkpoint=checkpoint)
     optimizer = build_optimizer(plan.training.config.optimizer, model.parameters(), options.lr,

@@ -26,7 +26,7 @@ from partc.cost.torch_profiler import CPU_CLOCK, precision_autocast
 from partc.emit.stage_code import load_stage
 from partc.emit.stage_weights import (
     check_stage_tensors,
-    load_state_dict_file,
+    plan_weights,
     set_stage_tensors,
     stage_state,
 )
@@ -259,7 +259,7 @@ def load_local_stages(plan: Plan, stages: Sequence[int], device: torch.device,
     aliases = plan.model.aliases()
     init = None
     if resume is None and options.init_from is not None:
-        init = load_state_dict_file(options.init_from)
+        init = plan_weights(options.init_from, plan).state
     loaded: list[LocalStage] = []
     for k in stages:
         spec = plan.stages[k]

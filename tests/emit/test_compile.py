@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import os
 import shutil
 import subprocess
@@ -310,10 +311,33 @@ def test_meta_plan_takes_weights_from_a_state_dict(meta_plan: Path, tmp_path: Pa
     torch.save(state, tmp_path / "weights.pt")
     proc = run("verify", str(out), "--init-from", str(tmp_path / "weights.pt"))
     assert proc.returncode == 0 and "verify: ok" in proc.stdout, proc.stdout + proc.stderr
+    # the same weights as a DistributedDataParallel model saves them, in safetensors
+    from safetensors.torch import save_file
+    save_file({"module." + n: t for n, t in state.items()}, tmp_path / "ddp.safetensors")
+    proc = run("verify", str(out), "--init-from", str(tmp_path / "ddp.safetensors"))
+    assert proc.returncode == 0 and "verify: ok" in proc.stdout, proc.stdout + proc.stderr
+    assert "under the prefix 'module.'" in proc.stdout
     del state["transformer.wte.weight"]
     torch.save(state, tmp_path / "partial.pt")
     proc = run("verify", str(out), "--init-from", str(tmp_path / "partial.pt"))
     assert proc.returncode == 2 and "lacks 1 tensor(s)" in proc.stderr and "wte" in proc.stderr
+
+
+def test_meta_plan_takes_weights_from_a_sharded_hugging_face_checkpoint(meta_plan: Path,
+                                                                        tmp_path: Path) -> None:
+    """What save_pretrained writes for a model too big for one file: safetensors shards and
+    model.safetensors.index.json (the tied lm_head saved once, under the embedding's name);
+    verify reads each stage's tensors from their shards and runs both sides from them."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(3)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=2,
+                                       n_positions=64, use_cache=False))
+    model.save_pretrained(tmp_path / "hf", max_shard_size="40KB")
+    index = tmp_path / "hf" / "model.safetensors.index.json"
+    assert len(set(json.loads(index.read_text())["weight_map"].values())) > 1
+    proc = run("verify", str(meta_plan), "--init-from", str(index))
+    assert proc.returncode == 0 and "verify: ok" in proc.stdout, proc.stdout + proc.stderr
 
 
 @pytest.mark.parametrize("stages", [2, 3])

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from partc.emit.stage_weights import WeightsError, fit_to_stage, load_state_dict_file
+from partc.emit.stage_weights import WeightsError, fit_to_stage
+from partc.emit.weights_file import read_weights_file
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -22,7 +23,7 @@ def test_legacy_and_zip_torch_save_files_load_alike(tmp_path: Path) -> None:
     torch.save(state, tmp_path / "zip.pt")
     torch.save(state, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
     for name in ("zip.pt", "legacy.pt"):
-        loaded = load_state_dict_file(tmp_path / name)
+        loaded = read_weights_file(tmp_path / name)
         assert loaded.keys() == state.keys()
         assert all(torch.equal(loaded[k], state[k]) for k in state)
 
@@ -32,7 +33,7 @@ def test_a_file_torch_save_never_writes_is_named_as_such(tmp_path: Path, content
     path = tmp_path / "w.pt"
     path.write_bytes(content)
     with pytest.raises(WeightsError, match="is not a file torch.save writes"):
-        load_state_dict_file(path)
+        read_weights_file(path)
 
 
 def test_floating_weights_are_cast_to_the_stages_dtype_and_other_data_refused() -> None:

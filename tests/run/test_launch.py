@@ -311,6 +311,40 @@ def test_init_from_a_state_dict(tmp_path: Path) -> None:
     assert abs(want[0] - default[0]) > 1e-3  # the init really changed the weights
 
 
+def test_init_from_safetensors_saved_through_torch_compile(tmp_path: Path) -> None:
+    """A torch.compile'd model's state_dict carries '_orig_mod.' on every name, and the file is
+    safetensors: launch reads it as the model names its tensors, says so once, and trains from
+    exactly those weights. A file lacking a tensor is refused before any process starts."""
+    import torch
+    from safetensors.torch import save_file
+
+    from partc.frontend.model_file import load_model_file
+
+    plan = compile_plan(tmp_path, EXAMPLES / "mlp.py", 2, 1)
+    model = load_model_file(EXAMPLES / "mlp.py").build()
+    torch.manual_seed(7)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    wrapped = torch.compile(model).state_dict()
+    save_file({k: v.contiguous() for k, v in wrapped.items()}, tmp_path / "w.safetensors")
+    torch.save(model.state_dict(), tmp_path / "plain.pt")
+    metrics = tmp_path / "m.jsonl"
+    result = launch(plan, "--steps", "2", "--init-from", str(tmp_path / "w.safetensors"),
+                    "--metrics", str(metrics))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stderr.count("under the prefix '_orig_mod.' (a torch.compile wrapper's)") == 1
+    want = train_single_process(load_plan(plan),
+                                TrainOptions(steps=2, init_from=tmp_path / "plain.pt"))
+    assert_close(losses_of(metrics), want)
+    del wrapped[sorted(wrapped)[-1]]
+    save_file({k: v.contiguous() for k, v in wrapped.items()}, tmp_path / "partial.safetensors")
+    result = run_partc("launch", str(plan), "--init-from", str(tmp_path / "partial.safetensors"),
+                       timeout=120)
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert "(read without the prefix '_orig_mod.') lacks 1 tensor(s) a stage needs" in lines[0]
+
+
 # ---- torchrun directly, and errors -------------------------------------------------------------
 
 def test_torchrun_runs_the_worker_module(tmp_path: Path) -> None:
