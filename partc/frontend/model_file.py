@@ -141,7 +141,22 @@ class ModelFile:
                                  hint="make batches() yield at least one (inputs, target) pair")
         if self.batches is not None:
             self.check_like_examples(item[0], batch_size)
+            self.check_target(item[1], batch_size)
         return item
+
+    def check_target(self, target: Any, batch_size: int) -> None:
+        """ModelFileError unless the target of a batch drawn from batches(batch_size) holds
+        batch_size samples: some tensor of it has batch_size rows in dim 0 (that is how
+        micro-batches and replicas split it). A target with no such tensor at all (None,
+        scalars: the model computes its own loss from labels among its inputs) is fine."""
+        leaves = [t for t in pytree.tree_leaves(target) if isinstance(t, torch.Tensor) and t.dim()]
+        if leaves and not any(t.shape[0] == batch_size for t in leaves):
+            shapes = ", ".join(str(list(t.shape)) for t in leaves[:3])
+            raise ModelFileError(
+                f"batches({batch_size}) in {self.path} yields a target without {batch_size} "
+                f"samples: none of its tensors has {batch_size} rows in dim 0 (shapes {shapes})",
+                hint="make batches(batch_size) yield (inputs, target) with batch_size samples "
+                     "in both")
 
     def check_like_examples(self, inputs: Inputs, batch_size: int,
                             examples_at: int | None = None) -> None:

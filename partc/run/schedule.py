@@ -246,15 +246,7 @@ class RankRun:
             check_inputs(flat, self.plan, self.batched)
             args = [t.to(self.device) for t in split_batch(flat, batch, R)[self.replica]]
         if self.loss_fn is not None:
-            leaves = [t for t in pytree.tree_leaves(whole_target)
-                      if isinstance(t, torch.Tensor) and t.dim()]
-            # no tensor, or only scalars: the model computes its own loss (labels among its
-            # inputs, loss_fn reads output.loss; synthetic batches' placeholder), so there is
-            # no target to split
-            if leaves and not any(t.shape[0] == batch for t in leaves):
-                raise LaunchError(f"no tensor of the batch's target has the global batch size "
-                                  f"{batch} in dim 0", hint="batches(batch_size) must yield "
-                                  "(inputs, target) with batch_size samples")
+            self.model_file.check_target(whole_target, batch)
             mine = pytree.tree_map(lambda t: t.to(self.device) if isinstance(t, torch.Tensor)
                                    else t, split_batch(whole_target, batch, R)[self.replica])
             target = self.loss_fn.set_target(mine, batch // R)

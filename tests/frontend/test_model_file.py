@@ -164,12 +164,12 @@ def test_a_loss_fn_of_one_number_passes_and_out_of_memory_stays_itself(tmp_path)
         oom(torch.randn(2, 3), torch.tensor([0, 2]))
 
 
-def _with_batches(tmp_path, inputs: str, batch: str):
+def _with_batches(tmp_path, inputs: str, batch: str, target: str = "torch.zeros(b)"):
     src = tmp_path / "own_batches.py"
     src.write_text("import torch, torch.nn as nn\n"
                    "def build_model():\n    return nn.Linear(4, 3)\n"
                    f"def example_inputs(b):\n    return {inputs}\n"
-                   f"def batches(b):\n    while True:\n        yield {batch}, torch.zeros(b)\n")
+                   f"def batches(b):\n    while True:\n        yield {batch}, {target}\n")
     return load_model_file(src)
 
 
@@ -205,6 +205,26 @@ def test_batches_like_example_inputs_pass_in_any_keyword_order(tmp_path) -> None
                        "((torch.zeros(b, 4),), {'scale': 2, 'mask': torch.zeros(b, 4)})")
     (args, kwargs), _ = mf.first_batch(3)
     assert args[0].shape == (3, 4) and set(kwargs) == {"mask", "scale"}
+
+
+@pytest.mark.parametrize("target, ok", [
+    ("torch.zeros(b - 1)", False),
+    ("{'labels': torch.zeros(b + 1, 2), 'weight': torch.ones(3)}", False),
+    ("{'labels': torch.zeros(b, 2), 'weight': torch.ones(3)}", True),
+    ("torch.tensor(0.5)", True),  # no per-sample tensor: the model computes its own loss
+    ("None", True),
+], ids=["short", "dict-long", "dict-with-a-table", "scalar", "none"])
+def test_a_target_without_the_batchs_samples_is_named(tmp_path, target: str, ok: bool) -> None:
+    """verify said loss_fn's own error ("Expected input batch_size (4) to match target
+    batch_size (3)"), compile said nothing, launch a message of its own: now one check, where a
+    batch is first drawn and (launch) on every step."""
+    mf = _with_batches(tmp_path, "(torch.randn(b, 4),)", "(torch.randn(b, 4),)", target)
+    if ok:
+        mf.first_batch(4)
+        return
+    with pytest.raises(ModelFileError, match=r"batches\(4\) in .* yields a target without 4 "
+                                             r"samples: none of its tensors has 4 rows in dim 0"):
+        mf.first_batch(4)
 
 
 def test_batches_on_the_meta_device_are_refused(tmp_path) -> None:
