@@ -30,6 +30,8 @@ import yaml
 from conftest import EXAMPLES, ROOT, TEST_MODELS, captured
 from partc_process import run_partc
 
+from partc.hardware.local import physical_cores
+
 BIN = Path(sys.executable).parent
 PARTC = str(BIN / "partc")
 TORCHRUN = str(BIN / "torchrun")
@@ -268,6 +270,11 @@ CONFIG_CASES: dict[str, tuple[Callable[[Path], list[str]], tuple[str | tuple[str
         lambda tmp: ["profile", MLP, "--analytic", str(_text(tmp, "dev.yaml", "[1, 2")),
                      "-o", str(tmp / "p.yaml")],
         ("dev.yaml", "not valid YAML")),
+    "profile-threads-beyond-the-cores": (  # measured oversubscribed, without a word
+        lambda tmp: ["profile", MLP, "--threads", str(physical_cores() + 1),
+                     "-o", str(tmp / "p.yaml")],
+        (f"--threads {physical_cores() + 1} is more than this machine's {physical_cores()} "
+         "physical cores",)),
     "unknown-cluster": (_compile("-b", "8", "--cluster", "nope"), ("unknown cluster 'nope'",)),
     "cluster-not-yaml": (
         _with_cluster(lambda tmp: _text(tmp, "c.yaml", "name: [unclosed\n")),
