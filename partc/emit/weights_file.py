@@ -58,6 +58,9 @@ def _kind(path: Path) -> str:
         (length,) = struct.unpack("<Q", head[:8])
         if 0 < length < path.stat().st_size:
             return "safetensors"
+        raise WeightsError(f"weights file {path} is a safetensors file whose {length}-byte "
+                           f"header runs past the file's end ({path.stat().st_size} bytes)",
+                           hint="the file is truncated: download or save it again")
     if head.lstrip()[:1] == b"{":
         return "index"
     raise WeightsError(f"weights file {path} is not a file torch.save writes, a safetensors "

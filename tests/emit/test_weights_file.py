@@ -77,8 +77,12 @@ def test_an_index_cannot_point_outside_its_directory(tmp_path: Path) -> None:
 def test_a_truncated_safetensors_file_is_one_line(tmp_path: Path) -> None:
     path = tmp_path / "w.safetensors"
     save_file(_model().state_dict(), path)
-    path.write_bytes(path.read_bytes()[:-40])
+    data = path.read_bytes()
+    path.write_bytes(data[:-40])
     with pytest.raises(WeightsError, match="cannot open safetensors file"):
+        read_weights_file(path)
+    path.write_bytes(data[:60])  # cut inside the header itself
+    with pytest.raises(WeightsError, match=r"header runs past the file's end \(60 bytes\)"):
         read_weights_file(path)
 
 
