@@ -87,7 +87,7 @@ from partc.frontend.export import export_program
 from partc.frontend.model_file import Inputs, ModelFile, inputs_to_meta, is_out_of_memory
 from partc.frontend.onnx_export import OnnxExport, export_onnx
 from partc.graph.opgraph import OpGraph
-from partc.hardware.local import cpu_vector_bytes, physical_cores, pinned_to_core
+from partc.hardware.local import cpu_vector_bytes, pinned_to_core, threads_beyond_cores
 from partc.options import PRECISIONS, PROFILE_METHODS, Precision, ProfileMethod
 from partc.progress import Progress
 from partc.version import __version__
@@ -460,11 +460,10 @@ def profile_model(model_path: str | Path, batch_size: int, options: ProfileOptio
     progress = progress or Progress()
     check_options(options)
     device = parse_device(options.device)
-    if device.type == "cpu" and options.threads > physical_cores():
-        # measured oversubscribed, the profile would price a device this machine cannot be
-        raise ProfileError(f"--threads {options.threads} is more than this machine's "
-                           f"{physical_cores()} physical cores",
-                           hint=f"a CPU device is --threads cores: use at most {physical_cores()}")
+    # measured oversubscribed, the profile would price a device this machine cannot be
+    beyond = threads_beyond_cores(options.threads) if device.type == "cpu" else None
+    if beyond is not None:
+        raise ProfileError(*beyond)
     # no ONNX export when torch times the forward anyway (it takes as long as a capture)
     onnx = timing_choice(options, device).provider is not None
     with intra_op_threads(device, options.threads):

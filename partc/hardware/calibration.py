@@ -36,6 +36,7 @@ from partc.hardware.local import (
     pin_to_core,
     ram_bytes,
     run_processes,
+    threads_beyond_cores,
 )
 from partc.hardware.specs import OP_CLASSES, ClusterSpec, DeviceSpec, LinkSpec
 from partc.hardware.speed_spread import KERNEL as SPREAD_KERNEL
@@ -1337,12 +1338,11 @@ def check_calibration_inputs(out_dir: str | Path, device: str = "cpu", *,
     kind = parse_calibration_device(device)
     if threads < 1:
         raise CalibrationError(f"--threads must be >= 1, got {threads}", "e.g. --threads 1")
-    if kind == "cpu" and threads > physical_cores():
-        # a device of more cores than the machine has: its rates would be measured
-        # oversubscribed and its memory (RAM * threads / cores) more than the RAM
-        raise CalibrationError(f"--threads {threads} is more than this machine's "
-                               f"{physical_cores()} physical cores",
-                               f"one device is --threads cores: use at most {physical_cores()}")
+    # a device of more cores than the machine has: its rates would be measured oversubscribed
+    # and its memory (RAM * threads / cores) more than the RAM
+    beyond = threads_beyond_cores(threads) if kind == "cpu" else None
+    if beyond is not None:
+        raise CalibrationError(*beyond)
     if not seconds > 0:
         raise CalibrationError(f"--seconds must be > 0, got {seconds}", "e.g. --seconds 20")
     more = check_devices(kind, threads, devices)

@@ -186,6 +186,17 @@ def physical_cores() -> int:
     return len(core_cpus()) or os.cpu_count() or 1
 
 
+def threads_beyond_cores(threads: int) -> tuple[str, str] | None:
+    """(message, hint) when one CPU device of `threads` cores is more than this machine has
+    (it would be measured oversubscribed), else None: `partc profile` and `partc calibrate`
+    refuse it alike."""
+    cores = physical_cores()
+    if threads <= cores:
+        return None
+    return (f"--threads {threads} is more than this machine's {cores} physical cores",
+            f"one device is --threads cores: use at most {cores}")
+
+
 def core_cpus() -> list[frozenset[int]]:
     """The logical CPUs of each physical core this process may run on (its affinity), in CPU
     order: one set per core, its hyper-threads together. Without /proc/cpuinfo every allowed
