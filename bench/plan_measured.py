@@ -113,6 +113,7 @@ import yaml
 
 from partc.hardware.configs import load_cluster
 from partc.options import PRECISIONS, STRATEGIES
+from partc.plans.diff import costs_of_plan
 from partc.plans.plan import load_plan
 from partc.plans.report import replay_measured
 from partc.plans.run_metrics import MEMORY_NONE, RunMetrics
@@ -168,6 +169,13 @@ class Plan:
     # micro-batch size, measured again after the case's launches, over the same in the profile
     # that priced the plan (`drift_check`); None where not measured
     drift: float | None = None
+    # the same for the speed probe a profile times beside its totals (partc.cost.speed_probe):
+    # the probe's median after the launches over the one in the profile that priced the plan.
+    # Where it tracks `drift`, the probe sees what moved the model's speed
+    probe_drift: float | None = None
+    # the factor the plan's profile was scaled by to the calibrated config's mean speed
+    # (partc.cost.speed_correction; `partc diff`'s "speed-corrected"), None: not corrected
+    speed_factor: float | None = None
     # per repeat: (steps in which some stage's own forward + backward ran over SLOW_STEP x its
     # price, timed steps): a launch whose cores flipped into the slow mode part of the time
     # (bench/kernel_modes.py --every-core) shows as a few such steps, one spent in it as all
@@ -235,6 +243,7 @@ def compile_plan(model: str, processes: int, strategy: str, out: Path,
     plan.profile_sha256 = doc["costs"].get("profile_sha256")
     if doc["costs"].get("profile"):  # relative to the plan's directory (or absolute)
         plan.profile_path = out / doc["costs"]["profile"]
+    plan.speed_factor = costs_of_plan(load_plan(out / "plan.yaml")).speed_factor
     return plan
 
 
@@ -272,6 +281,13 @@ def measure_profile(model: str, processes: int, sizes: list[int], precision: str
                           cwd=ROOT, env=ENV, capture_output=True, text=True)
 
 
+def profile_probe(path: Path) -> float | None:
+    """A profile file's speed probe median (seconds per call), None where it has none."""
+    doc = yaml.safe_load(path.read_text())
+    probe = (doc.get("calibration") or {}).get("speed_probe") or {}
+    return float(probe["median_s"]) if "median_s" in probe else None
+
+
 def profile_totals(path: Path) -> dict[int, float]:
     """A profile file's whole-model forward + backward seconds per batch size."""
     doc = yaml.safe_load(path.read_text())
@@ -302,12 +318,18 @@ def drift_check(model: str, processes: int, plans: dict[str, Plan], precision: s
               file=sys.stderr, flush=True)
         return
     after = profile_totals(out)
+    probe_after = profile_probe(out)
     for plan in launched:
         m = int(plan.shape["microbatch_size"])
         then = before[plan.strategy].get(m)
         if then and after.get(m):
             plan.drift = after[m] / then
-    shown = ", ".join(f"{p.strategy} {p.drift:.3f}" for p in launched if p.drift is not None)
+        probe_then = profile_probe(plan.profile_path) if plan.profile_path else None
+        if probe_then and probe_after:
+            plan.probe_drift = probe_after / probe_then
+    shown = ", ".join(f"{p.strategy} {p.drift:.3f}"
+                      + (f" (probe {p.probe_drift:.3f})" if p.probe_drift is not None else "")
+                      for p in launched if p.drift is not None)
     print(f"drift {model} x{processes} (fwd+bwd re-measured / as priced): {shown or '-'}",
           file=sys.stderr, flush=True)
 
@@ -448,11 +470,18 @@ def consistent_order(plans: dict[str, Plan]) -> bool:
 STEADY = 0.05  # a case whose machine drift is within 5% ran at the speed it was priced at
 
 
+def priced_drift(row: dict[str, Any]) -> float:
+    """The machine's speed after a case's launches over the speed its plan was priced at: the
+    drift over the profile, over the speed correction where the profile was scaled to the
+    calibrated mean speed (partc.cost.speed_correction)."""
+    return float(row["drift"]) / float(row.get("speed_factor") or 1.0)
+
+
 def time_bounds(rows: list[dict[str, Any]]) -> None:
     """The issue's time bounds per process count: every distinct launched plan's measured
     iteration within 15% of its prediction, the median within 8%; over every plan, and over the
-    plans whose case ran on a steady machine (drift within STEADY), which alone can test a
-    prediction: the others' gaps are the machine's speed moving under them."""
+    plans whose case ran on a steady machine (`priced_drift` within STEADY), which alone can
+    test a prediction: the others' gaps are the machine's speed moving under them."""
     print("\n| processes | plans | measured/predicted | within 8% | within 15% | median "
           "| steady plans (drift within 5%) | their measured/predicted | within 15% | median |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -461,7 +490,8 @@ def time_bounds(rows: list[dict[str, Any]]) -> None:
                 and not r["same_plan_as"] and r["measured_over_predicted"] is not None]
         if not mine:
             continue
-        steady = [r for r in mine if r["drift"] is not None and abs(r["drift"] - 1) <= STEADY]
+        steady = [r for r in mine if r["drift"] is not None
+                  and abs(priced_drift(r) - 1) <= STEADY]
 
         def cells(group: list[dict[str, Any]], eight: bool) -> str:
             if not group:
@@ -648,6 +678,7 @@ def main() -> None:
                    "replayed_processor_sharing_steps_s": list(m.replayed_ps_s),
                    "stage_work_ratio": list(m.work_ratio),
                    "per_stage_work_ratio": list(m.stage_work), "drift": m.drift,
+                   "probe_drift": m.probe_drift, "speed_factor": plan.speed_factor,
                    "slow_steps": [list(x) for x in m.slow_steps],
                    "same_plan_as": plan.same_as, "error": error,
                    "compile_s": plan.compile_s, "launch_s": list(plan.launch_s)}
@@ -709,8 +740,9 @@ def main() -> None:
           "work over the predicted.\n")
     print("| model | processes | strategy | measured ms/iter | replayed ms/iter "
           "| measured/replayed (per repeat) | the same under processor sharing "
-          "| stage work measured/predicted | per stage (median) | slow steps | machine drift |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| stage work measured/predicted | per stage (median) | slow steps | machine drift "
+          "(probe's) | speed correction |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for (model, n), plans in cases.items():
         for strategy, plan in plans.items():
             if plan.error or plan.same_as or not plan.replayed_s:
@@ -730,14 +762,20 @@ def main() -> None:
                   f"| {statistics.median(each):.3f} ({min(each):.3f}-{max(each):.3f}) | {ps} "
                   f"| {work} "
                   f"| {per_stage} | {slow} "
-                  f"| {f'{plan.drift:.3f}' if plan.drift is not None else '-'} |")
+                  f"| {f'{plan.drift:.3f}' if plan.drift is not None else '-'}"
+                  f"{f' ({plan.probe_drift:.3f})' if plan.probe_drift is not None else ''} "
+                  f"| {f'x{plan.speed_factor:.3f}' if plan.speed_factor is not None else '-'} |")
     print(f"\nslow steps: per repeat, the timed steps in which some stage's own forward + "
           f"backward ran over {SLOW_STEP:g}x its price, of all timed steps (this VM's slow "
           "kernel mode, per core: bench/kernel_modes.py --every-core)")
     if args.drift_check:
         print("\nmachine drift: the whole model's forward + backward at the plan's micro-batch "
               "size, measured again after the case's launches, over the same in the profile "
-              "that priced the plan (1.000: the machine ran at the speed it was priced at)")
+              "that priced the plan (1.000: the machine ran at the speed it was priced at); in "
+              "brackets the same for the speed probe timed beside those totals "
+              "(partc.cost.speed_probe)")
+    print("\nspeed correction: the factor the plan's profile was scaled by to the calibrated "
+          "config's mean speed (partc.cost.speed_correction), - where none applied")
     time_bounds(rows)
 
     # the bound is "never below" in bytes: the ratio's rounding hides a few KB, so each stage's

@@ -39,6 +39,12 @@ SCHEDULES: Final[tuple[Schedule, ...]] = get_args(Schedule)
 Precision = Literal["fp32", "bf16-mixed"]
 PRECISIONS: Final[tuple[Precision, ...]] = get_args(Precision)
 
+
+def matmul_dtype_of(precision: Precision) -> str:
+    """The dtype a precision runs matrix products in (autocast's lower precision), whose speed
+    spread and speed reference a device config gives (DeviceSpec.speed_modes)."""
+    return "bfloat16" if precision == "bf16-mixed" else "float32"
+
 Optimizer = Literal["sgd", "sgd-momentum", "adam", "adamw"]
 OPTIMIZERS: Final[tuple[Optimizer, ...]] = get_args(Optimizer)
 
@@ -329,7 +335,7 @@ class TrainingConfig:
     def matmul_dtype(self) -> str:
         """The dtype the precision runs matrix products in (autocast's lower precision), whose
         speed spread the device config gives (DeviceSpec.speed_modes)."""
-        return "bfloat16" if self.bf16 else "float32"
+        return matmul_dtype_of(self.precision)
 
     @property
     def optimizer_spec(self) -> OptimizerSpec:

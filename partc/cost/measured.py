@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import platform
 from dataclasses import dataclass, replace
 from functools import partial
 from importlib.metadata import PackageNotFoundError, version
@@ -58,6 +57,7 @@ from partc.cost.ort_profiler import (
 )
 from partc.cost.precision_scalars import saturate_scalars
 from partc.cost.repeats import pooled, repeated_nodes
+from partc.cost.speed_probe import PROBE, SpeedProbe, SpeedProbeResult
 from partc.cost.table import CostSource, CostTable, Curve, NodeCost, needs_backward
 from partc.cost.torch_profiler import (
     CPU_CLOCK,
@@ -87,7 +87,12 @@ from partc.frontend.export import export_program
 from partc.frontend.model_file import Inputs, ModelFile, inputs_to_meta, is_out_of_memory
 from partc.frontend.onnx_export import OnnxExport, export_onnx
 from partc.graph.opgraph import OpGraph
-from partc.hardware.local import cpu_vector_bytes, pinned_to_core, threads_beyond_cores
+from partc.hardware.local import (
+    cpu_model,
+    cpu_vector_bytes,
+    pinned_to_core,
+    threads_beyond_cores,
+)
 from partc.options import PRECISIONS, PROFILE_METHODS, Precision, ProfileMethod
 from partc.progress import Progress
 from partc.version import __version__
@@ -103,8 +108,10 @@ _T = TypeVar("_T")
 # (partc.cost.torch_profiler.cpu_settings); the revision recorded in the profile. 7: the sizes'
 # whole-model totals timed in rounds together (time_interleaved), an extension timing the
 # entry's sizes again with its own (extend_profile). 8: the nodes that keep their own result
-# recorded (CostTable.keeps_result), for the memory model's stage boundaries.
-MEASUREMENT_REVISION = 8
+# recorded (CostTable.keeps_result), for the memory model's stage boundaries. 9: the machine's
+# speed probed in the totals' rounds (partc.cost.speed_probe), which a calibrated config's
+# reference corrects the profile by (partc.cost.speed_correction).
+MEASUREMENT_REVISION = 9
 
 
 @dataclass(frozen=True)
@@ -195,15 +202,7 @@ def device_label(device: torch.device) -> str:
     """A human name for the profiled device, recorded in the profile."""
     if device.type == "cuda":
         return f"cuda:{device.index or 0} ({torch.cuda.get_device_name(device)})"
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"cpu ({cpu})"
+    return f"cpu ({cpu_model()})"
 
 
 def _versions() -> dict[str, str]:
@@ -389,10 +388,13 @@ def _measure(result: CaptureResult, b: int, device: torch.device, use_ort: bool,
 def _time_totals(result: CaptureResult, measurements: list[_Measurement],
                  device: torch.device, options: ProfileOptions, progress: Progress, clock: Clock,
                  weights: dict[str, torch.Tensor],
-                 retime: tuple[int, ...] = ()) -> dict[int, tuple[float, float]]:
+                 retime: tuple[int, ...] = ()
+                 ) -> tuple[dict[int, tuple[float, float]], SpeedProbeResult | None]:
     """Every size's whole-model totals timed together (`time_totals`: in rounds, so the sizes'
     ratios are taken in the same moments), into `measurements` in place; the sizes `retime`
-    (a profile's earlier ones) in the same rounds, returned: {size: (forward, backward)}."""
+    (a profile's earlier ones) in the same rounds, returned: {size: (forward, backward)}; and,
+    on a CPU at one thread (the conditions `partc calibrate` measures its reference in), the
+    speed probe timed in the same rounds (partc.cost.speed_probe)."""
     timed = [m for m in measurements if m.totals is not None]
     programs = [m.totals for m in timed if m.totals is not None]
     again: list[int] = []
@@ -406,7 +408,9 @@ def _time_totals(result: CaptureResult, measurements: list[_Measurement],
             programs.append(program)
             again.append(b)
     if not programs:
-        return {}
+        return {}, None
+    probe = SpeedProbe(options.precision, clock) \
+        if device.type == "cpu" and options.threads == 1 else None
     sizes = ", ".join(str(m.batch_size) for m in timed) + (
         f" (and {', '.join(map(str, again))} again)" if again else "")
     with progress.step(f"torch: whole-model totals at batch {sizes}, timed in turn"), \
@@ -414,13 +418,15 @@ def _time_totals(result: CaptureResult, measurements: list[_Measurement],
         for timed_module, _ in programs:  # training-mode forwards: buffers put back (_measure)
             restored.enter_context(buffers_restored(timed_module))
         totals = time_totals(programs, device, options.warmup, max(3, options.runs // 2),
-                             options.precision, clock, options.totals_budget_s)
+                             options.precision, clock, options.totals_budget_s,
+                             each_round=probe)
     for m, (fwd, bwd) in zip(timed, totals, strict=False):
         m.torch = replace(m.torch, model_forward_s=fwd, model_backward_s=bwd)
         m.totals = None
     del programs
     gc.collect()
-    return dict(zip(again, totals[len(timed):], strict=True))
+    return (dict(zip(again, totals[len(timed):], strict=True)),
+            probe.result() if probe is not None else None)
 
 
 def _time_loss(model_file: ModelFile, module: torch.fx.GraphModule, inputs: Inputs, b: int,
@@ -546,20 +552,22 @@ def _measure_sizes(result: CaptureResult, device: torch.device, options: Profile
             _within_memory(result, device, b, partial(_measure, result, b, device, use_ort,
                                                        options, progress, clock, weights))
             for b in sizes]
-        retimed = _within_memory(result, device, max((*sizes, *retime)), partial(
+        retimed, probe = _within_memory(result, device, max((*sizes, *retime)), partial(
             _time_totals, result, measurements, device, options, progress, clock, weights,
             retime))
         weights.clear()  # the materialised weights of a meta model, before combining
     return combine(result.graph, measurements, device, options, use_ort,
-                   fallback=choice.fallback, cpu_time=clock is CPU_CLOCK), retimed
+                   fallback=choice.fallback, cpu_time=clock is CPU_CLOCK,
+                   speed_probe=probe), retimed
 
 
 def combine(graph: OpGraph, measurements: list[_Measurement], device: torch.device,
             options: ProfileOptions, use_ort: bool, fallback: str = "",
-            cpu_time: bool = False) -> CostTable:
+            cpu_time: bool = False, speed_probe: SpeedProbeResult | None = None) -> CostTable:
     """Join torch and onnxruntime measurements into per-node `Curve`s; `fallback` (why `auto`
-    timed in torch) and `cpu_time` (timed by the CPU clock: a neighbour shared the core) are
-    recorded in the calibration."""
+    timed in torch), `cpu_time` (timed by the CPU clock: a neighbour shared the core) and
+    `speed_probe` (the machine's speed while the totals were timed) are recorded in the
+    calibration."""
     kinds = {n.name: n.kind for n in graph.nodes}
     names = [n.name for n in graph.nodes]
     differentiable = set().union(*(m.torch.differentiable for m in measurements)) & set(names)
@@ -653,6 +661,7 @@ def combine(graph: OpGraph, measurements: list[_Measurement], device: torch.devi
                      **({"busy_neighbours": options.neighbours}
                         if options.neighbours and device.type == "cpu" else {}),
                      **({"clock": CPU_CLOCK_NAME} if cpu_time else {}),
+                     **({PROBE: speed_probe.to_dict()} if speed_probe is not None else {}),
                      **({"fallback": fallback} if fallback else {})})
     return CostTable(graph=graph, source=source, nodes=nodes, loss=loss, batch_bytes=batch_bytes,
                      gemm_scratch_bytes=max(m.gemm_scratch for m in measurements),

@@ -12,6 +12,7 @@ import torch.utils._pytree as pytree
 from partc.cost.activations import saved_activations, storage_bytes
 from partc.cost.measured import MeasuringOutOfMemory, ProfileOptions
 from partc.cost.roofline import analytic_cost_table
+from partc.cost.speed_correction import correction_text, speed_corrected, speed_factor
 from partc.cost.table import CostTable, Curve, SavedActivations
 from partc.errors import PartcError
 from partc.frontend.capture import CaptureResult
@@ -28,11 +29,14 @@ def plan_costs(result: CaptureResult, device: DeviceSpec, profile: str | Path | 
     checked against the graph hash and the precision) or, without one, the analytic roofline on
     `device` under `precision`, with saved activations measured on meta as `device`'s kernels
     keep them (`saved`: those of an earlier `saved_activations(result.capture, device.kind)`,
-    which runs the model's forward twice, to price one capture on several devices)."""
+    which runs the model's forward twice, to price one capture on several devices). A profile
+    of the machine `device` was calibrated on is scaled to its mean speed
+    (partc.cost.speed_correction)."""
     progress = progress or Progress()
     if profile is not None:
         with progress.step(f"loading profile {profile}"):
-            return CostTable.load(profile, result.graph, precision=precision)
+            table = CostTable.load(profile, result.graph, precision=precision)
+        return corrected_for(table, device, progress)
     with progress.step(f"pricing {len(result.graph.nodes)} operators on {device.name} (roofline)"):
         if saved is None:
             saved = saved_activations(result.capture, target_kind=device.kind)
@@ -42,6 +46,16 @@ def plan_costs(result: CaptureResult, device: DeviceSpec, profile: str | Path | 
         # roofline knows the model's inputs only, the model file's batches() also the target
         table = replace(table, batch_bytes=drawn_batch_bytes(result, table.source.batch_sizes))
     return table
+
+
+def corrected_for(table: CostTable, device: DeviceSpec, progress: Progress) -> CostTable:
+    """`table` scaled to `device`'s reference speed where it applies (speed_corrected), said in
+    one progress line."""
+    factor = speed_factor(table, device)
+    if factor is None:
+        return table
+    with progress.step(correction_text(factor, device)):
+        return speed_corrected(table, device)
 
 
 def drawn_batch_bytes(result: CaptureResult, sizes: tuple[int, ...]) -> Curve:
@@ -146,7 +160,8 @@ def solve_costs(result: CaptureResult, cluster: ClusterSpec, global_batch: int, 
                                   "of the cluster's device config)")
     else:
         try:
-            return cached_profile(result, options, progress=progress)
+            table, path = cached_profile(result, options, progress=progress)
+            return corrected_for(table, cluster.device, progress), path
         except MeasuringOutOfMemory as exc:
             if costs == "measured":
                 raise

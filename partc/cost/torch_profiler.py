@@ -396,7 +396,8 @@ def time_model(module: torch.nn.Module, inputs: Inputs, device: torch.device,
 def time_interleaved(programs: Sequence[TimedProgram], device: torch.device,
                      warmup: int = 2, runs: int = 5, precision: Precision = "fp32",
                      cold: bool = False, clock: Clock = WALL_CLOCK, budget_s: float = 0.0,
-                     max_runs: int = 0) -> list[tuple[float, float]]:
+                     max_runs: int = 0,
+                     each_round: Callable[[], None] | None = None) -> list[tuple[float, float]]:
     """`time_model` of several programs at once, in rounds of one run each, so that whatever
     the machine does meanwhile (a shared VM's slower minute) falls on all of them alike: their
     ratios are taken in the same moments. A profile's micro-batch sizes are such programs, and
@@ -404,7 +405,8 @@ def time_interleaved(programs: Sequence[TimedProgram], device: torch.device,
     per-sample cost of an MLP at 1024 over 512 spread with a standard deviation of 0.02-0.04
     over eight profiles timed one size after the other, 0.010-0.012 timed in rounds).
     `budget_s` is per program: the rounds go on, after `runs`, until `budget_s` times the
-    number of programs has passed."""
+    number of programs has passed. `each_round` runs after every timed round (a speed probe:
+    partc.cost.speed_probe), outside the programs' times."""
     steps = [_step_timer(m, i, device, precision, cold, clock) for m, i in programs]
     for _ in range(warmup):
         for once in steps:
@@ -416,6 +418,8 @@ def time_interleaved(programs: Sequence[TimedProgram], device: torch.device,
                                    and WALL_CLOCK() - started < budget):
         for once, timed in zip(steps, times, strict=True):
             timed.append(once())
+        if each_round is not None:
+            each_round()
     return [(statistics.median(f for f, _ in timed), statistics.median(b for _, b in timed))
             for timed in times]
 
@@ -700,19 +704,22 @@ def totals_program(module: torch.fx.GraphModule, inputs: Inputs,
 def time_totals(programs: Sequence[TimedProgram], device: torch.device,
                 warmup: int, runs: int, precision: Precision,
                 clock: Clock = WALL_CLOCK,
-                budget_s: float = TOTALS_BUDGET_S) -> list[tuple[float, float]]:
+                budget_s: float = TOTALS_BUDGET_S,
+                each_round: Callable[[], None] | None = None) -> list[tuple[float, float]]:
     """The whole-model (forward, backward) medians of `totals_program`s, timed in rounds
     (`time_interleaved`). On a CPU they decide every stage's time: each program is timed for
     `budget_s` (default TOTALS_BUDGET_S) of wall time (this VM's run-to-run spread is +-5-15%
     over a handful of runs; medians of many settle it), from cold caches as a stage's pass
     starts. Wall time, not `clock`'s: on a shared core CPU time passes at a fraction of the
     wall's, and a CPU-time budget doubled cpu-4 compiles (with the neighbours spinning
-    throughout)."""
+    throughout). `each_round`: time_interleaved's."""
     if device.type != "cpu":
-        return time_interleaved(programs, device, warmup, runs, precision)
+        return time_interleaved(programs, device, warmup, runs, precision,
+                                each_round=each_round)
     with torch.jit.optimized_execution(False):
         return time_interleaved(programs, device, warmup, runs, precision, cold=True,
-                                clock=clock, budget_s=budget_s, max_runs=TOTALS_MAX_RUNS)
+                                clock=clock, budget_s=budget_s, max_runs=TOTALS_MAX_RUNS,
+                                each_round=each_round)
 
 _FLUSH: list[torch.Tensor] = []
 

@@ -1018,6 +1018,10 @@ def _device_lines(spec: DeviceSpec, comments: dict[str, list[str]]) -> list[str]
         lines += block("speed_spread", "speed_spread:",
                        *(f"  {d}: [{', '.join(f'[{p:.6g}, {f:.6g}]' for p, f in modes)}]"
                          for d, modes in sorted(spec.speed_spread.items())))
+    if spec.speed_reference_s:
+        lines += block("speed_reference_s", "speed_reference_s:",
+                       *(f"  {d}: {_quantity_text(t, 's')}"
+                         for d, t in sorted(spec.speed_reference_s.items())))
     return lines
 
 
@@ -1143,6 +1147,14 @@ def device_yaml(cal: DeviceCalibration, command: str = "partc calibrate") -> str
               f"{int(m[f'spread_{d}_cores'])} core(s), fastest "
               f"{_q(m[f'spread_{d}_fastest_s'], 's')}, median {_q(m[f'spread_{d}_median_s'], 's')}"
               f", slowest {_q(m[f'spread_{d}_slowest_s'], 's')}" for d in spread)]
+    if spec.speed_reference_s:
+        comments["speed_reference_s"] = [
+            "# The mean of those windows: one call's time at the speed the factors are of. A "
+            "profile of this",
+            "# machine times the same matmul beside its whole-model totals and is scaled by "
+            "this over what it",
+            "# read, so a profile taken in a slow minute prices the mean speed "
+            "(partc.cost.speed_correction)."]
     return "\n".join([*header, *_device_lines(spec, comments)]) + "\n"
 
 
@@ -1410,7 +1422,8 @@ def calibrate(out_dir: str | Path, device: str = "cpu", *, name: str | None = No
             try:
                 spread = measure_speed_spread(
                     SPREAD_SHARE * seconds, window_s=QUICK_WINDOW_S if quick else WINDOW_S)
-                cal = replace(cal, spec=replace(cal.spec, speed_spread=spread.modes),
+                cal = replace(cal, spec=replace(cal.spec, speed_spread=spread.modes,
+                                                speed_reference_s=spread.reference_s()),
                               measurements={**cal.measurements, **spread.measurements()})
             except SpeedSpreadError as exc:  # priced without a spread, as before
                 spread_note = exc.one_line()
@@ -1519,6 +1532,9 @@ def format_calibration(result: CalibrationResult) -> str:
         *([f"  wake credit not measured: {result.wake_note}"] if result.wake_note else []),
         *(f"  speed spread, {dtype}: " + ", ".join(f"{p:.0%} at {f:.3f}x" for p, f in modes)
           + " of the mean (per core and step-long window)"
+          + (f"; the mean: {_q(spec.speed_reference_s[dtype], 's')} per "
+             f"{'x'.join(map(str, SPREAD_KERNEL))} matmul"
+             if dtype in spec.speed_reference_s else "")
           for dtype, modes in spec.speed_spread.items()),
         *([f"  speed spread not measured: {result.spread_note}"] if result.spread_note else []),
         *(f"cluster {path}\n  {c.num_devices} device(s) on {c.busy_cores_per_node} core(s), "

@@ -182,11 +182,7 @@ def _device_from(m: _Mapping) -> DeviceSpec:
     assert peaks_in is not None
     peaks: dict[str, float] = {}
     for dtype in peaks_in.data:
-        if dtype not in DTYPES:
-            alias = _DTYPE_ALIASES.get(str(dtype).lower())
-            _fail(where, peaks_in.key(str(dtype)), "unknown dtype",
-                  hint=(f"did you mean '{alias}'?" if alias else _suggest(str(dtype), DTYPES))
-                  or f"dtypes: {', '.join(DTYPES)}")
+        _known_dtype(peaks_in, dtype)
         peaks[dtype] = peaks_in.quantity(dtype, "FLOP/s")
     if "float32" not in peaks:
         _fail(where, peaks_in.key("float32"), "missing",
@@ -234,6 +230,7 @@ def _device_from(m: _Mapping) -> DeviceSpec:
         checked_against=m.string("checked_against", required=False),
         vector_bytes=vector,
         speed_spread=spread,
+        speed_reference_s=_speed_reference_from(m),
     )
     m.finish()
     return spec
@@ -248,17 +245,36 @@ def _speed_spread_from(m: _Mapping) -> dict[str, tuple[tuple[float, float], ...]
     if not isinstance(raw, dict):
         _fail(m.where, m.key("speed_spread"), f"must be a mapping, not {_type_name(raw)}", hint)
     spread: dict[str, tuple[tuple[float, float], ...]] = {}
+    keys = _Mapping(raw, m.where, m.key("speed_spread"))
     for dtype, modes in raw.items():
-        where = f"{m.key('speed_spread')}.{dtype}"
-        if dtype not in DTYPES:
-            alias = _DTYPE_ALIASES.get(str(dtype).lower())
-            _fail(m.where, where, "unknown dtype",
-                  hint=(f"did you mean '{alias}'?" if alias else _suggest(str(dtype), DTYPES))
-                  or f"dtypes: {', '.join(DTYPES)}")
+        where = keys.key(str(dtype))
+        _known_dtype(keys, dtype)
         if (problem := speed_modes_problem(modes)) is not None:
             _fail(m.where, where, problem, hint)
         spread[dtype] = tuple((float(p), float(f)) for p, f in modes)
     return spread
+
+
+def _speed_reference_from(m: _Mapping) -> dict[str, float]:
+    """`speed_reference_s:` (optional): dtype -> seconds of one call of the speed spread's
+    matmul at the spread's mean speed (DeviceSpec.speed_reference_s)."""
+    refs = m.sub("speed_reference_s", required=False)
+    if refs is None:
+        return {}
+    found: dict[str, float] = {}
+    for dtype in refs.data:
+        _known_dtype(refs, dtype)
+        found[dtype] = refs.quantity(dtype, "s")
+    return found
+
+
+def _known_dtype(m: _Mapping, dtype: object) -> None:
+    """Fail on a key of `m` that is not a dtype partc prices (with the alias meant)."""
+    if dtype not in DTYPES:
+        alias = _DTYPE_ALIASES.get(str(dtype).lower())
+        _fail(m.where, m.key(str(dtype)), "unknown dtype",
+              hint=(f"did you mean '{alias}'?" if alias else _suggest(str(dtype), DTYPES))
+              or f"dtypes: {', '.join(DTYPES)}")
 
 
 def _link_from(m: _Mapping) -> LinkSpec:

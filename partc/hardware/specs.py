@@ -126,6 +126,13 @@ class DeviceSpec:
     # the simulator's expectation over it: partc.solve.stragglers). A dtype without modes: the
     # device runs every step at its priced speed.
     speed_spread: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
+    # The speed the spread's factor 1 stands for, per dtype key: the mean time of one call of
+    # the spread's matmul (partc.hardware.speed_spread.KERNEL, one thread) over the windows
+    # `partc calibrate` measured the spread in. A CPU profile times the same matmul beside its
+    # totals (partc.cost.speed_probe), and a profile of this machine is scaled by the two's
+    # ratio (partc.cost.speed_correction), so that a profile taken in a slow minute prices the
+    # machine's mean speed. A dtype without one: profiles are priced as measured.
+    speed_reference_s: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         problems = _device_problems(self)
@@ -218,6 +225,9 @@ class DeviceSpec:
         if self.speed_spread:
             extra["speed_spread"] = {k: [list(mode) for mode in self.speed_spread[k]]
                                      for k in sorted(self.speed_spread)}
+        if self.speed_reference_s:
+            extra["speed_reference_s"] = {k: self.speed_reference_s[k]
+                                          for k in sorted(self.speed_reference_s)}
         return {
             "name": self.name,
             "kind": self.kind,
@@ -285,6 +295,12 @@ def _device_problems(d: DeviceSpec) -> list[str]:
             problems.append(f"unknown dtype {dtype!r} in speed_spread")
         elif (problem := speed_modes_problem(modes)) is not None:
             problems.append(f"speed_spread[{dtype!r}] {problem}")
+    for dtype, seconds in d.speed_reference_s.items():
+        if dtype not in DTYPES:
+            problems.append(f"unknown dtype {dtype!r} in speed_reference_s")
+        elif (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
+              or not math.isfinite(seconds) or not seconds > 0):
+            problems.append(f"speed_reference_s[{dtype!r}] must be a positive time in seconds")
     return problems
 
 

@@ -28,6 +28,7 @@ from typing import Any, Sequence
 
 from partc.errors import PartcError
 from partc.hardware.local import pinnable_cpus, set_affinity, spawn_measurement
+from partc.hardware.units import format_quantity, parse_quantity
 
 KERNEL = (512, 512, 128)  # (M, K, N): a transformer MLP's product at a small micro-batch
 WINDOW_S = 0.25  # a window: about a step of the plans this machine trains
@@ -52,6 +53,14 @@ class SpeedSpread:
     modes: dict[str, Modes]
     window_s: float
     times_s: dict[str, tuple[tuple[float, ...], ...]]  # dtype -> per core, per window
+
+    def reference_s(self) -> dict[str, float]:
+        """Per dtype, the mean window time (4 digits, as a config writes it: "677.2us"): the
+        time the modes' factors are of, which a device config records as `speed_reference_s`
+        (DeviceSpec)."""
+        return {dtype: parse_quantity(format_quantity(math.fsum(flat) / len(flat), "s", 4), "s")
+                for dtype, per_core in sorted(self.times_s.items())
+                if (flat := [t for core in per_core for t in core])}
 
     def measurements(self) -> dict[str, float]:
         """The raw numbers behind the modes, for the device config's comments."""

@@ -23,6 +23,7 @@ from typing import Any, Sequence
 
 import yaml
 
+from partc.cost.speed_correction import SPEED_CORRECTION, correction_factor
 from partc.files import load_yaml
 from partc.plans.plan import Plan, PlanError, resolve_in_plan_tree
 from partc.solve.partition import Partition, Prediction, SolverReport, TrainingSetup, round_seconds
@@ -62,12 +63,17 @@ class CostsInfo:
     profile_kind: str | None = None  # the profile's own kind: "measured" | "analytic"; None:
     #                                  not readable from the plan directory
     calibrated_from: str | None = None  # the run a calibrated profile was corrected from
+    # the factor the profile's times are scaled by to the device config's calibrated mean speed
+    # (partc.cost.speed_correction): a config's new reference re-prices an unchanged profile
+    speed_factor: float | None = None
 
     def describe(self) -> str:
         if self.source != "profile":
             return self.source
         what = [w for w in (self.profile_kind,
                             self.calibrated_from and f"calibrated from {self.calibrated_from}",
+                            self.speed_factor is not None
+                            and f"speed-corrected x{self.speed_factor:.3f}",
                             self.profile_sha256 and f"sha256 {self.profile_sha256[:12]}")
                 if w]
         return f"profile {self.profile}" + (f" ({', '.join(what)})" if what else "")
@@ -79,7 +85,7 @@ def costs_of_plan(plan: Plan) -> CostsInfo:
     costs = plan.costs
     if costs.source != "profile" or costs.profile is None:
         return CostsInfo(source=costs.source)
-    kind = run = None
+    kind = run = factor = None
     try:
         # the profile plan.yaml names, inside the plan's tree, a regular file of a sane size
         path = resolve_in_plan_tree(plan.directory or Path("."), costs.profile, "profile")
@@ -95,8 +101,16 @@ def costs_of_plan(plan: Plan) -> CostsInfo:
         record = calibration.get("calibrated_from") if isinstance(calibration, dict) else None
         if isinstance(record, dict):
             run = _calibration_runs(record)
+        if isinstance(calibration, dict):
+            factor = correction_factor(d.get("kind"), d.get("device"), d.get("threads"),
+                                       calibration, plan.cluster.device)
+            recorded = calibration.get(SPEED_CORRECTION)  # corrected before it was written
+            if factor is None and isinstance(recorded, dict) \
+                    and isinstance(recorded.get("factor"), (int, float)):
+                factor = float(recorded["factor"])
     return CostsInfo(source=costs.source, profile=costs.profile,
-                     profile_sha256=costs.profile_sha256, profile_kind=kind, calibrated_from=run)
+                     profile_sha256=costs.profile_sha256, profile_kind=kind, calibrated_from=run,
+                     speed_factor=factor)
 
 
 def _calibration_runs(record: dict[str, Any]) -> str | None:

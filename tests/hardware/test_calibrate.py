@@ -96,7 +96,7 @@ def cpu_calibration() -> CpuCalibration:
                                                              (2e-3, 0.9e-3, 1e-3))})
     spec = replace(shipped, name="box", op_overhead_s=1.23e-6, backward_op_overhead_s=3.3e-6,
                    description='A "quoted" description: with colons', source="synthetic",
-                   speed_spread=spread.modes)
+                   speed_spread=spread.modes, speed_reference_s=spread.reference_s())
     return CpuCalibration(spec=spec, cpu_model="Test CPU", physical_cores=4, ram_bytes=32 << 30,
                           threads=2, measurements={**found, **spread.measurements()})
 
@@ -436,6 +436,11 @@ def test_calibrate_command_writes_configs_that_compile(tmp_path: Path) -> None:
     assert all(speed_modes_problem(modes) is None for modes in spec.speed_spread.values())
     assert "# How the speed moves from step to step" in text
     assert "speed spread, float32: " in proc.stdout
+    # and the mean the factors are of, per dtype: the time a profile's speed probe is read
+    # against (partc.cost.speed_correction), of the same matmul the probe times
+    assert set(spec.speed_reference_s) == {"float32", "bfloat16"}
+    assert all(0 < t < 0.1 for t in spec.speed_reference_s.values())
+    assert "# The mean of those windows" in text and "per 512x512x128 matmul" in proc.stdout
     # inside the passes and, on a CPU, the process's CPU between them: both in the value; the
     # posts and waits apart from both
     flat = " ".join(line.lstrip("# ") for line in text.splitlines())

@@ -564,3 +564,24 @@ def test_a_speed_spread_reads_back_and_bad_ones_are_one_line_errors() -> None:
         assert info.value.hint
     with pytest.raises(ValueError, match="speed_spread"):  # built in code, the same rule
         DeviceSpec(**{**good.__dict__, "speed_spread": {"float32": ((0.5, 2.0), (0.5, 1.0))}})
+
+
+def test_a_speed_reference_reads_back_and_bad_ones_are_one_line_errors() -> None:
+    """`speed_reference_s` (partc.cost.speed_correction's input): dtype -> the spread kernel's
+    mean call time, with units; absent: nothing written, no correction."""
+    good = device_from_dict(DEVICE, "toy")
+    assert good.speed_reference_s == {} and "speed_reference_s" not in good.to_dict()
+    spec = device_from_dict({**DEVICE, "speed_reference_s": {"float32": "677.2us",
+                                                             "bfloat16": 3.189e-4}}, "toy")
+    assert spec.speed_reference_s == {"float32": pytest.approx(677.2e-6), "bfloat16": 3.189e-4}
+    assert device_from_dict(spec.to_dict(), "again") == spec
+    for bad, message in (({"fp32": "1ms"}, "unknown dtype"),
+                         ({"float32": "-1ms"}, "must be positive"),
+                         ({"float32": "fast"}, "speed_reference_s.float32"),
+                         ([1.0], "must be a mapping")):
+        with pytest.raises(ConfigError, match=message) as info:
+            device_from_dict({**DEVICE, "speed_reference_s": bad}, "toy.yaml")
+        assert "speed_reference_s" in info.value.message and "\n" not in info.value.message
+        assert info.value.hint
+    with pytest.raises(ValueError, match="speed_reference_s"):  # built in code, the same rule
+        DeviceSpec(**{**good.__dict__, "speed_reference_s": {"float32": float("nan")}})
