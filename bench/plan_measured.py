@@ -111,6 +111,7 @@ from typing import Any, Sequence
 
 import yaml
 
+from partc.cost.speed_correction import probe_ratio
 from partc.hardware.configs import load_cluster
 from partc.options import PRECISIONS, STRATEGIES
 from partc.plans.diff import costs_of_plan
@@ -173,8 +174,11 @@ class Plan:
     # the probe's median after the launches over the one in the profile that priced the plan.
     # Where it tracks `drift`, the probe sees what moved the model's speed
     probe_drift: float | None = None
-    # the factor the plan's profile was scaled by to the calibrated config's mean speed
-    # (partc.cost.speed_correction; `partc diff`'s "speed-corrected"), None: not corrected
+    # the calibrated config's speed reference over the probe in the plan's profile (what the
+    # probe read: partc.cost.speed_correction.probe_ratio), None: no probe or no reference
+    probe_ratio: float | None = None
+    # the factor the plan's profile was scaled by toward the calibrated config's mean speed
+    # (the ratio's part beyond the band; `partc diff`'s "speed-corrected"), None: not corrected
     speed_factor: float | None = None
     # per repeat: (steps in which some stage's own forward + backward ran over SLOW_STEP x its
     # price, timed steps): a launch whose cores flipped into the slow mode part of the time
@@ -243,7 +247,13 @@ def compile_plan(model: str, processes: int, strategy: str, out: Path,
     plan.profile_sha256 = doc["costs"].get("profile_sha256")
     if doc["costs"].get("profile"):  # relative to the plan's directory (or absolute)
         plan.profile_path = out / doc["costs"]["profile"]
-    plan.speed_factor = costs_of_plan(load_plan(out / "plan.yaml")).speed_factor
+    loaded = load_plan(out / "plan.yaml")
+    plan.speed_factor = costs_of_plan(loaded).speed_factor
+    if plan.profile_path is not None:
+        priced = yaml.safe_load(plan.profile_path.read_text())
+        plan.probe_ratio = probe_ratio(priced.get("kind"), priced.get("device"),
+                                       priced.get("threads"), priced.get("calibration") or {},
+                                       loaded.cluster.device)
     return plan
 
 
@@ -678,7 +688,8 @@ def main() -> None:
                    "replayed_processor_sharing_steps_s": list(m.replayed_ps_s),
                    "stage_work_ratio": list(m.work_ratio),
                    "per_stage_work_ratio": list(m.stage_work), "drift": m.drift,
-                   "probe_drift": m.probe_drift, "speed_factor": plan.speed_factor,
+                   "probe_drift": m.probe_drift, "probe_ratio": plan.probe_ratio,
+                   "speed_factor": plan.speed_factor,
                    "slow_steps": [list(x) for x in m.slow_steps],
                    "same_plan_as": plan.same_as, "error": error,
                    "compile_s": plan.compile_s, "launch_s": list(plan.launch_s)}
@@ -764,7 +775,8 @@ def main() -> None:
                   f"| {per_stage} | {slow} "
                   f"| {f'{plan.drift:.3f}' if plan.drift is not None else '-'}"
                   f"{f' ({plan.probe_drift:.3f})' if plan.probe_drift is not None else ''} "
-                  f"| {f'x{plan.speed_factor:.3f}' if plan.speed_factor is not None else '-'} |")
+                  f"| {f'{1 / plan.probe_ratio:.3f}' if plan.probe_ratio else '-'}: "
+                  f"{f'x{plan.speed_factor:.3f}' if plan.speed_factor is not None else 'none'} |")
     print(f"\nslow steps: per repeat, the timed steps in which some stage's own forward + "
           f"backward ran over {SLOW_STEP:g}x its price, of all timed steps (this VM's slow "
           "kernel mode, per core: bench/kernel_modes.py --every-core)")
@@ -774,8 +786,9 @@ def main() -> None:
               "that priced the plan (1.000: the machine ran at the speed it was priced at); in "
               "brackets the same for the speed probe timed beside those totals "
               "(partc.cost.speed_probe)")
-    print("\nspeed correction: the factor the plan's profile was scaled by to the calibrated "
-          "config's mean speed (partc.cost.speed_correction), - where none applied")
+    print("\nspeed correction: the profile's speed probe over the calibrated config's mean "
+          "(1.000: profiled at the mean speed), then the factor the profile was scaled by: the "
+          "part beyond the probe's noise band (partc.cost.speed_correction), none within it")
     time_bounds(rows)
 
     # the bound is "never below" in bytes: the ratio's rounding hides a few KB, so each stage's

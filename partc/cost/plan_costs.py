@@ -12,7 +12,7 @@ import torch.utils._pytree as pytree
 from partc.cost.activations import saved_activations, storage_bytes
 from partc.cost.measured import MeasuringOutOfMemory, ProfileOptions
 from partc.cost.roofline import analytic_cost_table
-from partc.cost.speed_correction import correction_text, speed_corrected, speed_factor
+from partc.cost.speed_correction import correction_text, speed_corrected, table_probe_ratio
 from partc.cost.table import CostTable, Curve, SavedActivations
 from partc.errors import PartcError
 from partc.frontend.capture import CaptureResult
@@ -51,10 +51,10 @@ def plan_costs(result: CaptureResult, device: DeviceSpec, profile: str | Path | 
 def corrected_for(table: CostTable, device: DeviceSpec, progress: Progress) -> CostTable:
     """`table` scaled to `device`'s reference speed where it applies (speed_corrected), said in
     one progress line."""
-    factor = speed_factor(table, device)
-    if factor is None:
+    ratio = table_probe_ratio(table, device)
+    if ratio is None:
         return table
-    with progress.step(correction_text(factor, device)):
+    with progress.step(correction_text(ratio, device)):
         return speed_corrected(table, device)
 
 

@@ -17,6 +17,15 @@ Why the mean speed: the device's speed spread gives each step's speed as factors
 (partc.hardware.speed_spread, priced by partc.solve.stragglers), which assumes the profile was
 measured at the mean. A profile's totals take about a second per size, so on a VM whose speed
 switches every few seconds they catch whichever mode was running.
+
+Only what lies beyond the probe's own disagreement with the reference is corrected (BAND). On
+a quiet machine (run BV, 2026-12-08: no slow window on either core before or after) the probe
+read the reference's 0.99-1.05x where one process runs per core and 1.03-1.09x where the
+profiled process shares its core with a neighbour (cpu-4: its CPU time includes refilling the
+caches its core-mate evicted), while the models' own re-measured drift did not follow it; a
+profile taken in the slow mode reads 1.4-2x. So a ratio within BAND of 1 prices the profile as
+measured, and a ratio beyond it is corrected by its excess only (a probe 1.43x slow scales the
+profile by 1.10 / 1.43).
 """
 from __future__ import annotations
 
@@ -28,10 +37,11 @@ from partc.cost.table import CostTable, NodeCost
 from partc.hardware.specs import DeviceSpec
 
 SPEED_CORRECTION = "speed_correction"  # the profile calibration's key
+BAND = 0.10  # a probe within this of the reference (either way) is the probe's own noise
 
 
-def correction_factor(kind: object, device_label: object, threads: object,
-                      calibration: Mapping[str, Any], device: DeviceSpec) -> float | None:
+def probe_ratio(kind: object, device_label: object, threads: object,
+                calibration: Mapping[str, Any], device: DeviceSpec) -> float | None:
     """reference / probe for a profile (its source's `kind`, `device` label, `threads` and
     `calibration`, as a CostSource or a profile file holds them) priced on `device`, or None
     where the module docstring's precondition does not hold (or it was corrected already)."""
@@ -47,11 +57,34 @@ def correction_factor(kind: object, device_label: object, threads: object,
     return reference / probe.median_s
 
 
+def beyond_band(ratio: float) -> float | None:
+    """The factor a profile whose probe reads `ratio` (reference / probe) is scaled by: None
+    within BAND of 1 either way, else the ratio's excess beyond the band."""
+    if ratio < 1 / (1 + BAND):
+        return ratio * (1 + BAND)
+    if ratio > 1 + BAND:
+        return ratio / (1 + BAND)
+    return None
+
+
+def correction_factor(kind: object, device_label: object, threads: object,
+                      calibration: Mapping[str, Any], device: DeviceSpec) -> float | None:
+    """The factor a profile (`probe_ratio`'s arguments) is scaled by on `device`, or None where
+    it is priced as measured."""
+    ratio = probe_ratio(kind, device_label, threads, calibration, device)
+    return None if ratio is None else beyond_band(ratio)
+
+
+def table_probe_ratio(table: CostTable, device: DeviceSpec) -> float | None:
+    """`probe_ratio` of a table."""
+    source = table.source
+    return probe_ratio(source.kind, source.device, source.threads, source.calibration, device)
+
+
 def speed_factor(table: CostTable, device: DeviceSpec) -> float | None:
     """`correction_factor` of a table."""
-    source = table.source
-    return correction_factor(source.kind, source.device, source.threads, source.calibration,
-                             device)
+    ratio = table_probe_ratio(table, device)
+    return None if ratio is None else beyond_band(ratio)
 
 
 def speed_corrected(table: CostTable, device: DeviceSpec) -> CostTable:
@@ -67,14 +100,21 @@ def speed_corrected(table: CostTable, device: DeviceSpec) -> CostTable:
                        backward=cost.backward.scaled(factor))
 
     record = {"factor": float(f"{factor:.6g}"), "probe_s": probe.to_dict()["median_s"],
-              "reference_s": device.speed_reference_s[probe.dtype], "device": device.name}
+              "reference_s": device.speed_reference_s[probe.dtype], "band": BAND,
+              "device": device.name}
     source = replace(table.source,
                      calibration={**table.source.calibration, SPEED_CORRECTION: record})
     return replace(table, source=source, nodes={n: scaled(c) for n, c in table.nodes.items()},
                    loss=scaled(table.loss))
 
 
-def correction_text(factor: float, device: DeviceSpec) -> str:
-    """The correction in a few words, for compile's progress."""
-    return (f"profile scaled x{factor:.3f} to {device.name}'s calibrated mean speed (its "
-            f"reference matmul ran {1 / factor:.2f}x the calibrated time while it was timed)")
+def correction_text(ratio: float, device: DeviceSpec) -> str:
+    """What a probe reading `ratio` (reference / probe) does to the profile, in a few words, for
+    compile's progress."""
+    factor = beyond_band(ratio)
+    read = (f"its reference matmul ran {1 / ratio:.2f}x {device.name}'s calibrated mean time "
+            "while it was timed")
+    if factor is None:
+        return f"profile priced as measured ({read}: within {BAND:.0%}, the probe's own noise)"
+    return (f"profile scaled x{factor:.3f} toward {device.name}'s calibrated mean speed ({read};"
+            f" the part beyond {BAND:.0%})")

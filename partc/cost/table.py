@@ -31,6 +31,7 @@ import yaml
 
 from partc.cost.autocast import AutocastDtypes, autocast_dtypes
 from partc.cost.op_classes import held_params
+from partc.cost.speed_probe import PROBE, probe_from
 from partc.errors import PartcError
 from partc.files import load_yaml, write_atomic, yaml_problem
 from partc.graph.opgraph import INTEGER_DTYPES, OpGraph, dtype_bytes
@@ -642,6 +643,12 @@ def format_cost_summary(table: CostTable, top: int = 8) -> str:
         lines.append(f"loss function at micro-batch {b} (on the last stage): forward "
                      f"{_ms(table.loss.forward.at(b))}, backward {_ms(table.loss.backward.at(b))}, "
                      f"keeps {human_bytes(int(table.loss.saved.at(b)))} for its backward")
+    probe = probe_from(src.calibration.get(PROBE))
+    if probe is not None:
+        lines.append(f"machine speed while the totals were timed: a "
+                     f"{'x'.join(map(str, probe.kernel))} {probe.dtype} matmul took "
+                     f"{_ms(probe.median_s)} (median of {probe.rounds} rounds; a config "
+                     f"calibrated here scales the profile to its mean speed by it)")
     measured = src.calibration.get("measured") or {}
     for size, m in sorted(measured.items(), key=lambda kv: int(kv[0])):
         if m.get("ort_forward_s") is not None:
