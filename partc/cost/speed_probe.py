@@ -10,8 +10,8 @@ own kernel (partc.hardware.speed_spread.KERNEL), timed on the same core between 
 runs and under the same clock, so its median is the machine's speed in the moments the totals
 were taken. `partc calibrate` records the same kernel's mean time over its spread windows as
 the device config's `speed_reference_s`; partc.cost.speed_correction scales a profile by the
-two's ratio, so that its times are the machine's mean speed, the speed the spread's factors
-are of.
+part of the two's ratio beyond the probe's own noise, so that a profile taken in a slow minute
+prices about the machine's mean speed, the speed the spread's factors are of.
 
 Measured here (2026-12-08, 487 rounds over 90 s of a 4-layer transformer encoder's fwd+bwd and
 this probe): over 2-second windows, log(model time) against log(probe time) has slope 1.08

@@ -1151,10 +1151,11 @@ def device_yaml(cal: DeviceCalibration, command: str = "partc calibrate") -> str
         comments["speed_reference_s"] = [
             "# The mean of those windows: one call's time at the speed the factors are of. A "
             "profile of this",
-            "# machine times the same matmul beside its whole-model totals and is scaled by "
-            "this over what it",
-            "# read, so a profile taken in a slow minute prices the mean speed "
-            "(partc.cost.speed_correction)."]
+            "# machine times the same matmul beside its whole-model totals; one that read it "
+            "more than 10% off",
+            "# this is scaled by the excess, so a profile taken in a slow minute prices about "
+            "the mean speed",
+            "# (partc.cost.speed_correction)."]
     return "\n".join([*header, *_device_lines(spec, comments)]) + "\n"
 
 
