@@ -30,8 +30,8 @@ def plan_costs(result: CaptureResult, device: DeviceSpec, profile: str | Path | 
     `device` under `precision`, with saved activations measured on meta as `device`'s kernels
     keep them (`saved`: those of an earlier `saved_activations(result.capture, device.kind)`,
     which runs the model's forward twice, to price one capture on several devices). A profile
-    of the machine `device` was calibrated on is scaled to its mean speed
-    (partc.cost.speed_correction)."""
+    of the machine `device` was calibrated on, timed while that machine ran more than 10% off
+    its calibrated mean speed, is scaled toward it (partc.cost.speed_correction)."""
     progress = progress or Progress()
     if profile is not None:
         with progress.step(f"loading profile {profile}"):
@@ -49,8 +49,9 @@ def plan_costs(result: CaptureResult, device: DeviceSpec, profile: str | Path | 
 
 
 def corrected_for(table: CostTable, device: DeviceSpec, progress: Progress) -> CostTable:
-    """`table` scaled to `device`'s reference speed where it applies (speed_corrected), said in
-    one progress line."""
+    """`table` scaled toward `device`'s reference speed where it applies (speed_corrected),
+    and, where `device` has a reference to read the table's probe against, one progress line
+    on what the probe read and what it did."""
     ratio = table_probe_ratio(table, device)
     if ratio is None:
         return table

@@ -7,9 +7,10 @@ thread, and the config has a `speed_reference_s` for the probe's dtype. Otherwis
 returned unchanged: a profile of another machine, a datasheet config, a profile from before
 probes (revision < 9) are priced as measured.
 
-Postcondition: every node's and the loss's forward and backward times are multiplied by
-reference / probe (bytes are not: memory does not move with speed), and the calibration records
-the factor under SPEED_CORRECTION. A table that records one is never corrected again, so a
+Postcondition: where reference / probe lies beyond BAND of 1 (below), every node's and the
+loss's forward and backward times are multiplied by its excess over the band (bytes are not:
+memory does not move with speed), and the calibration records the factor under
+SPEED_CORRECTION. A table that records one is never corrected again, so a
 profile written after correcting (compile --calibrate-from writes its corrected table) reads
 back as it was solved with.
 
@@ -83,8 +84,9 @@ def table_probe_ratio(table: CostTable, device: DeviceSpec) -> float | None:
 
 def speed_factor(table: CostTable, device: DeviceSpec) -> float | None:
     """`correction_factor` of a table."""
-    ratio = table_probe_ratio(table, device)
-    return None if ratio is None else beyond_band(ratio)
+    source = table.source
+    return correction_factor(source.kind, source.device, source.threads, source.calibration,
+                             device)
 
 
 def speed_corrected(table: CostTable, device: DeviceSpec) -> CostTable:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from partc.hardware.speed_spread import KERNEL
 from partc.options import Precision, matmul_dtype_of
@@ -64,7 +64,7 @@ class SpeedProbe:
     """Call once per round of a profile's totals; `result()` after the rounds. Times with
     `clock` (the totals' own: CPU time where a neighbour shares the core)."""
 
-    def __init__(self, precision: Precision, clock: Any) -> None:
+    def __init__(self, precision: Precision, clock: Callable[[], float]) -> None:
         import torch  # here: the record's readers (partc diff) need no torch
 
         self.dtype = matmul_dtype_of(precision)
